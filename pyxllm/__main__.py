@@ -1,0 +1,7 @@
+"""``python -m pyxllm``: the same as the ``pyxllm`` command."""
+import sys
+
+from pyxllm.entrypoints.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

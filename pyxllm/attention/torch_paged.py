@@ -1,0 +1,95 @@
+"""The pure-PyTorch paged attention backend (every platform's fallback, CPU's default).
+
+Per step it splits the batch into decode sequences (one new token: batched together) and
+prefill sequences (a prompt or a chunk of one, over any cached prefix: one call each), so a
+batch may mix both in any order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pyxllm import kernels
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One prefill sequence of the step: its tokens ``[start, end)`` and context length after them."""
+
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor
+
+
+@dataclass(slots=True)
+class TorchPagedAttentionStep:
+    """Attention metadata of one step, with the ``forward`` that attention layers call.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64 cache slot of each token (negative: padding).
+        num_decodes: decode sequences, whose tokens are the first ``num_decodes`` of the step
+            when ``decode_token_idx`` is None, else at those indices.
+        decode_block_tables / decode_seq_lens: ``[num_decodes, max_blocks]`` / ``[num_decodes]``.
+        prefills: the prefill sequences.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_token_idx: torch.Tensor | None
+    decode_block_tables: torch.Tensor
+    decode_seq_lens: torch.Tensor
+    decode_max_seq_len: int
+    prefills: list[PrefillSpan]
+
+    def forward(self, query, key, value, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """Cache the step's K/V, then attend: ``query [T, heads, head_dim] -> [T, heads, head_dim]``."""
+        ops = kernels.ops
+        ops.reshape_and_cache(key, value, k_cache, v_cache, self.slot_mapping)
+        if not self.prefills:
+            return ops.paged_attention_decode(
+                query, k_cache, v_cache, self.decode_block_tables, self.decode_seq_lens, self.decode_max_seq_len, scale
+            )
+        out = torch.empty_like(query)
+        if self.num_decodes:
+            idx = self.decode_token_idx
+            q = query[: self.num_decodes] if idx is None else query[idx]
+            dec = ops.paged_attention_decode(
+                q, k_cache, v_cache, self.decode_block_tables, self.decode_seq_lens, self.decode_max_seq_len, scale
+            )
+            if idx is None:
+                out[: self.num_decodes] = dec
+            else:
+                out[idx] = dec
+        for p in self.prefills:
+            out[p.start : p.end] = ops.paged_attention_prefill(
+                query[p.start : p.end], key[p.start : p.end], value[p.start : p.end],
+                k_cache, v_cache, p.block_table, p.context_len, scale,
+            )
+        return out
+
+
+class TorchPagedAttentionBackend:
+    """Builds a ``TorchPagedAttentionStep`` from each step's input batch."""
+
+    def build(self, batch) -> TorchPagedAttentionStep:
+        """``batch``: an ``InputBatch`` (see ``pyxllm.executor.input_batch``)."""
+        query_lens, seq_lens, starts = batch.query_lens, batch.seq_lens_list, batch.query_start_list
+        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+        prefills = [
+            PrefillSpan(starts[i], starts[i] + n, seq_lens[i], batch.block_tables[i])
+            for i, n in enumerate(query_lens)
+            if n != 1
+        ]
+        contiguous = decode_rows == list(range(len(decode_rows)))
+        rows = torch.tensor(decode_rows, dtype=torch.long)
+        return TorchPagedAttentionStep(
+            slot_mapping=batch.slot_mapping,
+            num_decodes=len(decode_rows),
+            decode_token_idx=None if contiguous else torch.tensor([starts[i] for i in decode_rows], dtype=torch.long),
+            decode_block_tables=batch.block_tables if contiguous and not prefills else batch.block_tables[rows],
+            decode_seq_lens=batch.seq_lens if contiguous and not prefills else batch.seq_lens[rows],
+            decode_max_seq_len=max((seq_lens[i] for i in decode_rows), default=0),
+            prefills=prefills,
+        )

@@ -1,0 +1,186 @@
+"""The synchronous engine: requests in, one scheduler step at a time, request outputs out."""
+from __future__ import annotations
+
+import logging
+
+from pyxllm.config import EngineConfig
+from pyxllm.engine.detokenizer import IncrementalDetokenizer
+from pyxllm.engine.kv_cache_manager import KVCacheManager
+from pyxllm.engine.request import Request, RequestStatus
+from pyxllm.engine.scheduler import Scheduler
+from pyxllm.engine.tokenizer import Tokenizer
+from pyxllm.executor.model_executor import ModelExecutor
+from pyxllm.outputs import CompletionOutput, RequestOutput
+from pyxllm.platforms import resolve_platform, set_current_platform
+from pyxllm.sampling_params import SamplingParams
+from pyxllm.weights import (
+    load_generation_defaults,
+    load_hf_tokenizer,
+    load_model_config,
+    resolve_model_source,
+)
+
+logger = logging.getLogger("pyxllm")
+
+
+def _resolve_max_model_len(config: EngineConfig, model_config) -> int:
+    model_max = getattr(model_config, "max_position_embeddings", None)
+    if config.max_model_len is None:
+        if model_max is None:
+            raise ValueError("--max-model-len: the model config has no max_position_embeddings; set the flag")
+        return model_max
+    if model_max is not None and config.max_model_len > model_max:
+        raise ValueError(f"--max-model-len: {config.max_model_len} exceeds the model's max_position_embeddings ({model_max})")
+    return config.max_model_len
+
+
+class LLMEngine:
+    """Loads a model and runs continuous batching over it, one ``step()`` at a time.
+
+    Raises (at construction):
+        ValueError: a bad flag value, a model that cannot be found or loaded (``ModelLoadError``),
+            an unsupported architecture.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        source = resolve_model_source(config.model)
+        model_config = load_model_config(source)
+        self.max_model_len = _resolve_max_model_len(config, model_config)
+        if not config.enable_chunked_prefill and config.max_tokens_per_batch < self.max_model_len:
+            raise ValueError(
+                f"--max-tokens-per-batch: {config.max_tokens_per_batch} is below --max-model-len "
+                f"({self.max_model_len}); without chunked prefill a whole prompt must fit one step"
+            )
+        defaults = load_generation_defaults(source, model_config)
+        self.generation_defaults = dict(defaults.sampling)
+        self.tokenizer = Tokenizer(load_hf_tokenizer(source), defaults.eos_token_ids)
+        self.model_name = config.served_model_name or source.name
+        platform = set_current_platform(resolve_platform(config.device))
+        self.executor = ModelExecutor(config, model_config, source, platform)
+        self.kv_cache_manager = KVCacheManager(self.executor.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.requests: dict[str, Request] = {}
+        max_concurrency = self.executor.num_kv_blocks * config.block_size / self.max_model_len
+        logger.info(
+            "pyxllm: model %s, dtype %s, device %s, %d KV blocks of %d tokens, max %.2fx concurrent sequences of %d tokens",
+            self.model_name, str(self.executor.dtype).removeprefix("torch."), platform.name,
+            self.executor.num_kv_blocks, config.block_size, max_concurrency, self.max_model_len,
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        return cls(config)
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the limits; returns its resolved ``max_tokens``.
+
+        Thread-safe (reads configuration only).
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, or prompt plus
+                max_tokens over ``max_model_len`` or over the whole KV cache (naming both numbers).
+        """
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("prompt: the prompt is empty")
+        vocab = self.executor.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        max_tokens = self.max_model_len - num_prompt if params.max_tokens is None else params.max_tokens
+        if num_prompt + max(max_tokens, 1) > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length (max_model_len) is {self.max_model_len} tokens, but "
+                f"{num_prompt} prompt tokens plus {max_tokens} max_tokens were requested "
+                f"({num_prompt + max_tokens} tokens). Shorten the prompt or lower max_tokens."
+            )
+        kv = self.kv_cache_manager
+        if kv.blocks_for_tokens(num_prompt + max_tokens) > kv.num_blocks:
+            raise ValueError(
+                f"prompt: {num_prompt} prompt tokens plus {max_tokens} max_tokens need "
+                f"{kv.blocks_for_tokens(num_prompt + max_tokens)} KV blocks but the cache has {kv.num_blocks}; "
+                "raise --kv-cache-memory or lower max_tokens"
+            )
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, prompt: str | None = None) -> None:
+        """Queue a request; it joins the batch at the next step.
+
+        Raises:
+            ValueError: see ``validate_request``; or a ``request_id`` already in use.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        max_tokens = self.validate_request(prompt_token_ids, sampling_params)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids,
+            skip_special_tokens=sampling_params.skip_special_tokens, stop=sampling_params.stop,
+        )
+        request = Request(request_id, prompt, list(prompt_token_ids), sampling_params, max_tokens, detokenizer)
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks (unknown ids are ignored)."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the outputs of requests that got a token this step."""
+        plan = self.scheduler.schedule()
+        if not plan.sequences:
+            return []
+        result = self.executor.execute(plan)
+        outputs = []
+        for request, token in self.scheduler.update_from_output(result.sampled_token_ids):
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.scheduler.finish_request(request, status)
+                del self.requests[request.request_id]
+            outputs.append(self._make_output(request))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        """Apply the stop rules to a request's new token, in vLLM's order."""
+        params = request.sampling_params
+        if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
+            request.detokenizer.finish()
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            request.detokenizer.finish()
+            return RequestStatus.FINISHED_STOPPED
+        stop = request.detokenizer.update([token])
+        if stop is not None:
+            request.stop_reason = stop
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.detokenizer.finish()
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _make_output(request: Request) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=request.detokenizer.output_text,
+            token_ids=request.output_token_ids,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], request.status.finished)
+
+    def stats(self) -> dict[str, int | float]:
+        """Scheduler and KV cache counters (for /debug/stats and metrics)."""
+        kv = self.kv_cache_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_kv_blocks_total": kv.num_blocks,
+            "num_kv_blocks_used": kv.num_used_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

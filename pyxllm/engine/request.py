@@ -1,0 +1,74 @@
+"""A request's state inside the engine."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pyxllm.engine.detokenizer import IncrementalDetokenizer
+from pyxllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is: waiting (new or preempted), running, or finished (and why)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(eq=False)
+class Request:
+    """One request: its tokens so far, how many of them are in the KV cache, and its output state.
+
+    Attributes:
+        token_ids: prompt followed by every generated token (the sequence the KV cache holds).
+        num_computed_tokens: leading tokens of ``token_ids`` whose K/V are cached.
+        max_tokens: new tokens allowed (resolved from the params and the context limit).
+        generator: the request's own random generator when its params carry a seed.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    detokenizer: IncrementalDetokenizer
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

@@ -1,0 +1,119 @@
+"""The engine's view of a tokenizer: a thin wrapper over a transformers tokenizer."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+# Names of ``transformers`` ``apply_chat_template`` arguments that would change what it returns.
+_RESERVED_TEMPLATE_KWARGS = ("tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask")
+
+
+class Tokenizer:
+    """Wraps a transformers (preferably fast) tokenizer; the engine and server only use this.
+
+    Args:
+        hf_tokenizer: a ``transformers`` tokenizer (``PreTrainedTokenizerBase``), available as ``hf``.
+        eos_token_ids: extra token ids that end generation (e.g. from ``generation_config.json``
+            or the GGUF metadata); ``hf.eos_token_id`` is always included.
+
+    Attributes:
+        hf: the wrapped transformers tokenizer.
+        eos_token_ids: the union of ``eos_token_ids`` and ``hf.eos_token_id`` (an int or a list).
+        vocab_size: ``len(hf)``, the base vocabulary plus added tokens.
+
+    Decoding never applies ``clean_up_tokenization_spaces``, so that a text decoded in pieces
+    (streaming) is the same as the text decoded at once.
+    """
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Iterable[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        eos = {int(i) for i in eos_token_ids}
+        hf_eos = getattr(hf_tokenizer, "eos_token_id", None)
+        if isinstance(hf_eos, int):
+            eos.add(hf_eos)
+        elif hf_eos is not None:
+            eos.update(int(i) for i in hf_eos)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.vocab_size: int = len(hf_tokenizer)
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size}, "
+            f"eos_token_ids={sorted(self.eos_token_ids)})"
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds e.g. a BOS token if the model uses one."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``, without special tokens (``<|im_end|>`` …) if ``skip_special_tokens``.
+
+        An incomplete UTF-8 sequence at either end comes out as U+FFFD, as in transformers.
+        """
+        return self.hf.decode(
+            list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary strings of ``ids`` (e.g. ``"ĠParis"`` for a byte-level BPE)."""
+        return list(self.hf.convert_ids_to_tokens(list(ids)))
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> list[int]:
+        """Token ids of a chat rendered with the model's jinja chat template.
+
+        The template is rendered to a string first, then encoded with ``add_special_tokens=False``
+        (the template writes its own BOS/control tokens), as vLLM does.
+
+        Args:
+            messages: OpenAI-style messages, each a mapping with a string ``role`` and a ``content``
+                (a string, a list of parts, or ``None`` for an assistant message with ``tool_calls``).
+            add_generation_prompt: append the header that opens the assistant's turn.
+            **template_kwargs: passed to the template (e.g. ``enable_thinking=False``, ``tools=[...]``).
+
+        Raises:
+            ValueError: the tokenizer has no chat template, ``messages`` is empty or malformed,
+                a reserved argument (``tokenize`` …) is given, or the template fails to render.
+        """
+        if getattr(self.hf, "chat_template", None) is None and "chat_template" not in template_kwargs:
+            raise ValueError(
+                f"tokenizer {type(self.hf).__name__} has no chat template; "
+                "send a plain completion prompt or provide a model with a chat template"
+            )
+        for name in _RESERVED_TEMPLATE_KWARGS:
+            if name in template_kwargs:
+                raise ValueError(f"apply_chat_template: argument {name!r} is not supported")
+        _check_messages(messages)
+        try:
+            text = self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+            )
+        except ValueError:
+            raise
+        except Exception as e:  # jinja2.TemplateError, TypeError from the template, ...
+            raise ValueError(f"chat template failed to render: {type(e).__name__}: {e}") from e
+        if not isinstance(text, str):
+            raise ValueError(f"chat template rendered {type(text).__name__}, expected a string")
+        return self.encode(text, add_special_tokens=False)
+
+
+def _check_messages(messages: Any) -> None:
+    """Raise ``ValueError`` unless ``messages`` is a non-empty list of well-formed chat messages."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages: expected a non-empty list of {'role': ..., 'content': ...}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(
+                f"messages[{i}]: expected an object with 'role' and 'content', got {type(m).__name__}"
+            )
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}]: 'role' is missing or not a string")
+        if "content" not in m and not m.get("tool_calls"):
+            raise ValueError(f"messages[{i}]: 'content' is missing")
+        content = m.get("content")
+        if content is None and not m.get("tool_calls"):
+            raise ValueError(f"messages[{i}]: 'content' is null")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"messages[{i}]: 'content' must be a string or a list of parts")

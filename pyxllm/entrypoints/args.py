@@ -1,0 +1,235 @@
+"""Command-line flags, built from the fields of :class:`~pyxllm.config.EngineConfig`.
+
+Every ``EngineConfig`` field becomes a flag (``max_seqs_per_batch`` -> ``--max-seqs-per-batch``,
+also spelled ``--max_seqs_per_batch``); its type and default come from the dataclass, so a field
+added later is a flag without another edit. Only help strings and choices live here.
+
+Booleans take ``--x``, ``--no-x``, ``--x=false`` or ``--x false`` (also true/false, 1/0, yes/no,
+on/off); any other value is an error naming the flag, never a silent ``True``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import types
+import typing
+
+from pyxllm.config import DTYPES, EngineConfig
+
+TRUE_WORDS = ("true", "1", "yes", "on", "t", "y")
+FALSE_WORDS = ("false", "0", "no", "off", "f", "n")
+
+# Help per EngineConfig field; a field missing here still becomes a flag, with generic help.
+ENGINE_HELP = {
+    "model": "a .gguf file or a Hugging Face model directory (default: the embedded "
+    "SmolLM2-135M-Instruct GGUF)",
+    "served_model_name": "model name reported by the API (default: derived from --model)",
+    "dtype": "weight and activation dtype; auto picks the model's dtype for the device",
+    "device": "device to run on (cpu, cuda, npu, ...)",
+    "max_seqs_per_batch": "most sequences scheduled in one engine step",
+    "max_tokens_per_batch": "most tokens (prefill + decode) scheduled in one engine step",
+    "max_model_len": "context limit in tokens (default: the model's max_position_embeddings)",
+    "block_size": "tokens per KV-cache block",
+    "kv_cache_memory": "memory for the KV cache, in GiB",
+    "enable_chunked_prefill": "split long prompts across steps, sharing the token budget "
+    "with decodes",
+    "seed": "random seed of the engine",
+}
+ENGINE_CHOICES = {"dtype": DTYPES}
+ENGINE_METAVARS = {"model": "PATH", "served_model_name": "NAME", "kv_cache_memory": "GIB"}
+
+
+def flag_names(name: str) -> list[str]:
+    """Both spellings of a flag: ``flag_names("top_p") == ["--top-p", "--top_p"]``."""
+    dashed, underscored = "--" + name.replace("_", "-"), "--" + name.replace("-", "_")
+    return [dashed] if dashed == underscored else [dashed, underscored]
+
+
+def parse_bool(text: str) -> bool:
+    """Read a boolean flag value; raises ``argparse.ArgumentTypeError`` listing accepted words."""
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(
+        f"invalid boolean value {text!r}: expected one of {'/'.join(TRUE_WORDS)} or "
+        f"{'/'.join(FALSE_WORDS)} (a bare flag means true; arguments that are not "
+        "booleans go before it or after --)"
+    )
+
+
+def _int(text: str) -> int:
+    return int(text)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+_int.__name__, _float.__name__ = "int", "float"  # argparse's message: "invalid int value"
+
+
+def _optional(convert):
+    """A converter that also reads ``none``/``auto`` as ``None`` (for ``int | None`` fields)."""
+
+    def parse(text: str):
+        return None if text.strip().lower() in ("none", "auto") else convert(text)
+
+    parse.__name__ = convert.__name__
+    return parse
+
+
+_CONVERTERS = {int: _int, float: _float, str: str}
+
+
+def _field_type(hint) -> tuple[type, bool]:
+    """``(base type, accepts None)`` of a dataclass field annotation."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    if hint in (bool, *_CONVERTERS):
+        return hint, False
+    raise TypeError(f"config field of type {hint!r} has no command-line form; add one in args.py")
+
+
+def add_bool_flag(parser, name: str, default: bool, help: str) -> None:
+    """Add ``--name [BOOL]`` and ``--no-name`` (both spellings each) storing into ``name``."""
+    parser.add_argument(
+        *flag_names(name), dest=name, type=parse_bool, nargs="?", const=True, default=default,
+        metavar="BOOL", help=help,
+    )
+    parser.add_argument(
+        *flag_names("no_" + name), dest=name, action="store_false", default=argparse.SUPPRESS,
+        help=f"same as {flag_names(name)[0]}=false",
+    )
+
+
+def _metavar(name: str, base: type) -> str | None:
+    if name in ENGINE_CHOICES:
+        return None  # argparse shows {a,b,c}
+    default = {str: name.upper(), int: "N", float: "X"}[base]
+    return ENGINE_METAVARS.get(name, default)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is ``None`` or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or "(default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def add_engine_args(parser, config_cls: type = EngineConfig) -> None:
+    """Add one flag per field of ``config_cls`` (a dataclass) to ``parser`` or an argument group.
+
+    Types (``bool``, ``int``, ``float``, ``str``, optionally ``| None``) and defaults come from
+    the dataclass; help, choices and metavars from the tables above.
+    """
+    hints = typing.get_type_hints(config_cls)
+    for field in dataclasses.fields(config_cls):
+        default = field.default
+        if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        if default is dataclasses.MISSING:
+            raise TypeError(f"config field {field.name!r} needs a default to become a flag")
+        base, nullable = _field_type(hints[field.name])
+        help_text = ENGINE_HELP.get(field.name, field.name.replace("_", " "))
+        if base is bool:
+            add_bool_flag(parser, field.name, default, help_text)
+            continue
+        convert = _CONVERTERS[base]
+        if nullable and base is not str:
+            convert = _optional(convert)
+        parser.add_argument(
+            *flag_names(field.name), dest=field.name, type=convert, default=default,
+            choices=ENGINE_CHOICES.get(field.name), help=help_text,
+            metavar=_metavar(field.name, base),
+        )
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The :class:`EngineConfig` of parsed flags; raises ``ValueError`` naming a bad flag."""
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    return EngineConfig(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: must be in 0..65535")
+    return port
+
+
+def _engine_flags_help() -> str:
+    """The engine flags section, for the top-level ``pyxllm --help``."""
+    parser = argparse.ArgumentParser(
+        prog="pyxllm", usage=argparse.SUPPRESS, add_help=False, allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
+    add_engine_args(parser.add_argument_group("engine flags (serve and generate)"))
+    return parser.format_help().strip()
+
+
+def make_arg_parser() -> argparse.ArgumentParser:
+    """The ``pyxllm`` parser with its ``serve`` and ``generate`` subcommands.
+
+    ``args.command`` names the subcommand; ``parser.command_parsers[name]`` is its parser
+    (for ``.error()`` after parsing).
+    """
+    fmt = HelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="pyxllm", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="pyxllm: a Python-native LLM inference and serving engine.",
+        epilog=_engine_flags_help(),
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = commands.add_parser(
+        "serve", help="serve an OpenAI-compatible HTTP API", allow_abbrev=False,
+        formatter_class=fmt, description="Serve an OpenAI-compatible HTTP API.",
+    )
+    server = serve.add_argument_group("server flags")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
+    add_engine_args(serve.add_argument_group("engine flags"))
+
+    generate = commands.add_parser(
+        "generate", help="generate a completion for one prompt and stream it to stdout",
+        allow_abbrev=False, formatter_class=fmt,
+        description="Generate a completion for one prompt and stream it to stdout.",
+    )
+    generate.add_argument("prompt", help="the prompt text; '-' reads it from stdin")
+    sampling = generate.add_argument_group("sampling flags")
+    sampling.add_argument(*flag_names("max_tokens"), dest="max_tokens", type=_int, default=256,
+                          metavar="N", help="most new tokens to generate")
+    model_default = "(default: the model's generation_config.json, else 1.0)"
+    sampling.add_argument(*flag_names("temperature"), dest="temperature", type=_float,
+                          metavar="T", help=f"sampling temperature; 0 is greedy {model_default}")
+    sampling.add_argument(*flag_names("top_p"), dest="top_p", type=_float, metavar="P",
+                          help=f"nucleus sampling probability mass, in (0, 1] {model_default}")
+    add_bool_flag(sampling, "chat", True,
+                  "apply the model's chat template to the prompt as one user message")
+    add_engine_args(generate.add_argument_group("engine flags"))
+
+    parser.command_parsers = {"serve": serve, "generate": generate}
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, EngineConfig]:
+    """Parse ``argv`` and build the config; a bad value exits with the subcommand's usage error."""
+    parser = make_arg_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.command_parsers[args.command].error(str(exc))
+    return args, config

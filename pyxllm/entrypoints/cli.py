@@ -1,0 +1,106 @@
+"""The ``pyxllm`` command: ``pyxllm serve`` and ``pyxllm generate``.
+
+Flags are defined in :mod:`pyxllm.entrypoints.args`. A bad flag value exits with argparse's
+usage error (status 2); an error while loading the model (a ``ValueError`` or a missing file)
+prints ``error: <message>`` and exits with status 2 instead of a traceback (set
+``PYXLLM_DEBUG=1`` to see the traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from pyxllm.config import EngineConfig
+from pyxllm.entrypoints.args import config_from_args, make_arg_parser, parse_args
+
+__all__ = ["main", "make_arg_parser", "config_from_args", "run_serve", "run_generate"]
+
+
+def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    """``pyxllm serve``: run the OpenAI-compatible server until interrupted."""
+    from pyxllm.entrypoints.openai.api_server import run_server
+
+    run_server(config, args.host, args.port)
+    return 0
+
+
+# sampling fields taken from the model's generation_config.json unless given as flags
+_MODEL_DEFAULTED = ("temperature", "top_p", "top_k")
+
+
+def _flag_error(message: str) -> str:
+    """Turn a ``SamplingParams`` message (``"top_p: must be ..."``) into one naming the flag."""
+    name, sep, rest = message.partition(":")
+    if sep and name.isidentifier():
+        return f"--{name.replace('_', '-')}:{rest}"
+    return message
+
+
+def _prompt_token_ids(engine, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        return list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(engine.tokenizer.encode(prompt, add_special_tokens=True))
+
+
+def run_generate(args: argparse.Namespace, config: EngineConfig, out=None) -> int:
+    """``pyxllm generate``: stream one prompt's completion to ``out`` (stdout), then a newline.
+
+    ``--temperature`` and ``--top-p`` not given fall back to the model's generation_config.json
+    (as the server does), then to ``SamplingParams``' defaults.
+    """
+    from pyxllm.sampling_params import SamplingParams
+
+    out = out if out is not None else sys.stdout
+    explicit = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p")
+                if getattr(args, k) is not None}
+    try:
+        SamplingParams(**explicit)  # bad flag values fail before the model loads
+    except ValueError as exc:
+        make_arg_parser().command_parsers["generate"].error(_flag_error(str(exc)))
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+
+    from pyxllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_config(config)
+    model_defaults = getattr(engine, "generation_defaults", None) or {}
+    defaults = {k: v for k, v in model_defaults.items() if k in _MODEL_DEFAULTED}
+    params = SamplingParams(**{**defaults, **explicit})
+    request_id = "generate-0"
+    engine.add_request(request_id, _prompt_token_ids(engine, prompt, args.chat), params,
+                       prompt=prompt)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id != request_id or not output.outputs:
+                continue
+            text = output.outputs[0].text
+            if len(text) > printed:
+                out.write(text[printed:])
+                out.flush()
+                printed = len(text)
+    out.write("\n")
+    out.flush()
+    return 0
+
+
+COMMANDS = {"serve": run_serve, "generate": run_generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pyxllm`` console script; returns the exit status."""
+    args, config = parse_args(argv)
+    try:
+        return COMMANDS[args.command](args, config)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as exc:
+        if os.environ.get("PYXLLM_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

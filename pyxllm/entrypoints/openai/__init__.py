@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: ``api_server.build_app`` / ``api_server.run_server``."""

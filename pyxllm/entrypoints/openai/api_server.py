@@ -1,0 +1,176 @@
+"""The OpenAI-compatible HTTP server: ``build_app(engine)`` and ``run_server(config, host, port)``.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /health`` (200, or 503 when the engine loop died),
+``GET /debug/stats`` (``engine.stats()``: running/waiting requests, KV blocks in use) and
+``GET /version``.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from contextlib import contextmanager
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pyxllm.config import EngineConfig
+from pyxllm.entrypoints.openai.errors import OpenAIError, error_response, install_exception_handlers
+from pyxllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pyxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+def _model_card(raw_request: Request) -> ModelCard:
+    engine = raw_request.app.state.engine
+    return ModelCard(id=engine.model_name, root=engine.model_name,
+                     max_model_len=engine.max_model_len)
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    """200 with an empty body while the engine is healthy, 503 otherwise."""
+    try:
+        raw_request.app.state.engine.check_health()
+    except Exception as exc:  # noqa: BLE001 - any failure means "unhealthy"
+        return error_response(f"the engine is not healthy: {exc}", 503)
+    return Response(status_code=200)
+
+
+@router.get("/debug/stats")
+async def debug_stats(raw_request: Request) -> JSONResponse:
+    """The engine's counters: ``num_running``, ``num_waiting``, KV blocks total and used."""
+    return JSONResponse(raw_request.app.state.engine.stats())
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    """The pyxllm version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return JSONResponse({"version": package_version("pyxllm")})
+    except PackageNotFoundError:
+        return JSONResponse({"version": "unknown"})
+
+
+@router.get("/v1/models")
+async def show_available_models(raw_request: Request) -> JSONResponse:
+    """The served model, in OpenAI's list shape."""
+    return JSONResponse(ModelList(data=[_model_card(raw_request)]).model_dump(mode="json"))
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, raw_request: Request) -> JSONResponse:
+    """One model's card; 404 for a name other than the served one."""
+    card = _model_card(raw_request)
+    if model_id != card.id:
+        raise OpenAIError(f"The model `{model_id}` does not exist.", 404, "model")
+    return JSONResponse(card.model_dump(mode="json"))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    """OpenAI chat completions, streamed (SSE) or not."""
+    handler: OpenAIServingChat = raw_request.app.state.openai_serving_chat
+    return await handler.create_chat_completion(request, raw_request)
+
+
+@router.post("/v1/completions")
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    """OpenAI (legacy) text completions, streamed (SSE) or not."""
+    handler: OpenAIServingCompletion = raw_request.app.state.openai_serving_completion
+    return await handler.create_completion(request, raw_request)
+
+
+def build_app(engine) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an :class:`~pyxllm.engine.async_engine.AsyncEngine`).
+
+    The app does not own the engine: whoever built the engine shuts it down.
+    """
+    app = FastAPI(title="pyxllm", summary="OpenAI-compatible API of a pyxllm engine")
+    app.include_router(router)
+    app.state.engine = engine
+    app.state.openai_serving_chat = OpenAIServingChat(engine)
+    app.state.openai_serving_completion = OpenAIServingCompletion(engine)
+    install_exception_handlers(app)
+    return app
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that logs one line with the URL once it is listening."""
+
+    def __init__(self, config: uvicorn.Config, banner: str):
+        super().__init__(config)
+        self.banner = banner
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            logger.info(self.banner)
+
+
+@contextmanager
+def _signals_handled_by_uvicorn():
+    """Let SIGINT/SIGTERM end the server gracefully and then return, not kill the process.
+
+    uvicorn shuts down on these signals, then re-raises them to the handlers it found
+    installed; installing no-op handlers first makes that re-raise harmless, so the caller's
+    ``finally`` (engine shutdown) runs and the process exits normally.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ensure_logging() -> None:
+    """Show pyxllm's INFO lines when nobody configured logging."""
+    root, ours = logging.getLogger(), logging.getLogger("pyxllm")
+    if not root.handlers and not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+
+
+def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
+               log_level: str = "warning") -> None:
+    """Load the engine, serve it over HTTP until SIGINT/SIGTERM, then shut the engine down.
+
+    ``log_level`` is uvicorn's (its access log is off); pyxllm logs one line with the URL.
+    """
+    from pyxllm.engine.async_engine import AsyncEngine
+
+    _ensure_logging()
+    engine = AsyncEngine.from_config(config)
+    try:
+        app = build_app(engine)
+        shown_host = f"[{host}]" if ":" in host else host
+        banner = (f"serving {engine.model_name} (max_model_len={engine.max_model_len}) "
+                  f"at http://{shown_host}:{port}/v1")
+        uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                   access_log=False, lifespan="off",
+                                   timeout_graceful_shutdown=5)
+        with _signals_handled_by_uvicorn():
+            _Server(uv_config, banner).run()
+    finally:
+        engine.shutdown()
+        logger.info("server stopped")

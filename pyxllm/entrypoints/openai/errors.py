@@ -1,0 +1,141 @@
+"""One error shape for every endpoint: ``{"error": {"message", "type", "param", "code"}}``.
+
+``code`` is the HTTP status and ``type`` its OpenAI SDK class name (``BadRequestError``...).
+Request validation errors, which FastAPI answers with 422, are answered with 400 here, as
+OpenAI and vLLM do.
+"""
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pyxllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class OpenAIError(Exception):
+    """An error to answer with ``status_code``; ``param`` names the request field at fault."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+
+
+def error_body(message: str, status_code: int = 400, param: str | None = None) -> ErrorResponse:
+    """The :class:`ErrorResponse` for ``status_code`` (also sent as an SSE event mid-stream)."""
+    err_type = ERROR_TYPES.get(status_code)
+    if err_type is None:
+        try:
+            err_type = HTTPStatus(status_code).phrase.replace(" ", "") + "Error"
+        except ValueError:
+            err_type = "APIError"
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=err_type, param=param, code=status_code)
+    )
+
+
+def error_response(message: str, status_code: int = 400, param: str | None = None) -> JSONResponse:
+    """A JSON error response in the one shape."""
+    body = error_body(message, status_code, param)
+    return JSONResponse(body.model_dump(mode="json"), status_code=status_code)
+
+
+def param_from_message(message: str) -> str | None:
+    """The field a ``"field: problem"`` message (``SamplingParams``' style) is about, if any."""
+    name, sep, _ = message.partition(":")
+    return name if sep and name.isidentifier() else None
+
+
+def _field_path(loc: list) -> str:
+    """``["messages", 0, "content"]`` -> ``"messages[0].content"``."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A readable message and the first offending field of a request validation error.
+
+    Errors of one field that failed every member of a union (``prompt``: str, list[str]...)
+    are reported once, naming the accepted types.
+    """
+    parts: list[str] = []
+    param = None
+    by_field: dict[str, list[dict]] = {}
+    for err in exc.errors():
+        loc = [x for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", err.get("msg", "invalid JSON"))
+            parts.append(f"the request body is not valid JSON: {detail}")
+        elif not loc:
+            parts.append(f"the request body must be a JSON object: {err.get('msg', 'invalid')}")
+        else:
+            by_field.setdefault(str(loc[0]), []).append({**err, "loc": loc})
+    for field, errs in by_field.items():
+        param = param or field
+        tags = [e["loc"][1] for e in errs if len(e["loc"]) > 1 and isinstance(e["loc"][1], str)]
+        if len(errs) > 1 and len(tags) == len(errs):
+            got = repr(errs[0].get("input"))
+            got = got if len(got) <= 60 else got[:57] + "..."
+            accepted = ", ".join(dict.fromkeys(tags))
+            parts.append(f"{field}: {got} is none of the accepted types ({accepted})")
+        else:
+            parts.append(f"{_field_path(errs[0]['loc'])}: {errs[0].get('msg', 'invalid value')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+async def _on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    return error_response(exc.message, exc.status_code, exc.param)
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = _validation_message(exc)
+    return error_response(message, 400, param)
+
+
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 404 and exc.detail == "Not Found":
+        message = f"no route for {request.method} {request.url.path}"
+    else:
+        message = str(exc.detail)
+    response = error_response(message, exc.status_code)
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette re-raises after this response is sent, so uvicorn logs the traceback.
+    logger.error("unexpected error serving %s %s: %r", request.method, request.url.path, exc)
+    return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500)
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    """Make ``app`` answer every error, including unexpected ones, in the one shape."""
+    app.add_exception_handler(OpenAIError, _on_openai_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected_error)

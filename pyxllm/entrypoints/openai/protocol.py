@@ -1,0 +1,242 @@
+"""Pydantic models of the OpenAI HTTP API, field for field, with vLLM's extensions marked.
+
+Requests ignore fields they do not know (as OpenAI's SDK may send newer ones); fields we know
+but cannot honour yet (``logprobs``, penalties other than 0) are rejected by the serving layer
+rather than silently dropped.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_serializer
+
+
+class OpenAIBaseModel(BaseModel):
+    """Base of every request and response model: unknown request fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamChunkModel(OpenAIBaseModel):
+    """A stream chunk: ``usage`` appears only in the last chunk (with ``include_usage``)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_null_usage(self, handler):
+        data = handler(self)
+        if data.get("usage", 0) is None:
+            del data["usage"]
+        return data
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+class ErrorInfo(OpenAIBaseModel):
+    """The body of an error: ``code`` is the HTTP status, ``param`` the offending field."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    """``{"error": {...}}``, the one error shape of every endpoint."""
+
+    error: ErrorInfo
+
+
+# --- models and usage -----------------------------------------------------------------------
+
+
+class ModelCard(OpenAIBaseModel):
+    """One entry of ``GET /v1/models``; ``root`` and ``max_model_len`` are vLLM extensions."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pyxllm"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    """The body of ``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class UsageInfo(OpenAIBaseModel):
+    """Token counts of one request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class StreamOptions(OpenAIBaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
+
+    include_usage: bool | None = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Sampling fields shared by chat and completion requests (``None``: not given)."""
+
+    model: str | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+
+
+# --- chat -----------------------------------------------------------------------------------
+
+
+class ChatContentPart(OpenAIBaseModel):
+    """One part of a message's ``content`` list; only ``{"type": "text"}`` parts are served."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatCompletionMessageParam(OpenAIBaseModel):
+    """A message in a chat request; extra keys (``name``, ``tool_calls``...) go to the template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[ChatContentPart] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatCompletionMessageParam]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    # vLLM extensions
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    """The assistant message of a non-streamed chat choice."""
+
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    """One choice of a non-streamed chat completion; ``stop_reason`` is a vLLM extension."""
+
+    index: int
+    message: ChatMessage
+    logprobs: Any = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    """The body of a non-streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    """What a stream chunk adds to the message; unset fields are left out of the JSON."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    """One choice of a chat stream chunk; ``finish_reason`` is null until the last one."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: Any = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @field_serializer("delta")
+    def _delta_without_nulls(self, delta: DeltaMessage) -> dict[str, Any]:
+        return delta.model_dump(exclude_none=True)
+
+
+class ChatCompletionStreamResponse(StreamChunkModel):
+    """One ``data:`` event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# --- completions --------------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``; ``prompt`` is text or token ids (one prompt for now)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = None
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    """One choice of a non-streamed completion (also the shape of a stream chunk's choice)."""
+
+    index: int
+    text: str
+    logprobs: Any = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    """The body of a non-streamed completion."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(StreamChunkModel):
+    """One ``data:`` event of a streamed completion."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None

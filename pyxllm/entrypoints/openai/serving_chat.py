@@ -1,0 +1,143 @@
+"""``POST /v1/chat/completions``: chat template -> engine -> JSON or SSE chunks."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pyxllm.entrypoints.openai.errors import OpenAIError
+from pyxllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+)
+from pyxllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ClientDisconnected,
+    OpenAIServing,
+    sse,
+    usage_info,
+)
+from pyxllm.sampling_params import SamplingParams
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Serves chat completions from one engine, streamed or not."""
+
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        """Answer one chat request (raises :class:`OpenAIError` for a bad request)."""
+        self.check_model(request.model)
+        self.check_health()
+        if request.logprobs or request.top_logprobs:
+            raise OpenAIError("logprobs: not supported yet", 400, "logprobs")
+        max_tokens = request.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = request.max_tokens
+        params = self.sampling_params(request, max_tokens)
+        prompt_token_ids = self.render(request)
+        self.fit_to_context(params, len(prompt_token_ids), "messages")
+
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return self.stream(
+                lambda mark_finished: self.chat_stream(
+                    request_id, created, prompt_token_ids, params, include_usage, mark_finished
+                ),
+                request_id,
+            )
+        try:
+            final = await self.generate_full(prompt_token_ids, params, request_id, raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        completion = final.outputs[0]
+        response = ChatCompletionResponse(
+            id=request_id, created=created, model=self.model_name,
+            choices=[ChatCompletionResponseChoice(
+                index=0, message=ChatMessage(role="assistant", content=completion.text),
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+            )],
+            usage=usage_info(len(prompt_token_ids), len(completion.token_ids)),
+        )
+        return JSONResponse(response.model_dump(mode="json"))
+
+    def render(self, request: ChatCompletionRequest) -> list[int]:
+        """Prompt token ids: the messages through the model's chat template."""
+        if not request.messages:
+            raise OpenAIError("messages: must contain at least one message", 400, "messages")
+        messages = []
+        for i, message in enumerate(request.messages):
+            entry = message.model_dump(exclude_none=True)
+            content = message.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.type != "text" or part.text is None:
+                        raise OpenAIError(
+                            f"messages[{i}].content: only text parts are supported, "
+                            f"got a part of type {part.type!r}", 400, "messages",
+                        )
+                    texts.append(part.text)
+                content = "\n".join(texts)
+            entry["content"] = content
+            messages.append(entry)
+        kwargs = dict(request.chat_template_kwargs or {})
+        kwargs.setdefault("add_generation_prompt", request.add_generation_prompt)
+        try:
+            ids = list(self.engine.tokenizer.apply_chat_template(messages, **kwargs))
+        except (ValueError, TypeError) as exc:
+            raise OpenAIError(str(exc), 400, "messages") from exc
+        if not ids:
+            raise OpenAIError("messages: the chat template rendered an empty prompt", 400,
+                              "messages")
+        return ids
+
+    async def chat_stream(self, request_id: str, created: int, prompt_token_ids: list[int],
+                          params: SamplingParams, include_usage: bool,
+                          mark_finished: Callable[[], None]) -> AsyncIterator[str]:
+        """SSE events: a role delta, content deltas, one finish_reason, usage, ``[DONE]``."""
+
+        def chunk(delta: DeltaMessage, finish_reason=None, stop_reason=None) -> str:
+            choice = ChatCompletionResponseStreamChoice(
+                index=0, delta=delta, finish_reason=finish_reason, stop_reason=stop_reason
+            )
+            return sse(ChatCompletionStreamResponse(
+                id=request_id, created=created, model=self.model_name, choices=[choice]
+            ))
+
+        yield chunk(DeltaMessage(role="assistant", content=""))
+        sent, num_generated, finished = 0, 0, False
+        try:
+            async for output in self.engine.generate(prompt_token_ids, params, request_id):
+                completion = output.outputs[0]
+                delta, sent = completion.text[sent:], len(completion.text)
+                num_generated = len(completion.token_ids)
+                if output.finished:
+                    finished = True
+                    mark_finished()
+                    yield chunk(DeltaMessage(content=delta or None),
+                                completion.finish_reason or "stop", completion.stop_reason)
+                elif delta:
+                    yield chunk(DeltaMessage(content=delta))
+        except Exception as exc:  # noqa: BLE001 - reported in the stream, the server lives on
+            yield self.stream_error(exc)
+            yield SSE_DONE
+            return
+        if not finished:  # the engine's iterator ended without a final output
+            yield chunk(DeltaMessage(), "abort")
+        if include_usage:
+            yield sse(ChatCompletionStreamResponse(
+                id=request_id, created=created, model=self.model_name, choices=[],
+                usage=usage_info(len(prompt_token_ids), num_generated),
+            ))
+        yield SSE_DONE
+

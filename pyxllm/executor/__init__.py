@@ -1,0 +1,1 @@
+"""The model executor: builds each step's tensors, runs the model, samples."""

@@ -1,0 +1,66 @@
+"""A step's model inputs, built as tensors once per step (never per token in Python)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from pyxllm.executor.scheduler_output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class InputBatch:
+    """Flattened inputs of all scheduled sequences (``B`` sequences, ``T`` tokens in all).
+
+    Attributes:
+        input_ids, positions, slot_mapping: ``[T]`` int64.
+        query_start_loc: ``[B + 1]`` int64 (``cu_seqlens_q``): sequence ``i``'s tokens are
+            ``query_start_loc[i]:query_start_loc[i+1]``.
+        seq_lens: ``[B]`` int64 context lengths after this step (cached + new tokens).
+        block_tables: ``[B, max_blocks]`` int64, rows padded with block 0.
+        logits_indices: ``[N]`` int64 positions in ``T`` whose next token is sampled.
+        query_lens, seq_lens_list, query_start_list: the same as Python lists, for backends.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+    query_lens: list[int]
+    seq_lens_list: list[int]
+    query_start_list: list[int]
+
+    @classmethod
+    def build(cls, plan: SchedulerOutput, block_size: int, device: torch.device) -> InputBatch:
+        """Build the step's tensors from the scheduler's plan; ``block_size`` in tokens."""
+        seqs = plan.sequences
+        query_lens = [len(s.token_ids) for s in seqs]
+        computed = [s.num_computed_tokens for s in seqs]
+        seq_lens = [c + n for c, n in zip(computed, query_lens)]
+        starts = [0, *itertools.accumulate(query_lens)]
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs], dtype=torch.long)
+
+        lens_t = torch.tensor(query_lens, dtype=torch.long)
+        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), lens_t)
+        offsets = torch.tensor(computed, dtype=torch.long) - torch.tensor(starts[:-1], dtype=torch.long)
+        positions = torch.arange(starts[-1], dtype=torch.long) + offsets[seq_idx]
+        slot_mapping = tables[seq_idx, positions // block_size] * block_size + positions % block_size
+        sampled = [starts[i + 1] - 1 for i, s in enumerate(seqs) if s.sample]
+        to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return cls(
+            input_ids=to(torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in seqs)), dtype=torch.long)),
+            positions=to(positions),
+            slot_mapping=to(slot_mapping),
+            query_start_loc=to(torch.tensor(starts, dtype=torch.long)),
+            seq_lens=to(torch.tensor(seq_lens, dtype=torch.long)),
+            block_tables=to(tables),
+            logits_indices=to(torch.tensor(sampled, dtype=torch.long)),
+            query_lens=query_lens,
+            seq_lens_list=seq_lens,
+            query_start_list=starts,
+        )

@@ -1,0 +1,46 @@
+"""The step plan the scheduler hands to the executor (vLLM's ``SchedulerOutput``).
+
+Defined here, below the engine, so the executor never imports the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pyxllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's work in a step.
+
+    Attributes:
+        request_id: the request it belongs to.
+        token_ids: the tokens computed this step: a whole prompt, a chunk of it, or the one
+            token sampled last step (decode).
+        num_computed_tokens: tokens already in the KV cache, i.e. the position of ``token_ids[0]``.
+        block_table: KV block ids covering at least ``num_computed_tokens + len(token_ids)`` tokens.
+        sample: whether the step reaches the sequence's last token, so a next token is sampled.
+        sampling_params: the request's sampling parameters.
+        generator: the request's own random generator when it has a seed, else ``None``.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    generator: torch.Generator | None = None
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Every sequence scheduled for one forward pass, and their total number of tokens."""
+
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)

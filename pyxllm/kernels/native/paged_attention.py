@@ -1,0 +1,122 @@
+"""Pure-PyTorch attention over a paged KV cache.
+
+Cache layout (as in vLLM and DESIGN.md): per layer, ``k_cache`` and ``v_cache`` of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``t`` of a sequence lives in block
+``block_table[t // block_size]`` at offset ``t % block_size``; its flat *slot* is
+``block * block_size + offset``. Grouped-query attention (num_heads a multiple of num_kv_heads)
+is handled by repeating each KV head for its query heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write this step's keys and values into the cache.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
+        slot_mapping: ``[num_tokens]`` int64 flat slots; a negative slot (padding) writes nothing.
+    """
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[..., kv_heads, L, D] -> [..., kv_heads * group, L, D]``: each KV head serves ``group`` query heads.
+
+    Expanding the KV heads ourselves keeps SDPA on its fast CPU path (its ``enable_gqa`` path with
+    a mask measured ~10-50x slower here).
+    """
+    return x if group == 1 else x.repeat_interleave(group, dim=-3)
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` cached tokens of one sequence: ``[length, num_kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks])
+    return blocks.flatten(0, 1)[:length]
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its whole cached context.
+
+    Args:
+        query: ``[batch, num_heads, head_dim]`` (the new tokens; their K/V are already cached).
+        block_tables: ``[batch, max_blocks]`` int64; seq_lens: ``[batch]`` int64 context lengths
+            (tokens, including the new one); max_seq_len: ``max(seq_lens)``.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+    Returns:
+        ``[batch, num_heads, head_dim]``.
+    """
+    batch, num_heads = query.shape[0], query.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = (max_seq_len + block_size - 1) // block_size
+    tables = block_tables[:, :num_blocks]
+    length = num_blocks * block_size
+    group = num_heads // num_kv_heads
+    keys = _repeat_kv(k_cache[tables].view(batch, length, num_kv_heads, -1).transpose(1, 2), group)
+    values = _repeat_kv(v_cache[tables].view(batch, length, num_kv_heads, -1).transpose(1, 2), group)
+    mask = torch.arange(length, device=query.device).unsqueeze(0) < seq_lens.unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2), keys.to(query.dtype), values.to(query.dtype),
+        attn_mask=mask.view(batch, 1, 1, length), scale=scale,
+    )
+    return out.squeeze(2)
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens (a prompt or a chunk of it).
+
+    The new tokens are the last ``query_len`` of the sequence's ``context_len`` tokens; token
+    ``i`` of the chunk attends to every context token at position ``<= context_len - query_len + i``.
+    When nothing was cached before (``context_len == query_len``) the step's own ``key``/``value``
+    are used; otherwise the context is read from the cache (where this step's K/V already are).
+
+    Args:
+        query: ``[query_len, num_heads, head_dim]``; key, value: ``[query_len, num_kv_heads, head_dim]``.
+        block_table: ``[max_blocks]`` int64 block ids of this sequence.
+        context_len: tokens in the sequence after this chunk.
+    Returns:
+        ``[query_len, num_heads, head_dim]``.
+    """
+    query_len, group = query.shape[0], query.shape[1] // key.shape[1]
+    q = query.transpose(0, 1)
+    if context_len == query_len:
+        k, v = _repeat_kv(key.transpose(0, 1), group), _repeat_kv(value.transpose(0, 1), group)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
+    k = _repeat_kv(_gather_context(k_cache, block_table, context_len).transpose(0, 1), group).to(query.dtype)
+    v = _repeat_kv(_gather_context(v_cache, block_table, context_len).transpose(0, 1), group).to(query.dtype)
+    pos = torch.arange(context_len, device=query.device)
+    mask = pos.unsqueeze(0) <= pos[context_len - query_len :].unsqueeze(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)

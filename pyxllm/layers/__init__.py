@@ -1,0 +1,1 @@
+"""Model building blocks. Layers call ``pyxllm.kernels.ops``; they hold no device branch."""

@@ -1,0 +1,53 @@
+"""The per-step forward context: how layers reach attention metadata and the KV cache.
+
+The executor sets it around each model forward (xLLM's ``ForwardContext`` in a ``ContextVar``),
+so model ``forward`` signatures stay ``(input_ids, positions)``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardContext:
+    """What attention layers need during one forward pass.
+
+    Attributes:
+        attn: the attention backend's per-step state; ``attn.forward(query, key, value, k_cache,
+            v_cache, scale)`` computes attention for every token of the step.
+        kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """
+
+    attn: Any
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+_CONTEXT: ContextVar[ForwardContext | None] = ContextVar("pyxllm_forward_context", default=None)
+
+
+def get_forward_context() -> ForwardContext:
+    """The context of the forward pass in progress.
+
+    Raises:
+        RuntimeError: called outside ``set_forward_context``.
+    """
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        raise RuntimeError("attention called outside a forward context; run the model through the executor")
+    return ctx
+
+
+@contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[None]:
+    """Make ``ctx`` current for the duration of the ``with`` block."""
+    token = _CONTEXT.set(ctx)
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)

@@ -1,0 +1,136 @@
+"""Linear layers that know how they are split across tensor-parallel ranks.
+
+Names and sharding follow vLLM (Megatron-LM's column/row split, Shoeybi et al. 2019): a
+column-parallel layer splits its output features across ranks, a row-parallel layer splits its
+input features and sums the partial results with one all-reduce. Each weight parameter carries a
+``weight_loader(param, loaded_weight, shard_id=None)`` that copies this rank's slice of a full
+checkpoint tensor into it, so model loading is one loop over checkpoint tensors.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyxllm.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
+    return numerator // denominator
+
+
+def _copy_checked(param_slice: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if param_slice.shape != loaded.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not fit parameter slice {tuple(param_slice.shape)}")
+    param_slice.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` of shape ``[output_size, input_size]`` on this rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _copy_checked(param.data, loaded, type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """A linear layer held whole on every rank."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks: rank ``r`` holds rows ``[r*n, (r+1)*n)`` of ``W``."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        super().__init__(input_size, _divide(output_size, self.tp_size, "output size"), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        _copy_checked(param.data, loaded.narrow(0, self.tp_rank * size, size), type(self).__name__)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused in one matmul (e.g. ``gate_proj`` and ``up_proj``).
+
+    ``shard_id`` is the index of the checkpoint tensor in ``output_sizes``.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), shard, f"{type(self).__name__}[{shard_id}]")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Query, key and value projections fused in one matmul, split by attention head.
+
+    When the TP size exceeds the number of KV heads, each KV head is replicated on
+    ``tp_size // total_num_kv_heads`` ranks (as vLLM does). ``shard_id`` is ``"q"``, ``"k"`` or ``"v"``.
+
+    Raises:
+        ValueError: head counts that do not divide by the TP size (both numbers named).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False) -> None:
+        tp_size = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(total_num_heads, tp_size, "number of attention heads")
+        if tp_size >= total_num_kv_heads:
+            _divide(tp_size, total_num_kv_heads, "tensor-parallel size vs. number of KV heads")
+            self.num_kv_heads, self.kv_replicas = 1, tp_size // total_num_kv_heads
+        else:
+            self.num_kv_heads, self.kv_replicas = _divide(total_num_kv_heads, tp_size, "number of KV heads"), 1
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank = kv_size, self.tp_rank // self.kv_replicas
+        shard = loaded.narrow(0, rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), shard, f"{type(self).__name__}[{shard_id}]")
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed with one all-reduce.
+
+    The bias, if any, is added once, after the reduction.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        super().__init__(_divide(input_size, self.tp_size, "input size"), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # bias: whole on every rank
+            _copy_checked(param.data, loaded, type(self).__name__)
+            return
+        size = param.shape[1]
+        _copy_checked(param.data, loaded.narrow(1, self.tp_rank * size, size), type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

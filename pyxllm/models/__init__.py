@@ -1,0 +1,1 @@
+"""Model definitions; ``registry`` maps a config's ``architectures`` to a class."""

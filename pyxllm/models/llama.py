@@ -1,0 +1,137 @@
+"""Llama (and SmolLM2, Mistral-style dense decoders) for the paged executor.
+
+Structure and weight names follow transformers' ``modeling_llama.py``; the checkpoint's separate
+``q/k/v_proj`` and ``gate/up_proj`` load into fused parameters through ``packed_modules_mapping``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pyxllm.distributed.parallel_state import get_tp_size
+from pyxllm.layers.activation import SiluAndMul
+from pyxllm.layers.attention import Attention
+from pyxllm.layers.layernorm import RMSNorm
+from pyxllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pyxllm.layers.rotary_embedding import RotaryEmbedding
+from pyxllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pyxllm.models.config_utils import head_dim_of, rope_parameters
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: fused QKV projection, RoPE, paged attention, output projection."""
+
+    def __init__(self, config, layer_idx: int, qkv_bias: bool = False) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=qkv_bias
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        base, scaling = rope_parameters(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, base, scaling)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_idx)
+
+    def split_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Project ``[T, hidden]`` to ``q [T, heads*head_dim]``, ``k`` and ``v [T, kv_heads*head_dim]``."""
+        return self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split_qkv(hidden_states)
+        q, k = self.rotary_emb(
+            positions, q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        )
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder block; the residual stream is carried beside the hidden states."""
+
+    attention_cls = LlamaAttention
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(config, layer_idx)
+        self.mlp = self.build_mlp(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_mlp(self, config, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx`` (a mixture of experts in MoE subclasses)."""
+        return LlamaMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, positions, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm: ``(input_ids [T], positions [T]) -> [T, hidden]``."""
+
+    decoder_layer_cls = LlamaDecoderLayer
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM head over ``LlamaModel``; the LM head is tied to the embedding when the config says so.
+
+    ``forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden]``;
+    ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32, called on sampled positions only.
+    """
+
+    model_cls = LlamaModel
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_size = get_tp_size()
+        self.model = self.model_cls(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)

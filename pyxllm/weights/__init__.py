@@ -1,0 +1,29 @@
+"""Finding a model and reading its config, tokenizer, generation defaults and weights.
+
+A model is the embedded SmolLM2-135M-Instruct GGUF (``model=None``), a ``.gguf`` file, or a
+local Hugging Face directory (``config.json`` + ``*.safetensors``). Every problem raises
+:class:`ModelLoadError` with a message naming the file and the fix.
+"""
+from pyxllm.weights.errors import ModelLoadError
+from pyxllm.weights.gguf_loader import GGUF_ARCHITECTURES
+from pyxllm.weights.loader import (
+    GenerationDefaults,
+    iter_weights,
+    load_generation_defaults,
+    load_hf_tokenizer,
+    load_model_config,
+)
+from pyxllm.weights.source import ModelSource, default_gguf_path, resolve_model_source
+
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "GenerationDefaults",
+    "ModelLoadError",
+    "ModelSource",
+    "default_gguf_path",
+    "iter_weights",
+    "load_generation_defaults",
+    "load_hf_tokenizer",
+    "load_model_config",
+    "resolve_model_source",
+]

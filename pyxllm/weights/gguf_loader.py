@@ -1,0 +1,209 @@
+"""GGUF -> Hugging Face: a transformers config from the metadata, and HF-named float32 weights.
+
+Key names follow llama.cpp's ``convert_hf_to_gguf.py`` and ``gguf-py/gguf/constants.py``
+(``{arch}.block_count``, ``blk.{i}.attn_q.weight``, ...). The Q/K row permutation that the
+converter applies to llama's ``attn_q``/``attn_k`` (``LlamaModel.permute``) is undone here; the
+qwen2/qwen3/qwen3moe converters do not permute.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pyxllm.weights.errors import ModelLoadError
+from pyxllm.weights.gguf_reader import GGUFFile, open_gguf
+
+# GGUF architecture -> (transformers model_type, architectures)
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+
+# {arch}.<key> -> config attribute, shared by every supported architecture
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "vocab_size": "vocab_size",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+}
+
+_TOP_LEVEL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_PER_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+}
+# stacked experts [num_experts, out, in] -> one tensor per expert
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# tensors with no Hugging Face counterpart (llama3 rope factors are recomputed from the config)
+_IGNORED = {"rope_freqs.weight"}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def gguf_architecture(gguf: GGUFFile) -> str:
+    """The file's ``general.architecture``, checked against :data:`GGUF_ARCHITECTURES`.
+
+    Raises:
+        ModelLoadError: the architecture is not supported; the message lists those that are.
+    """
+    arch = gguf.metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{gguf.path} has GGUF architecture {arch!r}, which pyxllm does not support; "
+            f"supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}."
+        )
+    return arch
+
+
+def gguf_config_dict(path: str | Path) -> dict[str, Any]:
+    """Keyword arguments for ``AutoConfig.for_model`` describing the GGUF model at ``path``.
+
+    Includes ``model_type``, ``architectures``, shapes, ``rope_theta`` (or ``rope_parameters``
+    when the file states a rope scaling), ``tie_word_embeddings`` (true when the file has no
+    ``output.weight``) and the bos/eos/pad token ids from ``tokenizer.ggml.*``.
+
+    Raises:
+        ModelLoadError: unreadable file or unsupported architecture.
+    """
+    gguf = open_gguf(path)
+    arch = gguf_architecture(gguf)
+    model_type, architecture = GGUF_ARCHITECTURES[arch]
+    meta = gguf.metadata
+    config: dict[str, Any] = {"model_type": model_type, "architectures": [architecture],
+                              "_name_or_path": str(gguf.path)}
+    for key, attr in _CONFIG_KEYS.items():
+        if f"{arch}.{key}" in meta:
+            config[attr] = meta[f"{arch}.{key}"]
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in config]
+    if missing:
+        raise ModelLoadError(f"{gguf.path} lacks the metadata for {', '.join(missing)}; it is corrupt or "
+                             "was written by an incompatible converter. Re-download or re-convert it.")
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    if "head_dim" not in config:  # llama files state the rotary width, equal to the head size there
+        config["head_dim"] = meta.get(f"{arch}.rope.dimension_count",
+                                      config["hidden_size"] // config["num_attention_heads"])
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in meta:
+        config["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    if arch == "qwen3moe":
+        config["norm_topk_prob"] = True  # llama.cpp renormalizes the top-k routing weights
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling in ("linear", "yarn"):
+        rope = {"rope_type": scaling, "rope_theta": theta,
+                "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0))}
+        if f"{arch}.rope.scaling.original_context_length" in meta:
+            rope["original_max_position_embeddings"] = meta[f"{arch}.rope.scaling.original_context_length"]
+        config["rope_parameters"] = rope
+    else:
+        config["rope_theta"] = theta
+    config["tie_word_embeddings"] = "output.weight" not in gguf.tensor_by_name
+    for attr, key in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        if f"tokenizer.ggml.{key}_token_id" in meta:
+            config[attr] = meta[f"tokenizer.ggml.{key}_token_id"]
+    return config
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, e.g. ``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``; ``None`` for a tensor HF has no counterpart of.
+    Stacked experts map to a template with ``{expert}`` in place of the expert index.
+
+    Raises:
+        ModelLoadError: the name is not one of the known GGUF tensor names.
+    """
+    if gguf_name in _IGNORED:
+        return None
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _TOP_LEVEL and suffix in ("weight", "bias"):
+        return f"{_TOP_LEVEL[base]}.{suffix}"
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match:
+        layer, part, suffix = match.groups()
+        if part in _PER_LAYER:
+            return f"model.layers.{layer}.{_PER_LAYER[part]}.{suffix}"
+        if part in _EXPERTS:
+            return f"model.layers.{layer}.mlp.experts.{{expert}}.{_EXPERTS[part]}.{suffix}"
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name; this file holds a "
+                         "model variant pyxllm does not support.")
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row interleave of a llama ``attn_q``/``attn_k`` weight or bias.
+
+    The converter reorders each head's rows from HF's half-split rotary layout ``(2, d/2)`` to
+    llama.cpp's interleaved ``(d/2, 2)``; this puts them back. ``num_heads`` is the query head
+    count for ``attn_q`` and the KV head count for ``attn_k``. Shape is kept: ``[out, ...]``.
+    """
+    shape = weight.shape
+    half = shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def iter_gguf_weights(path: str | Path, config: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Iterate ``(hf_name, float32 tensor)`` over every tensor of the GGUF file, in file order.
+
+    Each tensor is dequantized when reached (``gguf.quants.dequantize``), so at most one is
+    held at a time besides what the caller keeps. Stacked MoE experts ``[E, out, in]`` are
+    yielded per expert as ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``.
+    llama's Q/K rows are un-permuted with the head counts the file states (those the converter
+    permuted with); ``config`` is accepted for symmetry with safetensors loading and unused.
+
+    Raises:
+        ModelLoadError: unreadable file or unsupported architecture (at the call); unknown
+            tensor name (when reached).
+    """
+    gguf = open_gguf(path)  # errors surface here, at the call, not at the first next()
+    arch = gguf_architecture(gguf)
+    heads = {}
+    if arch == "llama":  # qwen2/qwen3/qwen3moe converters do not permute
+        q_heads = gguf.metadata.get(f"{arch}.attention.head_count")
+        if not isinstance(q_heads, int):
+            raise ModelLoadError(f"{gguf.path} lacks {arch}.attention.head_count; it is corrupt or was written "
+                                 "by an incompatible converter. Re-download or re-convert it.")
+        heads = {"attn_q": q_heads, "attn_k": gguf.metadata.get(f"{arch}.attention.head_count_kv", q_heads)}
+    return _gguf_tensors(gguf, heads)
+
+
+def _gguf_tensors(gguf: GGUFFile, heads: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    for info in gguf.tensors:
+        name = hf_name(info.name)
+        if name is None:
+            continue
+        array = gguf.read(info)
+        part = info.name.split(".")[-2]
+        if part in heads:
+            array = unpermute_qk(array, heads[part])
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if "{expert}" in name:
+            for expert in range(tensor.shape[0]):
+                yield name.format(expert=expert), tensor[expert].clone()
+        else:
+            yield name, tensor

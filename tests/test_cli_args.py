@@ -1,0 +1,310 @@
+"""The ``pyxllm`` command line: flag spellings, booleans, errors, defaults and help."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from pyxllm.config import EngineConfig
+from pyxllm.entrypoints import args as cli_args
+from pyxllm.entrypoints.args import config_from_args, flag_names, make_arg_parser, parse_args
+from pyxllm.entrypoints.cli import main
+from pyxllm.outputs import CompletionOutput, RequestOutput
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse(*argv: str):
+    """Parse ``pyxllm serve <argv>`` and return the config."""
+    return parse_args(["serve", *argv])[1]
+
+
+def expect_usage_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err
+    return err
+
+
+# --- spellings -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("form", ["dash", "underscore", "dash=", "underscore="])
+@pytest.mark.parametrize(
+    "field, text, value",
+    [
+        ("max_seqs_per_batch", "8", 8),
+        ("max_tokens_per_batch", "512", 512),
+        ("max_model_len", "1024", 1024),
+        ("block_size", "32", 32),
+        ("kv_cache_memory", "0.5", 0.5),
+        ("served_model_name", "my-model", "my-model"),
+        ("dtype", "bfloat16", "bfloat16"),
+        ("seed", "-3", -3),
+    ],
+)
+def test_every_spelling_sets_the_field(form, field, text, value):
+    dashed, underscored = "--" + field.replace("_", "-"), "--" + field
+    name = dashed if form.startswith("dash") else underscored
+    argv = [f"{name}={text}"] if form.endswith("=") else [name, text]
+    config = parse(*argv)
+    assert getattr(config, field) == value
+    assert type(getattr(config, field)) is type(value)
+
+
+def test_every_config_field_is_a_flag_in_both_spellings():
+    parser = make_arg_parser().command_parsers["serve"]
+    known = set(parser._option_string_actions)
+    for field in dataclasses.fields(EngineConfig):
+        for name in flag_names(field.name):
+            assert name in known, name
+
+
+def test_a_new_dataclass_field_becomes_a_flag_without_edits():
+    @dataclasses.dataclass
+    class Extended:
+        tensor_parallel_size: int = 1
+        enable_prefix_cache: bool = False
+        gpu_fraction: float | None = None
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    cli_args.add_engine_args(parser, Extended)
+    ns = parser.parse_args(
+        ["--tensor_parallel_size=2", "--enable-prefix-cache", "--gpu-fraction", "0.9"]
+    )
+    assert (ns.tensor_parallel_size, ns.enable_prefix_cache, ns.gpu_fraction) == (2, True, 0.9)
+    assert parser.parse_args([]).gpu_fraction is None
+
+
+def test_max_model_len_auto_means_none():
+    assert parse("--max-model-len", "2048").max_model_len == 2048
+    assert parse("--max-model-len", "auto").max_model_len is None
+
+
+def test_defaults_equal_engine_config_defaults():
+    assert parse() == EngineConfig()
+    args, config = parse_args(["generate", "hi"])
+    assert config == EngineConfig()
+    assert (args.prompt, args.chat, args.max_tokens) == ("hi", True, 256)
+    serve_args, _ = parse_args(["serve"])
+    assert (serve_args.host, serve_args.port) == ("127.0.0.1", 8000)
+
+
+# --- booleans ------------------------------------------------------------------------------
+
+BOOL_CASES = [
+    ([], True),
+    (["--enable-chunked-prefill"], True),
+    (["--enable_chunked_prefill"], True),
+    (["--no-enable-chunked-prefill"], False),
+    (["--no_enable_chunked_prefill"], False),
+    (["--enable-chunked-prefill=false"], False),
+    (["--enable-chunked-prefill", "false"], False),
+    (["--enable_chunked_prefill", "False"], False),
+    (["--enable-chunked-prefill=true"], True),
+    (["--enable-chunked-prefill", "true"], True),
+    (["--enable-chunked-prefill=0"], False),
+    (["--enable-chunked-prefill=1"], True),
+    (["--enable-chunked-prefill", "no"], False),
+    (["--enable-chunked-prefill", "yes"], True),
+    (["--enable-chunked-prefill", "off"], False),
+    (["--no-enable-chunked-prefill", "--enable-chunked-prefill"], True),
+    (["--enable-chunked-prefill", "false", "--block-size", "8"], False),
+]
+
+
+@pytest.mark.parametrize("argv, value", BOOL_CASES)
+def test_bool_spellings(argv, value):
+    config = parse(*argv)
+    assert config.enable_chunked_prefill is value
+
+
+@pytest.mark.parametrize(
+    "argv, value",
+    [(["--no-chat"], False), (["--chat", "false"], False), (["--chat=0"], False),
+     (["--chat"], True), (["--chat", "yes"], True), ([], True)],
+)
+def test_generate_chat_flag(argv, value):
+    args, _ = parse_args(["generate", "a prompt", *argv])
+    assert args.chat is value
+    assert args.prompt == "a prompt"
+
+
+@pytest.mark.parametrize("bad", [["--enable-chunked-prefill", "maybe"],
+                                 ["--enable-chunked-prefill=maybe"],
+                                 ["--enable_chunked_prefill="]])
+def test_bad_bool_names_flag_and_accepted_values(capsys, bad):
+    err = expect_usage_error(capsys, ["serve", *bad])
+    assert "--enable-chunked-prefill" in err
+    assert "true" in err and "false" in err
+
+
+def test_no_flag_takes_no_value(capsys):
+    err = expect_usage_error(capsys, ["serve", "--no-enable-chunked-prefill", "false"])
+    assert "unrecognized arguments: false" in err
+
+
+# --- errors --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--block-size", "abc"], "--block-size"),
+        (["--block_size=abc"], "--block-size"),
+        (["--max-seqs-per-batch", "2.5"], "--max-seqs-per-batch"),
+        (["--dtype", "int3"], "--dtype"),
+        (["--kv-cache-memory", "-1"], "--kv-cache-memory"),
+        (["--kv-cache-memory", "nan"], "--kv-cache-memory"),
+        (["--block-size", "0"], "--block-size"),
+        (["--max-model-len", "0"], "--max-model-len"),
+        (["--port", "70000"], "--port"),
+    ],
+)
+def test_bad_value_is_a_usage_error_naming_the_flag(capsys, argv, needle):
+    err = expect_usage_error(capsys, ["serve", *argv])
+    assert needle in err
+    assert "pyxllm serve: error:" in err
+
+
+def test_no_prefix_abbreviations(capsys):
+    err = expect_usage_error(capsys, ["serve", "--max-seqs", "4"])
+    assert "unrecognized arguments" in err
+
+
+def test_config_from_args_raises_value_error_naming_the_flag():
+    ns = make_arg_parser().parse_args(["serve", "--kv-cache-memory", "0"])
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        config_from_args(ns)
+
+
+def test_command_is_required(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+# --- help ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"]])
+def test_help_lists_flags(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--max-seqs-per-batch" in out
+    assert "--no-enable-chunked-prefill" in out
+    if argv[0] == "serve":
+        assert "--port" in out and "--host" in out
+
+
+# --- commands (engine and server replaced; the real path is the subprocess test below) -----
+
+def test_serve_calls_run_server(monkeypatch):
+    calls = []
+    fake = types.ModuleType("pyxllm.entrypoints.openai.api_server")
+    fake.run_server = lambda config, host, port: calls.append((config, host, port))
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    assert main(["serve", "--port", "9001", "--host=0.0.0.0", "--max_seqs_per_batch", "4"]) == 0
+    assert calls == [(dataclasses.replace(EngineConfig(), max_seqs_per_batch=4), "0.0.0.0", 9001)]
+
+
+def test_model_load_error_prints_message_not_traceback(monkeypatch, capsys):
+    fake = types.ModuleType("pyxllm.entrypoints.openai.api_server")
+
+    def run_server(config, host, port):
+        raise ValueError(f"model {config.model!r}: not a .gguf file or model directory")
+
+    fake.run_server = run_server
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.delenv("PYXLLM_DEBUG", raising=False)
+    assert main(["serve", "--model", "/nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model '/nope'")
+    assert "Traceback" not in err
+
+
+class FakeEngine:
+    """Stands in for LLMEngine to check the CLI's streaming; yields text in three pieces."""
+
+    pieces = ["The capital", " of France", " is Paris."]
+    generation_defaults = {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1}
+
+    def __init__(self):
+        self.requests, self.stepped = [], 0
+        self.tokenizer = types.SimpleNamespace(
+            encode=lambda text, add_special_tokens=True: [1, 2, 3],
+            apply_chat_template=lambda messages, add_generation_prompt=True: [9, 9, 9, 9],
+        )
+
+    @classmethod
+    def from_config(cls, config):
+        cls.last = cls()
+        return cls.last
+
+    def add_request(self, request_id, prompt_token_ids, sampling_params, prompt=None):
+        self.requests.append((request_id, prompt_token_ids, sampling_params, prompt))
+
+    def has_unfinished_requests(self):
+        return self.stepped < len(self.pieces)
+
+    def step(self):
+        self.stepped += 1
+        text = "".join(self.pieces[: self.stepped])
+        done = self.stepped == len(self.pieces)
+        out = CompletionOutput(0, text, list(range(self.stepped)), "stop" if done else None)
+        return [RequestOutput(self.requests[0][0], self.requests[0][3], [], [out], done)]
+
+
+@pytest.mark.parametrize("chat, ids", [(True, [9, 9, 9, 9]), (False, [1, 2, 3])])
+def test_generate_streams_cumulative_text_once(monkeypatch, capsys, chat, ids):
+    fake = types.ModuleType("pyxllm.engine.llm_engine")
+    fake.LLMEngine = FakeEngine
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    flag = "--chat" if chat else "--no-chat"
+    assert main(["generate", "Capital?", flag, "--temperature", "0", "--max-tokens", "7"]) == 0
+    assert capsys.readouterr().out == "The capital of France is Paris.\n"
+    (_, prompt_ids, params, prompt), = FakeEngine.last.requests
+    assert prompt_ids == ids and prompt == "Capital?"
+    assert (params.temperature, params.max_tokens) == (0.0, 7)
+    assert params.top_k == 20  # not given: the model's generation_config default
+
+
+def test_generate_takes_unset_sampling_flags_from_the_model(monkeypatch, capsys):
+    fake = types.ModuleType("pyxllm.engine.llm_engine")
+    fake.LLMEngine = FakeEngine
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    assert main(["generate", "Capital?", "--top_p=0.5"]) == 0
+    params = FakeEngine.last.requests[0][2]
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.5, 20)
+
+
+def test_generate_bad_sampling_value_names_the_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "hi", "--top-p", "1.5"])
+    assert exc.value.code == 2
+    assert "--top-p" in capsys.readouterr().err
+
+
+def _engine_exists() -> bool:
+    return (ROOT / "pyxllm" / "engine" / "llm_engine.py").exists()
+
+
+@pytest.mark.skipif(not _engine_exists(), reason="pyxllm/engine/llm_engine.py not written yet")
+def test_generate_end_to_end_subprocess():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyxllm", "generate", "What is the capital of France?",
+         "--max-tokens", "16", "--temperature", "0"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+    assert proc.stdout.endswith("\n")
