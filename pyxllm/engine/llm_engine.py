@@ -63,7 +63,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         max_concurrency = self.executor.num_kv_blocks * config.block_size / self.max_model_len
         logger.info(
-            "pyxllm: model %s, dtype %s, device %s, %d KV blocks of %d tokens, max %.2fx concurrent sequences of %d tokens",
+            "model %s, dtype %s, device %s, %d KV blocks of %d tokens, max %.2fx concurrent sequences of %d tokens",
             self.model_name, str(self.executor.dtype).removeprefix("torch."), platform.name,
             self.executor.num_kv_blocks, config.block_size, max_concurrency, self.max_model_len,
         )

@@ -26,9 +26,32 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str, platform: Platform) -> torch.dtype:
-    """The compute dtype for ``--dtype`` (``auto``: the platform's default, float32 on CPU)."""
-    return platform.default_dtype if dtype == "auto" else _DTYPES[dtype]
+def checkpoint_dtype(model_config) -> torch.dtype | None:
+    """The dtype config.json declares (``dtype``, or ``torch_dtype`` before transformers 5), if any.
+
+    ``None`` when absent (e.g. a GGUF file) or not a float dtype pyxllm computes in.
+    """
+    # reading ``torch_dtype`` on a transformers 5 config warns; read it only where ``dtype`` is absent
+    name = "dtype" if hasattr(model_config, "dtype") else "torch_dtype"
+    value = getattr(model_config, name, None)
+    if isinstance(value, str):
+        return _DTYPES.get(value.removeprefix("torch."))
+    return value if value in _DTYPES.values() else None
+
+
+def resolve_dtype(dtype: str, platform: Platform, model_config=None) -> torch.dtype:
+    """The compute dtype for ``--dtype``.
+
+    ``auto`` takes the checkpoint's dtype from ``model_config`` (see :func:`checkpoint_dtype`),
+    except float16 on CPU, which becomes bfloat16 (as vLLM does); without one (GGUF) it is the
+    platform's default, float32 on CPU. Any other value is taken as given.
+    """
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    declared = checkpoint_dtype(model_config)
+    if declared is None:
+        return platform.default_dtype
+    return torch.bfloat16 if declared == torch.float16 and platform.name == "cpu" else declared
 
 
 @dataclass(slots=True)
@@ -49,7 +72,7 @@ class ModelExecutor:
     def __init__(self, config: EngineConfig, model_config, source: ModelSource, platform: Platform) -> None:
         self.config, self.model_config, self.platform = config, model_config, platform
         self.device = platform.device()
-        self.dtype = resolve_dtype(config.dtype, platform)
+        self.dtype = resolve_dtype(config.dtype, platform, model_config)
         model_cls = resolve_model_class(model_config, platform.name)
         torch.manual_seed(config.seed)
         previous = torch.get_default_dtype()

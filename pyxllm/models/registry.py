@@ -11,6 +11,9 @@ ALL_PLATFORMS = frozenset({"cpu", "cuda", "npu", "mlu"})
 # architecture (config.json "architectures"[0]) -> (module, class, platforms)
 MODEL_REGISTRY: dict[str, tuple[str, str, frozenset[str]]] = {
     "LlamaForCausalLM": ("pyxllm.models.llama", "LlamaForCausalLM", ALL_PLATFORMS),
+    "Qwen2ForCausalLM": ("pyxllm.models.qwen2", "Qwen2ForCausalLM", ALL_PLATFORMS),
+    "Qwen3ForCausalLM": ("pyxllm.models.qwen3", "Qwen3ForCausalLM", ALL_PLATFORMS),
+    "Qwen3MoeForCausalLM": ("pyxllm.models.qwen3_moe", "Qwen3MoeForCausalLM", ALL_PLATFORMS),
 }
 
 

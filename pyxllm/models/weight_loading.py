@@ -1,6 +1,17 @@
-"""Loading checkpoint tensors into a model through its parameters' ``weight_loader``."""
+"""Loading checkpoint tensors into a model through its parameters' ``weight_loader``.
+
+A model declares how checkpoint names reach its fused parameters:
+
+- ``packed_modules_mapping``: ``{ckpt module: (fused module, shard id)}``, e.g. ``"q_proj":
+  ("qkv_proj", "q")``; the loader is called as ``weight_loader(param, tensor, shard_id)``.
+- ``expert_params_mapping`` (MoE models, see ``layers.fused_moe.make_expert_params_mapping``):
+  ``{ckpt module after experts.{e}.: (parameter prefix, shard id)}``, e.g. ``"gate_proj":
+  ("w13_", "w1")`` sends ``...experts.{e}.gate_proj.weight`` to ``...experts.w13_weight``; the loader
+  is called as ``weight_loader(param, tensor, shard_id, expert_id)``.
+"""
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -8,6 +19,10 @@ from torch import nn
 
 # Buffers some checkpoints still carry; recomputed by the model, safe to skip.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.([^.]+)\.")
+
+# (parameter name, shard id or None, expert id or None): one piece a checkpoint tensor fills
+_Piece = tuple[str, object, int | None]
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -21,36 +36,71 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy every ``(hf_name, tensor)`` into ``model``, fusing packed projections.
+def _route(name: str, packed: dict, experts: dict) -> _Piece:
+    """Where checkpoint tensor ``name`` goes: ``(parameter name, shard id, expert id)``."""
+    match = _EXPERT_NAME.search(name) if experts else None
+    if match and match.group(2) in experts:
+        prefix, shard = experts[match.group(2)]
+        return f"{name[: match.start()]}.experts.{prefix}{name[match.end():]}", shard, int(match.group(1))
+    for ckpt_key, (fused, shard) in packed.items():
+        if f".{ckpt_key}." in name:
+            return name.replace(f".{ckpt_key}.", f".{fused}."), shard, None
+    return name, None, None
 
-    A checkpoint name whose module appears in ``model.packed_modules_mapping`` (e.g. ``q_proj``)
-    goes to the fused parameter (``qkv_proj``) with its shard id. A tied LM head is skipped.
+
+def _expected(params: dict[str, nn.Parameter], packed: dict, experts: dict) -> dict[_Piece, str]:
+    """Every piece the checkpoint must provide, keyed to the checkpoint name that provides it."""
+    expected: dict[_Piece, str] = {}
+    for pname, param in params.items():
+        pieces = {}
+        for ckpt_key, (prefix, shard) in experts.items():
+            if f".experts.{prefix}" in pname:
+                for e in range(param.shape[0]):
+                    pieces[(pname, shard, e)] = pname.replace(f".experts.{prefix}", f".experts.{e}.{ckpt_key}.")
+        is_expert = bool(pieces)
+        for ckpt_key, (fused, shard) in packed.items():
+            if not is_expert and f".{fused}." in pname:
+                pieces[(pname, shard, None)] = pname.replace(f".{fused}.", f".{ckpt_key}.")
+        expected.update(pieces or {(pname, None, None): pname})
+    return expected
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy every ``(hf_name, tensor)`` into ``model``, fusing packed projections and stacking experts.
+
+    Names are routed through the model's ``expert_params_mapping`` first, then its
+    ``packed_modules_mapping`` (see the module docstring). A tied LM head is skipped.
 
     Raises:
-        ValueError: a checkpoint tensor with no parameter to go to, a parameter the checkpoint
-            did not provide (each named), or a shape mismatch.
+        ValueError: a checkpoint tensor with no parameter to go to, a piece of a parameter the
+            checkpoint did not provide (each named by its checkpoint name, e.g. one expert's
+            ``up_proj``), or a tensor that does not fit (naming it).
     """
     params = dict(model.named_parameters(remove_duplicate=False))
-    mapping = getattr(model, "packed_modules_mapping", {})
+    packed = getattr(model, "packed_modules_mapping", {})
+    experts = getattr(model, "expert_params_mapping", {})
     tied = getattr(model.config, "tie_word_embeddings", False)
-    loaded: set[str] = set()
+    loaded: set[_Piece] = set()
     for name, tensor in weights:
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        shard_id, target = None, name
-        for ckpt_key, (packed, shard) in mapping.items():
-            if f".{ckpt_key}." in name:
-                target, shard_id = name.replace(f".{ckpt_key}.", f".{packed}."), shard
-                break
+        piece = _route(name, packed, experts)
+        target, shard_id, expert_id = piece
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         param = params[target]
-        with torch.no_grad():
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
-        loaded.add(target)
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            with torch.no_grad():
+                if expert_id is None:
+                    loader(param, tensor, shard_id)
+                else:
+                    loader(param, tensor, shard_id, expert_id)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+        loaded.add(piece)
     if tied:
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
+        loaded.add(("lm_head.weight", None, None))
+    missing = sorted(ckpt for piece, ckpt in _expected(params, packed, experts).items() if piece not in loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}")

@@ -1,0 +1,91 @@
+"""Builders of tiny random Hugging Face checkpoints (config.json + safetensors + tokenizer).
+
+Every checkpoint uses the SmolLM2 tokenizer (pass the conftest fixture ``hf_gguf_tokenizer``),
+so ``vocab_size`` is 49152, and is saved in float32 unless asked otherwise. Weights are drawn
+with ``initializer_range`` well above the usual 0.02 so greedy continuations vary from token to
+token instead of repeating one token.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 49152
+# Large enough that logits spread out (tokens vary), small enough to keep activations sane.
+INIT_RANGE = 0.25
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=INIT_RANGE,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def tiny_config(kind: str):
+    """A transformers config for ``kind``: ``llama`` (untied), ``qwen2`` (tied), ``qwen3``
+    (untied, ``head_dim`` 32 while hidden/heads is 16) or ``qwen3_moe`` (4 experts, top-2,
+    renormalised, layer 1 dense through ``mlp_only_layers``).
+
+    Raises:
+        KeyError: an unknown kind.
+    """
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    builders = {
+        "llama": lambda: LlamaConfig(**_COMMON, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=False),
+        "qwen2": lambda: Qwen2Config(**_COMMON, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=True),
+        "qwen3": lambda: Qwen3Config(
+            **_COMMON, intermediate_size=128, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False
+        ),
+        "qwen3_moe": lambda: Qwen3MoeConfig(
+            **_COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, head_dim=32,
+            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+            mlp_only_layers=[1], tie_word_embeddings=False,
+        ),
+    }
+    return builders[kind]()
+
+
+def build_hf_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A randomly initialised transformers causal LM for ``config`` (eval mode, ``dtype``)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms init to ones; jitter them so a mix-up of norm weights shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+    return model.to(dtype).eval()
+
+
+def save_checkpoint(
+    model, directory: Path, tokenizer, max_shard_size: str | None = None, dtype: torch.dtype = torch.float32
+) -> Path:
+    """Save ``model`` (safetensors, config.json declaring ``dtype``) and ``tokenizer`` into ``directory``.
+
+    With ``max_shard_size`` (e.g. ``"2MB"``) the weights are split over several files plus
+    ``model.safetensors.index.json``. Returns ``directory``.
+    """
+    directory = Path(directory)
+    model.config.dtype = dtype
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def build_checkpoint(kind: str, directory: Path, tokenizer, seed: int = 0, max_shard_size: str | None = None,
+                     dtype: torch.dtype = torch.float32):
+    """Build a tiny ``kind`` checkpoint (see :func:`tiny_config`) in ``directory``.
+
+    Returns ``(directory, hf_model)``: the transformers model whose weights were saved, the reference.
+    """
+    model = build_hf_model(tiny_config(kind), seed, dtype)
+    return save_checkpoint(model, directory, tokenizer, max_shard_size, dtype), model
