@@ -1,0 +1,77 @@
+"""Layers against transformers' own formulas: RoPE frequencies (plain, linear, llama3), RMSNorm."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from pyxllm.layers.layernorm import RMSNorm
+from pyxllm.layers.rotary_embedding import RotaryEmbedding
+from pyxllm.models.config_utils import rope_parameters
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _config(**kwargs) -> LlamaConfig:
+    return LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=512, **kwargs)
+
+
+def _reference_inv_freq(config) -> torch.Tensor:
+    base, scaling = rope_parameters(config)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return 1.0 / (base ** (torch.arange(0, 64, 2, dtype=torch.int64).float() / 64))
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    assert factor == 1.0
+    return inv_freq
+
+
+@pytest.mark.parametrize(
+    "config",
+    [_config(), _config(rope_scaling={"type": "linear", "factor": 2.0}), _config(rope_parameters=LLAMA3)],
+    ids=["default", "linear", "llama3"],
+)
+def test_rope_cache_matches_transformers_frequencies(config):
+    base, scaling = rope_parameters(config)
+    rope = RotaryEmbedding(64, 512, base, scaling)
+    freqs = torch.outer(torch.arange(512).float(), _reference_inv_freq(config))
+    expected = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    torch.testing.assert_close(rope.cos_sin_cache, expected, rtol=0, atol=1e-6)
+
+
+def test_rope_rotates_like_transformers():
+    config = _config(rope_parameters=LLAMA3)
+    base, scaling = rope_parameters(config)
+    rope = RotaryEmbedding(64, 512, base, scaling)
+    positions = torch.tensor([0, 3, 77, 400])
+    q, k = torch.randn(4, 2, 64), torch.randn(4, 1, 64)
+    q_out, k_out = rope(positions, q, k)
+    freqs = torch.outer(positions.float(), _reference_inv_freq(config))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+    rotate = lambda x: torch.cat((-x[..., 32:], x[..., :32]), dim=-1)  # noqa: E731
+    torch.testing.assert_close(q_out, q * cos + rotate(q) * sin)
+    torch.testing.assert_close(k_out, k * cos + rotate(k) * sin)
+    assert not torch.allclose(q_out[1:], q[1:])
+
+
+@pytest.mark.parametrize("kind", ["yarn", "dynamic", "longrope"])
+def test_unsupported_rope_scaling_is_refused_by_name(kind):
+    with pytest.raises(ValueError, match=kind):
+        RotaryEmbedding(64, 512, 10000.0, {"rope_type": kind, "factor": 2.0})
+
+
+def test_rms_norm_equals_transformers_and_fuses_the_residual():
+    torch.manual_seed(0)
+    x, residual = torch.randn(5, 64), torch.randn(5, 64)
+    ours, theirs = RMSNorm(64, 1e-5), LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        theirs.weight.copy_(ours.weight)
+    assert torch.equal(ours(x), theirs(x))
+    normed, new_residual = ours(x, residual)
+    assert torch.equal(new_residual, x + residual)
+    assert torch.equal(normed, theirs(x + residual))
