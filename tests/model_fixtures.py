@@ -27,24 +27,26 @@ _COMMON = dict(
 )
 
 
-def tiny_config(kind: str):
+def tiny_config(kind: str, **overrides):
     """A transformers config for ``kind``: ``llama`` (untied), ``qwen2`` (tied), ``qwen3``
     (untied, ``head_dim`` 32 while hidden/heads is 16) or ``qwen3_moe`` (4 experts, top-2,
-    renormalised, layer 1 dense through ``mlp_only_layers``).
+    renormalised, layer 1 dense through ``mlp_only_layers``). ``overrides`` replace the common
+    fields (e.g. ``vocab_size=len(tokenizer)`` for a tokenizer with added tokens).
 
     Raises:
         KeyError: an unknown kind.
     """
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
+    common = {**_COMMON, **overrides}
     builders = {
-        "llama": lambda: LlamaConfig(**_COMMON, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=False),
-        "qwen2": lambda: Qwen2Config(**_COMMON, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=True),
+        "llama": lambda: LlamaConfig(**common, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=False),
+        "qwen2": lambda: Qwen2Config(**common, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=True),
         "qwen3": lambda: Qwen3Config(
-            **_COMMON, intermediate_size=128, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False
+            **common, intermediate_size=128, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False
         ),
         "qwen3_moe": lambda: Qwen3MoeConfig(
-            **_COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, head_dim=32,
+            **common, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, head_dim=32,
             num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
             mlp_only_layers=[1], tie_word_embeddings=False,
         ),
@@ -89,3 +91,26 @@ def build_checkpoint(kind: str, directory: Path, tokenizer, seed: int = 0, max_s
     """
     model = build_hf_model(tiny_config(kind), seed, dtype)
     return save_checkpoint(model, directory, tokenizer, max_shard_size, dtype), model
+
+
+# A Qwen3-like chat template: enable_thinking=false closes an empty think block in the prompt.
+THINKING_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def thinking_tokenizer(tokenizer, special: bool = False):
+    """A copy of ``tokenizer`` with ``<think>`` and ``</think>`` added as single tokens (not
+    special, as in Qwen3, unless ``special``) and :data:`THINKING_CHAT_TEMPLATE`. Build its
+    checkpoint with ``vocab_size=len(copy)``."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_tokens(["<think>", "</think>"], special_tokens=special)
+    tok.chat_template = THINKING_CHAT_TEMPLATE
+    return tok

@@ -210,16 +210,21 @@ def test_help_lists_flags(capsys, argv):
 def test_serve_calls_run_server(monkeypatch):
     calls = []
     fake = types.ModuleType("pyxllm.entrypoints.openai.api_server")
-    fake.run_server = lambda config, host, port: calls.append((config, host, port))
+    fake.run_server = lambda config, host, port, reasoning_parser=None: calls.append(
+        (config, host, port, reasoning_parser))
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     assert main(["serve", "--port", "9001", "--host=0.0.0.0", "--max_seqs_per_batch", "4"]) == 0
-    assert calls == [(dataclasses.replace(EngineConfig(), max_seqs_per_batch=4), "0.0.0.0", 9001)]
+    assert main(["serve", "--reasoning-parser", "qwen3"]) == 0
+    assert calls == [
+        (dataclasses.replace(EngineConfig(), max_seqs_per_batch=4), "0.0.0.0", 9001, None),
+        (EngineConfig(), "127.0.0.1", 8000, "qwen3"),
+    ]
 
 
 def test_model_load_error_prints_message_not_traceback(monkeypatch, capsys):
     fake = types.ModuleType("pyxllm.entrypoints.openai.api_server")
 
-    def run_server(config, host, port):
+    def run_server(config, host, port, reasoning_parser=None):
         raise ValueError(f"model {config.model!r}: not a .gguf file or model directory")
 
     fake.run_server = run_server

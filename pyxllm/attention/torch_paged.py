@@ -43,21 +43,24 @@ class TorchPagedAttentionStep:
     decode_max_seq_len: int
     prefills: list[PrefillSpan]
 
+    def decode(self, query, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """Attention of the decode rows ``query [num_decodes, heads, head_dim]`` over their cached
+        context (a fused backend overrides this)."""
+        return kernels.ops.paged_attention_decode(
+            query, k_cache, v_cache, self.decode_block_tables, self.decode_seq_lens, self.decode_max_seq_len, scale
+        )
+
     def forward(self, query, key, value, k_cache, v_cache, scale: float) -> torch.Tensor:
         """Cache the step's K/V, then attend: ``query [T, heads, head_dim] -> [T, heads, head_dim]``."""
         ops = kernels.ops
         ops.reshape_and_cache(key, value, k_cache, v_cache, self.slot_mapping)
         if not self.prefills:
-            return ops.paged_attention_decode(
-                query, k_cache, v_cache, self.decode_block_tables, self.decode_seq_lens, self.decode_max_seq_len, scale
-            )
+            return self.decode(query, k_cache, v_cache, scale)
         out = torch.empty_like(query)
         if self.num_decodes:
             idx = self.decode_token_idx
             q = query[: self.num_decodes] if idx is None else query[idx]
-            dec = ops.paged_attention_decode(
-                q, k_cache, v_cache, self.decode_block_tables, self.decode_seq_lens, self.decode_max_seq_len, scale
-            )
+            dec = self.decode(q, k_cache, v_cache, scale)
             if idx is None:
                 out[: self.num_decodes] = dec
             else:
@@ -72,6 +75,21 @@ class TorchPagedAttentionStep:
 
 class TorchPagedAttentionBackend:
     """Builds a ``TorchPagedAttentionStep`` from each step's input batch."""
+
+    def build_decode(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     max_seq_len: int) -> TorchPagedAttentionStep:
+        """A decode-only step over given tensors, with no host-side reads, so a graph can
+        capture it (the graph runner's static buffers).
+
+        Args:
+            slot_mapping: ``[B]`` int64 (-1: padding); block_tables: ``[B, max_blocks]`` int64;
+            seq_lens: ``[B]`` int64; max_seq_len: the context span attended, a fixed bound on
+                ``seq_lens`` (``max_blocks * block_size`` for a captured step).
+        """
+        return TorchPagedAttentionStep(
+            slot_mapping=slot_mapping, num_decodes=slot_mapping.shape[0], decode_token_idx=None,
+            decode_block_tables=block_tables, decode_seq_lens=seq_lens, decode_max_seq_len=max_seq_len, prefills=[],
+        )
 
     def build(self, batch) -> TorchPagedAttentionStep:
         """``batch``: an ``InputBatch`` (see ``pyxllm.executor.input_batch``)."""

@@ -41,6 +41,7 @@ class AsyncEngine:
 
     Attributes:
         tokenizer, model_name, max_model_len, generation_defaults: those of the engine.
+        metrics: the engine's :class:`~pyxllm.engine.metrics.EngineMetrics` (thread-safe to scrape).
     """
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -49,6 +50,7 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.generation_defaults = engine.generation_defaults
+        self.metrics = engine.metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._error: BaseException | None = None

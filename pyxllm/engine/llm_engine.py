@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from pyxllm.config import EngineConfig
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.kv_cache_manager import KVCacheManager
+from pyxllm.engine.metrics import EngineMetrics
 from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
 from pyxllm.engine.tokenizer import Tokenizer
@@ -44,6 +46,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        platform = resolve_platform(config.device)  # a missing device package fails first
+        platform.check_runner(config.graph_backend)
         source = resolve_model_source(config.model)
         model_config = load_model_config(source)
         self.max_model_len = _resolve_max_model_len(config, model_config)
@@ -56,10 +60,13 @@ class LLMEngine:
         self.generation_defaults = dict(defaults.sampling)
         self.tokenizer = Tokenizer(load_hf_tokenizer(source), defaults.eos_token_ids)
         self.model_name = config.served_model_name or source.name
-        platform = set_current_platform(resolve_platform(config.device))
+        set_current_platform(platform)
         self.executor = ModelExecutor(config, model_config, source, platform)
-        self.kv_cache_manager = KVCacheManager(self.executor.num_kv_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            self.executor.num_kv_blocks, config.block_size, enable_prefix_cache=config.enable_prefix_cache
+        )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.metrics = EngineMetrics(self.model_name, self.scheduler, self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
         max_concurrency = self.executor.num_kv_blocks * config.block_size / self.max_model_len
         logger.info(
@@ -125,6 +132,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+            self.metrics.record_finished(request, time.monotonic())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -135,11 +143,14 @@ class LLMEngine:
         if not plan.sequences:
             return []
         result = self.executor.execute(plan)
-        outputs = []
-        for request, token in self.scheduler.update_from_output(result.sampled_token_ids):
+        outputs, now = [], time.monotonic()
+        new_tokens = self.scheduler.update_from_output(result.sampled_token_ids)
+        self.metrics.record_tokens((request for request, _ in new_tokens), now)
+        for request, token in new_tokens:
             status = self._check_stop(request, token)
             if status is not None:
                 self.scheduler.finish_request(request, status)
+                self.metrics.record_finished(request, now)
                 del self.requests[request.request_id]
             outputs.append(self._make_output(request))
         return outputs
@@ -175,7 +186,8 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], request.status.finished)
 
     def stats(self) -> dict[str, int | float]:
-        """Scheduler and KV cache counters (for /debug/stats and metrics)."""
+        """Scheduler and KV cache counters (for /debug/stats); a cached block that no live
+        request references is not counted in ``num_kv_blocks_used``."""
         kv = self.kv_cache_manager
         return {
             "num_running": len(self.scheduler.running),
@@ -183,4 +195,6 @@ class LLMEngine:
             "num_kv_blocks_total": kv.num_blocks,
             "num_kv_blocks_used": kv.num_used_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": kv.num_queries,
+            "prefix_cache_hits": kv.num_hits,
         }

@@ -34,6 +34,9 @@ class Request:
         num_computed_tokens: leading tokens of ``token_ids`` whose K/V are cached.
         max_tokens: new tokens allowed (resolved from the params and the context limit).
         generator: the request's own random generator when its params carry a seed.
+        block_hashes: prefix-cache hashes of its leading full blocks (kept across preemption).
+        first_token_time / last_token_time: ``time.monotonic()`` seconds when it got its first
+            and latest token (``None`` before), like ``arrival_time``.
     """
 
     request_id: str
@@ -47,6 +50,9 @@ class Request:
     num_computed_tokens: int = 0
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

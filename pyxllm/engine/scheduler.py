@@ -6,7 +6,8 @@ in arrival order, up to ``--max-seqs-per-batch`` running sequences. With chunked
 longer than what is left of the budget is split across steps (vLLM v1's unified scheduling:
 a request simply has ``num_tokens - num_computed_tokens`` tokens left to compute). When KV
 blocks run out, the most recently admitted running request is preempted: its blocks are freed
-and it waits to be recomputed, keeping the tokens it generated.
+and it waits to be recomputed, keeping the tokens it generated. A waiting request (new or
+preempted) starts after its prefix-cache hit (see ``KVCacheManager.get_computed_blocks``).
 """
 from __future__ import annotations
 
@@ -71,13 +72,16 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
             request = self.waiting[0]
-            num_new = request.num_tokens - request.num_computed_tokens
+            hits = self.kv.get_computed_blocks(request)
+            num_cached = len(hits) * self.kv.block_size
+            num_new = request.num_tokens - num_cached
             if num_new > budget and not self.chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new):
+            if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
+            request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new))

@@ -15,7 +15,8 @@ import math
 import types
 import typing
 
-from pyxllm.config import DTYPES, EngineConfig
+from pyxllm.config import DEVICES, DTYPES, EngineConfig
+from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
 
 TRUE_WORDS = ("true", "1", "yes", "on", "t", "y")
 FALSE_WORDS = ("false", "0", "no", "off", "f", "n")
@@ -26,18 +27,27 @@ ENGINE_HELP = {
     "SmolLM2-135M-Instruct GGUF)",
     "served_model_name": "model name reported by the API (default: derived from --model)",
     "dtype": "weight and activation dtype; auto picks the model's dtype for the device",
-    "device": "device to run on (cpu, cuda, npu, ...)",
+    "device": "device to run on; auto picks cuda, then npu (torch_npu), then mlu (torch_mlu), "
+    "else cpu",
+    "graph_backend": "how the model runs: eager, compile (torch.compile) or graph (decode steps "
+    "captured as CUDA/ACL graphs, prefill eager); also off/none, inductor, cudagraphs/aclgraph",
     "max_seqs_per_batch": "most sequences scheduled in one engine step",
     "max_tokens_per_batch": "most tokens (prefill + decode) scheduled in one engine step",
     "max_model_len": "context limit in tokens (default: the model's max_position_embeddings)",
     "block_size": "tokens per KV-cache block",
-    "kv_cache_memory": "memory for the KV cache, in GiB",
+    "kv_cache_memory": "memory for the KV cache, in GiB (default: 2 on cpu; on an accelerator, "
+    "what --gpu-memory-utilization leaves after the weights)",
+    "gpu_memory_utilization": "fraction of an accelerator's memory this engine may use in all; "
+    "the KV cache gets what the weights leave of it",
     "enable_chunked_prefill": "split long prompts across steps, sharing the token budget "
     "with decodes",
+    "enable_prefix_cache": "reuse the KV blocks of a prompt prefix computed before (by any "
+    "request); outputs are the same either way",
     "seed": "random seed of the engine",
 }
-ENGINE_CHOICES = {"dtype": DTYPES}
-ENGINE_METAVARS = {"model": "PATH", "served_model_name": "NAME", "kv_cache_memory": "GIB"}
+ENGINE_CHOICES = {"dtype": DTYPES, "device": DEVICES}
+ENGINE_METAVARS = {"model": "PATH", "served_model_name": "NAME", "kv_cache_memory": "GIB",
+                   "graph_backend": "KIND", "gpu_memory_utilization": "FRACTION"}
 
 
 def flag_names(name: str) -> list[str]:
@@ -180,7 +190,7 @@ def _engine_flags_help() -> str:
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
-    """The ``pyxllm`` parser with its ``serve`` and ``generate`` subcommands.
+    """The ``pyxllm`` parser with its ``serve``, ``generate`` and ``check-device`` subcommands.
 
     ``args.command`` names the subcommand; ``parser.command_parsers[name]`` is its parser
     (for ``.error()`` after parsing).
@@ -200,6 +210,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     server = serve.add_argument_group("server flags")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
+    server.add_argument(*flag_names("reasoning_parser"), dest="reasoning_parser", default=None,
+                        choices=reasoning_parser_names(),
+                        help="split chat output into reasoning_content and content")
     add_engine_args(serve.add_argument_group("engine flags"))
 
     generate = commands.add_parser(
@@ -220,7 +233,25 @@ def make_arg_parser() -> argparse.ArgumentParser:
                   "apply the model's chat template to the prompt as one user message")
     add_engine_args(generate.add_argument_group("engine flags"))
 
-    parser.command_parsers = {"serve": serve, "generate": generate}
+    check = commands.add_parser(
+        "check-device", help="check a device against the CPU and every runner against eager",
+        allow_abbrev=False, formatter_class=fmt,
+        description="Check the device's float32 logits against the CPU's, each runner's greedy "
+        "tokens against eager's, and measure decode throughput (see README, Devices and runners).",
+    )
+    checks = check.add_argument_group("check flags")
+    checks.add_argument(*flag_names("max_tokens"), dest="max_tokens", type=_int, default=16,
+                        metavar="N", help="greedy tokens per prompt")
+    checks.add_argument(*flag_names("batch_size"), dest="batch_size", type=_int, default=8,
+                        metavar="N", help="sequences decoded together for the throughput figure")
+    checks.add_argument("--atol", type=_float, default=1e-2,
+                        help="largest |logit difference| allowed between device and CPU (float32)")
+    checks.add_argument("--runners", default="eager,graph,compile",
+                        help="comma-separated runners to compare (those the device lacks are skipped)")
+    add_engine_args(check.add_argument_group("engine flags"))
+    check.set_defaults(dtype="float32")
+
+    parser.command_parsers = {"serve": serve, "generate": generate, "check-device": check}
     return parser
 
 

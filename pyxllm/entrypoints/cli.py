@@ -1,4 +1,4 @@
-"""The ``pyxllm`` command: ``pyxllm serve`` and ``pyxllm generate``.
+"""The ``pyxllm`` command: ``pyxllm serve``, ``pyxllm generate`` and ``pyxllm check-device``.
 
 Flags are defined in :mod:`pyxllm.entrypoints.args`. A bad flag value exits with argparse's
 usage error (status 2); an error while loading the model (a ``ValueError`` or a missing file)
@@ -14,14 +14,14 @@ import sys
 from pyxllm.config import EngineConfig
 from pyxllm.entrypoints.args import config_from_args, make_arg_parser, parse_args
 
-__all__ = ["main", "make_arg_parser", "config_from_args", "run_serve", "run_generate"]
+__all__ = ["main", "make_arg_parser", "config_from_args", "run_serve", "run_generate", "run_check_device"]
 
 
 def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     """``pyxllm serve``: run the OpenAI-compatible server until interrupted."""
     from pyxllm.entrypoints.openai.api_server import run_server
 
-    run_server(config, args.host, args.port)
+    run_server(config, args.host, args.port, reasoning_parser=args.reasoning_parser)
     return 0
 
 
@@ -85,7 +85,14 @@ def run_generate(args: argparse.Namespace, config: EngineConfig, out=None) -> in
     return 0
 
 
-COMMANDS = {"serve": run_serve, "generate": run_generate}
+def run_check_device(args: argparse.Namespace, config: EngineConfig) -> int:
+    """``pyxllm check-device``: the device and runner checks of :mod:`pyxllm.entrypoints.check_device`."""
+    from pyxllm.entrypoints.check_device import run_check_device as check
+
+    return check(args, config)
+
+
+COMMANDS = {"serve": run_serve, "generate": run_generate, "check-device": run_check_device}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,6 @@
 the runner and the sampler, and executes one scheduler step at a time."""
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass
 
@@ -12,13 +11,15 @@ from tqdm import tqdm
 from pyxllm.config import EngineConfig
 from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.kv_cache import KVCacheSpec, allocate_kv_caches
-from pyxllm.executor.runners.eager import EagerRunner
+from pyxllm.executor.runners import build_runner
 from pyxllm.executor.sampler import Sampler, SamplingMetadata
 from pyxllm.executor.scheduler_output import SchedulerOutput
-from pyxllm.layers.forward_context import ForwardContext, set_forward_context
+from pyxllm.distributed.parallel_state import get_tp_rank
+from pyxllm.layers.forward_context import ForwardContext
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
 from pyxllm.platforms import Platform
+from pyxllm.platforms.interface import load_class
 from pyxllm.weights import ModelSource, iter_weights
 
 logger = logging.getLogger(__name__)
@@ -43,15 +44,16 @@ def resolve_dtype(dtype: str, platform: Platform, model_config=None) -> torch.dt
     """The compute dtype for ``--dtype``.
 
     ``auto`` takes the checkpoint's dtype from ``model_config`` (see :func:`checkpoint_dtype`),
-    except float16 on CPU, which becomes bfloat16 (as vLLM does); without one (GGUF) it is the
-    platform's default, float32 on CPU. Any other value is taken as given.
+    except float16, which becomes the platform's ``float16_dtype`` (bfloat16 on CPU, as vLLM
+    does); without one (GGUF) it is the platform's default, float32 on CPU. Any other value is
+    taken as given.
     """
     if dtype != "auto":
         return _DTYPES[dtype]
     declared = checkpoint_dtype(model_config)
     if declared is None:
         return platform.default_dtype
-    return torch.bfloat16 if declared == torch.float16 and platform.name == "cpu" else declared
+    return platform.float16_dtype if declared == torch.float16 else declared
 
 
 @dataclass(slots=True)
@@ -64,14 +66,18 @@ class StepResult:
 class ModelExecutor:
     """Loads the model for ``model_config`` and runs steps on ``platform``'s device.
 
+    The device is the card at this rank's index (``platform.device_index``); the attention
+    backend is the platform's choice for ``--block-size``; the runner is ``--graph-backend``'s.
+
     Raises:
-        ValueError: an unsupported architecture, a bad checkpoint, or a KV cache budget too small
-            to hold one block.
+        ValueError: an unsupported architecture or runner, a bad checkpoint, or a KV cache
+            budget too small to hold one block.
     """
 
     def __init__(self, config: EngineConfig, model_config, source: ModelSource, platform: Platform) -> None:
         self.config, self.model_config, self.platform = config, model_config, platform
-        self.device = platform.device()
+        platform.check_runner(config.graph_backend)
+        self.device = platform.set_device(platform.device_index(get_tp_rank()))
         self.dtype = resolve_dtype(config.dtype, platform, model_config)
         model_cls = resolve_model_class(model_config, platform.name)
         torch.manual_seed(config.seed)
@@ -86,20 +92,27 @@ class ModelExecutor:
         load_weights(self.model, weights)
 
         self.kv_spec = KVCacheSpec.from_model(self.model, config.block_size, self.dtype)
-        self.num_kv_blocks = self.kv_spec.num_blocks_for(config.kv_cache_memory * 2**30)
+        budget = platform.kv_cache_bytes(config.kv_cache_memory, config.gpu_memory_utilization, self.device)
+        self.num_kv_blocks = self.kv_spec.num_blocks_for(budget)
         self.kv_caches = allocate_kv_caches(self.kv_spec, self.num_kv_blocks, self.device)
-        module, cls = platform.attention_backend.split(":")
-        self.attn_backend = getattr(importlib.import_module(module), cls)()
-        self.runner = EagerRunner(self.model)
+        self.attn_backend = load_class(platform.select_attention_backend(config.block_size))()
+        max_model_len = config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
+        self.runner = build_runner(
+            config.graph_backend, self.model, platform, self.attn_backend, self.kv_caches,
+            max_batch=config.max_seqs_per_batch, max_model_len=max_model_len, block_size=config.block_size,
+        )
         self.sampler = Sampler(config.seed, self.device)
+        logger.info("device %s, attention %s, runner %s", self.device, type(self.attn_backend).__name__, self.runner.name)
+
+    def make_context(self, batch: InputBatch) -> ForwardContext:
+        """The forward context of one step: the backend's metadata for ``batch`` and the caches."""
+        return ForwardContext(attn=self.attn_backend.build(batch), kv_caches=self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
         """Run one forward pass over ``plan`` and sample where the plan says so."""
         batch = InputBatch.build(plan, self.config.block_size, self.device)
-        ctx = ForwardContext(attn=self.attn_backend.build(batch), kv_caches=self.kv_caches)
-        with set_forward_context(ctx):
-            hidden_states = self.runner(batch.input_ids, batch.positions)
+        hidden_states = self.runner.execute(batch, self.make_context)
         sampled: list[int | None] = [None] * len(plan.sequences)
         rows = [i for i, s in enumerate(plan.sequences) if s.sample]
         if rows:

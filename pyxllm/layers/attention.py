@@ -1,10 +1,37 @@
-"""The attention layer: reshapes heads and hands off to the executor's attention backend."""
+"""The attention layer: reshapes heads and hands off to the executor's attention backend.
+
+Under ``torch.compile`` the hand-off is the custom op ``pyxllm::attention``, opaque to the
+compiler (as vLLM's unified attention op is): the backend's per-step Python (its loop over
+prefill sequences, the cache write) runs eagerly inside it, and the layers around it compile
+into one graph without graph breaks. Eager runs call the same function directly.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from pyxllm.layers.forward_context import get_forward_context
+
+
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+    """Cache this step's K/V of layer ``layer_idx`` and attend, through the current forward context.
+
+    ``query [T, heads, head_dim]``, ``key``/``value [T, kv_heads, head_dim]`` -> ``[T, heads, head_dim]``.
+    """
+    ctx = get_forward_context()
+    k_cache, v_cache = ctx.kv_caches[layer_idx]
+    return ctx.attn.forward(query, key, value, k_cache, v_cache, scale)
+
+
+@torch.library.custom_op("pyxllm::attention", mutates_args=())
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+    """:func:`_attention` as an op the compiler does not trace into (contiguous output, a new tensor)."""
+    return _attention(query, key, value, layer_idx, scale).contiguous()
+
+
+@attention_op.register_fake
+def _(query, key, value, layer_idx, scale):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
 class Attention(nn.Module):
@@ -20,14 +47,12 @@ class Attention(nn.Module):
         self.scale, self.layer_idx = scale, layer_idx
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ctx = get_forward_context()
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        out = ctx.attn.forward(
+        attend = attention_op if torch.compiler.is_compiling() else _attention
+        out = attend(
             q.view(-1, self.num_heads, self.head_dim),
             k.view(-1, self.num_kv_heads, self.head_dim),
             v.view(-1, self.num_kv_heads, self.head_dim),
-            k_cache,
-            v_cache,
+            self.layer_idx,
             self.scale,
         )
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -1,29 +1,62 @@
 """Device platforms: detection, and binding of the platform's kernels.
 
 Device branches live here (and in the executor's choice of attention backend and runner),
-nowhere else.
+nowhere else. ``--device auto`` picks CUDA, then NPU (``torch_npu``), then MLU (``torch_mlu``),
+else the CPU; a device asked for by name whose package is missing fails at start-up with one
+message naming the package and its install command.
 """
 from __future__ import annotations
 
+import importlib
+
 from pyxllm import kernels
 from pyxllm.platforms.cpu import CPU_PLATFORM
-from pyxllm.platforms.interface import Platform
+from pyxllm.platforms.interface import Platform, PlatformUnavailableError
 
-_PLATFORMS: dict[str, Platform] = {"cpu": CPU_PLATFORM}
+# --device spelling -> module with ``is_available()`` and ``load() -> Platform``
+PLATFORM_MODULES: dict[str, str] = {
+    "cpu": "pyxllm.platforms.cpu",
+    "cuda": "pyxllm.platforms.cuda",
+    "npu": "pyxllm.platforms.npu",
+    "mlu": "pyxllm.platforms.mlu",
+}
+AUTO_ORDER = ("cuda", "npu", "mlu")
+DEVICES = ("auto", *PLATFORM_MODULES)  # the same as pyxllm.config.DEVICES
+
 _current: Platform | None = None
+
+__all__ = [
+    "AUTO_ORDER", "DEVICES", "PLATFORM_MODULES", "Platform", "PlatformUnavailableError",
+    "current_platform", "detect_device", "platform_module", "resolve_platform", "set_current_platform",
+]
+
+
+def platform_module(device: str):
+    """The module of a device's platform (``is_available()``, ``load()``); imports no device package."""
+    return importlib.import_module(PLATFORM_MODULES[device])
+
+
+def detect_device() -> str:
+    """The best device present: the first of ``AUTO_ORDER`` that is available, else ``cpu``."""
+    for name in AUTO_ORDER:
+        if platform_module(name).is_available():
+            return name
+    return "cpu"
 
 
 def resolve_platform(device: str) -> Platform:
-    """The platform for a ``--device`` value (``auto`` picks the best one installed).
+    """The platform for a ``--device`` value (``auto`` picks the best one present).
 
     Raises:
-        ValueError: an unknown or unavailable device, naming the supported ones.
+        ValueError: an unknown device, naming the supported ones.
+        PlatformUnavailableError: (a ``ValueError``) the device's package is not installed or it
+            sees no card; the message names the package and its install command.
     """
     if device == "auto":
-        return CPU_PLATFORM
-    if device not in _PLATFORMS:
-        raise ValueError(f"--device: unsupported device {device!r}; supported: {', '.join(['auto', *_PLATFORMS])}")
-    return _PLATFORMS[device]
+        device = detect_device()
+    if device not in PLATFORM_MODULES:
+        raise ValueError(f"--device: unsupported device {device!r}; supported: {', '.join(DEVICES)}")
+    return platform_module(device).load()
 
 
 def set_current_platform(platform: Platform) -> Platform:

@@ -8,7 +8,18 @@ CPU_PLATFORM = Platform(
     torch_device="cpu",
     kernels_module="pyxllm.kernels.cpu",
     attention_backend="pyxllm.attention.torch_paged:TorchPagedAttentionBackend",
-    runners=("eager",),
+    runners=("eager", "compile"),
     dist_backend="gloo",
     default_dtype=torch.float32,
+    float16_dtype=torch.bfloat16,
 )
+
+
+def is_available() -> bool:
+    """The CPU is always there."""
+    return True
+
+
+def load() -> Platform:
+    """The CPU platform (never fails)."""
+    return CPU_PLATFORM

@@ -1,9 +1,52 @@
-"""What every device platform tells the rest of pyxllm."""
+"""What every device platform tells the rest of pyxllm.
+
+A platform is data (which kernels, which attention backend, which runners, which collective
+backend, which dtypes) plus a few queries answered through ``torch.<device>`` (``torch.cuda``,
+``torch.npu`` once ``torch_npu`` is imported, ``torch.mlu`` once ``torch_mlu`` is). Peer
+platforms share this interface, not code.
+"""
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+
+
+class PlatformUnavailableError(ValueError):
+    """A ``--device`` whose package or hardware is missing; the message names what to install."""
+
+
+def package_installed(name: str) -> bool:
+    """Whether ``name`` can be imported (found without importing it)."""
+    return importlib.util.find_spec(name) is not None
+
+
+def torch_release() -> str:
+    """The installed torch's version without its local tag (``2.13.0+cpu`` -> ``2.13.0``)."""
+    return torch.__version__.split("+")[0]
+
+
+@dataclass(frozen=True, slots=True)
+class FusedAttention:
+    """An attention backend that needs an optional package.
+
+    Attributes:
+        package: the importable module it needs (``flash_attn``).
+        backend: ``"module:Class"`` of the backend.
+        block_multiple: ``--block-size`` must be a multiple of this for the backend to apply.
+    """
+
+    package: str
+    backend: str
+    block_multiple: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,10 +57,20 @@ class Platform:
         name: the ``--device`` spelling (``cpu``, ``cuda``, ``npu``, ``mlu``).
         torch_device: the ``torch.device`` type string.
         kernels_module: the kernel package bound to ``pyxllm.kernels.ops``.
-        attention_backend: ``"module:Class"`` of the attention backend the executor builds.
-        runners: the ``--graph-backend`` kinds this platform supports.
+        attention_backend: ``"module:Class"`` of the pure-PyTorch attention backend, used when
+            no entry of ``fused_attention`` applies.
+        runners: the ``--graph-backend`` kinds this platform supports (``eager``, ``compile``,
+            ``graph``).
         dist_backend: the ``torch.distributed`` backend for tensor parallelism.
-        default_dtype: what ``--dtype auto`` means here, unless the checkpoint says otherwise.
+        default_dtype: what ``--dtype auto`` means here when the checkpoint declares no dtype.
+        float16_dtype: what a checkpoint declared float16 computes in under ``--dtype auto``
+            (bfloat16 on CPU, where float16 matmuls are slow and overflow-prone).
+        fused_attention: fused backends in order of preference, each used when its package is
+            installed and the block size fits.
+        graph_class: name of the graph-capture class in ``torch.<torch_device>``
+            (``CUDAGraph``, ``NPUGraph``); ``None`` where graphs are not captured.
+        visible_devices_env: the variable that lists the cards every rank sees
+            (``CUDA_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``); ``None`` on CPU.
     """
 
     name: str
@@ -27,7 +80,109 @@ class Platform:
     runners: tuple[str, ...]
     dist_backend: str
     default_dtype: torch.dtype
+    float16_dtype: torch.dtype = torch.float16
+    fused_attention: tuple[FusedAttention, ...] = ()
+    graph_class: str | None = None
+    visible_devices_env: str | None = None
+
+    @property
+    def is_accelerator(self) -> bool:
+        """Whether the device has its own memory to query (everything but CPU)."""
+        return self.visible_devices_env is not None
+
+    def device_module(self) -> ModuleType | None:
+        """``torch.cuda`` / ``torch.npu`` / ``torch.mlu``; ``None`` on CPU."""
+        return getattr(torch, self.torch_device) if self.is_accelerator else None
 
     def device(self, index: int = 0) -> torch.device:
         """The ``torch.device`` this process computes on."""
-        return torch.device(self.torch_device) if self.torch_device == "cpu" else torch.device(self.torch_device, index)
+        return torch.device(self.torch_device, index) if self.is_accelerator else torch.device("cpu")
+
+    def device_index(self, local_rank: int) -> int:
+        """The card a rank computes on: every rank sees all cards of its node (through
+        ``visible_devices_env``) and takes the one at its local rank, as xLLM does.
+
+        Raises:
+            ValueError: fewer visible cards than ``local_rank + 1`` (naming the variable).
+        """
+        if not self.is_accelerator:
+            return 0
+        count = self.device_module().device_count()
+        if local_rank >= count:
+            raise ValueError(
+                f"--device {self.name}: rank {local_rank} needs card {local_rank} but only {count} "
+                f"are visible; every rank must see all cards of its node ({self.visible_devices_env})"
+            )
+        return local_rank
+
+    def set_device(self, index: int) -> torch.device:
+        """Make card ``index`` this process's current device and return it."""
+        if self.is_accelerator:
+            self.device_module().set_device(index)
+        return self.device(index)
+
+    def check_runner(self, kind: str) -> None:
+        """Refuse a ``--graph-backend`` this platform does not run (never replaced silently).
+
+        Raises:
+            ValueError: naming the flag, the kind, the device and the kinds it supports.
+        """
+        if kind not in self.runners:
+            raise ValueError(
+                f"--graph-backend {kind} is not supported on device {self.name}; "
+                f"supported there: {', '.join(self.runners)}"
+            )
+
+    def kv_cache_bytes(self, kv_cache_memory: float | None, gpu_memory_utilization: float,
+                       device: torch.device, cpu_default_gib: float = 2.0) -> float:
+        """Bytes the KV cache may take, measured after the weights are loaded.
+
+        ``kv_cache_memory`` (GiB) wins when given. Otherwise an accelerator takes
+        ``gpu_memory_utilization`` of the card's total memory less what is in use now
+        (weights, other processes); the CPU takes ``cpu_default_gib``.
+
+        Raises:
+            ValueError: the fraction leaves nothing for the cache (naming the flag and figures).
+        """
+        if kv_cache_memory is not None:
+            return kv_cache_memory * GIB
+        if not self.is_accelerator:
+            return cpu_default_gib * GIB
+        free, total = self.device_module().mem_get_info(device)
+        budget = total * gpu_memory_utilization - (total - free)
+        if budget <= 0:
+            raise ValueError(
+                f"--gpu-memory-utilization: {gpu_memory_utilization} of {total / GIB:.1f} GiB leaves "
+                f"nothing for the KV cache ({(total - free) / GIB:.1f} GiB already in use); raise it "
+                "or set --kv-cache-memory"
+            )
+        return budget
+
+    def select_attention_backend(self, block_size: int) -> str:
+        """The first ``fused_attention`` entry whose package is installed and whose block
+        multiple divides ``block_size``, else the pure-PyTorch ``attention_backend``."""
+        for fused in self.fused_attention:
+            if not package_installed(fused.package):
+                continue
+            if block_size % fused.block_multiple:
+                logger.info("%s needs --block-size a multiple of %d; using %s", fused.package,
+                            fused.block_multiple, self.attention_backend)
+                continue
+            return fused.backend
+        return self.attention_backend
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (for timing); a no-op on CPU."""
+        if self.is_accelerator:
+            self.device_module().synchronize()
+
+    def empty_cache(self) -> None:
+        """Return cached, unused device memory to the driver; a no-op on CPU."""
+        if self.is_accelerator:
+            self.device_module().empty_cache()
+
+
+def load_class(path: str):
+    """The object at ``"package.module:Name"``."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)

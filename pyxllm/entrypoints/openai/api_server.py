@@ -2,8 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health`` (200, or 503 when the engine loop died),
-``GET /debug/stats`` (``engine.stats()``: running/waiting requests, KV blocks in use) and
-``GET /version``.
+``GET /debug/stats`` (``engine.stats()``: running/waiting requests, KV blocks in use),
+``GET /metrics`` (Prometheus text format, see :mod:`pyxllm.engine.metrics`) and ``GET /version``.
 """
 from __future__ import annotations
 
@@ -54,6 +54,15 @@ async def debug_stats(raw_request: Request) -> JSONResponse:
     return JSONResponse(raw_request.app.state.engine.stats())
 
 
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    """The engine's Prometheus metrics, in the text exposition format."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    body = generate_latest(raw_request.app.state.engine.metrics.registry)
+    return Response(content=body, media_type=CONTENT_TYPE_LATEST)
+
+
 @router.get("/version")
 async def version() -> JSONResponse:
     """The pyxllm version."""
@@ -95,15 +104,17 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
     return await handler.create_completion(request, raw_request)
 
 
-def build_app(engine) -> FastAPI:
+def build_app(engine, reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an :class:`~pyxllm.engine.async_engine.AsyncEngine`).
 
+    ``reasoning_parser`` names the parser splitting chat text into ``reasoning_content`` and
+    ``content`` (see :mod:`pyxllm.entrypoints.openai.reasoning`); ``None`` splits nothing.
     The app does not own the engine: whoever built the engine shuts it down.
     """
     app = FastAPI(title="pyxllm", summary="OpenAI-compatible API of a pyxllm engine")
     app.include_router(router)
     app.state.engine = engine
-    app.state.openai_serving_chat = OpenAIServingChat(engine)
+    app.state.openai_serving_chat = OpenAIServingChat(engine, reasoning_parser)
     app.state.openai_serving_completion = OpenAIServingCompletion(engine)
     install_exception_handlers(app)
     return app
@@ -152,17 +163,21 @@ def _ensure_logging() -> None:
 
 
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-               log_level: str = "warning") -> None:
+               log_level: str = "warning", reasoning_parser: str | None = None) -> None:
     """Load the engine, serve it over HTTP until SIGINT/SIGTERM, then shut the engine down.
 
     ``log_level`` is uvicorn's (its access log is off); pyxllm logs one line with the URL.
+    ``reasoning_parser``: see :func:`build_app` (an unknown name fails before the model loads).
     """
     from pyxllm.engine.async_engine import AsyncEngine
+    from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
 
+    if reasoning_parser:
+        get_reasoning_parser(reasoning_parser)
     _ensure_logging()
     engine = AsyncEngine.from_config(config)
     try:
-        app = build_app(engine)
+        app = build_app(engine, reasoning_parser)
         shown_host = f"[{host}]" if ":" in host else host
         banner = (f"serving {engine.model_name} (max_model_len={engine.max_model_len}) "
                   f"at http://{shown_host}:{port}/v1")

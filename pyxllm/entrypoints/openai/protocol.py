@@ -138,10 +138,13 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """The assistant message of a non-streamed chat choice."""
+    """The assistant message of a non-streamed chat choice; ``reasoning_content`` and its alias
+    ``reasoning`` (vLLM extensions) are set by ``--reasoning-parser``, else null."""
 
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -170,6 +173,9 @@ class DeltaMessage(OpenAIBaseModel):
 
     role: str | None = None
     content: str | None = None
+    # vLLM extensions, with --reasoning-parser: the same text under both names
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -18,6 +18,7 @@ from pyxllm.entrypoints.openai.protocol import (
     ChatMessage,
     DeltaMessage,
 )
+from pyxllm.entrypoints.openai.reasoning import ReasoningParser, get_reasoning_parser
 from pyxllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ClientDisconnected,
@@ -29,7 +30,33 @@ from pyxllm.sampling_params import SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Serves chat completions from one engine, streamed or not."""
+    """Serves chat completions from one engine, streamed or not.
+
+    With ``reasoning_parser`` (a registered name, e.g. ``"qwen3"``) the generated text is split
+    into ``reasoning_content`` (also sent as ``reasoning``) and ``content``, unless the prompt
+    already closed the reasoning (then all of it is content).
+
+    Raises:
+        ValueError: an unknown ``reasoning_parser``.
+    """
+
+    def __init__(self, engine, reasoning_parser: str | None = None):
+        super().__init__(engine)
+        self.reasoning_parser: ReasoningParser | None = None
+        if reasoning_parser:
+            self.reasoning_parser = get_reasoning_parser(reasoning_parser)(engine.tokenizer)
+
+    def request_reasoning_parser(self, request: ChatCompletionRequest, params: SamplingParams,
+                                 prompt_token_ids: list[int]) -> ReasoningParser | None:
+        """The parser splitting this request's text, ``None`` when nothing is to be split; keeps
+        special tokens in the text when the parser's tags are special (and the request did not
+        say otherwise)."""
+        parser = self.reasoning_parser
+        if parser is None or parser.is_reasoning_end(prompt_token_ids):
+            return None
+        if parser.needs_special_tokens and request.skip_special_tokens is None:
+            params.skip_special_tokens = False
+        return parser
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
@@ -44,6 +71,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens)
         prompt_token_ids = self.render(request)
         self.fit_to_context(params, len(prompt_token_ids), "messages")
+        reasoning = self.request_reasoning_parser(request, params, prompt_token_ids)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -51,7 +79,8 @@ class OpenAIServingChat(OpenAIServing):
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return self.stream(
                 lambda mark_finished: self.chat_stream(
-                    request_id, created, prompt_token_ids, params, include_usage, mark_finished
+                    request_id, created, prompt_token_ids, params, include_usage, mark_finished,
+                    reasoning,
                 ),
                 request_id,
             )
@@ -63,7 +92,7 @@ class OpenAIServingChat(OpenAIServing):
         response = ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name,
             choices=[ChatCompletionResponseChoice(
-                index=0, message=ChatMessage(role="assistant", content=completion.text),
+                index=0, message=chat_message(completion.text, reasoning),
                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
             )],
             usage=usage_info(len(prompt_token_ids), len(completion.token_ids)),
@@ -103,8 +132,10 @@ class OpenAIServingChat(OpenAIServing):
 
     async def chat_stream(self, request_id: str, created: int, prompt_token_ids: list[int],
                           params: SamplingParams, include_usage: bool,
-                          mark_finished: Callable[[], None]) -> AsyncIterator[str]:
-        """SSE events: a role delta, content deltas, one finish_reason, usage, ``[DONE]``."""
+                          mark_finished: Callable[[], None],
+                          reasoning: ReasoningParser | None = None) -> AsyncIterator[str]:
+        """SSE events: a role delta, content (and reasoning) deltas, one finish_reason, usage,
+        ``[DONE]``."""
 
         def chunk(delta: DeltaMessage, finish_reason=None, stop_reason=None) -> str:
             choice = ChatCompletionResponseStreamChoice(
@@ -115,25 +146,24 @@ class OpenAIServingChat(OpenAIServing):
             ))
 
         yield chunk(DeltaMessage(role="assistant", content=""))
-        sent, num_generated, finished = 0, 0, False
+        text, num_generated, finished = "", 0, False
         try:
             async for output in self.engine.generate(prompt_token_ids, params, request_id):
                 completion = output.outputs[0]
-                delta, sent = completion.text[sent:], len(completion.text)
-                num_generated = len(completion.token_ids)
+                delta = delta_message(text, completion.text, output.finished, reasoning)
+                text, num_generated = completion.text, len(completion.token_ids)
                 if output.finished:
                     finished = True
                     mark_finished()
-                    yield chunk(DeltaMessage(content=delta or None),
-                                completion.finish_reason or "stop", completion.stop_reason)
-                elif delta:
-                    yield chunk(DeltaMessage(content=delta))
+                    yield chunk(delta, completion.finish_reason or "stop", completion.stop_reason)
+                elif delta.content or delta.reasoning_content:
+                    yield chunk(delta)
         except Exception as exc:  # noqa: BLE001 - reported in the stream, the server lives on
             yield self.stream_error(exc)
             yield SSE_DONE
             return
         if not finished:  # the engine's iterator ended without a final output
-            yield chunk(DeltaMessage(), "abort")
+            yield chunk(delta_message(text, text, True, reasoning), "abort")
         if include_usage:
             yield sse(ChatCompletionStreamResponse(
                 id=request_id, created=created, model=self.model_name, choices=[],
@@ -141,3 +171,23 @@ class OpenAIServingChat(OpenAIServing):
             ))
         yield SSE_DONE
 
+
+def chat_message(text: str, reasoning: ReasoningParser | None) -> ChatMessage:
+    """The assistant message of a whole generated text, split by ``reasoning`` if given
+    (then an empty part is ``None``)."""
+    if reasoning is None:
+        return ChatMessage(role="assistant", content=text)
+    reasoning_text, content = reasoning.extract_reasoning(text)
+    return ChatMessage(role="assistant", content=content, reasoning_content=reasoning_text,
+                       reasoning=reasoning_text)
+
+
+def delta_message(previous_text: str, current_text: str, finished: bool,
+                  reasoning: ReasoningParser | None) -> DeltaMessage:
+    """What a stream chunk adds now that the text grew from ``previous_text`` to
+    ``current_text``; empty parts are left out."""
+    if reasoning is None:
+        return DeltaMessage(content=current_text[len(previous_text):] or None)
+    delta = reasoning.extract_reasoning_streaming(previous_text, current_text, finished)
+    return DeltaMessage(content=delta.content or None, reasoning_content=delta.reasoning or None,
+                        reasoning=delta.reasoning or None)

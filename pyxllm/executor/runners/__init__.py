@@ -1,1 +1,31 @@
-"""Runners execute the model forward: eager today; compiled and graph-captured runners plug in here."""
+"""Runners execute the model forward: ``eager``, ``compile`` (``torch.compile``) and ``graph``
+(decode steps captured per batch-size bucket, prefill eager). Every runner gives the same greedy
+tokens as eager; the platform says which ones it supports, and any other is refused by name."""
+from __future__ import annotations
+
+from pyxllm.executor.runners.base import Runner
+from pyxllm.executor.runners.compiled import CompileRunner
+from pyxllm.executor.runners.eager import EagerRunner
+from pyxllm.executor.runners.graph import DeviceGraphCapture, EagerCapture, GraphRunner, capture_sizes
+
+__all__ = [
+    "CompileRunner", "DeviceGraphCapture", "EagerCapture", "EagerRunner", "GraphRunner", "Runner",
+    "build_runner", "capture_sizes",
+]
+
+
+def build_runner(kind: str, model, platform, attn_backend=None, kv_caches=None, max_batch: int = 1,
+                 max_model_len: int = 1, block_size: int = 16) -> Runner:
+    """The runner of ``kind`` (``eager``, ``compile`` or ``graph``; aliases are normalized by
+    ``EngineConfig``) for ``model`` on ``platform``; ``graph`` captures its buckets here.
+
+    Raises:
+        ValueError: ``kind`` is not among ``platform.runners`` (never replaced by another).
+    """
+    platform.check_runner(kind)
+    if kind == "eager":
+        return EagerRunner(model)
+    if kind == "compile":
+        return CompileRunner(model)
+    capture = DeviceGraphCapture(platform.device_module(), platform.graph_class)
+    return GraphRunner(model, attn_backend, kv_caches, max_batch, max_model_len, block_size, capture)

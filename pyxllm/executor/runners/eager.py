@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
+
+from pyxllm.executor.runners.base import Runner
 
 
-class EagerRunner:
+class EagerRunner(Runner):
     """Calls ``model(input_ids [T], positions [T]) -> hidden [T, hidden]`` directly."""
 
     name = "eager"
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

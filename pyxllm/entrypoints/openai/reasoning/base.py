@@ -1,0 +1,90 @@
+"""The interface of a reasoning parser, and the streaming logic every parser shares."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class ReasoningSpans(NamedTuple):
+    """Where reasoning and content lie in a text: ``text[reasoning_start:reasoning_end]`` and
+    ``text[content_start:content_end]``; whatever lies outside both (tags, a held-back partial
+    tag) is shown in neither field."""
+
+    reasoning_start: int
+    reasoning_end: int
+    content_start: int
+    content_end: int
+
+
+class ReasoningDelta(NamedTuple):
+    """What one streamed step adds to ``reasoning_content`` and to ``content`` (either may be
+    empty)."""
+
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningParser(ABC):
+    """Splits generated text into reasoning and content, whole or streamed.
+
+    One instance serves every request of a server: it keeps no per-request state. Streaming is
+    computed from the text already streamed and the text now, so concatenated deltas always
+    equal the fields of :meth:`extract_reasoning` on the final text.
+
+    A subclass implements :meth:`spans`, which must be monotone: as text grows, the reasoning
+    and the content it reports only grow (what was shown is never taken back), which is why a
+    possible partial tag at the end of an unfinished text is held back.
+
+    Args:
+        tokenizer: the engine's :class:`~pyxllm.engine.tokenizer.Tokenizer`.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    @property
+    def needs_special_tokens(self) -> bool:
+        """True when decoding with ``skip_special_tokens`` would drop the parser's tags, so a
+        reasoning request must keep special tokens in its text."""
+        return False
+
+    def is_reasoning_end(self, prompt_token_ids: Sequence[int]) -> bool:
+        """True when the prompt itself closed the reasoning (e.g. a chat template rendered an
+        empty think block for ``enable_thinking=False``): everything generated is content."""
+        return False
+
+    @abstractmethod
+    def spans(self, text: str, final: bool) -> ReasoningSpans:
+        """The reasoning and content spans of ``text``.
+
+        Args:
+            text: the generated text so far.
+            final: no more text follows; nothing may be held back.
+        """
+
+    def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
+        """``(reasoning, content)`` of a whole generated text; an empty part is ``None``."""
+        s = self.spans(text, final=True)
+        reasoning = text[s.reasoning_start:s.reasoning_end]
+        content = text[s.content_start:s.content_end]
+        return reasoning or None, content or None
+
+    def extract_reasoning_streaming(self, previous_text: str, current_text: str,
+                                    finished: bool = False) -> ReasoningDelta:
+        """What to stream now that the text grew from ``previous_text`` to ``current_text``.
+
+        Args:
+            previous_text: the text of the previous call (``""`` at first); its parts were
+                streamed, except what was held back.
+            current_text: the text now; starts with ``previous_text``.
+            finished: ``current_text`` is final: release anything held back.
+        """
+        before = self.spans(previous_text, final=False)
+        now = self.spans(current_text, final=finished)
+        shown_reasoning = before.reasoning_end - before.reasoning_start
+        shown_content = before.content_end - before.content_start
+        return ReasoningDelta(
+            current_text[now.reasoning_start + shown_reasoning:now.reasoning_end],
+            current_text[now.content_start + shown_content:now.content_end],
+        )

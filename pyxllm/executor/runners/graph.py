@@ -1,0 +1,157 @@
+"""The graph runner: decode steps captured once per batch-size bucket and replayed.
+
+Device-neutral: bucket choice, the static input buffers and the padding live in
+:class:`GraphRunner`; the capture itself is pluggable. :class:`DeviceGraphCapture` records CUDA
+graphs (``torch.cuda.CUDAGraph``) or ACL graphs (``torch.npu.NPUGraph``); :class:`EagerCapture`
+replays by running the padded batch eagerly, the CPU stand-in that tests the padding for real.
+
+A decode batch of ``n`` sequences runs in the smallest bucket ``b >= n`` (1, 2, 4, 8, then
+multiples of 16 up to ``--max-seqs-per-batch``). Rows ``n..b`` are padding: token 0 at
+position 0, slot -1 (the cache write skips it), a context of 1 token in block 0 (finite,
+discarded output). Steps with a prefill, or more sequences than the largest bucket, run eagerly.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from pyxllm.executor.runners.base import Runner
+from pyxllm.layers.forward_context import ForwardContext, set_forward_context
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Bucket sizes: 1, 2, 4, 8, then multiples of 16, up to ``max_batch`` (which ends the list).
+
+    ``capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]``; ``capture_sizes(20) == [1, 2, 4, 8, 16, 20]``.
+    """
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
+    return [*sizes, max_batch]
+
+
+class EagerCapture:
+    """The CPU stand-in: "capturing" keeps the function, and a replay runs it again eagerly."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        return fn
+
+
+class DeviceGraphCapture:
+    """Records ``fn`` as a device graph; a replay re-runs it on the same static buffers.
+
+    Args:
+        device_module: ``torch.cuda`` or ``torch.npu`` (same graph API).
+        graph_class: ``CUDAGraph`` or ``NPUGraph``.
+        warmup: eager runs before each capture (lazy library initialisation must not be captured).
+
+    Untested here (no accelerator on the development machines); ``pyxllm check-device`` checks
+    graph tokens against eager ones on a card.
+    """
+
+    def __init__(self, device_module: ModuleType, graph_class: str, warmup: int = 2) -> None:
+        self.device_module, self.graph_class, self.warmup = device_module, getattr(device_module, graph_class), warmup
+        self.pool = device_module.graph_pool_handle()  # shared by every bucket, largest captured first
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        for _ in range(self.warmup):
+            fn()
+        self.device_module.synchronize()
+        graph = self.graph_class()
+        with self.device_module.graph(graph, pool=self.pool):
+            out = fn()
+        self.device_module.synchronize()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+
+class GraphRunner(Runner):
+    """Replays captured decode steps; runs everything else eagerly.
+
+    Args:
+        model: the model (``forward(input_ids [T], positions [T]) -> [T, hidden]``).
+        attn_backend: the executor's attention backend; its ``build_decode`` makes the captured
+            steps' attention metadata over the static buffers.
+        kv_caches: per layer ``(k_cache, v_cache)``.
+        max_batch: the largest bucket (``--max-seqs-per-batch``).
+        max_model_len: longest context in tokens; captured attention spans this many.
+        block_size: tokens per KV block.
+        capture: a :class:`DeviceGraphCapture` or :class:`EagerCapture`.
+
+    Attributes:
+        sizes: the buckets, ascending; replays: bucket -> how many steps replayed in it.
+    """
+
+    name = "graph"
+
+    def __init__(self, model: nn.Module, attn_backend, kv_caches, max_batch: int, max_model_len: int,
+                 block_size: int, capture) -> None:
+        super().__init__(model)
+        self.attn_backend, self.kv_caches = attn_backend, kv_caches
+        self.sizes = capture_sizes(max_batch)
+        max_blocks = -(-max_model_len // block_size)
+        self.max_seq_len = max_blocks * block_size
+        device, size = kv_caches[0][0].device, self.sizes[-1]
+        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(size, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(size, max_blocks, dtype=torch.long, device=device)
+        with torch.inference_mode():
+            self.graphs = {s: capture.capture(self._decode_fn(s)) for s in reversed(self.sizes)}
+        self.replays = dict.fromkeys(self.sizes, 0)
+
+    def _decode_fn(self, size: int) -> Callable[[], torch.Tensor]:
+        """The forward of a ``size``-row decode step over the static buffers."""
+
+        def forward() -> torch.Tensor:
+            step = self.attn_backend.build_decode(
+                self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size], self.max_seq_len
+            )
+            with set_forward_context(ForwardContext(step, self.kv_caches)):
+                return self.model(self.input_ids[:size], self.positions[:size])
+
+        return forward
+
+    def bucket_for(self, batch) -> int | None:
+        """The bucket an ``InputBatch`` replays in; ``None`` when it must run eagerly (a prefill
+        in it, too many sequences, or a context longer than the captured one)."""
+        n = len(batch.query_lens)
+        if n > self.sizes[-1] or any(q != 1 for q in batch.query_lens) or max(batch.seq_lens_list) > self.max_seq_len:
+            return None
+        return next(s for s in self.sizes if s >= n)
+
+    def pad_inputs(self, batch, size: int) -> None:
+        """Copy a decode batch of ``n`` rows into the static buffers' first ``n`` rows and pad
+        rows ``n..size`` (token 0, position 0, slot -1, context 1, block table of zeros)."""
+        n, width = len(batch.query_lens), batch.block_tables.shape[1]
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.input_ids[n:size].zero_()
+        self.positions[:n].copy_(batch.positions)
+        self.positions[n:size].zero_()
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.slot_mapping[n:size].fill_(-1)
+        self.seq_lens[:n].copy_(batch.seq_lens)
+        self.seq_lens[n:size].fill_(1)
+        self.block_tables[:size].zero_()
+        self.block_tables[:n, :width].copy_(batch.block_tables)
+
+    @torch.inference_mode()
+    def execute(self, batch, make_context) -> torch.Tensor:
+        """Hidden states ``[n, hidden]``; a replay's are a view of the graph's output buffer,
+        valid until the next replay."""
+        size = self.bucket_for(batch)
+        if size is None or batch.block_tables.shape[1] > self.block_tables.shape[1]:
+            return super().execute(batch, make_context)
+        self.pad_inputs(batch, size)
+        self.replays[size] += 1
+        return self.graphs[size]()[: len(batch.query_lens)]
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)

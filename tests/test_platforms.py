@@ -1,0 +1,209 @@
+"""Device platforms: detection with the device packages absent, the missing-package errors,
+the support matrix, runner refusal, memory sizing and device indices, and ``check-device``."""
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pyxllm import kernels, platforms
+from pyxllm.config import DEVICES, GRAPH_BACKENDS, EngineConfig
+from pyxllm.engine.llm_engine import LLMEngine
+from pyxllm.entrypoints.cli import main
+from pyxllm.executor.model_executor import resolve_dtype
+from pyxllm.models import registry
+from pyxllm.platforms import PlatformUnavailableError, interface, resolve_platform
+from pyxllm.platforms.cpu import CPU_PLATFORM
+from pyxllm.platforms.cuda import CUDA_PLATFORM
+from pyxllm.platforms.interface import GIB, Platform
+from pyxllm.platforms.mlu import MLU_PLATFORM
+from pyxllm.platforms.npu import NPU_PLATFORM
+
+ALL = {"cpu": CPU_PLATFORM, "cuda": CUDA_PLATFORM, "npu": NPU_PLATFORM, "mlu": MLU_PLATFORM}
+
+
+@pytest.fixture
+def no_device_packages(monkeypatch):
+    """As on a machine without torch_npu, torch_mlu, flash-attn, and a torch without CUDA."""
+    real = interface.package_installed
+    absent = {"torch_npu", "torch_mlu", "flash_attn"}
+    monkeypatch.setattr(interface, "package_installed", lambda name: name not in absent and real(name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+
+
+@pytest.fixture(autouse=True)
+def keep_cpu_bound():
+    yield
+    platforms.set_current_platform(CPU_PLATFORM)
+
+
+# --- detection and missing packages --------------------------------------------------------
+
+def test_auto_is_cpu_without_device_packages(no_device_packages):
+    assert platforms.detect_device() == "cpu"
+    assert resolve_platform("auto") is CPU_PLATFORM
+    assert EngineConfig().device == "auto"
+
+
+def test_auto_prefers_cuda_then_npu_then_mlu(monkeypatch):
+    seen = []
+
+    def fake(name, available):
+        def is_available():
+            seen.append(name)
+            return available
+        return SimpleNamespace(is_available=is_available)
+
+    modules = {"cuda": fake("cuda", False), "npu": fake("npu", True), "mlu": fake("mlu", True)}
+    monkeypatch.setattr(platforms, "platform_module", modules.__getitem__)
+    assert platforms.detect_device() == "npu"
+    assert seen == ["cuda", "npu"]
+
+
+@pytest.mark.parametrize("device, package, command", [
+    ("npu", "torch_npu", "pip install torch-npu=="),
+    ("mlu", "torch_mlu", "pip install"),
+    ("cuda", "CUDA build of torch", "pip install --force-reinstall torch=="),
+])
+def test_a_missing_device_package_names_it_and_the_install_command(no_device_packages, device, package, command):
+    with pytest.raises(PlatformUnavailableError) as exc:
+        resolve_platform(device)
+    message = str(exc.value)
+    assert package in message and command in message and f"device {device}" in message
+    assert interface.torch_release() in message
+
+
+def test_cuda_built_but_no_gpu(no_device_packages, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with pytest.raises(PlatformUnavailableError, match="sees no GPU.*CUDA_VISIBLE_DEVICES"):
+        resolve_platform("cuda")
+
+
+def test_the_engine_fails_at_start_up_before_loading_anything(no_device_packages, monkeypatch):
+    loaded = []
+    monkeypatch.setattr("pyxllm.engine.llm_engine.resolve_model_source", lambda *a: loaded.append(a))
+    with pytest.raises(PlatformUnavailableError, match="torch_npu"):
+        LLMEngine(EngineConfig(device="npu"))
+    assert loaded == []
+
+
+def test_the_cli_prints_one_error_line(no_device_packages, capsys):
+    assert main(["generate", "hi", "--device", "npu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: device npu needs torch_npu") and "pip install torch-npu" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_an_unknown_device_names_the_flag(capsys):
+    with pytest.raises(ValueError, match="--device"):
+        EngineConfig(device="tpu")
+    with pytest.raises(SystemExit):
+        main(["serve", "--device", "tpu"])
+    assert "--device" in capsys.readouterr().err
+
+
+def test_device_kernel_packages_import_only_with_their_library(no_device_packages):
+    with pytest.raises(ImportError, match="torch_npu"):
+        kernels.bind(NPU_PLATFORM.kernels_module)
+    for platform in (CPU_PLATFORM, CUDA_PLATFORM, MLU_PLATFORM):  # pure-PyTorch underneath
+        ops = kernels.bind(platform.kernels_module)
+        assert set(ops.__all__) == set(importlib.import_module("pyxllm.kernels.native").__all__)
+
+
+# --- the platforms as data -----------------------------------------------------------------
+
+def test_platform_table_is_consistent():
+    assert set(platforms.PLATFORM_MODULES) == set(DEVICES) - {"auto"} == set(ALL)
+    for name, platform in ALL.items():
+        assert platform.name == name
+        assert set(platform.runners) <= set(GRAPH_BACKENDS) and "eager" in platform.runners
+        assert ("graph" in platform.runners) == (platform.graph_class is not None)
+        assert platform.is_accelerator == (name != "cpu")
+    assert CPU_PLATFORM.runners == ("eager", "compile")
+    assert CUDA_PLATFORM.graph_class == "CUDAGraph" and NPU_PLATFORM.graph_class == "NPUGraph"
+    assert [p.dist_backend for p in ALL.values()] == ["gloo", "nccl", "hccl", "cncl"]
+    assert NPU_PLATFORM.visible_devices_env == "ASCEND_RT_VISIBLE_DEVICES"
+
+
+def test_support_matrix_is_data_and_checked(monkeypatch):
+    for arch, (module, cls, supported) in registry.MODEL_REGISTRY.items():
+        assert supported <= set(ALL), arch
+    config = SimpleNamespace(architectures=["LlamaForCausalLM"])
+    monkeypatch.setitem(registry.MODEL_REGISTRY, "LlamaForCausalLM",
+                        ("pyxllm.models.does_not_exist", "X", frozenset({"cuda"})))
+    with pytest.raises(ValueError, match="not supported on device cpu; it runs on cuda"):
+        registry.resolve_model_class(config, "cpu")  # refused before the module is imported
+
+
+@pytest.mark.parametrize("platform, kind", [(CPU_PLATFORM, "graph"), (NPU_PLATFORM, "compile"), (MLU_PLATFORM, "graph")])
+def test_a_runner_the_platform_lacks_is_refused_by_name(platform, kind):
+    with pytest.raises(ValueError) as exc:
+        platform.check_runner(kind)
+    assert f"--graph-backend {kind} is not supported on device {platform.name}" in str(exc.value)
+    assert ", ".join(platform.runners) in str(exc.value)
+
+
+def test_float16_checkpoints_per_platform():
+    fp16 = SimpleNamespace(dtype="float16")
+    assert resolve_dtype("auto", CPU_PLATFORM, fp16) == torch.bfloat16
+    assert resolve_dtype("auto", CUDA_PLATFORM, fp16) == torch.float16
+    assert resolve_dtype("auto", CPU_PLATFORM, SimpleNamespace()) == torch.float32
+    assert resolve_dtype("auto", CUDA_PLATFORM, SimpleNamespace()) == torch.bfloat16
+    assert resolve_dtype("float16", CPU_PLATFORM, fp16) == torch.float16
+
+
+def test_attention_backend_choice(monkeypatch):
+    torch_paged = "pyxllm.attention.torch_paged:TorchPagedAttentionBackend"
+    monkeypatch.setattr(interface, "package_installed", lambda name: False)
+    assert CUDA_PLATFORM.select_attention_backend(256) == torch_paged
+    monkeypatch.setattr(interface, "package_installed", lambda name: name == "flash_attn")
+    assert CUDA_PLATFORM.select_attention_backend(16) == torch_paged  # flash-attn: 256-token pages
+    assert CUDA_PLATFORM.select_attention_backend(256) == "pyxllm.attention.flash_attn:FlashAttnBackend"
+    assert CPU_PLATFORM.select_attention_backend(256) == torch_paged
+
+
+# --- memory and device index (a fake accelerator module) ------------------------------------
+
+@pytest.fixture
+def fake_card(monkeypatch):
+    module = SimpleNamespace(device_count=lambda: 2, mem_get_info=lambda device: (60 * GIB, 80 * GIB),
+                             set_device=lambda index: None)
+    monkeypatch.setattr(torch, "fakedev", module, raising=False)
+    return Platform(name="fake", torch_device="fakedev", kernels_module="pyxllm.kernels.cpu",
+                    attention_backend="x:Y", runners=("eager",), dist_backend="gloo",
+                    default_dtype=torch.float32, visible_devices_env="FAKE_VISIBLE_DEVICES")
+
+
+def test_kv_cache_budget(fake_card):
+    assert CPU_PLATFORM.kv_cache_bytes(None, 0.9, torch.device("cpu")) == 2 * GIB
+    assert CPU_PLATFORM.kv_cache_bytes(0.5, 0.9, torch.device("cpu")) == 0.5 * GIB
+    # 0.9 of 80 GiB is 72; 20 GiB are in use, so 52 GiB are left for the cache
+    assert fake_card.kv_cache_bytes(None, 0.9, None) == pytest.approx(52 * GIB)
+    assert fake_card.kv_cache_bytes(3.0, 0.9, None) == 3 * GIB
+    with pytest.raises(ValueError, match="--gpu-memory-utilization: 0.2 of 80.0 GiB leaves nothing"):
+        fake_card.kv_cache_bytes(None, 0.2, None)
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        EngineConfig(gpu_memory_utilization=1.5)
+
+
+def test_each_rank_takes_the_card_at_its_index(fake_card):
+    assert [fake_card.device_index(rank) for rank in (0, 1)] == [0, 1]
+    with pytest.raises(ValueError, match="rank 2 needs card 2 but only 2 are visible.*FAKE_VISIBLE_DEVICES"):
+        fake_card.device_index(2)
+    assert CPU_PLATFORM.device_index(3) == 0 and CPU_PLATFORM.device(0) == torch.device("cpu")
+
+
+# --- check-device, end to end on the CPU (compared with itself) ------------------------------
+
+def test_check_device_runs_on_cpu(capsys):
+    status = main(["check-device", "--device", "cpu", "--runners", "eager,graph", "--max-tokens", "3",
+                   "--batch-size", "2", "--max-model-len", "128"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "logits  PASS: float32 cpu vs cpu, max |diff| 0.00e+00" in out
+    assert "eager   PASS" in out and "tok/s" in out
+    assert "graph   SKIP: not supported on cpu" in out
+    assert "all checks passed" in out
