@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8", "int4")  # weight-only, see pyxllm.layers.quantization
 DEVICES = ("auto", "cpu", "cuda", "npu", "mlu")
 GRAPH_BACKENDS = ("eager", "compile", "graph")
 # xLLM's spellings of --graph-backend, and ours, -> the runner kind
@@ -33,8 +34,17 @@ class EngineConfig:
     - ``graph_backend``: ``eager``, ``compile`` (``torch.compile``) or ``graph`` (decode steps
       captured as CUDA/ACL graphs); xLLM's ``off``/``none``, ``inductor`` and
       ``cudagraphs``/``aclgraph`` are read as these and stored normalized.
+    - ``quantization``: ``None`` (weights in ``dtype``), or weight-only ``int8`` (per output
+      channel) / ``int4`` (groups of 32, exact for GGUF Q4_1 weights) for the linear layers,
+      the LM head in int8 for both; activations stay in ``dtype``.
     - ``kv_cache_memory``: ``None`` sizes the cache from ``gpu_memory_utilization`` on an
       accelerator and takes 2 GiB on the CPU.
+    - Tensor parallelism (see ``pyxllm.executor.multiproc``): ``tensor_parallel_size`` N > 1 on
+      one node spawns N-1 worker processes here. ``nnodes`` N > 1 runs one rank per node, started
+      by hand with ``node_rank`` 0..N-1 and the same ``master_addr`` (``host:port`` of node 0,
+      where rank 0 serves HTTP); ``tensor_parallel_size`` is then 1 or N. ``dist_init_timeout``
+      (seconds) bounds how long a rank waits for the master address and the other ranks.
+      ``kv_cache_memory`` is per rank.
 
     Raises:
         ValueError: a value out of range; the message names the flag.
@@ -43,6 +53,7 @@ class EngineConfig:
     model: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     device: str = "auto"
     graph_backend: str = "eager"
     max_seqs_per_batch: int = 64
@@ -54,10 +65,41 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_cache: bool = True
     seed: int = 0
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    dist_init_timeout: float = 120.0
+
+    @property
+    def world_size(self) -> int:
+        """Number of tensor-parallel ranks in all (processes, over every node)."""
+        return max(self.tensor_parallel_size, self.nnodes)
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank: must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, got {self.node_rank}")
+        if self.nnodes > 1 and self.tensor_parallel_size not in (1, self.nnodes):
+            raise ValueError(f"--tensor-parallel-size: with --nnodes {self.nnodes} (one rank per node) it must be "
+                             f"1 or {self.nnodes}, got {self.tensor_parallel_size}")
+        if self.nnodes > 1 and not self.master_addr:
+            raise ValueError("--master-addr: --nnodes > 1 needs the host:port of node 0 (e.g. 10.0.0.1:19888)")
+        if self.master_addr:
+            from pyxllm.distributed.address import parse_master_addr
+
+            parse_master_addr(self.master_addr)
+        if self.dist_init_timeout <= 0:
+            raise ValueError(f"--dist-init-timeout: must be > 0 seconds, got {self.dist_init_timeout}")
 
     def __post_init__(self) -> None:
+        self._check_parallel()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization: must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         for name in ("max_seqs_per_batch", "max_tokens_per_batch", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")

@@ -5,6 +5,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One token's log-probability (natural log, <= 0; ``-inf`` for a token the sampling
+    settings ruled out), its 1-based rank in its distribution (1: the most likely) and its text
+    decoded alone (``None`` until decoded)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, the chosen (or prompt) token first, then the top ones.
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt position: the same, ``None`` for the first token (it has no context).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence of a request.
 
@@ -12,7 +29,8 @@ class CompletionOutput:
     ``text`` only ever grows, so a delta is ``text[len(previous_text):]``. ``finish_reason`` is
     ``None`` until the sequence finishes, then ``"stop"`` (EOS, stop string or stop token),
     ``"length"`` (max_tokens or the context limit) or ``"abort"``. ``stop_reason`` is the
-    matched stop string or stop token id, ``None`` for EOS or when not stopped.
+    matched stop string or stop token id, ``None`` for EOS or when not stopped. ``logprobs``
+    (when the request asked for them) has one entry per token of ``token_ids``.
     """
 
     index: int
@@ -20,14 +38,20 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: SampleLogprobs | None = None
 
 
 @dataclass(slots=True)
 class RequestOutput:
-    """The state of one request after an engine step: its prompt and its outputs."""
+    """The state of one request after an engine step: its prompt and its outputs.
+
+    ``outputs`` holds ``n`` completions, ``outputs[i].index == i``; ``finished`` is true once
+    all of them finished. ``prompt_logprobs`` (when asked for) has one entry per prompt token.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: PromptLogprobs | None = None

@@ -1,7 +1,13 @@
-"""Per-request sampling parameters, with vLLM's names and defaults."""
+"""Per-request sampling parameters, with vLLM's names, defaults and checks."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# Most top logprobs a request may ask for, per token (vLLM's default ``max_logprobs``; OpenAI's
+# ``top_logprobs`` limit).
+MAX_LOGPROBS = 20
+# Bounds of a ``logit_bias`` value, as OpenAI documents them.
+LOGIT_BIAS_LIMIT = 100.0
 
 
 @dataclass(slots=True)
@@ -10,14 +16,27 @@ class SamplingParams:
 
     Field names and meanings follow vLLM's ``SamplingParams`` (and so the OpenAI API):
 
+    - ``n`` independent samples of the same prompt (with a ``seed``, sample ``i`` uses
+      ``seed + i``, so sample 0 is what ``n=1`` with that seed gives).
     - ``temperature`` 0 means greedy (argmax); otherwise logits are divided by it.
     - ``top_p`` in (0, 1] keeps the smallest set of tokens whose probability sums to ``top_p``;
-      ``top_k`` <= 0 (vLLM uses -1) disables top-k.
+      ``top_k`` <= 0 (vLLM uses -1) disables top-k; ``min_p`` in [0, 1] drops tokens less
+      likely than ``min_p`` times the most likely one.
+    - ``repetition_penalty`` > 0 (1 = off) divides positive logits and multiplies negative ones
+      of every token seen in the prompt or the output; ``presence_penalty`` and
+      ``frequency_penalty`` in [-2, 2] subtract a constant, and a constant per occurrence, from
+      the logits of tokens already generated (the prompt does not count).
+    - ``logit_bias`` maps token id -> a value in [-100, 100] added to its logit (string keys,
+      as in OpenAI's JSON, are converted).
     - ``seed`` makes this request's random draws independent of the rest of the batch.
-    - ``max_tokens`` is the number of new tokens (``None``: up to the model's context limit).
+    - ``max_tokens`` is the number of new tokens (``None``: up to the model's context limit);
+      ``min_tokens`` new tokens come before any EOS or ``stop_token_ids`` token may be sampled.
     - ``stop`` strings are matched on the detokenized text (across token boundaries) and are not
-      returned; ``stop_token_ids`` stop on a token id (the token is not returned as text).
+      returned unless ``include_stop_str_in_output``; ``stop_token_ids`` stop on a token id.
     - ``ignore_eos`` keeps generating past EOS tokens.
+    - ``logprobs``: return the log-probability of each sampled token and of the ``logprobs``
+      most likely tokens (0: the sampled one only), up to :data:`MAX_LOGPROBS`;
+      ``prompt_logprobs``: the same for each prompt token (the first gets ``None``).
 
     Raises:
         ValueError: a value out of range; the message starts with the field name.
@@ -27,30 +46,87 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
+    min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.n != 1:
-            raise ValueError(f"n: only n=1 is supported for now, got {self.n}")
+        if self.top_k is None:
+            self.top_k = -1
+        self.logit_bias = _int_keys(self.logit_bias) or None
+        self._check()
+
+    def _check(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n: must be >= 1, got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k is None:
-            self.top_k = -1
+        if self.top_k < -1:
+            raise ValueError(f"top_k: must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias: the bias of token {token_id} must be in [-100, 100], got {bias}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens: must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} is more than max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name}: must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0)."""
         return self.temperature < 1e-5
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty changes the logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _int_keys(bias: dict | None) -> dict[int, float]:
+    """``logit_bias`` with int keys ("42" -> 42) and float values.
+
+    Raises:
+        ValueError: a key that is not an integer token id, or a value that is not a number.
+    """
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias: keys must be token ids, got {key!r}") from None
+        try:
+            out[token_id] = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias: the bias of token {key} must be a number, got {value!r}") from None
+    return out

@@ -1,8 +1,15 @@
 """Shared fixtures: the embedded default model and transformers' float32 reference on it."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# The suite checks exact parity with transformers' float32: keep ``--dtype auto`` at float32 on
+# CPUs where it would otherwise be bfloat16 (pyxllm.platforms.cpu); servers started by tests
+# inherit it. Tests of the bfloat16 default pass ``dtype`` or call ``cpu_default_dtype`` directly.
+os.environ.setdefault("PYXLLM_CPU_DEFAULT_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

@@ -205,3 +205,19 @@ def test_skip_special_tokens(tok, prompt_ids, skip, expected):
     out_ids = tok.encode("Hello there", add_special_tokens=False) + [im_end]
     _, detok, _, _ = stream(tok, prompt_ids, out_ids, skip_special_tokens=skip)
     assert detok.output_text == expected
+
+
+@pytest.mark.parametrize("min_tokens", [0, 3, 5])
+def test_min_tokens_defers_stop_strings(tok, prompt_ids, min_tokens):
+    """A stop string only matches in the text of tokens after the first ``min_tokens`` (an "e"
+    those tokens already showed does not count later), as vLLM's detokenizer does."""
+    text = " is Lee, and I'm a student in the college of engineering"
+    out_ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.decode(out_ids[: i + 1]) for i in range(len(out_ids))]
+    # the reference: the first "e" in text added by a token past min_tokens
+    start = len(pieces[min_tokens - 1]) if min_tokens else 0
+    expected = text[: text.index("e", start)]
+    _, detok, stop, _ = stream(tok, prompt_ids, out_ids, stop=["e"], min_tokens=min_tokens)
+    assert stop == "e" and detok.output_text == expected
+    if min_tokens:
+        assert "e" in expected  # the deferred stop let an earlier "e" through

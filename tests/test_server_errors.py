@@ -118,7 +118,8 @@ def test_empty_messages(server):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0), ("n", 2),
+    ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0), ("n", 0),
+    ("frequency_penalty", -3), ("logit_bias", {"1": -101}), ("min_p", -0.1),
 ])
 @pytest.mark.parametrize("path", ["chat/completions", "completions"])
 def test_invalid_sampling_values(server, path, field, value):

@@ -33,6 +33,8 @@ class TorchPagedAttentionStep:
             when ``decode_token_idx`` is None, else at those indices.
         decode_block_tables / decode_seq_lens: ``[num_decodes, max_blocks]`` / ``[num_decodes]``.
         prefills: the prefill sequences.
+        decode_mask: ``[num_decodes, 1, 1, decode_max_seq_len]`` bool, the context positions
+            each decode row must not attend to; built once per step for every layer.
     """
 
     slot_mapping: torch.Tensor
@@ -42,12 +44,14 @@ class TorchPagedAttentionStep:
     decode_seq_lens: torch.Tensor
     decode_max_seq_len: int
     prefills: list[PrefillSpan]
+    decode_mask: torch.Tensor | None = None
 
     def decode(self, query, k_cache, v_cache, scale: float) -> torch.Tensor:
         """Attention of the decode rows ``query [num_decodes, heads, head_dim]`` over their cached
         context (a fused backend overrides this)."""
         return kernels.ops.paged_attention_decode(
-            query, k_cache, v_cache, self.decode_block_tables, self.decode_seq_lens, self.decode_max_seq_len, scale
+            query, k_cache, v_cache, self.decode_block_tables, self.decode_seq_lens, self.decode_max_seq_len, scale,
+            self.decode_mask,
         )
 
     def forward(self, query, key, value, k_cache, v_cache, scale: float) -> torch.Tensor:
@@ -89,6 +93,7 @@ class TorchPagedAttentionBackend:
         return TorchPagedAttentionStep(
             slot_mapping=slot_mapping, num_decodes=slot_mapping.shape[0], decode_token_idx=None,
             decode_block_tables=block_tables, decode_seq_lens=seq_lens, decode_max_seq_len=max_seq_len, prefills=[],
+            decode_mask=kernels.ops.decode_attention_mask(seq_lens, max_seq_len),
         )
 
     def build(self, batch) -> TorchPagedAttentionStep:
@@ -102,12 +107,15 @@ class TorchPagedAttentionBackend:
         ]
         contiguous = decode_rows == list(range(len(decode_rows)))
         rows = torch.tensor(decode_rows, dtype=torch.long)
+        decode_seq_lens = batch.seq_lens if contiguous and not prefills else batch.seq_lens[rows]
+        max_seq_len = max((seq_lens[i] for i in decode_rows), default=0)
         return TorchPagedAttentionStep(
             slot_mapping=batch.slot_mapping,
             num_decodes=len(decode_rows),
             decode_token_idx=None if contiguous else torch.tensor([starts[i] for i in decode_rows], dtype=torch.long),
             decode_block_tables=batch.block_tables if contiguous and not prefills else batch.block_tables[rows],
-            decode_seq_lens=batch.seq_lens if contiguous and not prefills else batch.seq_lens[rows],
-            decode_max_seq_len=max((seq_lens[i] for i in decode_rows), default=0),
+            decode_seq_lens=decode_seq_lens,
+            decode_max_seq_len=max_seq_len,
             prefills=prefills,
+            decode_mask=kernels.ops.decode_attention_mask(decode_seq_lens, max_seq_len) if decode_rows else None,
         )

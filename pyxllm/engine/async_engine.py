@@ -104,17 +104,25 @@ class AsyncEngine:
         return self.engine.stats()
 
     def check_health(self) -> None:
-        """Raises RuntimeError when the engine loop has died (naming the cause)."""
+        """Raises RuntimeError when the engine loop has died (naming the cause), or a TP worker
+        has (``WorkerDiedError``, naming its rank)."""
+        self.engine.executor.check_health()
         if self._error is not None:
             raise RuntimeError(f"engine loop died: {self._error!r}")
         if not self._thread.is_alive():
             raise RuntimeError("engine loop is not running")
 
+    def fatal_error(self) -> str | None:
+        """Why the engine can never serve again (a TP worker died), else ``None``; the server
+        exits when it is set."""
+        return self.engine.executor.failure
+
     def shutdown(self) -> None:
-        """Stop the engine thread; pending requests get an error."""
+        """Stop the engine thread (pending requests get an error), then the TP workers, if any."""
         self._stopped.set()
         self._commands.put(("stop", None))
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     def _handle(self, kind: str, payload) -> None:
         if kind == "add":

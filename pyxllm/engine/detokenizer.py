@@ -30,6 +30,8 @@ class IncrementalDetokenizer:
         skip_special_tokens: drop special tokens (``<|im_end|>`` …) from the text.
         stop: stop strings (empty strings are ignored).
         include_stop_str_in_output: keep the matched stop string at the end of the text.
+        min_tokens: stop strings only match in text of tokens fed after this many (as vLLM;
+            text that might start a stop string is still held back before that).
 
     Attributes:
         stop_reason: the stop string that matched, ``None`` until one does.
@@ -43,12 +45,15 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(s for s in stop if s)
         self.include_stop_str_in_output = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.min_tokens = min_tokens
+        self._num_fed = 0
 
         n_seed = min(len(prompt_token_ids), INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
         # The window: only the prompt's tail plus the output tokens not yet read for good.
@@ -87,6 +92,7 @@ class IncrementalDetokenizer:
             raise RuntimeError("IncrementalDetokenizer.update() called after it finished")
         if not new_token_ids:
             return None
+        self._num_fed += len(new_token_ids)
         self._token_ids.extend(int(t) for t in new_token_ids)
         delta = self._decode_new_text()
         if not delta:
@@ -94,7 +100,7 @@ class IncrementalDetokenizer:
         old_len = len(self._text)
         self._text += delta
         if self.stop:
-            matched = self._find_stop(old_len)
+            matched = self._find_stop(old_len) if self._num_fed > self.min_tokens else None
             if matched is not None:
                 return matched
             self._visible = max(self._visible, len(self._text) - self._held_stop_prefix_len())
@@ -160,7 +166,9 @@ class IncrementalDetokenizer:
         stream would have found, whatever the tokenization. On a match the text is cut and
         the detokenizer finishes.
         """
-        search_from = max(0, old_len - self._max_stop_len + 1)
+        # Text already shown never starts a match (shown text holds no pending stop prefix; a
+        # stop string shown whole before min_tokens is not matched afterwards).
+        search_from = max(0, old_len - self._max_stop_len + 1, self._visible)
         best: tuple[int, int, str] | None = None  # (end, -len, stop)
         for s in self.stop:
             idx = self._text.find(s, search_from)

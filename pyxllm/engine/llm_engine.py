@@ -8,10 +8,12 @@ from pyxllm.config import EngineConfig
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.kv_cache_manager import KVCacheManager
 from pyxllm.engine.metrics import EngineMetrics
+from pyxllm.engine.logprobs import record_logprobs
+from pyxllm.engine.parallel_sampling import ParentRequest, fold_children
 from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
 from pyxllm.engine.tokenizer import Tokenizer
-from pyxllm.executor.model_executor import ModelExecutor
+from pyxllm.executor.multiproc import build_executor
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.platforms import resolve_platform, set_current_platform
 from pyxllm.sampling_params import SamplingParams
@@ -61,13 +63,16 @@ class LLMEngine:
         self.tokenizer = Tokenizer(load_hf_tokenizer(source), defaults.eos_token_ids)
         self.model_name = config.served_model_name or source.name
         set_current_platform(platform)
-        self.executor = ModelExecutor(config, model_config, source, platform)
+        # one ModelExecutor, or under tensor parallelism rank 0's MultiprocExecutor driving the workers
+        self.executor = build_executor(config, model_config, source, platform)
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_kv_blocks, config.block_size, enable_prefix_cache=config.enable_prefix_cache
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.metrics = EngineMetrics(self.model_name, self.scheduler, self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
+        self.parents: dict[str, ParentRequest] = {}  # n > 1: parent id -> its children's outputs
+        self._parent_of: dict[str, ParentRequest] = {}  # child id -> parent
         max_concurrency = self.executor.num_kv_blocks * config.block_size / self.max_model_len
         logger.info(
             "model %s, dtype %s, device %s, %d KV blocks of %d tokens, max %.2fx concurrent sequences of %d tokens",
@@ -94,6 +99,10 @@ class LLMEngine:
         vocab = self.executor.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is out of range [0, {vocab})")
         max_tokens = self.max_model_len - num_prompt if params.max_tokens is None else params.max_tokens
         if num_prompt + max(max_tokens, 1) > self.max_model_len:
             raise ValueError(
@@ -113,26 +122,54 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, prompt: str | None = None) -> None:
         """Queue a request; it joins the batch at the next step.
 
+        With ``n > 1`` the request runs as ``n`` children (see :mod:`pyxllm.engine.parallel_sampling`)
+        whose outputs come back as one ``RequestOutput`` under ``request_id``.
+
         Raises:
             ValueError: see ``validate_request``; or a ``request_id`` already in use.
         """
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate_request(prompt_token_ids, sampling_params)
+        if sampling_params.n == 1:
+            self._add_child(request_id, prompt, prompt_token_ids, sampling_params, max_tokens)
+            return
+        parent = ParentRequest(request_id, prompt, list(prompt_token_ids), sampling_params)
+        self.parents[request_id] = parent
+        for index, child_id in enumerate(parent.child_ids):
+            self._parent_of[child_id] = parent
+            self._add_child(child_id, prompt, prompt_token_ids, parent.child_params(index), max_tokens, index)
+
+    def _add_child(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                   params: SamplingParams, max_tokens: int, index: int = 0) -> None:
         detokenizer = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids,
-            skip_special_tokens=sampling_params.skip_special_tokens, stop=sampling_params.stop,
+            self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens,
         )
-        request = Request(request_id, prompt, list(prompt_token_ids), sampling_params, max_tokens, detokenizer)
+        min_tokens_stop_ids = ()
+        if params.min_tokens > 0:
+            eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
+            min_tokens_stop_ids = tuple(sorted({*eos, *params.stop_token_ids}))
+        request = Request(request_id, prompt, list(prompt_token_ids), params, max_tokens, detokenizer,
+                          index=index, min_tokens_stop_ids=min_tokens_stop_ids)
         self.requests[request_id] = request
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its KV blocks (unknown ids are ignored)."""
+        """Stop a request (every child of an ``n > 1`` one) now and free its KV blocks (unknown
+        ids are ignored)."""
+        parent = self.parents.pop(request_id, None)
+        for child_id in parent.child_ids if parent is not None else ():
+            self._parent_of.pop(child_id, None)
+            self.abort_request(child_id)
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
             self.metrics.record_finished(request, time.monotonic())
+
+    def shutdown(self) -> None:
+        """Stop the executor's TP workers, if any (a no-op on one process); idempotent."""
+        self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -144,6 +181,8 @@ class LLMEngine:
             return []
         result = self.executor.execute(plan)
         outputs, now = [], time.monotonic()
+        if result.logprobs is not None or result.prompt_logprobs is not None:
+            record_logprobs(self.requests, plan, result, self.tokenizer.decode_each)
         new_tokens = self.scheduler.update_from_output(result.sampled_token_ids)
         self.metrics.record_tokens((request for request, _ in new_tokens), now)
         for request, token in new_tokens:
@@ -153,17 +192,18 @@ class LLMEngine:
                 self.metrics.record_finished(request, now)
                 del self.requests[request.request_id]
             outputs.append(self._make_output(request))
-        return outputs
+        return fold_children(outputs, self.parents, self._parent_of) if self.parents else outputs
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         """Apply the stop rules to a request's new token, in vLLM's order."""
         params = request.sampling_params
-        if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
-            request.detokenizer.finish()
+        may_stop = request.num_output_tokens > params.min_tokens  # the sampler masked them before
+        if may_stop and token in self.tokenizer.eos_token_ids and not params.ignore_eos:
+            self._finish_on_token(request, token)
             return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
+        if may_stop and token in params.stop_token_ids:
             request.stop_reason = token
-            request.detokenizer.finish()
+            self._finish_on_token(request, token)
             return RequestStatus.FINISHED_STOPPED
         stop = request.detokenizer.update([token])
         if stop is not None:
@@ -175,15 +215,25 @@ class LLMEngine:
         return None
 
     @staticmethod
+    def _finish_on_token(request: Request, token: int) -> None:
+        """End the text on an EOS or stop token: its text is kept only with
+        ``include_stop_str_in_output`` (and then only if not a skipped special token)."""
+        if request.sampling_params.include_stop_str_in_output:
+            request.detokenizer.update([token])
+        request.detokenizer.finish()
+
+    @staticmethod
     def _make_output(request: Request) -> RequestOutput:
         completion = CompletionOutput(
-            index=0,
+            index=request.index,
             text=request.detokenizer.output_text,
             token_ids=request.output_token_ids,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
+            logprobs=None if request.logprobs is None else list(request.logprobs),
         )
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], request.status.finished)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
+                             request.status.finished, request.prompt_logprobs)
 
     def stats(self) -> dict[str, int | float]:
         """Scheduler and KV cache counters (for /debug/stats); a cached block that no live

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
+from pyxllm.outputs import PromptLogprobs, SampleLogprobs
 from pyxllm.sampling_params import SamplingParams
 
 
@@ -37,6 +38,10 @@ class Request:
         block_hashes: prefix-cache hashes of its leading full blocks (kept across preemption).
         first_token_time / last_token_time: ``time.monotonic()`` seconds when it got its first
             and latest token (``None`` before), like ``arrival_time``.
+        index: which of its parent request's ``n`` completions this is (0 when ``n`` is 1).
+        min_tokens_stop_ids: token ids forbidden until ``min_tokens`` tokens were generated
+            (EOS unless ``ignore_eos``, and ``stop_token_ids``); empty without ``min_tokens``.
+        logprobs / prompt_logprobs: collected per generated / prompt token when asked for.
     """
 
     request_id: str
@@ -53,11 +58,26 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    index: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
+    logprobs: SampleLogprobs | None = field(default=None, repr=False)
+    prompt_logprobs: PromptLogprobs | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+        params = self.sampling_params
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        if params.logprobs is not None:
+            self.logprobs = []
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while some prompt token still lacks its logprobs (its prefill must compute
+        logits at every prompt position, so it takes no prefix-cache hit)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -72,7 +72,7 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
             request = self.waiting[0]
-            hits = self.kv.get_computed_blocks(request)
+            hits = [] if request.needs_prompt_logprobs else self.kv.get_computed_blocks(request)
             num_cached = len(hits) * self.kv.block_size
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.chunked_prefill:
@@ -90,15 +90,24 @@ class Scheduler:
         return SchedulerOutput([self._to_sequence(r, n) for r, n in scheduled])
 
     def _to_sequence(self, request: Request, num_new: int) -> ScheduledSequence:
-        start = request.num_computed_tokens
+        start, params = request.num_computed_tokens, request.sampling_params
+        num_output = request.num_output_tokens
+        targets = None
+        if request.needs_prompt_logprobs:
+            targets = request.token_ids[start + 1 : min(start + num_new + 1, request.num_prompt_tokens)] or None
         return ScheduledSequence(
             request_id=request.request_id,
             token_ids=request.token_ids[start : start + num_new],
             num_computed_tokens=start,
             block_table=self.kv.get_block_table(request),
             sample=start + num_new == request.num_tokens,
-            sampling_params=request.sampling_params,
+            sampling_params=params,
             generator=request.generator,
+            num_output_tokens=num_output,
+            min_tokens_stop_ids=request.min_tokens_stop_ids if num_output < params.min_tokens else (),
+            penalty_token_ids=request.token_ids if params.uses_penalties else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            prompt_logprob_targets=targets,
         )
 
     def update_from_output(self, sampled_token_ids: list[int | None]) -> list[tuple[Request, int]]:

@@ -55,6 +55,12 @@ class Tokenizer:
             list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
+    def decode_each(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's text decoded alone, special tokens kept (as logprobs show tokens); a
+        token holding part of a UTF-8 character comes out as U+FFFD."""
+        return self.hf.batch_decode([[int(t)] for t in token_ids], skip_special_tokens=False,
+                                    clean_up_tokenization_spaces=False)
+
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary strings of ``ids`` (e.g. ``"ĠParis"`` for a byte-level BPE)."""
         return list(self.hf.convert_ids_to_tokens(list(ids)))

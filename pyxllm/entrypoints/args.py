@@ -15,7 +15,7 @@ import math
 import types
 import typing
 
-from pyxllm.config import DEVICES, DTYPES, EngineConfig
+from pyxllm.config import DEVICES, DTYPES, QUANTIZATIONS, EngineConfig
 from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
 
 TRUE_WORDS = ("true", "1", "yes", "on", "t", "y")
@@ -27,6 +27,9 @@ ENGINE_HELP = {
     "SmolLM2-135M-Instruct GGUF)",
     "served_model_name": "model name reported by the API (default: derived from --model)",
     "dtype": "weight and activation dtype; auto picks the model's dtype for the device",
+    "quantization": "weight-only quantization of the linear layers: int8 (per channel) or int4 "
+    "(groups of 32; exact for GGUF Q4_1 weights); the LM head is int8 with either "
+    "(default: none, weights in --dtype)",
     "device": "device to run on; auto picks cuda, then npu (torch_npu), then mlu (torch_mlu), "
     "else cpu",
     "graph_backend": "how the model runs: eager, compile (torch.compile) or graph (decode steps "
@@ -44,9 +47,21 @@ ENGINE_HELP = {
     "enable_prefix_cache": "reuse the KV blocks of a prompt prefix computed before (by any "
     "request); outputs are the same either way",
     "seed": "random seed of the engine",
+    "tensor_parallel_size": "split the model over N ranks (tensor parallelism); on one node, N-1 "
+    "worker processes are spawned here",
+    "nnodes": "number of nodes, one rank each, started by hand (xLLM's --nnodes)",
+    "node_rank": "this node's rank in [0, nnodes); rank 0 serves HTTP, the others only compute",
+    "master_addr": "host:port of node 0, where the ranks meet (xLLM's --master_node_addr); "
+    "default with one node: 127.0.0.1 and a free port",
+    "dist_init_timeout": "seconds a rank waits at start-up for the master address and the "
+    "other ranks before giving up",
 }
-ENGINE_CHOICES = {"dtype": DTYPES, "device": DEVICES}
+ENGINE_CHOICES = {"dtype": DTYPES, "device": DEVICES, "quantization": QUANTIZATIONS}
+# extra spellings of a flag (xLLM's names, short forms)
+ENGINE_ALIASES = {"tensor_parallel_size": ["--tp"],
+                  "master_addr": ["--master-node-addr", "--master_node_addr"]}
 ENGINE_METAVARS = {"model": "PATH", "served_model_name": "NAME", "kv_cache_memory": "GIB",
+                   "master_addr": "HOST:PORT", "dist_init_timeout": "SECONDS",
                    "graph_backend": "KIND", "gpu_memory_utilization": "FRACTION"}
 
 
@@ -160,7 +175,8 @@ def add_engine_args(parser, config_cls: type = EngineConfig) -> None:
         if nullable and base is not str:
             convert = _optional(convert)
         parser.add_argument(
-            *flag_names(field.name), dest=field.name, type=convert, default=default,
+            *flag_names(field.name), *ENGINE_ALIASES.get(field.name, ()), dest=field.name,
+            type=convert, default=default,
             choices=ENGINE_CHOICES.get(field.name), help=help_text,
             metavar=_metavar(field.name, base),
         )
@@ -251,8 +267,34 @@ def make_arg_parser() -> argparse.ArgumentParser:
     add_engine_args(check.add_argument_group("engine flags"))
     check.set_defaults(dtype="float32")
 
-    parser.command_parsers = {"serve": serve, "generate": generate, "check-device": check}
+    bench = _add_bench_parsers(commands, fmt)
+    parser.command_parsers = {"serve": serve, "generate": generate, "check-device": check, "bench": bench}
     return parser
+
+
+def _add_bench_parsers(commands, fmt) -> argparse.ArgumentParser:
+    """``pyxllm bench serve|throughput|latency`` (see ``pyxllm.benchmarks``); ``args.bench_command``
+    names the benchmark. ``throughput`` and ``latency`` also take the engine flags."""
+    from pyxllm.benchmarks.serve import add_serve_args
+    from pyxllm.benchmarks.throughput import add_offline_args
+
+    bench = commands.add_parser(
+        "bench", help="benchmark a server (serve), offline throughput or batch-1 latency",
+        allow_abbrev=False, description="Benchmarks; see README, Performance.",
+    )
+    kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    serve = kinds.add_parser(
+        "serve", help="load-test any OpenAI-compatible server", allow_abbrev=False, formatter_class=fmt,
+        description="Streaming /completions requests against --base-url; TTFT, TPOT, ITL and end-to-end "
+        "latency (mean/median/p99 ms), request and token throughput, as a table, JSON and a PNG.",
+    )
+    add_serve_args(serve)
+    for kind, text in (("throughput", "offline throughput of the LLM API"),
+                       ("latency", "batch-1 time to first token and decode rate")):
+        sub = kinds.add_parser(kind, help=text, allow_abbrev=False, formatter_class=fmt, description=text + ".")
+        add_offline_args(sub.add_argument_group("benchmark flags"), kind)
+        add_engine_args(sub.add_argument_group("engine flags"))
+    return bench
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, EngineConfig]:

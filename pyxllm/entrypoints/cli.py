@@ -1,9 +1,13 @@
-"""The ``pyxllm`` command: ``pyxllm serve``, ``pyxllm generate`` and ``pyxllm check-device``.
+"""The ``pyxllm`` command: ``serve``, ``generate``, ``check-device`` and ``bench`` (serve|throughput|latency).
 
 Flags are defined in :mod:`pyxllm.entrypoints.args`. A bad flag value exits with argparse's
 usage error (status 2); an error while loading the model (a ``ValueError`` or a missing file)
 prints ``error: <message>`` and exits with status 2 instead of a traceback (set
 ``PYXLLM_DEBUG=1`` to see the traceback).
+
+Tensor parallelism by hand: ``serve`` (or ``generate``) with ``--node-rank i > 0`` runs only
+that rank's executor (no HTTP server) until rank 0 stops it. A rank that cannot join the others,
+or a server stopped by a dead worker, prints ``error: <message naming the rank>`` and exits 1.
 """
 from __future__ import annotations
 
@@ -14,7 +18,19 @@ import sys
 from pyxllm.config import EngineConfig
 from pyxllm.entrypoints.args import config_from_args, make_arg_parser, parse_args
 
-__all__ = ["main", "make_arg_parser", "config_from_args", "run_serve", "run_generate", "run_check_device"]
+__all__ = ["main", "make_arg_parser", "config_from_args", "run_serve", "run_generate", "run_check_device",
+           "run_bench"]
+
+
+def run_worker_rank(config: EngineConfig) -> int:
+    """A node with ``--node-rank`` > 0: be that TP rank until rank 0 stops it (status 0) or
+    goes away (status 1)."""
+    import logging
+
+    from pyxllm.executor.worker import run_worker
+
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank {config.node_rank} %(name)s: %(message)s")
+    return run_worker(config, config.node_rank, config.world_size, config.master_addr)
 
 
 def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -71,15 +87,19 @@ def run_generate(args: argparse.Namespace, config: EngineConfig, out=None) -> in
     engine.add_request(request_id, _prompt_token_ids(engine, prompt, args.chat), params,
                        prompt=prompt)
     printed = 0
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.request_id != request_id or not output.outputs:
-                continue
-            text = output.outputs[0].text
-            if len(text) > printed:
-                out.write(text[printed:])
-                out.flush()
-                printed = len(text)
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id != request_id or not output.outputs:
+                    continue
+                text = output.outputs[0].text
+                if len(text) > printed:
+                    out.write(text[printed:])
+                    out.flush()
+                    printed = len(text)
+    finally:
+        if hasattr(engine, "shutdown"):  # stop the TP workers, if any
+            engine.shutdown()
     out.write("\n")
     out.flush()
     return 0
@@ -92,16 +112,43 @@ def run_check_device(args: argparse.Namespace, config: EngineConfig) -> int:
     return check(args, config)
 
 
-COMMANDS = {"serve": run_serve, "generate": run_generate, "check-device": run_check_device}
+def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
+    """``pyxllm bench serve|throughput|latency`` (see :mod:`pyxllm.benchmarks`)."""
+    if args.bench_command == "serve":
+        from pyxllm.benchmarks.serve import bench_serve
+
+        payload = bench_serve(args)
+        return 0 if payload["completed"] else 1
+    if args.bench_command == "throughput":
+        from pyxllm.benchmarks.throughput import bench_throughput
+
+        bench_throughput(args, config)
+    else:
+        from pyxllm.benchmarks.latency import bench_latency
+
+        bench_latency(args, config)
+    return 0
+
+
+COMMANDS = {"serve": run_serve, "generate": run_generate, "check-device": run_check_device, "bench": run_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pyxllm`` console script; returns the exit status."""
+    from pyxllm.distributed.errors import DistributedError
+
     args, config = parse_args(argv)
     try:
+        if config.node_rank > 0 and args.command in ("serve", "generate"):
+            return run_worker_rank(config)
         return COMMANDS[args.command](args, config)
     except KeyboardInterrupt:
         return 130
+    except DistributedError as exc:
+        if os.environ.get("PYXLLM_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except (ValueError, FileNotFoundError) as exc:
         if os.environ.get("PYXLLM_DEBUG"):
             raise

@@ -12,15 +12,17 @@ from pyxllm.config import EngineConfig
 from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.kv_cache import KVCacheSpec, allocate_kv_caches
 from pyxllm.executor.runners import build_runner
+from pyxllm.executor.logits_processors import compute_logprobs
 from pyxllm.executor.sampler import Sampler, SamplingMetadata
 from pyxllm.executor.scheduler_output import SchedulerOutput
-from pyxllm.distributed.parallel_state import get_tp_rank
+from pyxllm.distributed.parallel_state import get_local_rank, get_tp_rank, tensor_model_parallel_min
 from pyxllm.layers.forward_context import ForwardContext
+from pyxllm.layers.quantization import quantize_model
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
 from pyxllm.platforms import Platform
 from pyxllm.platforms.interface import load_class
-from pyxllm.weights import ModelSource, iter_weights
+from pyxllm.weights import ModelSource, iter_weight_slices
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +58,31 @@ def resolve_dtype(dtype: str, platform: Platform, model_config=None) -> torch.dt
     return platform.float16_dtype if declared == torch.float16 else declared
 
 
+# ``(token ids, logprobs, rank of the first)``: a given token (sampled, or the next prompt
+# token) first, then the most likely ones (see ``logits_processors.LogprobsTensors``).
+TokenLogprobs = tuple[list[int], list[float], int]
+
+
 @dataclass(slots=True)
 class StepResult:
-    """Sampled token ids, one per scheduled sequence (``None`` where the step did not sample)."""
+    """Sampled token ids, one per scheduled sequence (``None`` where the step did not sample).
+
+    ``logprobs[i]``: the sampled token's :data:`TokenLogprobs` with the ``logprobs`` top ones,
+    for sequences that asked; ``prompt_logprobs[i]``: one per ``prompt_logprob_targets`` entry.
+    Each list is ``None`` when no sequence asked, and holds ``None`` for those that did not.
+    """
 
     sampled_token_ids: list[int | None]
+    logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
 class ModelExecutor:
     """Loads the model for ``model_config`` and runs steps on ``platform``'s device.
+
+    Under tensor parallelism there is one per rank, each holding its shard (rank 0's is driven
+    by ``multiproc.MultiprocExecutor``); only rank 0 samples. ``failure``, ``check_health`` and
+    ``shutdown`` exist for that executor's interface and do nothing here.
 
     The device is the card at this rank's index (``platform.device_index``); the attention
     backend is the platform's choice for ``--block-size``; the runner is ``--graph-backend``'s.
@@ -77,7 +95,7 @@ class ModelExecutor:
     def __init__(self, config: EngineConfig, model_config, source: ModelSource, platform: Platform) -> None:
         self.config, self.model_config, self.platform = config, model_config, platform
         platform.check_runner(config.graph_backend)
-        self.device = platform.set_device(platform.device_index(get_tp_rank()))
+        self.device = platform.set_device(platform.device_index(get_local_rank()))
         self.dtype = resolve_dtype(config.dtype, platform, model_config)
         model_cls = resolve_model_class(model_config, platform.name)
         torch.manual_seed(config.seed)
@@ -88,12 +106,17 @@ class ModelExecutor:
                 self.model = model_cls(model_config).eval()
         finally:
             torch.set_default_dtype(previous)
-        weights = tqdm(iter_weights(source, model_config), desc="Loading weights", unit=" tensors", leave=False)
+        # unread weights: each parameter's loader reads only this TP rank's slice
+        weights = iter_weight_slices(source, model_config)
+        if get_tp_rank() == 0:  # one progress bar, not one per rank
+            weights = tqdm(weights, desc="Loading weights", unit=" tensors", leave=False)
         load_weights(self.model, weights)
+        quantize_model(self.model, config.quantization)
 
         self.kv_spec = KVCacheSpec.from_model(self.model, config.block_size, self.dtype)
         budget = platform.kv_cache_bytes(config.kv_cache_memory, config.gpu_memory_utilization, self.device)
-        self.num_kv_blocks = self.kv_spec.num_blocks_for(budget)
+        # every TP rank must hold the same blocks: take the smallest count any rank can afford
+        self.num_kv_blocks = tensor_model_parallel_min(self.kv_spec.num_blocks_for(budget))
         self.kv_caches = allocate_kv_caches(self.kv_spec, self.num_kv_blocks, self.device)
         self.attn_backend = load_class(platform.select_attention_backend(config.block_size))()
         max_model_len = config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
@@ -104,6 +127,14 @@ class ModelExecutor:
         self.sampler = Sampler(config.seed, self.device)
         logger.info("device %s, attention %s, runner %s", self.device, type(self.attn_backend).__name__, self.runner.name)
 
+    failure: str | None = None  # a one-process executor has no worker to lose
+
+    def check_health(self) -> None:
+        """Nothing to check in one process."""
+
+    def shutdown(self) -> None:
+        """Nothing to stop in one process."""
+
     def make_context(self, batch: InputBatch) -> ForwardContext:
         """The forward context of one step: the backend's metadata for ``batch`` and the caches."""
         return ForwardContext(attn=self.attn_backend.build(batch), kv_caches=self.kv_caches)
@@ -113,11 +144,37 @@ class ModelExecutor:
         """Run one forward pass over ``plan`` and sample where the plan says so."""
         batch = InputBatch.build(plan, self.config.block_size, self.device)
         hidden_states = self.runner.execute(batch, self.make_context)
-        sampled: list[int | None] = [None] * len(plan.sequences)
+        result = StepResult([None] * len(plan.sequences))
         rows = [i for i, s in enumerate(plan.sequences) if s.sample]
         if rows:
             logits = self.model.compute_logits(hidden_states.index_select(0, batch.logits_indices))
-            meta = SamplingMetadata.build([plan.sequences[i] for i in rows], logits.shape[-1], self.device)
-            for row, token in zip(rows, self.sampler(logits, meta).tolist()):
-                sampled[row] = token
-        return StepResult(sampled)
+            if logits is None:  # a TP worker: logits were gathered to rank 0, which samples
+                rows = []
+        if rows:
+            seqs = [plan.sequences[i] for i in rows]
+            out = self.sampler.sample(logits, SamplingMetadata.build(seqs, logits.shape[-1], self.device))
+            for row, token in zip(rows, out.token_ids.tolist()):
+                result.sampled_token_ids[row] = token
+            if out.logprobs is not None:
+                result.logprobs = [None] * len(plan.sequences)
+                asked = [(row, s.sampling_params.logprobs) for row, s in zip(rows, seqs) if s.sampling_params.logprobs is not None]
+                for (row, k), (ids, values, rank) in zip(asked, out.logprobs.tolists()):
+                    result.logprobs[row] = (ids[: 1 + k], values[: 1 + k], rank)
+        if any(s.prompt_logprob_targets for s in plan.sequences):
+            result.prompt_logprobs = self._prompt_logprobs(plan, batch, hidden_states)
+        return result
+
+    def _prompt_logprobs(self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor) -> list:
+        """Logprobs of the raw model distribution (no penalty or temperature) at every prompt
+        position whose next prompt token the plan asks about; logits only for those positions."""
+        out: list[list[TokenLogprobs] | None] = [None] * len(plan.sequences)
+        for i, seq in enumerate(plan.sequences):
+            targets = seq.prompt_logprob_targets
+            if targets:
+                start = batch.query_start_list[i]
+                logits = self.model.compute_logits(hidden_states[start : start + len(targets)])
+                if logits is None:  # a TP worker: only rank 0 gets logits
+                    continue
+                target_ids = torch.tensor(targets, device=logits.device)
+                out[i] = compute_logprobs(logits.float(), target_ids, seq.sampling_params.prompt_logprobs).tolists()
+        return out

@@ -1,8 +1,16 @@
 """Batched sampling: logits of every sampled sequence in, one token id per sequence out.
 
-Random draws use the exponential-race form of categorical sampling (``argmax(p / q)`` with
-``q ~ Exp(1)``, as vLLM's sampler does), so a seeded request draws its ``q`` row from its own
-generator and gets the same tokens whatever else is in the batch.
+Order of operations, as vLLM's: logit bias and the ``min_tokens`` mask, repetition / presence /
+frequency penalties, temperature, min-p, top-k and top-p, then the draw (or argmax for greedy
+rows). Random draws use the exponential-race form of categorical sampling (``argmax(p / q)``
+with ``q ~ Exp(1)``, as vLLM's sampler does), so a seeded request draws its ``q`` row from its
+own generator and gets the same tokens whatever else is in the batch.
+
+Logprobs are those of the distribution actually sampled from: the softmax of the logits after
+every step above (bias, penalties, temperature, min-p, top-k, top-p), so a token the settings
+ruled out has ``-inf``. A greedy row's distribution is its biased and penalized logits at
+temperature 1 (argmax is invariant to temperature; min-p/top-k/top-p are ignored for it).
+vLLM V1 returns the raw model logprobs by default instead; ours match its ``processed_logprobs``.
 """
 from __future__ import annotations
 
@@ -10,65 +18,37 @@ from dataclasses import dataclass
 
 import torch
 
-from pyxllm.executor.scheduler_output import ScheduledSequence
+from pyxllm.executor.logits_processors import (
+    LogprobsTensors,
+    apply_logit_bias,
+    apply_min_p,
+    apply_penalties,
+    apply_token_mask,
+    apply_top_k_top_p,
+    compute_logprobs,
+)
+from pyxllm.executor.sampling_metadata import SamplingMetadata
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "apply_top_k_top_p"]
 
 
 @dataclass(slots=True)
-class SamplingMetadata:
-    """Per-row sampling settings of one step, as tensors (``N`` sampled sequences).
+class SamplerOutput:
+    """What the sampler returns for ``N`` rows.
 
     Attributes:
-        all_greedy: every row is greedy (only an argmax is needed).
-        greedy: ``[N]`` bool; temperature: ``[N]`` float32 (1.0 on greedy rows);
-        top_p: ``[N]`` float32 or None when no row uses it; top_k: ``[N]`` int64 (vocab size when
-            off) or None when no row uses it; generators: row -> the request's own generator.
+        token_ids: ``[N]`` int64 sampled token ids.
+        logprobs: for the rows in ``SamplingMetadata.logprob_rows`` (in that order), the sampled
+            token's logprob and rank and the top ``max_num_logprobs`` (every row gets that many;
+            the caller keeps each row's own number); ``None`` when no row asked.
     """
 
-    all_greedy: bool
-    greedy: torch.Tensor
-    temperature: torch.Tensor
-    top_p: torch.Tensor | None
-    top_k: torch.Tensor | None
-    generators: dict[int, torch.Generator]
-
-    @classmethod
-    def build(cls, seqs: list[ScheduledSequence], vocab_size: int, device: torch.device) -> SamplingMetadata:
-        params = [s.sampling_params for s in seqs]
-        greedy = [p.greedy for p in params]
-        top_p = [p.top_p for p in params]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        return cls(
-            all_greedy=all(greedy),
-            greedy=torch.tensor(greedy, device=device),
-            temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device),
-            top_p=torch.tensor(top_p, device=device) if any(p < 1.0 for p in top_p) else None,
-            top_k=torch.tensor(top_k, device=device) if any(k < vocab_size for k in top_k) else None,
-            generators={i: s.generator for i, s in enumerate(seqs) if s.generator is not None},
-        )
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Set logits outside each row's top-k and top-p (nucleus, Holtzman et al. 2019) sets to -inf.
-
-    Args:
-        logits: ``[N, vocab]`` float32 (already temperature-scaled).
-        top_k: ``[N]`` int64 or None; top_p: ``[N]`` float32 in (0, 1] or None.
-    Returns:
-        ``[N, vocab]``; at least the most likely token of each row is kept.
-    """
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
-        rank = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
+    token_ids: torch.Tensor
+    logprobs: LogprobsTensors | None = None
 
 
 class Sampler:
-    """Turns ``[N, vocab]`` float32 logits into ``[N]`` int64 token ids.
+    """Turns ``[N, vocab]`` float32 logits into ``[N]`` int64 token ids (and logprobs if asked).
 
     ``generator`` drives the rows of requests without a seed (seeded by ``--seed``).
     """
@@ -77,15 +57,44 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The sampled token ids ``[N]`` int64 (``logits`` may be modified in place)."""
+        return self.sample(logits, meta).token_ids
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row of ``logits [N, vocab]`` (float32, modified in place)."""
+        if meta.logit_bias is not None:
+            apply_logit_bias(logits, meta.logit_bias)
+        if meta.min_tokens_mask is not None:
+            apply_token_mask(logits, meta.min_tokens_mask)
+        if meta.penalties is not None:
+            apply_penalties(logits, meta.penalties)
         greedy_ids = logits.argmax(dim=-1)
         if meta.all_greedy:
-            return greedy_ids
-        scaled = logits / meta.temperature.unsqueeze(1)
-        if meta.top_k is not None or meta.top_p is not None:
-            scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
-        probs = scaled.softmax(dim=-1)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, gen in meta.generators.items():
-            q[row].exponential_(generator=gen)
-        sampled = probs.div_(q).argmax(dim=-1)
-        return torch.where(meta.greedy, greedy_ids, sampled)
+            token_ids, processed = greedy_ids, logits
+        else:
+            processed = logits / meta.temperature.unsqueeze(1)
+            if meta.min_p is not None:
+                processed = apply_min_p(processed, meta.min_p)
+            if meta.top_k is not None or meta.top_p is not None:
+                processed = apply_top_k_top_p(processed, meta.top_k, meta.top_p)
+            probs = processed.softmax(dim=-1)
+            q = torch.empty_like(probs).exponential_(generator=self.generator)
+            if meta.generators:
+                self._seeded_draws(q, meta.generators)
+            token_ids = torch.where(meta.greedy, greedy_ids, probs.div_(q).argmax(dim=-1))
+        if meta.logprob_rows is None:
+            return SamplerOutput(token_ids)
+        rows = meta.logprob_rows
+        return SamplerOutput(token_ids, compute_logprobs(processed.index_select(0, rows),
+                                                         token_ids.index_select(0, rows), meta.max_num_logprobs))
+
+    @staticmethod
+    def _seeded_draws(q: torch.Tensor, generators: dict[int, torch.Generator]) -> None:
+        """Overwrite the rows of seeded requests with draws from their own generators.
+
+        A generator on another device than ``q`` (requests keep CPU generators) draws there
+        and is copied over, so a seed gives the same draws on every device.
+        """
+        rows = list(generators)
+        draws = [torch.empty(q.shape[1], dtype=q.dtype, device=g.device).exponential_(generator=g) for g in generators.values()]
+        q[torch.tensor(rows, device=q.device)] = torch.stack(draws).to(q.device, non_blocking=True)

@@ -24,6 +24,15 @@ class ScheduledSequence:
         sample: whether the step reaches the sequence's last token, so a next token is sampled.
         sampling_params: the request's sampling parameters.
         generator: the request's own random generator when it has a seed, else ``None``.
+        num_output_tokens: tokens generated so far (before this step's sample).
+        min_tokens_stop_ids: token ids to forbid in this step's sample (EOS and stop token
+            ids while the output is shorter than ``min_tokens``), else empty.
+        penalty_token_ids: prompt then generated tokens, for repetition/presence/frequency
+            penalties; ``None`` when the request uses none (the request's own list, not a copy).
+        num_prompt_tokens: where the prompt ends in ``penalty_token_ids``.
+        prompt_logprob_targets: for prompt logprobs, the prompt tokens that follow this step's
+            positions: ``targets[j]`` is scored by the logits at ``token_ids[j]`` (it may be one
+            shorter than ``token_ids``, at the prompt's end); ``None`` when not wanted.
     """
 
     request_id: str
@@ -33,6 +42,11 @@ class ScheduledSequence:
     sample: bool
     sampling_params: SamplingParams
     generator: torch.Generator | None = None
+    num_output_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
+    penalty_token_ids: list[int] | None = None
+    num_prompt_tokens: int = 0
+    prompt_logprob_targets: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,13 +22,21 @@ class ForwardContext:
         attn: the attention backend's per-step state; ``attn.forward(query, key, value, k_cache,
             v_cache, scale)`` computes attention for every token of the step.
         kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        step_cache: what layers compute once per step and share (e.g. the rotary ``cos``/``sin``
+            of the step's positions), keyed by the producer; dropped with the context.
     """
 
     attn: Any
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    step_cache: dict = field(default_factory=dict)
 
 
 _CONTEXT: ContextVar[ForwardContext | None] = ContextVar("pyxllm_forward_context", default=None)
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The context of the forward pass in progress, or ``None`` outside one."""
+    return _CONTEXT.get()
 
 
 def get_forward_context() -> ForwardContext:

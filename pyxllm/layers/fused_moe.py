@@ -11,6 +11,7 @@ from torch import nn
 
 from pyxllm import kernels
 from pyxllm.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from pyxllm.layers.weight_utils import materialize
 
 
 def make_expert_params_mapping(
@@ -60,7 +61,8 @@ class FusedMoE(nn.Module):
 
         Args:
             loaded: ``gate_proj`` / ``up_proj`` ``[intermediate_size, hidden]`` (shard ``"w1"`` / ``"w3"``)
-                or ``down_proj`` ``[hidden, intermediate_size]`` (shard ``"w2"``).
+                or ``down_proj`` ``[hidden, intermediate_size]`` (shard ``"w2"``); a tensor or an
+                unread ``LazyWeight`` (only this rank's slice is read).
             expert_id: the expert's index in ``[0, num_experts)``.
         Raises:
             ValueError: an expert id out of range, an unknown shard id, or a shape that does not fit.
@@ -83,7 +85,7 @@ class FusedMoE(nn.Module):
                 f"{type(self).__name__}[{shard_id}]: checkpoint shape {tuple(loaded.shape)} does not fit expert "
                 f"slice {tuple(dest.shape)} x tp {self.tp_size}"
             )
-        dest.copy_(loaded.narrow(dim, self.tp_rank * inter, inter))
+        dest.copy_(materialize(loaded.narrow(dim, self.tp_rank * inter, inter)))
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = kernels.ops.fused_topk(router_logits, self.top_k, self.renormalize)

@@ -4,15 +4,18 @@ Names and sharding follow vLLM (Megatron-LM's column/row split, Shoeybi et al. 2
 column-parallel layer splits its output features across ranks, a row-parallel layer splits its
 input features and sums the partial results with one all-reduce. Each weight parameter carries a
 ``weight_loader(param, loaded_weight, shard_id=None)`` that copies this rank's slice of a full
-checkpoint tensor into it, so model loading is one loop over checkpoint tensors.
+checkpoint tensor into it, so model loading is one loop over checkpoint tensors. ``loaded_weight``
+is a tensor or an unread :class:`~pyxllm.weights.lazy.LazyWeight`; loaders narrow it first, so a
+rank reads only its own slice from the file.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pyxllm.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from pyxllm.layers.quantization.weight_only import UNQUANTIZED
+from pyxllm.layers.weight_utils import materialize
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -21,14 +24,22 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def _copy_checked(param_slice: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+def _copy_checked(param_slice: torch.Tensor, loaded, name: str) -> None:
+    """Copy ``loaded`` (a tensor or a narrowed ``LazyWeight``, read here) into ``param_slice``."""
     if param_slice.shape != loaded.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not fit parameter slice {tuple(param_slice.shape)}")
-    param_slice.copy_(loaded)
+    param_slice.copy_(materialize(loaded))
 
 
 class LinearBase(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` of shape ``[output_size, input_size]`` on this rank."""
+    """``y = x @ W.T + b`` with ``W`` of shape ``[output_size, input_size]`` on this rank.
+
+    The matmul is ``quant_method.apply``: ``F.linear`` unless ``--quantization`` replaced the
+    weight after loading (see ``pyxllm.layers.quantization``).
+    """
+
+    quant_method = UNQUANTIZED
+    quantizable = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
@@ -45,11 +56,14 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
-    """A linear layer held whole on every rank."""
+    """A linear layer held whole on every rank (a MoE router; never quantized: its top-k
+    choice of experts is sensitive to small changes)."""
+
+    quantizable = False
 
 
 class ColumnParallelLinear(LinearBase):
@@ -88,15 +102,22 @@ class QKVParallelLinear(ColumnParallelLinear):
     ``tp_size // total_num_kv_heads`` ranks (as vLLM does). ``shard_id`` is ``"q"``, ``"k"`` or ``"v"``.
 
     Raises:
-        ValueError: head counts that do not divide by the TP size (both numbers named).
+        ValueError: the TP size does not divide the query heads, or neither divides nor is a
+            multiple of the KV heads (naming both head counts and the TP size).
     """
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False) -> None:
         tp_size = get_tp_size()
         self.head_dim = head_dim
-        self.num_heads = _divide(total_num_heads, tp_size, "number of attention heads")
+        kv_fits = total_num_kv_heads % tp_size == 0 or tp_size % total_num_kv_heads == 0
+        if total_num_heads % tp_size or not kv_fits:
+            raise ValueError(
+                f"tensor-parallel size {tp_size} does not fit {total_num_heads} attention heads and "
+                f"{total_num_kv_heads} KV heads: it must divide the attention heads, and divide or be a "
+                "multiple of the KV heads"
+            )
+        self.num_heads = total_num_heads // tp_size
         if tp_size >= total_num_kv_heads:
-            _divide(tp_size, total_num_kv_heads, "tensor-parallel size vs. number of KV heads")
             self.num_kv_heads, self.kv_replicas = 1, tp_size // total_num_kv_heads
         else:
             self.num_kv_heads, self.kv_replicas = _divide(total_num_kv_heads, tp_size, "number of KV heads"), 1
@@ -132,5 +153,5 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, loaded.narrow(1, self.tp_rank * size, size), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        y = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x))
         return y if self.bias is None else y + self.bias

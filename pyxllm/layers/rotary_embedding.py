@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pyxllm import kernels
+from pyxllm.layers.forward_context import current_forward_context
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -50,6 +51,18 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        # layers with the same rotary parameters share one cos/sin per step
+        self._signature = ("rope", head_dim, max_position, base, repr(sorted((scaling or {}).items())))
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return kernels.ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+        """Rotate ``q`` and ``k``. Inside an eager forward pass, the step's ``cos``/``sin`` are
+        computed by the first layer and shared by the others (``ForwardContext.step_cache``,
+        keyed by the rotary parameters); a compiled forward fuses them instead."""
+        ctx = None if torch.compiler.is_compiling() else current_forward_context()
+        if ctx is None:
+            return kernels.ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+        key = (self._signature, q.dtype)
+        cos_sin = ctx.step_cache.get(key)
+        if cos_sin is None:
+            cos_sin = ctx.step_cache[key] = kernels.ops.rotary_cos_sin(positions, self.cos_sin_cache, q.dtype)
+        return kernels.ops.apply_rotary_emb(q, k, *cos_sin)

@@ -12,9 +12,11 @@ from torch import nn
 from pyxllm.distributed.parallel_state import (
     get_tp_rank,
     get_tp_size,
-    tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
+    tensor_model_parallel_gather,
 )
+from pyxllm.layers.quantization.weight_only import UNQUANTIZED
+from pyxllm.layers.weight_utils import materialize
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -39,8 +41,8 @@ class VocabParallelEmbedding(nn.Module):
                 f"{type(self).__name__}: checkpoint shape {tuple(loaded.shape)} does not match "
                 f"vocab {self.num_embeddings} x hidden {param.shape[1]}"
             )
-        rows = loaded[self.vocab_start : self.vocab_start + self.num_per_rank]
-        param.data[: rows.shape[0]].copy_(rows)
+        count = max(0, min(self.num_per_rank, self.num_embeddings - self.vocab_start))
+        param.data[:count].copy_(materialize(loaded.narrow(0, self.vocab_start, count)))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -56,13 +58,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection to vocabulary logits; shares the embedding's layout and loader.
 
     ``compute_logits(hidden [num_sampled, hidden]) -> [num_sampled, vocab]`` float32, gathered
-    from every rank. Call it only on the positions that are sampled.
+    to TP rank 0 (the rank that samples); ``None`` on the other ranks. Every rank must call it
+    on the same positions (the gather is a collective); call it only on the sampled positions.
+    The matmul is ``quant_method.apply`` (int8 under ``--quantization``, see
+    ``pyxllm.layers.quantization``); the token embedding keeps the float weight.
     """
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
-        logits = tensor_model_parallel_all_gather(logits, dim=-1)
-        return logits[:, : self.num_embeddings].float()
+    quant_method = UNQUANTIZED
+    quantizable = True
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = tensor_model_parallel_gather(self.quant_method.apply(self, hidden_states), dim=-1)
+        return None if logits is None else logits[:, : self.num_embeddings].float()
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Use ``embedding``'s weight (tied word embeddings); the checkpoint then has no LM head."""

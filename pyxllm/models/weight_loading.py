@@ -17,6 +17,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pyxllm.layers.weight_utils import materialize
+
 # Buffers some checkpoints still carry; recomputed by the model, safe to skip.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.([^.]+)\.")
@@ -33,7 +35,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     """
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match parameter shape {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(materialize(loaded))
 
 
 def _route(name: str, packed: dict, experts: dict) -> _Piece:
@@ -67,6 +69,9 @@ def _expected(params: dict[str, nn.Parameter], packed: dict, experts: dict) -> d
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy every ``(hf_name, tensor)`` into ``model``, fusing packed projections and stacking experts.
+
+    A tensor may be an unread ``LazyWeight`` (``iter_weight_slices``): each parameter's loader
+    then reads only this TP rank's slice of it.
 
     Names are routed through the model's ``expert_params_mapping`` first, then its
     ``packed_modules_mapping`` (see the module docstring). A tied LM head is skipped.

@@ -5,9 +5,11 @@ local Hugging Face directory (``config.json`` + ``*.safetensors``). Every proble
 :class:`ModelLoadError` with a message naming the file and the fix.
 """
 from pyxllm.weights.errors import ModelLoadError
+from pyxllm.weights.lazy import LazyWeight
 from pyxllm.weights.gguf_loader import GGUF_ARCHITECTURES
 from pyxllm.weights.loader import (
     GenerationDefaults,
+    iter_weight_slices,
     iter_weights,
     load_generation_defaults,
     load_hf_tokenizer,
@@ -18,9 +20,11 @@ from pyxllm.weights.source import ModelSource, default_gguf_path, resolve_model_
 __all__ = [
     "GGUF_ARCHITECTURES",
     "GenerationDefaults",
+    "LazyWeight",
     "ModelLoadError",
     "ModelSource",
     "default_gguf_path",
+    "iter_weight_slices",
     "iter_weights",
     "load_generation_defaults",
     "load_hf_tokenizer",

@@ -4,6 +4,9 @@ Key names follow llama.cpp's ``convert_hf_to_gguf.py`` and ``gguf-py/gguf/consta
 (``{arch}.block_count``, ``blk.{i}.attn_q.weight``, ...). The Q/K row permutation that the
 converter applies to llama's ``attn_q``/``attn_k`` (``LlamaModel.permute``) is undone here; the
 qwen2/qwen3/qwen3moe converters do not permute.
+
+:func:`iter_gguf_weight_slices` yields unread :class:`GGUFWeight` s: a tensor-parallel rank
+dequantizes only its own rows (see :meth:`GGUFFile.read_region` for columns).
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import numpy as np
 import torch
 
 from pyxllm.weights.errors import ModelLoadError
-from pyxllm.weights.gguf_reader import GGUFFile, open_gguf
+from pyxllm.weights.gguf_reader import GGUFFile, GGUFTensorInfo, open_gguf
+from pyxllm.weights.lazy import LazyWeight
 
 # GGUF architecture -> (transformers model_type, architectures)
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -167,6 +171,77 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+class GGUFWeight(LazyWeight):
+    """One GGUF tensor, or one expert ``e`` of a stacked ``[E, out, in]`` one, dequantized to
+    float32 on ``load()``: only the rows in range, and the columns as ``read_region`` allows.
+
+    ``qk_heads``: for llama's ``attn_q``/``attn_k``, the head count the converter permuted with;
+    rows are then read in whole heads and un-permuted (see :func:`unpermute_qk`).
+    """
+
+    def __init__(self, name: str, gguf: GGUFFile, info: GGUFTensorInfo, expert: int | None = None,
+                 qk_heads: int | None = None) -> None:
+        self.gguf, self.info, self.qk_heads = gguf, info, qk_heads
+        shape = info.shape[1:] if expert is not None else info.shape
+        self.row_base = 0 if expert is None else expert * shape[0]
+        super().__init__(name, shape)
+
+    def _read(self, ranges):
+        if len(ranges) != 2:  # vectors (norms, biases) are small: read whole, then cut
+            rows = int(np.prod(self.full_shape[:-1], dtype=np.int64))
+            full = self.gguf.read_region(self.info, (self.row_base, self.row_base + rows), (0, self.full_shape[-1]))
+            full = full if self.qk_heads is None else unpermute_qk(full.reshape(-1), self.qk_heads)
+            return torch.from_numpy(full.reshape(self.full_shape))[tuple(slice(a, b) for a, b in ranges)].clone()
+        rows, cols = ranges
+        if self.qk_heads is None:
+            array = self.gguf.read_region(self.info, (self.row_base + rows[0], self.row_base + rows[1]), cols)
+            return torch.from_numpy(array)
+        head = self.full_shape[0] // self.qk_heads  # rows per head: read whole heads, un-permute, cut
+        first, last = rows[0] // head, -(-rows[1] // head)
+        array = self.gguf.read_region(self.info, (first * head, last * head), cols)
+        array = unpermute_qk(array, last - first)[rows[0] - first * head:rows[1] - first * head]
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def iter_gguf_weight_slices(path: str | Path, config: Any = None) -> Iterator[tuple[str, GGUFWeight]]:
+    """Iterate ``(hf_name, unread weight)`` over every tensor of the GGUF file, in file order.
+
+    Names as :func:`iter_gguf_weights`; stacked experts come as one weight per expert. Nothing
+    is dequantized until a weight's ``load()``.
+
+    Raises:
+        ModelLoadError: unreadable file or unsupported architecture (at the call); unknown
+            tensor name (when reached).
+    """
+    gguf = open_gguf(path)  # errors surface here, at the call, not at the first next()
+    return _gguf_slices(gguf, _permuted_heads(gguf))
+
+
+def _permuted_heads(gguf: GGUFFile) -> dict[str, int]:
+    """``{"attn_q": heads, "attn_k": kv heads}`` for llama files (whose converter permutes), else ``{}``."""
+    arch = gguf_architecture(gguf)
+    if arch != "llama":  # qwen2/qwen3/qwen3moe converters do not permute
+        return {}
+    q_heads = gguf.metadata.get(f"{arch}.attention.head_count")
+    if not isinstance(q_heads, int):
+        raise ModelLoadError(f"{gguf.path} lacks {arch}.attention.head_count; it is corrupt or was written "
+                             "by an incompatible converter. Re-download or re-convert it.")
+    return {"attn_q": q_heads, "attn_k": gguf.metadata.get(f"{arch}.attention.head_count_kv", q_heads)}
+
+
+def _gguf_slices(gguf: GGUFFile, heads: dict[str, int]) -> Iterator[tuple[str, GGUFWeight]]:
+    for info in gguf.tensors:
+        name = hf_name(info.name)
+        if name is None:
+            continue
+        qk_heads = heads.get(info.name.split(".")[-2])
+        if "{expert}" in name:
+            for expert in range(info.shape[0]):
+                yield name.format(expert=expert), GGUFWeight(name.format(expert=expert), gguf, info, expert)
+        else:
+            yield name, GGUFWeight(name, gguf, info, qk_heads=qk_heads)
+
+
 def iter_gguf_weights(path: str | Path, config: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Iterate ``(hf_name, float32 tensor)`` over every tensor of the GGUF file, in file order.
 
@@ -180,30 +255,4 @@ def iter_gguf_weights(path: str | Path, config: Any = None) -> Iterator[tuple[st
         ModelLoadError: unreadable file or unsupported architecture (at the call); unknown
             tensor name (when reached).
     """
-    gguf = open_gguf(path)  # errors surface here, at the call, not at the first next()
-    arch = gguf_architecture(gguf)
-    heads = {}
-    if arch == "llama":  # qwen2/qwen3/qwen3moe converters do not permute
-        q_heads = gguf.metadata.get(f"{arch}.attention.head_count")
-        if not isinstance(q_heads, int):
-            raise ModelLoadError(f"{gguf.path} lacks {arch}.attention.head_count; it is corrupt or was written "
-                                 "by an incompatible converter. Re-download or re-convert it.")
-        heads = {"attn_q": q_heads, "attn_k": gguf.metadata.get(f"{arch}.attention.head_count_kv", q_heads)}
-    return _gguf_tensors(gguf, heads)
-
-
-def _gguf_tensors(gguf: GGUFFile, heads: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
-    for info in gguf.tensors:
-        name = hf_name(info.name)
-        if name is None:
-            continue
-        array = gguf.read(info)
-        part = info.name.split(".")[-2]
-        if part in heads:
-            array = unpermute_qk(array, heads[part])
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if "{expert}" in name:
-            for expert in range(tensor.shape[0]):
-                yield name.format(expert=expert), tensor[expert].clone()
-        else:
-            yield name, tensor
+    return ((name, weight.load()) for name, weight in iter_gguf_weight_slices(path, config))

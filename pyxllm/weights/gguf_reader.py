@@ -161,6 +161,29 @@ class GGUFFile:
             out = np.array(out, dtype=np.float32)
         return out.reshape(info.shape)
 
+    def read_region(self, info: GGUFTensorInfo, rows: tuple[int, int], cols: tuple[int, int]) -> np.ndarray:
+        """Dequantize rows ``rows[0]:rows[1]``, columns ``cols[0]:cols[1]`` of a tensor seen as 2-D.
+
+        The tensor is viewed as ``[prod(shape[:-1]), shape[-1]]`` (a 1-D tensor is one row).
+        Only the bytes of those rows are read; of each row, only the quantization blocks
+        covering the columns when the column range is block-aligned, else the whole row.
+
+        Returns:
+            A new float32 array ``[rows[1] - rows[0], cols[1] - cols[0]]``.
+        """
+        block, type_size = GGML_QUANT_SIZES[info.ggml_type]
+        width = info.shape[-1] if info.shape else 1
+        row_bytes = width // block * type_size
+        raw = self._array[info.start:info.start + info.nbytes].reshape(-1, row_bytes)[rows[0]:rows[1]]
+        start, stop = cols
+        if start % block == 0 and (stop % block == 0 or stop == width):
+            raw = raw[:, start // block * type_size:-(-stop // block) * type_size]
+            start, stop = 0, stop - start
+        out = dequantize(np.ascontiguousarray(raw), info.ggml_type).reshape(rows[1] - rows[0], -1)[:, start:stop]
+        if out.dtype != np.float32 or np.shares_memory(out, self._array):
+            out = np.array(out, dtype=np.float32)
+        return np.ascontiguousarray(out)
+
 
 def _corrupt_message(path: Path, detail: str) -> str:
     return f"{path} is truncated or corrupt ({detail}); re-download it."

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from pyxllm.weights.errors import ModelLoadError
-from pyxllm.weights.gguf_loader import gguf_config_dict, iter_gguf_weights
+from pyxllm.weights.gguf_loader import gguf_config_dict, iter_gguf_weight_slices, iter_gguf_weights
 from pyxllm.weights.gguf_reader import open_gguf
-from pyxllm.weights.safetensors_loader import iter_safetensors_weights
+from pyxllm.weights.lazy import LazyWeight
+from pyxllm.weights.safetensors_loader import iter_safetensors_slices, iter_safetensors_weights
 from pyxllm.weights.source import ModelSource, resolve_model_source
 
 # generation_config.json key -> request default name (the keys vLLM takes as sampling defaults)
@@ -168,3 +169,19 @@ def iter_weights(source: ModelSource | str | Path | None, config: Any) -> Iterat
     if source.kind == "gguf":
         return iter_gguf_weights(source.path, config)
     return iter_safetensors_weights(source.path)
+
+
+def iter_weight_slices(source: ModelSource | str | Path | None, config: Any) -> Iterator[tuple[str, LazyWeight]]:
+    """As :func:`iter_weights`, but each tensor comes unread, as a :class:`LazyWeight`.
+
+    A weight loader narrows it to this rank's rows or columns and reads only those (see
+    :mod:`pyxllm.weights.lazy` for what GGUF and safetensors read). Each weight stays readable
+    until the next one is requested.
+
+    Raises:
+        ModelLoadError: as :func:`iter_weights` (a corrupt file also when a weight is read).
+    """
+    source = _as_source(source)
+    if source.kind == "gguf":
+        return iter_gguf_weight_slices(source.path, config)
+    return iter_safetensors_slices(source.path)

@@ -1,4 +1,9 @@
-"""Weights of a Hugging Face directory: one or many ``*.safetensors`` files, indexed or not."""
+"""Weights of a Hugging Face directory: one or many ``*.safetensors`` files, indexed or not.
+
+:func:`iter_safetensors_slices` yields unread :class:`SafetensorsWeight` s, so a tensor-parallel
+rank reads only its own rows or columns (``safe_open(...).get_slice(name)``);
+:func:`iter_safetensors_weights` yields whole tensors.
+"""
 from __future__ import annotations
 
 import json
@@ -9,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pyxllm.weights.errors import ModelLoadError
+from pyxllm.weights.lazy import LazyWeight
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -45,6 +51,38 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
+class SafetensorsWeight(LazyWeight):
+    """One tensor of an open safetensors file; ``load()`` reads only the narrowed region.
+
+    Raises (at ``load()``):
+        ModelLoadError: the file is truncated or corrupt.
+    """
+
+    def __init__(self, name: str, path: Path, handle) -> None:
+        self.path, self._slice = path, handle.get_slice(name)
+        super().__init__(name, tuple(self._slice.get_shape()))
+
+    def _read(self, ranges):
+        try:
+            if not ranges:  # a scalar
+                return self._slice[:]
+            return self._slice[tuple(slice(a, b) for a, b in ranges)]
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"{self.path} is truncated or corrupt ({e}); re-download it.") from e
+
+
+def iter_safetensors_slices(directory: Path) -> Iterator[tuple[str, SafetensorsWeight]]:
+    """Iterate ``(name, unread weight)`` over every tensor of the directory's safetensors files.
+
+    Each weight stays readable until the next one is requested. Names are as stored.
+
+    Raises:
+        ModelLoadError: see :func:`safetensors_files` (at the call); a truncated or corrupt
+            file (when reached, or when a weight is read).
+    """
+    return _slices(safetensors_files(directory))
+
+
 def iter_safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Iterate ``(name, tensor)`` over every tensor of the directory's safetensors files.
 
@@ -55,14 +93,14 @@ def iter_safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tenso
         ModelLoadError: see :func:`safetensors_files` (at the call); a file that is truncated
             or corrupt (when reached).
     """
-    return _tensors(safetensors_files(directory))
+    return ((name, weight.load()) for name, weight in iter_safetensors_slices(directory))
 
 
-def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _slices(files: list[Path]) -> Iterator[tuple[str, SafetensorsWeight]]:
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, SafetensorsWeight(name, path, f)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{path} is truncated or corrupt ({e}); re-download it.") from e

@@ -3,13 +3,20 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health`` (200, or 503 when the engine loop died),
 ``GET /debug/stats`` (``engine.stats()``: running/waiting requests, KV blocks in use),
-``GET /metrics`` (Prometheus text format, see :mod:`pyxllm.engine.metrics`) and ``GET /version``.
+``GET /metrics`` (Prometheus text format, see :mod:`pyxllm.engine.metrics`), ``GET /version``,
+and vLLM's ``POST /tokenize`` and ``POST /detokenize`` (see :mod:`.serving_tokenization`).
+
+When the engine reports a fatal error (a tensor-parallel worker died), ``/health`` answers 503,
+the server stops about a second later and :func:`run_server` raises ``DistributedError`` naming
+the rank; should the graceful stop hang, the process exits with status 1 after 20 s.
 """
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from contextlib import contextmanager
 
 import uvicorn
@@ -26,6 +33,11 @@ from pyxllm.entrypoints.openai.protocol import (
 )
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pyxllm.entrypoints.openai.serving_tokenization import (
+    DetokenizeRequest,
+    OpenAIServingTokenization,
+    TokenizeRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +116,20 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
     return await handler.create_completion(request, raw_request)
 
 
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> JSONResponse:
+    """Token ids of a prompt or of chat messages: ``{"count", "max_model_len", "tokens"}``."""
+    handler: OpenAIServingTokenization = raw_request.app.state.openai_serving_tokenization
+    return JSONResponse(handler.tokenize(request).model_dump(mode="json", exclude_none=True))
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> JSONResponse:
+    """The text of token ids: ``{"prompt"}``."""
+    handler: OpenAIServingTokenization = raw_request.app.state.openai_serving_tokenization
+    return JSONResponse(handler.detokenize(request).model_dump(mode="json"))
+
+
 def build_app(engine, reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an :class:`~pyxllm.engine.async_engine.AsyncEngine`).
 
@@ -116,16 +142,35 @@ def build_app(engine, reasoning_parser: str | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.openai_serving_chat = OpenAIServingChat(engine, reasoning_parser)
     app.state.openai_serving_completion = OpenAIServingCompletion(engine)
+    app.state.openai_serving_tokenization = OpenAIServingTokenization(engine, app.state.openai_serving_chat)
     install_exception_handlers(app)
     return app
 
 
-class _Server(uvicorn.Server):
-    """A uvicorn server that logs one line with the URL once it is listening."""
+_FATAL_GRACE_S = 1.0  # /health answers 503 this long before the server stops
+_FATAL_HARD_EXIT_S = 20.0
 
-    def __init__(self, config: uvicorn.Config, banner: str):
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that logs one line with the URL once it is listening, and stops when
+    ``engine.fatal_error()`` says the engine is lost (``fatal`` then holds the reason)."""
+
+    def __init__(self, config: uvicorn.Config, banner: str, engine=None):
         super().__init__(config)
-        self.banner = banner
+        self.banner, self.engine = banner, engine
+        self.fatal: str | None = None
+        self._fatal_at = 0.0
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.fatal is None and self.engine is not None and (fatal := self.engine.fatal_error()):
+            self.fatal, self._fatal_at = fatal, time.monotonic()
+            logger.error("%s; stopping the server", fatal)
+            timer = threading.Timer(_FATAL_HARD_EXIT_S, os._exit, args=(1,))
+            timer.daemon = True
+            timer.start()
+        if self.fatal is not None and time.monotonic() - self._fatal_at >= _FATAL_GRACE_S:
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -168,7 +213,11 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
 
     ``log_level`` is uvicorn's (its access log is off); pyxllm logs one line with the URL.
     ``reasoning_parser``: see :func:`build_app` (an unknown name fails before the model loads).
+
+    Raises:
+        DistributedError: the server stopped because a tensor-parallel worker died (naming it).
     """
+    from pyxllm.distributed.errors import DistributedError
     from pyxllm.engine.async_engine import AsyncEngine
     from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
 
@@ -176,6 +225,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         get_reasoning_parser(reasoning_parser)
     _ensure_logging()
     engine = AsyncEngine.from_config(config)
+    server = None
     try:
         app = build_app(engine, reasoning_parser)
         shown_host = f"[{host}]" if ":" in host else host
@@ -184,8 +234,11 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                    access_log=False, lifespan="off",
                                    timeout_graceful_shutdown=5)
+        server = _Server(uv_config, banner, engine)
         with _signals_handled_by_uvicorn():
-            _Server(uv_config, banner).run()
+            server.run()
     finally:
         engine.shutdown()
         logger.info("server stopped")
+    if server.fatal:
+        raise DistributedError(server.fatal)

@@ -1,8 +1,10 @@
 """Pydantic models of the OpenAI HTTP API, field for field, with vLLM's extensions marked.
 
 Requests ignore fields they do not know (as OpenAI's SDK may send newer ones); fields we know
-but cannot honour yet (``logprobs``, penalties other than 0) are rejected by the serving layer
-rather than silently dropped.
+but cannot honour (``suffix``) are rejected by the serving layer rather than silently dropped.
+Values are range-checked by :class:`~pyxllm.sampling_params.SamplingParams` (400 naming the
+field). Logprobs in responses are clamped to -9999.0 where the token was ruled out (``-inf``
+is not JSON), as vLLM does.
 """
 from __future__ import annotations
 
@@ -95,11 +97,16 @@ class SamplingFields(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
 
 
@@ -147,12 +154,32 @@ class ChatMessage(OpenAIBaseModel):
     reasoning: str | None = None
 
 
+class ChatCompletionLogProb(OpenAIBaseModel):
+    """A token with its logprob; ``bytes`` are the UTF-8 bytes of ``token``."""
+
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    """A generated token's logprob and the ``top_logprobs`` most likely tokens at its place."""
+
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    """``choices[].logprobs`` of a chat completion: one entry per generated token."""
+
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
 class ChatCompletionResponseChoice(OpenAIBaseModel):
     """One choice of a non-streamed chat completion; ``stop_reason`` is a vLLM extension."""
 
     index: int
     message: ChatMessage
-    logprobs: Any = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -183,7 +210,7 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
 
     index: int
     delta: DeltaMessage
-    logprobs: Any = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -216,12 +243,23 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
+class CompletionLogProbs(OpenAIBaseModel):
+    """``choices[].logprobs`` of a completion, one entry per token in each list: its text, its
+    logprob (``None`` for the first prompt token with ``echo``), a ``{token: logprob}`` of the
+    sampled token and the most likely ones, and where the token starts in the choice's text."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     """One choice of a non-streamed completion (also the shape of a stream chunk's choice)."""
 
     index: int
     text: str
-    logprobs: Any = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -246,3 +284,4 @@ class CompletionStreamResponse(StreamChunkModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+

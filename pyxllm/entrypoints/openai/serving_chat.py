@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pyxllm.entrypoints.openai.errors import OpenAIError
+from pyxllm.entrypoints.openai.logprobs import chat_logprobs
 from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -26,7 +27,8 @@ from pyxllm.entrypoints.openai.serving_engine import (
     sse,
     usage_info,
 )
-from pyxllm.sampling_params import SamplingParams
+from pyxllm.outputs import CompletionOutput
+from pyxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -63,12 +65,12 @@ class OpenAIServingChat(OpenAIServing):
         """Answer one chat request (raises :class:`OpenAIError` for a bad request)."""
         self.check_model(request.model)
         self.check_health()
-        if request.logprobs or request.top_logprobs:
-            raise OpenAIError("logprobs: not supported yet", 400, "logprobs")
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
-        params = self.sampling_params(request, max_tokens)
+        elif max_tokens < 1:
+            raise OpenAIError(f"max_completion_tokens: must be >= 1, got {max_tokens}", 400, "max_completion_tokens")
+        params = self.sampling_params(request, max_tokens, logprobs=requested_logprobs(request))
         prompt_token_ids = self.render(request)
         self.fit_to_context(params, len(prompt_token_ids), "messages")
         reasoning = self.request_reasoning_parser(request, params, prompt_token_ids)
@@ -88,14 +90,13 @@ class OpenAIServingChat(OpenAIServing):
             final = await self.generate_full(prompt_token_ids, params, request_id, raw_request)
         except ClientDisconnected:
             return Response(status_code=499)
-        completion = final.outputs[0]
         response = ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name,
             choices=[ChatCompletionResponseChoice(
-                index=0, message=chat_message(completion.text, reasoning),
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-            )],
-            usage=usage_info(len(prompt_token_ids), len(completion.token_ids)),
+                index=c.index, message=chat_message(c.text, reasoning), logprobs=choice_logprobs(c, params),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            ) for c in final.outputs],
+            usage=usage_info(len(prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)),
         )
         return JSONResponse(response.model_dump(mode="json"))
 
@@ -134,42 +135,73 @@ class OpenAIServingChat(OpenAIServing):
                           params: SamplingParams, include_usage: bool,
                           mark_finished: Callable[[], None],
                           reasoning: ReasoningParser | None = None) -> AsyncIterator[str]:
-        """SSE events: a role delta, content (and reasoning) deltas, one finish_reason, usage,
-        ``[DONE]``."""
+        """SSE events: per choice index a role delta, content (and reasoning) deltas with their
+        logprobs, one finish_reason; then usage (if asked) and ``[DONE]``."""
 
-        def chunk(delta: DeltaMessage, finish_reason=None, stop_reason=None) -> str:
+        def chunk(index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None) -> str:
             choice = ChatCompletionResponseStreamChoice(
-                index=0, delta=delta, finish_reason=finish_reason, stop_reason=stop_reason
+                index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason
             )
             return sse(ChatCompletionStreamResponse(
                 id=request_id, created=created, model=self.model_name, choices=[choice]
             ))
 
-        yield chunk(DeltaMessage(role="assistant", content=""))
-        text, num_generated, finished = "", 0, False
+        n = params.n
+        for index in range(n):
+            yield chunk(index, DeltaMessage(role="assistant", content=""))
+        texts, num_sent, done = [""] * n, [0] * n, [False] * n
         try:
             async for output in self.engine.generate(prompt_token_ids, params, request_id):
-                completion = output.outputs[0]
-                delta = delta_message(text, completion.text, output.finished, reasoning)
-                text, num_generated = completion.text, len(completion.token_ids)
+                for completion in output.outputs:
+                    i = completion.index
+                    if done[i]:
+                        continue
+                    finished = completion.finish_reason is not None
+                    delta = delta_message(texts[i], completion.text, finished, reasoning)
+                    logprobs = choice_logprobs(completion, params, num_sent[i])
+                    texts[i], num_sent[i] = completion.text, len(completion.token_ids)
+                    if finished:
+                        done[i] = True
+                        yield chunk(i, delta, logprobs, completion.finish_reason, completion.stop_reason)
+                    elif delta.content or delta.reasoning_content or (logprobs and logprobs.content):
+                        yield chunk(i, delta, logprobs)
                 if output.finished:
-                    finished = True
                     mark_finished()
-                    yield chunk(delta, completion.finish_reason or "stop", completion.stop_reason)
-                elif delta.content or delta.reasoning_content:
-                    yield chunk(delta)
         except Exception as exc:  # noqa: BLE001 - reported in the stream, the server lives on
             yield self.stream_error(exc)
             yield SSE_DONE
             return
-        if not finished:  # the engine's iterator ended without a final output
-            yield chunk(delta_message(text, text, True, reasoning), "abort")
+        for i in range(n):
+            if not done[i]:  # the engine's iterator ended without a final output
+                yield chunk(i, delta_message(texts[i], texts[i], True, reasoning), finish_reason="abort")
         if include_usage:
             yield sse(ChatCompletionStreamResponse(
                 id=request_id, created=created, model=self.model_name, choices=[],
-                usage=usage_info(len(prompt_token_ids), num_generated),
+                usage=usage_info(len(prompt_token_ids), sum(num_sent)),
             ))
         yield SSE_DONE
+
+
+def requested_logprobs(request: ChatCompletionRequest) -> int | None:
+    """The number of top logprobs per token the request asks for, ``None`` without ``logprobs``.
+
+    Raises:
+        OpenAIError: ``top_logprobs`` out of [0, 20], or above 0 without ``logprobs: true``.
+    """
+    top = request.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise OpenAIError(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {top}", 400, "top_logprobs")
+    if top and not request.logprobs:
+        raise OpenAIError("top_logprobs: requires logprobs to be true", 400, "top_logprobs")
+    return (top or 0) if request.logprobs else None
+
+
+def choice_logprobs(completion: CompletionOutput, params: SamplingParams, start: int = 0):
+    """The chat ``logprobs`` of the completion's tokens from ``start`` on (``None`` when the
+    request did not ask)."""
+    if params.logprobs is None or completion.logprobs is None:
+        return None
+    return chat_logprobs(completion.token_ids[start:], completion.logprobs[start:], params.logprobs)
 
 
 def chat_message(text: str, reasoning: ReasoningParser | None) -> ChatMessage:

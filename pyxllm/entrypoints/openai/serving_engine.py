@@ -19,8 +19,9 @@ from pyxllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 # Fields a model's generation_config.json may default (a request's own value wins).
-DEFAULTABLE_FIELDS = ("temperature", "top_p", "top_k", "max_tokens")
-PASSTHROUGH_FIELDS = ("seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
+DEFAULTABLE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+PASSTHROUGH_FIELDS = ("seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "presence_penalty",
+                      "frequency_penalty", "min_tokens", "logit_bias", "include_stop_str_in_output")
 
 
 def sse(payload) -> str:
@@ -124,23 +125,21 @@ class OpenAIServing:
             params.max_tokens = min(default, self.max_model_len - num_prompt_tokens)
 
     def check_unsupported(self, request: SamplingFields) -> None:
-        """400 for features we know of but do not serve yet, rather than ignoring them."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(request, name):
-                raise OpenAIError(f"{name}: not supported yet (only 0)", 400, name)
+        """400 for field combinations that make no sense, rather than ignoring them."""
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options: only allowed when stream is true", 400,
                               "stream_options")
 
-    def sampling_params(self, request: SamplingFields, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, request: SamplingFields, max_tokens: int | None, **extra) -> SamplingParams:
         """The request's :class:`SamplingParams`; generation defaults fill unset fields.
 
         OpenAI's default temperature (1.0) applies when neither the request nor the model's
         generation config sets one; unset ``max_tokens`` means up to the context limit.
+        ``extra`` fields (``logprobs``, ``prompt_logprobs``) are passed as given.
         """
         self.check_unsupported(request)
-        fields: dict = {"n": 1 if request.n is None else request.n, "max_tokens": max_tokens}
-        for name in ("temperature", "top_p", "top_k"):
+        fields: dict = {"n": 1 if request.n is None else request.n, "max_tokens": max_tokens, **extra}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(request, name)
             value = self.defaults.get(name) if value is None else value
             if value is not None:
@@ -151,15 +150,16 @@ class OpenAIServing:
         for name, value in fields.items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise OpenAIError(f"{name}: must be a finite number, got {value}", 400, name)
-        vocab_size = getattr(self.engine.tokenizer, "vocab_size", None)
-        for token_id in fields.get("stop_token_ids", ()):
-            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-                raise OpenAIError(f"stop_token_ids: token id {token_id} is out of range "
-                                  f"[0, {vocab_size})", 400, "stop_token_ids")
         try:
-            return SamplingParams(**fields)
+            params = SamplingParams(**fields)
         except ValueError as exc:
             raise OpenAIError(str(exc), 400, param_from_message(str(exc))) from exc
+        vocab_size = getattr(self.engine.tokenizer, "vocab_size", None)
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            for token_id in ids:
+                if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                    raise OpenAIError(f"{name}: token id {token_id} is out of range [0, {vocab_size})", 400, name)
+        return params
 
     # --- running a request ----------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch._dynamo.decorators import mark_unbacked
 
 from pyxllm.executor.runners.base import Runner
 
@@ -27,11 +26,14 @@ class CompileRunner(Runner):
     name = "compile"
 
     def __init__(self, model: nn.Module, backend: str = "inductor") -> None:
+        from torch._dynamo.decorators import mark_unbacked  # dynamo takes ~2 s to import: only when used
+
         super().__init__(model)
         self.compiled = torch.compile(model, backend=backend, dynamic=True)
+        self.mark_unbacked = mark_unbacked
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        mark_unbacked(input_ids, 0)
-        mark_unbacked(positions, 0)
+        self.mark_unbacked(input_ids, 0)
+        self.mark_unbacked(positions, 0)
         return self.compiled(input_ids, positions)

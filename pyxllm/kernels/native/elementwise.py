@@ -42,6 +42,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotary_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[num_tokens, 1, head_dim]`` in ``dtype``, for ``apply_rotary_emb``:
+    the cache's ``head_dim // 2`` frequencies at ``positions``, repeated over both halves."""
+    half = cos_sin_cache.shape[-1] // 2
+    cos_sin = cos_sin_cache.index_select(0, positions).to(dtype)
+    cos = cos_sin[:, :half].repeat(1, 2).unsqueeze(1)
+    sin = cos_sin[:, half:].repeat(1, 2).unsqueeze(1)
+    return cos, sin
+
+
+def apply_rotary_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x * cos + rotate_half(x) * sin`` for ``q`` and ``k`` (transformers' ``apply_rotary_pos_emb``).
+
+    ``cos``/``sin`` from ``rotary_cos_sin`` (computed once per step and shared by every layer).
+    """
+    return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+
+
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,12 +71,7 @@ def rotary_embedding(
         cos_sin_cache: ``[max_position, head_dim]`` float32, ``cos`` in the first half of the
             columns and ``sin`` in the second, each of ``head_dim // 2`` frequencies.
     Returns:
-        The rotated ``(q, k)``, same shapes and dtypes.
+        The rotated ``(q, k)``, same shapes and dtypes. The same as ``apply_rotary_emb(q, k,
+        *rotary_cos_sin(positions, cos_sin_cache, q.dtype))``.
     """
-    half = cos_sin_cache.shape[-1] // 2
-    cos_sin = cos_sin_cache.index_select(0, positions)
-    cos = cos_sin[:, :half].repeat(1, 2).unsqueeze(1)
-    sin = cos_sin[:, half:].repeat(1, 2).unsqueeze(1)
-    q_out = (q * cos.to(q.dtype)) + (_rotate_half(q) * sin.to(q.dtype))
-    k_out = (k * cos.to(k.dtype)) + (_rotate_half(k) * sin.to(k.dtype))
-    return q_out, k_out
+    return apply_rotary_emb(q, k, *rotary_cos_sin(positions, cos_sin_cache, q.dtype))

@@ -51,6 +51,24 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     return blocks.flatten(0, 1)[:length]
 
 
+def decode_attention_mask(seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """``[batch, 1, 1, max_seq_len]`` bool, true where a context position is past the sequence's
+    end (to be masked); build it once per step and pass it to every layer's decode."""
+    positions = torch.arange(max_seq_len, device=seq_lens.device)
+    return (positions.unsqueeze(0) >= seq_lens.unsqueeze(1)).view(-1, 1, 1, max_seq_len)
+
+
+def _gather_heads_first(cache: torch.Tensor, block_ids: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """The cached K or V of ``batch`` sequences as ``[batch, kv_heads, length, head_dim]`` (contiguous).
+
+    ``index_select`` over the flat block ids, then one transposing copy: ~5x and ~3x faster here
+    than advanced indexing and than a matmul on the strided view.
+    """
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    blocks = cache.index_select(0, block_ids).view(batch, -1, num_kv_heads, head_dim)
+    return blocks[:, :length].transpose(1, 2).contiguous()
+
+
 def paged_attention_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -59,31 +77,38 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole cached context.
+
+    Grouped-query attention without repeating KV heads: the ``group`` query heads of a KV head
+    are one matmul's rows (``q [B, kv, group, D] @ k [B, kv, D, L]``). Softmax in float32. On a
+    CPU this is 3-5x faster than ``scaled_dot_product_attention`` with a mask for one query
+    token (measured with 1 thread: batch 64, 200 tokens, bf16: 6.3 ms -> 1.4 ms per layer).
 
     Args:
         query: ``[batch, num_heads, head_dim]`` (the new tokens; their K/V are already cached).
         block_tables: ``[batch, max_blocks]`` int64; seq_lens: ``[batch]`` int64 context lengths
-            (tokens, including the new one); max_seq_len: ``max(seq_lens)``.
+            (tokens, including the new one); max_seq_len: the context span attended, at least
+            ``max(seq_lens)``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        attn_mask: ``decode_attention_mask(seq_lens, max_seq_len)`` built once per step, or
+            None to build it here.
     Returns:
         ``[batch, num_heads, head_dim]``.
     """
-    batch, num_heads = query.shape[0], query.shape[1]
+    batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = (max_seq_len + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks]
-    length = num_blocks * block_size
-    group = num_heads // num_kv_heads
-    keys = _repeat_kv(k_cache[tables].view(batch, length, num_kv_heads, -1).transpose(1, 2), group)
-    values = _repeat_kv(v_cache[tables].view(batch, length, num_kv_heads, -1).transpose(1, 2), group)
-    mask = torch.arange(length, device=query.device).unsqueeze(0) < seq_lens.unsqueeze(1)
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), keys.to(query.dtype), values.to(query.dtype),
-        attn_mask=mask.view(batch, 1, 1, length), scale=scale,
-    )
-    return out.squeeze(2)
+    block_ids = block_tables[:, : (max_seq_len + block_size - 1) // block_size].reshape(-1)
+    keys = _gather_heads_first(k_cache, block_ids, batch, max_seq_len).to(query.dtype)
+    values = _gather_heads_first(v_cache, block_ids, batch, max_seq_len).to(query.dtype)
+    q = (query * scale).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(q, keys.transpose(-1, -2))  # [B, kv, group, L]
+    if attn_mask is None:
+        attn_mask = decode_attention_mask(seq_lens, max_seq_len)
+    scores = scores.masked_fill(attn_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, values).view(batch, num_heads, head_dim)
 
 
 def paged_attention_prefill(

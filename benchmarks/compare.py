@@ -1,0 +1,238 @@
+"""pyxllm against transformers and llama-cpp-python on the same model and prompts, in one run.
+
+Figures (each printed with pyxllm's ratio to each peer that ran):
+
+1. Offline throughput, ``--num-prompts`` prompts of ``--input-len`` tokens generating exactly
+   ``--output-len`` tokens each (greedy): transformers ``generate`` in bfloat16, batches of
+   ``--hf-batch-size`` (16) with left padding; llama-cpp-python one request at a time on the
+   GGUF (on ``--llamacpp-prompts`` of them: it has no batching); pyxllm's ``LLM`` (``--dtype
+   auto``: bfloat16 on CPUs with native bf16).
+2. Batch 1: prefill rate of one prompt and decode rate of ``--output-len`` tokens; pyxllm with
+   ``--quantization int4`` (the GGUF's Q4_1 weights, exactly) and with float weights.
+3. Serving, ``--concurrency`` (8) clients: ``pyxllm serve --quantization int4`` against
+   ``python -m llama_cpp.server`` (extra ``llamacpp``), both driven by ``pyxllm bench serve``'s
+   client: aggregate output tok/s and median TTFT.
+
+Peers that are not installed are skipped with a message. Every engine gets ``--threads``
+threads (default: all cores). Run from the repository root::
+
+    .venv/bin/python benchmarks/compare.py                      # all three, ~5 min on 2 cores
+    .venv/bin/python benchmarks/compare.py --skip serving --result-file compare.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from pyxllm.benchmarks.metrics import compute_metrics
+from pyxllm.benchmarks.prompts import make_prompts
+from pyxllm.benchmarks.serve import run_benchmark
+from pyxllm.weights.source import default_gguf_path
+
+
+def log(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def hf_throughput(path, prompts, output_len: int, batch_size: int) -> dict:
+    """transformers bf16 ``generate``, batches of ``batch_size`` left-padded prompts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, padding_side="left")
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+
+    def run(batch):
+        enc = tok.pad({"input_ids": batch}, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        return out.shape[1] - enc["input_ids"].shape[1]
+
+    run([prompts[0][:8]])  # warm-up
+    start, produced = time.perf_counter(), 0
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i:i + batch_size]
+        produced += run(batch) * len(batch)
+    elapsed = time.perf_counter() - start
+    one = prompts[0]
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(torch.tensor([one]), max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
+    decode = output_len / (time.perf_counter() - t0)
+    return {"output_tok_s": produced / elapsed, "elapsed_s": elapsed, "batch1_e2e_tok_s": decode}
+
+
+def llamacpp_figures(path, prompts, output_len: int, threads: int, num: int) -> dict:
+    """llama-cpp-python: prompts one at a time; prefill and decode rates from streamed tokens."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
+    llm.create_completion(prompts[0][:8], max_tokens=4)  # warm-up
+    prefill, decode, produced, start = [], [], 0, time.perf_counter()
+    for ids in prompts[:num]:
+        llm.reset()
+        t0, first, n = time.perf_counter(), None, 0
+        for _ in llm.create_completion(ids, max_tokens=output_len, temperature=0.0, stream=True):
+            n += 1
+            first = first or time.perf_counter()
+        end = time.perf_counter()
+        prefill.append(len(ids) / (first - t0))
+        decode.append((n - 1) / (end - first))
+        produced += n
+    elapsed = time.perf_counter() - start
+    return {"output_tok_s": produced / elapsed, "prefill_tok_s": sum(prefill) / len(prefill),
+            "decode_tok_s": sum(decode) / len(decode), "requests": num}
+
+
+def pyxllm_figures(prompts, output_len: int) -> dict:
+    """pyxllm offline throughput (bf16 default) and batch-1 rates with float and int4 weights."""
+    from pyxllm import LLM, SamplingParams
+    from pyxllm.benchmarks.latency import _timed_request
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    figures = {}
+    llm = LLM(max_model_len=1024, kv_cache_memory=1.0)
+    figures["dtype"] = str(llm.llm_engine.executor.dtype).removeprefix("torch.")
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, ignore_eos=True))
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    figures["output_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+    for name, engine in (("float", llm.llm_engine),
+                         ("int4", LLM(max_model_len=1024, kv_cache_memory=0.2, quantization="int4").llm_engine)):
+        _timed_request(engine, prompts[0], 8, f"warm-{name}")
+        runs = [_timed_request(engine, prompts[i], output_len, f"{name}-{i}") for i in range(2)]
+        figures[f"{name}_prefill_tok_s"] = sum(len(prompts[i]) / r[0] for i, r in enumerate(runs)) / 2
+        figures[f"{name}_decode_tok_s"] = sum((n - 1) / (e2e - t) for t, e2e, n in runs) / 2
+    return figures
+
+
+def _start(cmd: list[str], port: int, threads: int) -> subprocess.Popen:
+    import httpx
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[2]} exited with status {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"{cmd[2]} did not start")
+
+
+def serving(prompts, output_len: int, concurrency: int, threads: int, llamacpp: bool) -> dict:
+    """Aggregate output tok/s and median TTFT of each server under ``concurrency`` clients."""
+    path, results = default_gguf_path(), {}
+    servers = {"pyxllm": [sys.executable, "-m", "pyxllm.entrypoints.cli", "serve", "--port", "18931",
+                          "--quantization", "int4", "--max-model-len", "1024", "--kv-cache-memory", "0.5"]}
+    if llamacpp:
+        servers["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--port", "18932",
+                                "--n_threads", str(threads), "--n_ctx", "2048"]
+    for name, cmd in servers.items():
+        port = int(cmd[cmd.index("--port") + 1])
+        proc = _start(cmd, port, threads)
+        try:
+            url = f"http://127.0.0.1:{port}/v1"
+            asyncio.run(run_benchmark(url, prompts[:2], 4, 2))  # warm-up
+            records, duration = asyncio.run(run_benchmark(url, prompts, output_len, concurrency))
+            m = compute_metrics(records, duration)
+            results[name] = {"output_tok_s": m.output_throughput, "median_ttft_ms": m.ttft_ms["median"],
+                             "completed": m.completed, "failed": m.failed}
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return results
+
+
+def ratio_lines(title: str, ours: float | None, peers: dict[str, float | None], unit: str, lower_better=False) -> list[str]:
+    lines = [f"{title}: pyxllm {ours:.1f} {unit}" if ours is not None else f"{title}: pyxllm n/a"]
+    for peer, value in peers.items():
+        if value is None or ours is None:
+            lines.append(f"    vs {peer}: skipped")
+            continue
+        r = value / ours if lower_better else ours / value
+        lines.append(f"    vs {peer}: {value:.1f} {unit} -> pyxllm/{peer} = {r:.2f}x{' (lower is better, shown inverted)' if lower_better else ''}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=100)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--llamacpp-prompts", type=int, default=4, help="llama.cpp runs these one by one")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--serving-prompts", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--skip", default="", help="comma-separated: transformers,llamacpp,serving")
+    parser.add_argument("--result-file", default=None)
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    torch.set_num_threads(args.threads)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        log("llama-cpp-python is not installed (pip install 'pyxllm[llamacpp]', a source build of minutes): skipped")
+        skip.add("llamacpp")
+    from pyxllm.benchmarks.prompts import load_tokenizer
+
+    path, tokenizer = default_gguf_path(), load_tokenizer(None)
+    prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, "random", seed=0)
+    ids = [p[1] for p in prompts]
+    log(f"{len(ids)} prompts of ~{args.input_len} tokens, {args.output_len} new tokens each, {args.threads} threads")
+    results = {"pyxllm": pyxllm_figures(ids, args.output_len)}
+    log("pyxllm:", json.dumps(results["pyxllm"]))
+    gc.collect()
+    if "transformers" not in skip:
+        results["transformers"] = hf_throughput(path, ids, args.output_len, args.hf_batch_size)
+        log("transformers:", json.dumps(results["transformers"]))
+        gc.collect()
+    if "llamacpp" not in skip:
+        results["llama.cpp"] = llamacpp_figures(path, ids, args.output_len, args.threads, args.llamacpp_prompts)
+        log("llama.cpp:", json.dumps(results["llama.cpp"]))
+        gc.collect()
+    if "serving" not in skip:
+        results["serving"] = serving(prompts[:args.serving_prompts], args.output_len,
+                                     args.concurrency, args.threads, "llamacpp" not in skip)
+        log("serving:", json.dumps(results["serving"]))
+    ours, hf, lc = results["pyxllm"], results.get("transformers", {}), results.get("llama.cpp", {})
+    lines = ["", "=== pyxllm vs peers (ratios > 1: pyxllm better) ==="]
+    lines += ratio_lines(f"Offline throughput ({ours['dtype']})", ours["output_tok_s"],
+                         {"transformers bf16 batch 16": hf.get("output_tok_s"), "llama.cpp sequential": lc.get("output_tok_s")},
+                         "output tok/s")
+    for kind in ("int4", "float"):
+        lines += ratio_lines(f"Batch-1 decode ({kind} weights)", ours[f"{kind}_decode_tok_s"],
+                             {"llama.cpp Q4_1": lc.get("decode_tok_s"), "transformers bf16 (end to end)": hf.get("batch1_e2e_tok_s")},
+                             "tok/s")
+        lines += ratio_lines(f"Batch-1 prefill ({kind} weights)", ours[f"{kind}_prefill_tok_s"],
+                             {"llama.cpp Q4_1": lc.get("prefill_tok_s")}, "tok/s")
+    serve = results.get("serving", {})
+    if "pyxllm" in serve:
+        lines += ratio_lines(f"Serving, {args.concurrency} clients, output", serve["pyxllm"]["output_tok_s"],
+                             {"llama-cpp-python server": serve.get("llama.cpp", {}).get("output_tok_s")}, "tok/s")
+        lines += ratio_lines("Serving, median TTFT", serve["pyxllm"]["median_ttft_ms"],
+                             {"llama-cpp-python server": serve.get("llama.cpp", {}).get("median_ttft_ms")}, "ms",
+                             lower_better=True)
+    log("\n".join(lines))
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Turning the executor's logprob lists into the per-token ``{token id: Logprob}`` dicts that
+requests collect (:attr:`~pyxllm.engine.request.Request.logprobs` and ``prompt_logprobs``)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from pyxllm.engine.request import Request
+from pyxllm.executor.scheduler_output import SchedulerOutput
+from pyxllm.outputs import Logprob
+
+Decode = Callable[[Sequence[int]], list[str]]
+
+
+def logprob_dict(token_ids: list[int], logprobs: list[float], rank: int, decode: Decode) -> dict[int, Logprob]:
+    """``token id -> Logprob`` of one position: the given token first (with its rank), then the
+    top ones (rank 1, 2, ...); ``decode(ids)`` gives each token's text."""
+    texts = decode(token_ids)
+    entries = {token_ids[0]: Logprob(logprobs[0], rank, texts[0])}
+    for r, (t, v, text) in enumerate(zip(token_ids[1:], logprobs[1:], texts[1:]), start=1):
+        entries.setdefault(t, Logprob(v, r, text))
+    return entries
+
+
+def record_logprobs(requests: Mapping[str, Request], plan: SchedulerOutput, result, decode: Decode) -> None:
+    """Append a step's sample and prompt logprobs (a ``StepResult``) to their requests.
+
+    Call before the scheduler advances the requests: each sequence's ``num_computed_tokens``
+    then still marks where its step started, which places prompt logprobs (a chunk recomputed
+    after preemption is not appended twice).
+    """
+    for i, seq in enumerate(plan.sequences):
+        request = requests.get(seq.request_id)
+        if request is None:
+            continue
+        sample = result.logprobs[i] if result.logprobs is not None else None
+        if sample is not None and request.logprobs is not None:
+            request.logprobs.append(logprob_dict(*sample, decode))
+        chunk = result.prompt_logprobs[i] if result.prompt_logprobs is not None else None
+        if chunk and request.prompt_logprobs is not None:
+            skip = len(request.prompt_logprobs) - (seq.num_computed_tokens + 1)
+            request.prompt_logprobs.extend(logprob_dict(*entry, decode) for entry in chunk[max(skip, 0):])

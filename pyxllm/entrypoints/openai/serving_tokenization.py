@@ -1,0 +1,91 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's extensions), in vLLM's shapes.
+
+``/tokenize`` takes a ``prompt`` (``add_special_tokens`` defaults to true) or chat ``messages``
+rendered with the model's template (``add_generation_prompt`` defaults to true,
+``add_special_tokens`` to false) and returns ``{"count", "max_model_len", "tokens"}`` (and
+``token_strs`` with ``return_token_strs``); ``/detokenize`` takes ``{"tokens"}`` and returns
+``{"prompt"}``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pyxllm.entrypoints.openai.errors import OpenAIError
+from pyxllm.entrypoints.openai.protocol import ChatCompletionMessageParam, ChatCompletionRequest, OpenAIBaseModel
+class TokenizeRequest(OpenAIBaseModel):
+    """``POST /tokenize``: a ``prompt``, or chat ``messages`` rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatCompletionMessageParam] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    """The token ids, their number, the context limit and (if asked) each token's string."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """``POST /detokenize``: token ids to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    """The text of the token ids."""
+
+    prompt: str
+
+
+class OpenAIServingTokenization:
+    """Tokenizes and detokenizes with the engine's tokenizer (and the chat handler's template)."""
+
+    def __init__(self, engine, chat_handler) -> None:
+        self.engine = engine
+        self.chat = chat_handler
+
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        """The token ids of ``request.prompt`` or of its rendered ``messages``.
+
+        Raises:
+            OpenAIError: another model's name (404), neither or both of prompt and messages,
+                or messages the template cannot render (400).
+        """
+        self.chat.check_model(request.model)
+        tokenizer = self.engine.tokenizer
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError("prompt: give either prompt or messages", 400, "prompt")
+        if request.prompt is not None:
+            add_special = True if request.add_special_tokens is None else request.add_special_tokens
+            ids = list(tokenizer.encode(request.prompt, add_special_tokens=add_special))
+        else:
+            chat = ChatCompletionRequest(messages=request.messages, add_generation_prompt=request.add_generation_prompt,
+                                         chat_template_kwargs=request.chat_template_kwargs)
+            ids = self.chat.render(chat)
+            if request.add_special_tokens:
+                bos = getattr(tokenizer.hf, "bos_token_id", None)
+                ids = ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+        strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of ``request.tokens`` (special tokens kept).
+
+        Raises:
+            OpenAIError: another model's name (404) or a token id out of the vocabulary (400).
+        """
+        self.chat.check_model(request.model)
+        vocab_size = self.engine.tokenizer.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(f"tokens: token id {bad[0]} is out of range [0, {vocab_size})", 400, "tokens")
+        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(request.tokens, skip_special_tokens=False))

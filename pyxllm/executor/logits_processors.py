@@ -1,0 +1,138 @@
+"""Batched logits transforms of the sampler, each a plain function over ``[N, vocab]`` float32.
+
+The sampler applies them in vLLM's order: logit bias and the ``min_tokens`` mask, then the
+penalties, then temperature, then min-p, top-k and top-p. Each takes only the rows (or token
+entries) that use it, so a batch that does not use a feature pays nothing for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class TokenEntries:
+    """Sparse ``(row, token id)`` entries of a ``[N, vocab]`` tensor: ``M`` of them.
+
+    Attributes:
+        rows, token_ids: ``[M]`` int64; values: ``[M]`` float32 or ``None`` where the values
+            are implied (the ``min_tokens`` mask sets ``-inf``).
+    """
+
+    rows: torch.Tensor
+    token_ids: torch.Tensor
+    values: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class Penalties:
+    """The penalties of the ``R`` rows that use any, and their token histories.
+
+    Attributes:
+        rows: ``[R]`` int64 rows of the batch.
+        repetition: ``[R]`` float32 (1.0 = off); presence, frequency: ``[R]`` float32 (0.0 = off).
+        prompt_mask: ``[R, vocab]`` bool, the tokens of each row's prompt.
+        output_counts: ``[R, vocab]`` float32, how often each token was generated.
+    """
+
+    rows: torch.Tensor
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    prompt_mask: torch.Tensor
+    output_counts: torch.Tensor
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: TokenEntries) -> torch.Tensor:
+    """Add ``bias.values`` to the logits at ``(bias.rows, bias.token_ids)``, in place."""
+    return logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenEntries) -> torch.Tensor:
+    """Set the logits at ``(mask.rows, mask.token_ids)`` to ``-inf``, in place (``min_tokens``)."""
+    return logits.index_put_((mask.rows, mask.token_ids), torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """Apply the repetition, frequency and presence penalties to ``p.rows``, in place.
+
+    As vLLM (and the CTRL paper, Keskar et al. 2019, for repetition): for a token seen in the
+    prompt or the output, a positive logit is divided by the repetition penalty and a negative
+    one multiplied by it; then ``frequency * count + presence * (count > 0)`` is subtracted,
+    with ``count`` the token's occurrences in the output only (OpenAI's definition).
+    """
+    rows = logits.index_select(0, p.rows)
+    seen = p.prompt_mask | (p.output_counts > 0)
+    rep = torch.where(seen, p.repetition.unsqueeze(1), 1.0)
+    rows = torch.where(rows > 0, rows / rep, rows * rep)
+    rows -= p.frequency.unsqueeze(1) * p.output_counts
+    rows -= p.presence.unsqueeze(1) * (p.output_counts > 0)
+    return logits.index_copy_(0, p.rows, rows)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to ``-inf`` the tokens whose probability is below ``min_p`` times the row's largest.
+
+    Args:
+        logits: ``[N, vocab]`` float32, already temperature-scaled.
+        min_p: ``[N]`` float32 in [0, 1] (0 keeps everything).
+    """
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Set logits outside each row's top-k and top-p (nucleus, Holtzman et al. 2019) sets to -inf.
+
+    Args:
+        logits: ``[N, vocab]`` float32 (already temperature-scaled).
+        top_k: ``[N]`` int64 or None; top_p: ``[N]`` float32 in (0, 1] or None.
+    Returns:
+        ``[N, vocab]``; at least the most likely token of each row is kept.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        rank = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    """Log-probabilities of ``L`` rows: each row's given token, then its ``k`` most likely ones.
+
+    Attributes:
+        token_ids: ``[L, 1 + k]`` int64; column 0 is the given (sampled or prompt) token.
+        logprobs: ``[L, 1 + k]`` float32 natural-log probabilities (``-inf`` for a token the
+            sampling settings ruled out).
+        ranks: ``[L]`` int64, the given token's 1-based rank (1 + tokens strictly more likely).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+
+    def tolists(self) -> list[tuple[list[int], list[float], int]]:
+        """Per row ``(token ids, logprobs, rank of the first)``, as Python values."""
+        return list(zip(self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()))
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+    """Log-softmax of ``logits [L, vocab]``, gathered at ``token_ids [L]`` plus a top-``num_top``.
+
+    One ``topk`` over all rows; rows that asked for fewer keep a prefix of theirs.
+    """
+    logprobs = logits.log_softmax(dim=-1)
+    given = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > given).sum(dim=-1) + 1
+    ids, values = token_ids.unsqueeze(1), given
+    if num_top > 0:
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        ids, values = torch.cat([ids, top_ids], dim=1), torch.cat([values, top_values], dim=1)
+    return LogprobsTensors(ids, values, ranks)

@@ -1,0 +1,212 @@
+"""Tensor parallelism across processes: rank 0's executor drives one executor per worker rank.
+
+Launch (see ``EngineConfig``):
+
+- ``--tensor-parallel-size N`` on one host: rank 0 spawns ranks ``1..N-1`` (multiprocessing's
+  ``spawn`` context) meeting at ``--master-addr`` or ``127.0.0.1:<free port>``; the CPU's cores
+  are split between the N ranks.
+- ``--nnodes N --node-rank i --master-addr host:port``: one rank per node, started by hand as
+  xLLM does; node 0 builds this executor (and serves HTTP), the others run
+  :func:`pyxllm.executor.worker.run_worker`.
+
+A step: rank 0 encodes the scheduler's plan (:mod:`~pyxllm.executor.plan_codec`, a few bytes per
+decoding sequence), sends it down the control channel (:mod:`pyxllm.distributed.control`), and
+runs its own :class:`ModelExecutor` on the plan; the workers run the same forward, so the
+layers' all-reduces pair up; the LM head's logits are gathered to rank 0, which alone samples.
+Every rank allocates the same number of KV blocks (the smallest any rank can afford).
+
+Faults: a worker whose control connection closes (it died) or that reports an error sets
+:attr:`MultiprocExecutor.failure` ("TP worker rank i died ..."); the next step, or the one in
+flight once its collective fails, raises :class:`WorkerDiedError`, and ``check_health`` raises it
+too. :meth:`MultiprocExecutor.shutdown` sends the workers a stop message, then terminates
+spawned ones that have not exited within a few seconds.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import socket
+import time
+
+import torch
+
+from pyxllm.config import EngineConfig
+from pyxllm.distributed.control import ControlServer
+from pyxllm.distributed.parallel_state import (
+    DistributedError,
+    destroy_distributed,
+    init_distributed,
+    parse_master_addr,
+    split_cpu_threads,
+    tp_state,
+)
+from pyxllm.executor.model_executor import ModelExecutor, StepResult
+from pyxllm.executor.plan_codec import PlanEncoder
+from pyxllm.executor.scheduler_output import SchedulerOutput
+from pyxllm.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDiedError(DistributedError):
+    """A TP worker died or failed; the message names its rank."""
+
+
+def free_local_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def check_tp_fits(model_config, platform, tp_size: int) -> None:
+    """Build the model for TP rank 0 of ``tp_size`` on the meta device (no memory, no processes),
+    so a model that does not split fails before any rank starts.
+
+    Raises:
+        ValueError: e.g. "tensor-parallel size 2 does not fit 9 attention heads and 3 KV heads ...".
+    """
+    model_cls = resolve_model_class(model_config, platform.name)
+    with tp_state(0, tp_size), torch.device("meta"):
+        model_cls(model_config)
+
+
+def build_executor(config: EngineConfig, model_config, source, platform):
+    """A :class:`ModelExecutor` for one rank, else a :class:`MultiprocExecutor` for rank 0."""
+    if config.world_size == 1:
+        return ModelExecutor(config, model_config, source, platform)
+    return MultiprocExecutor(config, model_config, source, platform)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            return f" (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            return f" (killed by signal {-code})"
+    return f" (exit code {code})"
+
+
+class MultiprocExecutor:
+    """Rank 0's executor under tensor parallelism; same interface as :class:`ModelExecutor`
+    (``execute``, ``num_kv_blocks``, ``dtype``, ``model_config``, ...: attributes it lacks are
+    those of its own rank's executor, :attr:`driver`).
+
+    Attributes:
+        failure: ``None`` while every worker lives, else the message naming the failed rank.
+        procs: rank -> spawned ``multiprocessing.Process`` (empty when launched by hand).
+
+    Raises:
+        ValueError: the model does not split ``world_size`` ways (before any process starts).
+        DistributedError: a rank did not join within ``--dist-init-timeout``, or died starting.
+    """
+
+    def __init__(self, config: EngineConfig, model_config, source, platform) -> None:
+        self.world_size, self.failure, self.procs = config.world_size, None, {}
+        self.channel, self._closed = None, False
+        check_tp_fits(model_config, platform, self.world_size)
+        spawn = config.nnodes == 1
+        master = config.master_addr or f"127.0.0.1:{free_local_port()}"
+        self._threads = torch.get_num_threads()
+        try:
+            if spawn:
+                self._spawn(config, master)
+            store = init_distributed(platform, 0, self.world_size, master, config.dist_init_timeout,
+                                     check_alive=self.check_health)
+            split_cpu_threads(platform, self.world_size if spawn else 1)
+            self.channel = ControlServer(parse_master_addr(master)[0], store, self.world_size,
+                                         config.dist_init_timeout, check_alive=self.check_health)
+            self.channel.watch(self._on_worker_failure)
+            self.driver = ModelExecutor(config, model_config, source, platform)
+        except BaseException as e:
+            collective_broke = isinstance(e, RuntimeError) and not isinstance(e, DistributedError)
+            if collective_broke and self._wait_for_failure():
+                self.shutdown()
+                raise WorkerDiedError(self.failure) from e
+            self.shutdown()
+            raise
+        self.encoder = PlanEncoder()
+        logger.info("tensor parallel: %d ranks at %s (%s)", self.world_size, master,
+                    "spawned here" if spawn else "one per node")
+
+    def _spawn(self, config: EngineConfig, master: str) -> None:
+        from pyxllm.executor.worker import worker_main
+
+        context = multiprocessing.get_context("spawn")
+        for rank in range(1, self.world_size):
+            proc = context.Process(
+                target=worker_main, name=f"pyxllm-tp-rank{rank}", daemon=True,
+                kwargs=dict(config=config, rank=rank, world_size=self.world_size, master_addr=master,
+                            local_rank=rank, local_world_size=self.world_size, spawned=True),
+            )
+            proc.start()
+            self.procs[rank] = proc
+
+    def _on_worker_failure(self, rank: int, error: str | None) -> None:
+        """Called by the control channel's watcher thread: record which rank failed and how."""
+        proc = self.procs.get(rank)
+        if proc is not None:
+            proc.join(timeout=1.0)
+        pid = f" (pid {proc.pid})" if proc is not None else ""
+        how = f"failed: {error}" if error else "died" + _describe_exit(proc.exitcode if proc else None)
+        if self.failure is None:
+            self.failure = f"TP worker rank {rank}{pid} {how}"
+            logger.error(self.failure)
+
+    def check_health(self) -> None:
+        """Raises :class:`WorkerDiedError` once a worker has failed; also polls spawned workers."""
+        if self.failure is None:
+            for rank, proc in self.procs.items():
+                if proc.exitcode is not None and not self._closed:
+                    self.failure = f"TP worker rank {rank} (pid {proc.pid}) died{_describe_exit(proc.exitcode)}"
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        """Send ``plan`` to the workers and run it on every rank; rank 0's sampled tokens.
+
+        Raises:
+            WorkerDiedError: a worker has died (before or during the step).
+        """
+        self.check_health()
+        try:
+            self.channel.broadcast(self.encoder.encode(plan))
+            return self.driver.execute(plan)
+        except (ConnectionError, RuntimeError) as e:
+            if self._wait_for_failure():
+                raise WorkerDiedError(self.failure) from e
+            raise
+
+    def _wait_for_failure(self, timeout_s: float = 2.0) -> bool:
+        """Whether a worker failure is (or, within ``timeout_s``, gets) recorded: a peer's death
+        breaks a collective at once, and the watcher names the rank a moment later."""
+        deadline = time.monotonic() + timeout_s
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.failure is not None
+
+    def shutdown(self) -> None:
+        """Stop every worker (stop message, then terminate spawned stragglers) and leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.channel is not None:
+            self.channel.close(("stop",))
+        for proc in self.procs.values():
+            proc.join(timeout=5.0)
+            if proc.exitcode is None:
+                proc.terminate()
+                proc.join(timeout=2.0)
+            if proc.exitcode is None:
+                proc.kill()
+        destroy_distributed()
+        torch.set_num_threads(self._threads)
+
+    def __getattr__(self, name: str):
+        driver = self.__dict__.get("driver")
+        if driver is None:
+            raise AttributeError(name)
+        return getattr(driver, name)

@@ -1,0 +1,62 @@
+"""Pure-PyTorch weight-only quantized matmuls: the reference every platform's kernel must match.
+
+Formats (chosen so the CPU kernels of ATen take them as they are, see ``kernels.cpu.quantized``):
+
+- int8, per output channel: ``W[n, k] ~= qweight[n, k] * scales[n]`` with ``qweight`` int8
+  ``[N, K]`` and ``scales`` ``[N]`` in the activations' dtype.
+- int4, groups of ``group_size`` input features: ``W[n, k] ~= (q[n, k] - 8) * scale[g, n] +
+  zero[g, n]`` with ``q`` in ``0..15`` and ``g = k // group_size``; ``scales_and_zeros`` is
+  ``[K / group_size, N, 2]`` (scale, zero), in the activations' dtype. This is the layout and
+  formula of ``torch._weight_int4pack_mm_for_cpu`` (checked against it in tests/test_quantization.py).
+  The reference keeps ``q`` unpacked, one ``uint8`` per weight; a platform packs it its own way
+  (``pack_int4_weight``), and only its own ``int4_linear`` reads the packed form.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x @ (qweight * scales[:, None]).T + bias``.
+
+    Args:
+        x: ``[..., K]`` float activations.
+        qweight: ``[N, K]`` int8; scales: ``[N]`` in ``x.dtype``; bias: ``[N]`` or None.
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+    """
+    y = F.linear(x, qweight.to(x.dtype)) * scales
+    return y if bias is None else y + bias
+
+
+def pack_int4_weight(q: torch.Tensor) -> torch.Tensor:
+    """The reference's int4 storage: ``q`` (``[N, K]``, values ``0..15``) as ``uint8``, unpacked."""
+    return q.to(torch.uint8)
+
+
+def dequantize_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[N, K]`` weights in ``scales_and_zeros.dtype`` from the reference's unpacked ``q``."""
+    n, k = packed.shape
+    scale = scales_and_zeros[..., 0].t().unsqueeze(-1)  # [N, K/G, 1]
+    zero = scales_and_zeros[..., 1].t().unsqueeze(-1)
+    q = packed.view(n, k // group_size, group_size).to(scales_and_zeros.dtype)
+    return ((q - 8) * scale + zero).view(n, k)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x @ W.T + bias`` with ``W`` dequantized from ``pack_int4_weight``'s output.
+
+    Args:
+        x: ``[..., K]``; packed: from ``pack_int4_weight``; scales_and_zeros: ``[K/G, N, 2]`` in
+            ``x.dtype``; group_size: ``G`` (32); bias: ``[N]`` or None.
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+    """
+    return F.linear(x, dequantize_int4(packed, scales_and_zeros, group_size), bias)

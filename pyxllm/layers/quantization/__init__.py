@@ -1,0 +1,66 @@
+"""``--quantization``: weight-only int8/int4 linear layers, chosen once the weights are loaded.
+
+Layers with a ``quant_method`` attribute (the column/row-parallel linears and the LM head) and
+``quantizable = True`` are converted by :func:`quantize_model`; the others (norms, the token
+embedding, a MoE router, stacked MoE experts) stay in the compute dtype. See
+``weight_only.py`` for the formats and README (Performance) for speed and accuracy.
+"""
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from pyxllm.layers.quantization.weight_only import (
+    INT4_GROUP_SIZE,
+    UNQUANTIZED,
+    Int4LinearMethod,
+    Int8LinearMethod,
+    UnquantizedLinearMethod,
+    quantize_int4_groups,
+    quantize_int8_per_channel,
+)
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = ("int8", "int4")
+# --quantization -> (method of the decoder linears, method of the LM head)
+_METHODS = {
+    "int8": (Int8LinearMethod, Int8LinearMethod),
+    "int4": (Int4LinearMethod, Int8LinearMethod),
+}
+
+__all__ = [
+    "INT4_GROUP_SIZE", "QUANTIZATION_METHODS", "UNQUANTIZED", "Int4LinearMethod", "Int8LinearMethod",
+    "UnquantizedLinearMethod", "quantize_int4_groups", "quantize_int8_per_channel", "quantize_model",
+]
+
+
+def quantize_model(model: nn.Module, quantization: str | None) -> int:
+    """Convert every quantizable layer of a loaded ``model`` in place; returns how many.
+
+    The LM head (a module with ``compute_logits``) takes the second method of the pair in
+    ``_METHODS`` (int8 for both choices: its rows are the vocabulary, and int8 keeps the logits
+    closest to float at a small cost in speed).
+
+    Raises:
+        ValueError: an unknown method, or a layer whose shape the method cannot hold (naming
+            the layer and the flag).
+    """
+    if quantization is None:
+        return 0
+    if quantization not in _METHODS:
+        raise ValueError(f"--quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}")
+    linear_cls, head_cls = _METHODS[quantization]
+    count = 0
+    for name, module in model.named_modules():
+        if not getattr(module, "quantizable", False) or not isinstance(getattr(module, "weight", None), nn.Parameter):
+            continue
+        method = head_cls() if hasattr(module, "compute_logits") else linear_cls()
+        try:
+            method.process_weights_after_loading(module)
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"--quantization {quantization}: layer {name} {tuple(module.weight.shape)}: {e}") from e
+        count += 1
+    logger.info("quantized %d layers to %s (weight-only)", count, quantization)
+    return count
