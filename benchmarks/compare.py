@@ -71,14 +71,20 @@ def hf_throughput(path, prompts, output_len: int, batch_size: int) -> dict:
     return {"output_tok_s": produced / elapsed, "elapsed_s": elapsed, "batch1_e2e_tok_s": decode}
 
 
-def llamacpp_figures(path, prompts, output_len: int, threads: int, num: int) -> dict:
-    """llama-cpp-python: prompts one at a time; prefill and decode rates from streamed tokens."""
+def llamacpp_figures(path, prompts, output_len: int, threads: int, num: int, fresh) -> dict:
+    """llama-cpp-python: prompts one at a time; output rate over ``prompts[:num]``, prefill and
+    decode rates (from streamed tokens) over the ``fresh`` prompts."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
     llm.create_completion(prompts[0][:8], max_tokens=4)  # warm-up
-    prefill, decode, produced, start = [], [], 0, time.perf_counter()
+    start, produced = time.perf_counter(), 0
     for ids in prompts[:num]:
+        llm.reset()
+        produced += llm.create_completion(ids, max_tokens=output_len, temperature=0.0)["usage"]["completion_tokens"]
+    elapsed = time.perf_counter() - start
+    prefill, decode = [], []
+    for ids in fresh:
         llm.reset()
         t0, first, n = time.perf_counter(), None, 0
         for _ in llm.create_completion(ids, max_tokens=output_len, temperature=0.0, stream=True):
@@ -87,14 +93,13 @@ def llamacpp_figures(path, prompts, output_len: int, threads: int, num: int) -> 
         end = time.perf_counter()
         prefill.append(len(ids) / (first - t0))
         decode.append((n - 1) / (end - first))
-        produced += n
-    elapsed = time.perf_counter() - start
     return {"output_tok_s": produced / elapsed, "prefill_tok_s": sum(prefill) / len(prefill),
             "decode_tok_s": sum(decode) / len(decode), "requests": num}
 
 
-def pyxllm_figures(prompts, output_len: int) -> dict:
-    """pyxllm offline throughput (bf16 default) and batch-1 rates with float and int4 weights."""
+def pyxllm_figures(prompts, output_len: int, fresh) -> dict:
+    """pyxllm offline throughput (bf16 default) and batch-1 rates with float and int4 weights,
+    on the ``fresh`` prompts (not seen before: no prefix-cache hit)."""
     from pyxllm import LLM, SamplingParams
     from pyxllm.benchmarks.latency import _timed_request
 
@@ -108,10 +113,10 @@ def pyxllm_figures(prompts, output_len: int) -> dict:
     figures["output_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
     for name, engine in (("float", llm.llm_engine),
                          ("int4", LLM(max_model_len=1024, kv_cache_memory=0.2, quantization="int4").llm_engine)):
-        _timed_request(engine, prompts[0], 8, f"warm-{name}")
-        runs = [_timed_request(engine, prompts[i], output_len, f"{name}-{i}") for i in range(2)]
-        figures[f"{name}_prefill_tok_s"] = sum(len(prompts[i]) / r[0] for i, r in enumerate(runs)) / 2
-        figures[f"{name}_decode_tok_s"] = sum((n - 1) / (e2e - t) for t, e2e, n in runs) / 2
+        _timed_request(engine, prompts[1][::-1], 8, f"warm-{name}")
+        runs = [_timed_request(engine, ids, output_len, f"{name}-{i}") for i, ids in enumerate(fresh)]
+        figures[f"{name}_prefill_tok_s"] = sum(len(ids) / r[0] for ids, r in zip(fresh, runs)) / len(runs)
+        figures[f"{name}_decode_tok_s"] = sum((n - 1) / (e2e - t) for t, e2e, n in runs) / len(runs)
     return figures
 
 
@@ -194,8 +199,9 @@ def main() -> None:
     path, tokenizer = default_gguf_path(), load_tokenizer(None)
     prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, "random", seed=0)
     ids = [p[1] for p in prompts]
+    fresh = [p[1] for p in make_prompts(tokenizer, 2, args.input_len, "random", seed=1)]  # batch-1 figures
     log(f"{len(ids)} prompts of ~{args.input_len} tokens, {args.output_len} new tokens each, {args.threads} threads")
-    results = {"pyxllm": pyxllm_figures(ids, args.output_len)}
+    results = {"pyxllm": pyxllm_figures(ids, args.output_len, fresh)}
     log("pyxllm:", json.dumps(results["pyxllm"]))
     gc.collect()
     if "transformers" not in skip:
@@ -203,7 +209,7 @@ def main() -> None:
         log("transformers:", json.dumps(results["transformers"]))
         gc.collect()
     if "llamacpp" not in skip:
-        results["llama.cpp"] = llamacpp_figures(path, ids, args.output_len, args.threads, args.llamacpp_prompts)
+        results["llama.cpp"] = llamacpp_figures(path, ids, args.output_len, args.threads, args.llamacpp_prompts, fresh)
         log("llama.cpp:", json.dumps(results["llama.cpp"]))
         gc.collect()
     if "serving" not in skip:
