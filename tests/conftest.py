@@ -37,3 +37,14 @@ def hf_gguf_model(default_gguf_path):
         default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module on one intra-op thread: on a few shared cores, OpenMP threads waiting for
+    each other made small ops ~16 ms (40x slower); results do not depend on it.
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

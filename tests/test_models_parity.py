@@ -41,14 +41,7 @@ PROMPTS = [
 LLM_KWARGS = dict(max_model_len=96, kv_cache_memory=0.05)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Run this module on one intra-op thread: on a few shared cores, OpenMP threads waiting for
-    each other made every small op here ~16 ms (40x slower); results do not depend on it."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

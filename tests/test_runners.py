@@ -22,14 +22,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 LLM_KWARGS = dict(max_model_len=128, kv_cache_memory=0.05, max_seqs_per_batch=8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a few shared cores OpenMP threads waiting on each other made small
-    ops ~40x slower; results do not depend on it."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -40,12 +40,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 ENGINE = dict(dtype="float32", max_model_len=96, kv_cache_memory=0.05)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
