@@ -1,0 +1,433 @@
+// Fused CPU kernels for the decode hot path: one call per op instead of a chain of small ATen
+// ops. Registered as torch.ops.pyxllm_cpu.* (see pyxllm/kernels/cpu/fused.py, which builds this
+// file on first use and states each op's contract). Each kernel takes float32 or bfloat16 and
+// computes in float32; where the native reference rounds an intermediate to the input dtype
+// (pyxllm/kernels/native), the kernel rounds it at the same place, so results agree with the
+// reference up to the order of float32 summation and the last bits of exp.
+//
+// Loops are written so that the compiler vectorizes them (-O3 -march=native): rows are
+// converted to float32 buffers first, reductions keep 16 partial sums, and exp is a polynomial
+// (no libm call) instead of std::exp.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using c10::BFloat16;
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// float32 -> bfloat16 bits, rounding to nearest even (c10::BFloat16's rule, NaN kept a NaN).
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? uint16_t{0x7fc0} : rounded;
+}
+
+// Row conversions between T and float32 buffers; round() rounds a buffer to T's precision in place.
+template <typename T>
+struct Rows;
+
+template <>
+struct Rows<float> {
+  static void load(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+  static void store(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+  static void round(float*, int64_t) {}
+  // A float32 view of n values at src: src itself here (no copy), else converted into buf.
+  static const float* view(const float* src, float*, int64_t) { return src; }
+};
+
+template <>
+struct Rows<BFloat16> {
+  static void load(float* dst, const BFloat16* src, int64_t n) {
+    const auto* raw = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = bits_to_float(static_cast<uint32_t>(raw[i]) << 16);
+  }
+  static void store(BFloat16* dst, const float* src, int64_t n) {
+    auto* raw = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) raw[i] = bf16_bits(src[i]);
+  }
+  static void round(float* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] = bits_to_float(static_cast<uint32_t>(bf16_bits(x[i])) << 16);
+  }
+  static const float* view(const BFloat16* src, float* buf, int64_t n) {
+    load(buf, src, n);
+    return buf;
+  }
+};
+
+constexpr int kLanes = 16;  // partial sums per reduction: one AVX-512 register of float32
+
+// Sum of part[0..kLanes) by halving (vectorized; a sequential sum would be a 16-add chain).
+inline float reduce_lanes(float* part) {
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) part[j] += part[j + w];
+  return part[0];
+}
+
+// GCC/Clang vector extension: 16 float32 lanes (one AVX-512 register, or several narrower ones).
+typedef float Vec16 __attribute__((vector_size(64)));
+
+inline Vec16 load16(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Sum of the 16 lanes by halving shuffles, in registers.
+inline float hsum(Vec16 v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec16 part = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) part += load16(a + i) * load16(b + i);
+  float total = hsum(part);
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+inline float sum(const float* a, int64_t n) {
+  float part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) part[j] += a[i + j];
+  float total = reduce_lanes(part);
+  for (; i < n; ++i) total += a[i];
+  return total;
+}
+
+// e^x for x in float32 range, within a few ulp: x = n ln2 + r with Cody-Waite's two-part ln2
+// (the Cephes constants), |r| <= ln2 / 2, e^r by its Taylor series to degree 7 (truncation
+// error below 1e-8 relative), times 2^n built in the exponent bits. Inputs are clamped to
+// [-87, 88], so the result is never 0 or inf.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  return p * bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+}
+
+#define PYXLLM_DISPATCH_FLOAT(dtype, NAME, ...)                                   \
+  [&] {                                                                           \
+    if ((dtype) == at::kFloat) {                                                  \
+      using scalar_t = float;                                                     \
+      return __VA_ARGS__();                                                       \
+    }                                                                             \
+    TORCH_CHECK((dtype) == at::kBFloat16, NAME, ": float32 or bfloat16 only, got ", (dtype)); \
+    using scalar_t = BFloat16;                                                    \
+    return __VA_ARGS__();                                                         \
+  }()
+
+// Work below this many elements in all runs on the calling thread: waking the pool costs more.
+constexpr int64_t kSerialElements = 1 << 16;
+
+inline int64_t grain_for(int64_t rows, int64_t row_elements) {
+  return rows * row_elements < kSerialElements ? std::max<int64_t>(rows, 1) : 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm: out = weight * T(x * rsqrt(mean(x^2) + eps)), statistics in float32.
+template <typename T>
+void rms_norm_rows(T* out, const T* x, const T* weight, int64_t rows, int64_t hidden, int64_t x_stride,
+                   double eps) {
+  std::vector<float> w(hidden);
+  Rows<T>::load(w.data(), weight, hidden);
+  at::parallel_for(0, rows, grain_for(rows, hidden), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      float* b = buf.data();
+      Rows<T>::load(b, x + r * x_stride, hidden);
+      const float inv = 1.f / std::sqrt(dot(b, b, hidden) / hidden + static_cast<float>(eps));
+      for (int64_t i = 0; i < hidden; ++i) b[i] *= inv;
+      Rows<T>::round(b, hidden);
+      for (int64_t i = 0; i < hidden; ++i) b[i] *= w[i];
+      Rows<T>::store(out + r * hidden, b, hidden);
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.stride(-1) == 1 && weight.is_contiguous(), "rms_norm: the last dimension must be contiguous");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and input dtypes differ");
+  const int64_t hidden = x.size(-1);
+  at::Tensor x2 = x.reshape({-1, hidden});
+  at::Tensor out = at::empty(x2.sizes(), x.options());
+  PYXLLM_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x2.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                            x2.size(0), hidden, x2.stride(0), eps);
+  });
+  return out.view(x.sizes());
+}
+
+// residual = T(x + residual); returns (rms_norm(residual), residual), both new tensors.
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "fused_add_rms_norm: input and residual differ in shape or dtype");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "fused_add_rms_norm: weight and input dtypes differ");
+  const int64_t hidden = x.size(-1);
+  at::Tensor xs = x.reshape({-1, hidden}).contiguous(), rs = residual.reshape({-1, hidden}).contiguous();
+  at::Tensor new_residual = at::empty(xs.sizes(), x.options());
+  at::Tensor out = at::empty(xs.sizes(), x.options());
+  const int64_t rows = xs.size(0);
+  PYXLLM_DISPATCH_FLOAT(x.scalar_type(), "fused_add_rms_norm", [&] {
+    const scalar_t* a = xs.data_ptr<scalar_t>();
+    const scalar_t* b = rs.data_ptr<scalar_t>();
+    scalar_t* s = new_residual.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_for(rows, hidden), [&](int64_t begin, int64_t end) {
+      std::vector<float> fa(hidden), fb(hidden);
+      for (int64_t r = begin; r < end; ++r) {
+        Rows<scalar_t>::load(fa.data(), a + r * hidden, hidden);
+        Rows<scalar_t>::load(fb.data(), b + r * hidden, hidden);
+        for (int64_t i = 0; i < hidden; ++i) fa[i] += fb[i];
+        Rows<scalar_t>::store(s + r * hidden, fa.data(), hidden);
+      }
+    });
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), s, weight.data_ptr<scalar_t>(), rows, hidden, hidden, eps);
+  });
+  return {out.view(x.sizes()), new_residual.view(x.sizes())};
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU gate: out[..., j] = T(T(silu(x[..., j])) * x[..., d + j]), silu(g) = g / (1 + e^-g).
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  const int64_t d = x.size(-1) / 2;
+  at::Tensor x2 = x.reshape({-1, 2 * d}).contiguous();
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = d;
+  at::Tensor out = at::empty({x2.size(0), d}, x.options());
+  const int64_t rows = x2.size(0);
+  PYXLLM_DISPATCH_FLOAT(x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = x2.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_for(rows, 2 * d), [&](int64_t begin, int64_t end) {
+      std::vector<float> gate(d), up(d);
+      for (int64_t r = begin; r < end; ++r) {
+        float* g = gate.data();
+        Rows<scalar_t>::load(g, in + r * 2 * d, d);
+        Rows<scalar_t>::load(up.data(), in + r * 2 * d + d, d);
+        for (int64_t j = 0; j < d; ++j) g[j] = g[j] / (1.f + exp_approx(-g[j]));
+        Rows<scalar_t>::round(g, d);
+        for (int64_t j = 0; j < d; ++j) g[j] *= up[j];
+        Rows<scalar_t>::store(o + r * d, g, d);
+      }
+    });
+  });
+  return out.view(out_shape);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotary embedding, GPT-NeoX (rotate-half) layout, as transformers' apply_rotary_pos_emb, with
+// the step's cos/sin given in T ([tokens, head_dim], both halves equal): for j < half,
+//   out[j]        = T(T(x[j] * cos[j]) + T(-x[j + half] * sin[j]))
+//   out[j + half] = T(T(x[j + half] * cos[j]) + T(x[j] * sin[j]))
+template <typename T>
+void rotate_heads(T* out, const T* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t token_stride,
+                  int64_t head_stride, const T* cos, const T* sin) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, tokens, grain_for(tokens, heads * head_dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(4 * head_dim);
+    float *c = buf.data(), *s = c + head_dim, *v = s + head_dim, *o = v + head_dim;
+    for (int64_t t = begin; t < end; ++t) {
+      Rows<T>::load(c, cos + t * head_dim, half);
+      Rows<T>::load(s, sin + t * head_dim, half);
+      for (int64_t h = 0; h < heads; ++h) {
+        Rows<T>::load(v, x + t * token_stride + h * head_stride, head_dim);
+        float *lo = o, *hi = o + half, *a = v, *b = v + half;
+        for (int64_t j = 0; j < half; ++j) {
+          lo[j] = a[j] * c[j];
+          hi[j] = -b[j] * s[j];
+        }
+        Rows<T>::round(o, head_dim);
+        for (int64_t j = 0; j < half; ++j) lo[j] += hi[j];
+        for (int64_t j = 0; j < half; ++j) {
+          hi[j] = b[j] * c[j];
+          b[j] = a[j] * s[j];  // v's upper half is no longer needed as input
+        }
+        Rows<T>::round(hi, half);
+        Rows<T>::round(b, half);
+        for (int64_t j = 0; j < half; ++j) hi[j] += b[j];
+        Rows<T>::store(out + (t * heads + h) * head_dim, o, head_dim);
+      }
+    }
+  });
+}
+std::tuple<at::Tensor, at::Tensor> apply_rotary_emb(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                    const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(-1) == 1 && k.stride(-1) == 1,
+              "apply_rotary_emb: q and k must be [tokens, heads, head_dim] with a contiguous last dimension");
+  const int64_t tokens = q.size(0), head_dim = q.size(2);
+  TORCH_CHECK(cos.numel() == tokens * head_dim && sin.numel() == tokens * head_dim,
+              "apply_rotary_emb: cos and sin must be [tokens, 1, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == q.scalar_type() && sin.scalar_type() == q.scalar_type() &&
+                  k.scalar_type() == q.scalar_type(),
+              "apply_rotary_emb: q, k, cos and sin dtypes differ");
+  at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+  PYXLLM_DISPATCH_FLOAT(q.scalar_type(), "apply_rotary_emb", [&] {
+    rotate_heads<scalar_t>(q_out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), tokens, q.size(1), head_dim,
+                           q.stride(0), q.stride(1), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>());
+    rotate_heads<scalar_t>(k_out.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), tokens, k.size(1), head_dim,
+                           k.stride(0), k.stride(1), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>());
+  });
+  return {q_out, k_out};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paged KV cache. Layout [num_blocks, block_size, num_kv_heads, head_dim]; a token's flat slot
+// is block * block_size + offset, and its K (or V) row of num_kv_heads * head_dim values is
+// contiguous at that slot.
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                       const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "reshape_and_cache: caches must be contiguous");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "reshape_and_cache: K/V and cache dtypes differ");
+  const int64_t tokens = key.size(0), row = k_cache.size(2) * k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  at::Tensor kc = key.reshape({tokens, row}).contiguous(), vc = value.reshape({tokens, row}).contiguous();
+  at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t bytes = row * key.element_size();
+  auto* kd = static_cast<char*>(k_cache.data_ptr());
+  auto* vd = static_cast<char*>(v_cache.data_ptr());
+  const auto* ks = static_cast<const char*>(kc.data_ptr());
+  const auto* vs = static_cast<const char*>(vc.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (s[t] < 0) continue;  // padding
+    TORCH_CHECK(s[t] < num_slots, "reshape_and_cache: slot ", s[t], " is outside the cache");
+    std::memcpy(kd + s[t] * bytes, ks + t * bytes, bytes);
+    std::memcpy(vd + s[t] * bytes, vs + t * bytes, bytes);
+  }
+}
+
+// The cache slot of position l of a sequence with block table `table`.
+inline int64_t slot_of(const int64_t* table, int64_t l, int64_t block_size) {
+  return table[l / block_size] * block_size + l % block_size;
+}
+
+// Decode attention: one query token per sequence over its seq_lens[b] cached tokens. A task is
+// one sequence (or, when there are fewer sequences than threads, one KV head of one): it walks
+// the context token by token, reading each cached K and V row (all its KV heads, contiguous
+// within a block) once, in address order, so the hardware prefetcher streams the cache. The
+// group of query heads sharing a KV head uses the row while it is loaded. Scores and softmax
+// stay float32. Matches pyxllm.kernels.native.paged_attention_decode, which also scales the
+// query in T first (but rounds scores and probabilities to T as well).
+template <typename T>
+void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                      const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t q_stride_b,
+                      int64_t q_stride_h, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t kv_row = num_kv_heads * head_dim;  // values per cached token
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, seq_lens[b]);
+  const int64_t splits = batch < at::get_num_threads() ? num_kv_heads : 1;  // KV-head ranges per sequence
+  const int64_t kv_per_task = num_kv_heads / splits, heads_per_task = kv_per_task * group;
+  const int64_t tasks = batch * splits;
+  at::parallel_for(0, tasks, grain_for(tasks, 2 * heads_per_task * max_len * head_dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(heads_per_task * max_len), q(heads_per_task * head_dim), acc(heads_per_task * head_dim),
+        row(kv_per_task * head_dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / splits, kv0 = (task % splits) * kv_per_task;
+      const int64_t len = seq_lens[b];
+      const int64_t* table = block_tables + b * max_blocks;
+      const int64_t width = kv_per_task * head_dim;  // values read per cached token
+      for (int64_t h = 0; h < heads_per_task; ++h) {
+        float* qh = q.data() + h * head_dim;
+        Rows<T>::load(qh, query + b * q_stride_b + (kv0 * group + h) * q_stride_h, head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) qh[d] *= scale;
+        Rows<T>::round(qh, head_dim);
+      }
+      for (int64_t l = 0; l < len; ++l) {
+        const float* k = Rows<T>::view(k_cache + slot_of(table, l, block_size) * kv_row + kv0 * head_dim, row.data(), width);
+        for (int64_t h = 0; h < heads_per_task; ++h)
+          scores[h * len + l] = dot(q.data() + h * head_dim, k + (h / group) * head_dim, head_dim);
+      }
+      for (int64_t h = 0; h < heads_per_task; ++h) {
+        float* s = scores.data() + h * len;
+        const float peak = len ? *std::max_element(s, s + len) : 0.f;
+        for (int64_t l = 0; l < len; ++l) s[l] = exp_approx(s[l] - peak);
+        const float inv = len ? 1.f / sum(s, len) : 0.f;
+        for (int64_t l = 0; l < len; ++l) s[l] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t l = 0; l < len; ++l) {
+        const float* v = Rows<T>::view(v_cache + slot_of(table, l, block_size) * kv_row + kv0 * head_dim, row.data(), width);
+        for (int64_t h = 0; h < heads_per_task; ++h) {
+          const float p = scores[h * len + l];
+          const float* vh = v + (h / group) * head_dim;
+          float* a = acc.data() + h * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+        }
+      }
+      Rows<T>::store(out + (b * num_heads + kv0 * group) * head_dim, acc.data(), heads_per_task * head_dim);
+    }
+  });
+}
+
+at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(-1) == 1, "paged_attention_decode: query must be [batch, heads, head_dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_decode: caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
+              "paged_attention_decode: query and cache dtypes differ");
+  const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention_decode: heads must be a multiple of KV heads");
+  at::Tensor tables = block_tables.to(at::kLong).contiguous(), lens = seq_lens.to(at::kLong).contiguous();
+  at::Tensor out = at::empty({batch, num_heads, head_dim}, query.options());
+  PYXLLM_DISPATCH_FLOAT(query.scalar_type(), "paged_attention_decode", [&] {
+    decode_attention<scalar_t>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                               v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                               batch, num_heads, num_kv_heads, head_dim, k_cache.size(1), tables.size(1),
+                               query.stride(0), query.stride(1), static_cast<float>(scale));
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pyxllm_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("apply_rotary_emb(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pyxllm_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("apply_rotary_emb", &apply_rotary_emb);
+  m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("paged_attention_decode", &paged_attention_decode);
+}
