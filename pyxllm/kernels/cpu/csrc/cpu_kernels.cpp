@@ -146,7 +146,7 @@ inline float exp_approx(float x) {
   }()
 
 // Work below this many elements in all runs on the calling thread: waking the pool costs more.
-constexpr int64_t kSerialElements = 1 << 16;
+constexpr int64_t kSerialElements = 1 << 19;
 
 inline int64_t grain_for(int64_t rows, int64_t row_elements) {
   return rows * row_elements < kSerialElements ? std::max<int64_t>(rows, 1) : 1;
