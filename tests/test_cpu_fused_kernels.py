@@ -49,9 +49,10 @@ def test_rotary_on_strided_qkv_views_matches_native_exactly(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cache_write_and_decode_attention_match_native(dtype):
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # the two unrolled sizes, and the generic loop
+def test_cache_write_and_decode_attention_match_native(dtype, head_dim):
     g = torch.Generator().manual_seed(1)
-    num_blocks, block_size, kv_heads, head_dim = 24, 16, 3, 64
+    num_blocks, block_size, kv_heads = 24, 16, 3
     caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2)]
     ours, ref = [c.clone() for c in caches], [c.clone() for c in caches]
     slots = torch.tensor([5, -1, 100, 383])  # -1: padding, written nowhere

@@ -31,9 +31,15 @@ _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _ENV = "PYXLLM_CPU_KERNELS"
 
 
-def _compile_flags() -> tuple[list[str], str]:
-    """``(extra_cflags, suffix)``: ``-march=native`` on x86-64/aarch64 Linux, with a suffix from
-    the CPU's feature flags so a home directory shared by different CPUs keeps one build each."""
+def _compile_flags() -> tuple[list[str], list[str], str]:
+    """``(extra_cflags, extra_ldflags, suffix)``.
+
+    ``-ffp-contract=off`` keeps float32 results equal to the reference's where the arithmetic is
+    the same (no fused multiply-add). On x86-64/aarch64 Linux: ``-march=native``, with a suffix
+    from the CPU's feature flags so a home directory shared by different CPUs keeps one build
+    each; and ``-fopenmp``, without which ``at::parallel_for`` runs on one thread (the library
+    resolves to the ``libgomp.so.1`` torch already loaded, so there is one OpenMP runtime).
+    """
     flags = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
     if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64"):
         try:
@@ -41,8 +47,9 @@ def _compile_flags() -> tuple[list[str], str]:
                 features = next((line for line in f if line.startswith(("flags", "Features"))), "")
         except OSError:
             features = ""
-        return [*flags, "-march=native"], hashlib.sha1(features.encode()).hexdigest()[:8]
-    return flags, "generic"
+        suffix = hashlib.sha1(features.encode()).hexdigest()[:8]
+        return [*flags, "-march=native", "-fopenmp"], ["-fopenmp"], suffix
+    return flags, [], "generic"
 
 
 def _put_ninja_on_path() -> None:
@@ -100,11 +107,11 @@ def load():
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        cflags, suffix = _compile_flags()
+        cflags, ldflags, suffix = _compile_flags()
         _put_ninja_on_path()
         logger.info("loading the fused CPU kernels (built once per machine, about a minute the first time)")
         load_extension(name=f"pyxllm_cpu_kernels_{suffix}", sources=[str(_SOURCE)], extra_cflags=cflags,
-                       is_python_module=False, verbose=False)
+                       extra_ldflags=ldflags, is_python_module=False, verbose=False)
         _register_fakes()
         _LOADED = torch.ops.pyxllm_cpu
     except Exception as exc:  # noqa: BLE001 - any build failure means: fall back to native

@@ -332,13 +332,57 @@ inline int64_t slot_of(const int64_t* table, int64_t l, int64_t block_size) {
   return table[l / block_size] * block_size + l % block_size;
 }
 
+// The `group` query heads q ([group, 16 * C], scaled) of one KV head over `len` cached tokens
+// whose keys and values are gathered in kf, vf ([len, 16 * C] float32); writes out [group, 16 * C].
+// C (head_dim / 16) is a compile-time constant, so a key row, a query and an accumulator each
+// live in C vector registers; scores is [len] scratch.
+template <int C>
+void attend_one_kv_head(float* out, const float* q, const float* kf, const float* vf, int64_t len, int64_t group,
+                        float* scores) {
+  constexpr int64_t D = 16 * C;
+  for (int64_t g = 0; g < group; ++g) {
+    Vec16 qg[C];
+    for (int c = 0; c < C; ++c) qg[c] = load16(q + g * D + 16 * c);
+    for (int64_t l = 0; l < len; ++l) {
+      Vec16 p = qg[0] * load16(kf + l * D);
+      for (int c = 1; c < C; ++c) p += qg[c] * load16(kf + l * D + 16 * c);
+      scores[l] = hsum(p);
+    }
+    const float peak = len ? *std::max_element(scores, scores + len) : 0.f;
+    for (int64_t l = 0; l < len; ++l) scores[l] = exp_approx(scores[l] - peak);
+    const float inv = len ? 1.f / sum(scores, len) : 0.f;
+    Vec16 acc[C] = {};
+    for (int64_t l = 0; l < len; ++l)
+      for (int c = 0; c < C; ++c) acc[c] += scores[l] * load16(vf + l * D + 16 * c);
+    for (int c = 0; c < C; ++c) {
+      acc[c] *= inv;
+      std::memcpy(out + g * D + 16 * c, &acc[c], sizeof(Vec16));
+    }
+  }
+}
+
+// Any head_dim: the same computation with plain loops.
+void attend_one_kv_head_any(float* out, const float* q, const float* kf, const float* vf, int64_t len, int64_t group,
+                            int64_t head_dim, float* scores) {
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t l = 0; l < len; ++l) scores[l] = dot(q + g * head_dim, kf + l * head_dim, head_dim);
+    const float peak = len ? *std::max_element(scores, scores + len) : 0.f;
+    for (int64_t l = 0; l < len; ++l) scores[l] = exp_approx(scores[l] - peak);
+    const float inv = len ? 1.f / sum(scores, len) : 0.f;
+    float* o = out + g * head_dim;
+    std::fill(o, o + head_dim, 0.f);
+    for (int64_t l = 0; l < len; ++l)
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += scores[l] * vf[l * head_dim + d];
+    for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+  }
+}
+
 // Decode attention: one query token per sequence over its seq_lens[b] cached tokens. A task is
-// one sequence (or, when there are fewer sequences than threads, one KV head of one): it walks
-// the context token by token, reading each cached K and V row (all its KV heads, contiguous
-// within a block) once, in address order, so the hardware prefetcher streams the cache. The
-// group of query heads sharing a KV head uses the row while it is loaded. Scores and softmax
-// stay float32. Matches pyxllm.kernels.native.paged_attention_decode, which also scales the
-// query in T first (but rounds scores and probabilities to T as well).
+// one sequence (or, when there are fewer sequences than threads, one KV head of one). For each
+// KV head it gathers the context's keys and values (in block order, so the prefetcher streams
+// them) into float32 buffers, then runs the group of query heads sharing that KV head over them.
+// Scores and softmax stay float32. Matches pyxllm.kernels.native.paged_attention_decode, which
+// also scales the query in T first (but rounds scores and probabilities to T as well).
 template <typename T>
 void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                       const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
@@ -349,45 +393,35 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, seq_lens[b]);
   const int64_t splits = batch < at::get_num_threads() ? num_kv_heads : 1;  // KV-head ranges per sequence
-  const int64_t kv_per_task = num_kv_heads / splits, heads_per_task = kv_per_task * group;
+  const int64_t kv_per_task = num_kv_heads / splits;
   const int64_t tasks = batch * splits;
-  at::parallel_for(0, tasks, grain_for(tasks, 2 * heads_per_task * max_len * head_dim), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(heads_per_task * max_len), q(heads_per_task * head_dim), acc(heads_per_task * head_dim),
-        row(kv_per_task * head_dim);
+  at::parallel_for(0, tasks, grain_for(tasks, 2 * kv_per_task * group * max_len * head_dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> kf(max_len * head_dim), vf(max_len * head_dim), scores(max_len), q(group * head_dim),
+        o(group * head_dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / splits, kv0 = (task % splits) * kv_per_task;
+      const int64_t b = task / splits;
       const int64_t len = seq_lens[b];
       const int64_t* table = block_tables + b * max_blocks;
-      const int64_t width = kv_per_task * head_dim;  // values read per cached token
-      for (int64_t h = 0; h < heads_per_task; ++h) {
-        float* qh = q.data() + h * head_dim;
-        Rows<T>::load(qh, query + b * q_stride_b + (kv0 * group + h) * q_stride_h, head_dim);
-        for (int64_t d = 0; d < head_dim; ++d) qh[d] *= scale;
-        Rows<T>::round(qh, head_dim);
-      }
-      for (int64_t l = 0; l < len; ++l) {
-        const float* k = Rows<T>::view(k_cache + slot_of(table, l, block_size) * kv_row + kv0 * head_dim, row.data(), width);
-        for (int64_t h = 0; h < heads_per_task; ++h)
-          scores[h * len + l] = dot(q.data() + h * head_dim, k + (h / group) * head_dim, head_dim);
-      }
-      for (int64_t h = 0; h < heads_per_task; ++h) {
-        float* s = scores.data() + h * len;
-        const float peak = len ? *std::max_element(s, s + len) : 0.f;
-        for (int64_t l = 0; l < len; ++l) s[l] = exp_approx(s[l] - peak);
-        const float inv = len ? 1.f / sum(s, len) : 0.f;
-        for (int64_t l = 0; l < len; ++l) s[l] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t l = 0; l < len; ++l) {
-        const float* v = Rows<T>::view(v_cache + slot_of(table, l, block_size) * kv_row + kv0 * head_dim, row.data(), width);
-        for (int64_t h = 0; h < heads_per_task; ++h) {
-          const float p = scores[h * len + l];
-          const float* vh = v + (h / group) * head_dim;
-          float* a = acc.data() + h * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+      for (int64_t kvh = (task % splits) * kv_per_task; kvh < (task % splits + 1) * kv_per_task; ++kvh) {
+        for (int64_t g = 0; g < group; ++g) {
+          float* qg = q.data() + g * head_dim;
+          Rows<T>::load(qg, query + b * q_stride_b + (kvh * group + g) * q_stride_h, head_dim);
+          for (int64_t d = 0; d < head_dim; ++d) qg[d] *= scale;
+          Rows<T>::round(qg, head_dim);
         }
+        for (int64_t l = 0; l < len; ++l) {
+          const int64_t offset = slot_of(table, l, block_size) * kv_row + kvh * head_dim;
+          Rows<T>::load(kf.data() + l * head_dim, k_cache + offset, head_dim);
+          Rows<T>::load(vf.data() + l * head_dim, v_cache + offset, head_dim);
+        }
+        if (head_dim == 64)
+          attend_one_kv_head<4>(o.data(), q.data(), kf.data(), vf.data(), len, group, scores.data());
+        else if (head_dim == 128)
+          attend_one_kv_head<8>(o.data(), q.data(), kf.data(), vf.data(), len, group, scores.data());
+        else
+          attend_one_kv_head_any(o.data(), q.data(), kf.data(), vf.data(), len, group, head_dim, scores.data());
+        Rows<T>::store(out + (b * num_heads + kvh * group) * head_dim, o.data(), group * head_dim);
       }
-      Rows<T>::store(out + (b * num_heads + kv0 * group) * head_dim, acc.data(), heads_per_task * head_dim);
     }
   });
 }
