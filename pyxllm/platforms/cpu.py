@@ -1,5 +1,6 @@
-"""The CPU platform: pure-PyTorch kernels, gloo for collectives, and bfloat16 by default where
-the CPU computes it natively (float32 elsewhere).
+"""The CPU platform: ``pyxllm.kernels.cpu`` (fused C++ kernels where they build, pure PyTorch
+elsewhere), gloo for collectives, and bfloat16 by default where the CPU computes it natively
+(float32 elsewhere).
 
 Why bfloat16: decoding is bound by reading the weights, and bf16 halves them; on this project's
 2-core Zen 4 machine (avx512_bf16) bf16 matmuls run about 2x faster than float32, at batch 1
