@@ -7,6 +7,10 @@ scores and probabilities the kernel keeps in float32) within bf16 rounding.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -83,3 +87,14 @@ def test_bad_inputs_raise_clear_errors():
         fused.reshape_and_cache(torch.randn(1, 1, 8), torch.randn(1, 1, 8), cache, cache.clone(), torch.tensor([64]))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         fused.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6)
+
+
+def test_native_kernels_when_asked():
+    """``PYXLLM_CPU_KERNELS=native`` keeps the pure-PyTorch kernels (the fallback of a failed build)."""
+    code = (
+        "from pyxllm.kernels.cpu import fused; assert fused.load() is None;"
+        "import pyxllm.kernels.cpu as cpu; from pyxllm.kernels import native;"
+        "assert cpu.rms_norm is native.rms_norm and cpu.paged_attention_decode is native.paged_attention_decode"
+    )
+    env = {**os.environ, "PYXLLM_CPU_KERNELS": "native"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)

@@ -8,11 +8,12 @@ call per op took SmolLM2-135M's int4 batch-1 decode step from 18 to 10 ms on 2 c
 Performance). vLLM's CPU backend fuses the same ops (its ``csrc/cpu``); ours are plain loops
 and GCC/Clang vector extensions that the compiler vectorizes, in float32 and bfloat16.
 
-The build (g++ and ninja, about a minute on 2 cores) is cached in torch's extension directory
-(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), keyed by the source and the
-flags, so it happens once per machine and checkout. Where it fails (no compiler, or
-``PYXLLM_CPU_KERNELS=native``), :func:`load` returns ``None`` after one warning and the CPU
-platform keeps the native kernels.
+The build (g++ and ninja, 15-60 s on 2 cores) is cached in torch's extension directory
+(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), keyed by the source, the
+flags and the include paths, so it happens once per machine and environment; concurrent first
+loads wait on torch's lock. Where it fails (no compiler), :func:`load` returns ``None`` after one
+warning, and with ``PYXLLM_CPU_KERNELS=native`` without trying; the CPU platform then keeps the
+native kernels.
 """
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def load():
 
         cflags, ldflags, suffix = _compile_flags()
         _put_ninja_on_path()
-        logger.info("loading the fused CPU kernels (built once per machine, about a minute the first time)")
+        logger.info("loading the fused CPU kernels (built once per machine and environment, 15-60 s)")
         load_extension(name=f"pyxllm_cpu_kernels_{suffix}", sources=[str(_SOURCE)], extra_cflags=cflags,
                        extra_ldflags=ldflags, is_python_module=False, verbose=False)
         _register_fakes()
