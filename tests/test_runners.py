@@ -1,5 +1,5 @@
 """Runners: the ``--graph-backend`` spellings, the graph runner's buckets and padding (through
-its CPU stand-in, which runs the padded batch eagerly), and compile == eager greedy tokens."""
+its eager stand-in), the CPU's traced graphs and compile, both with eager's greedy tokens."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -11,7 +11,7 @@ from pyxllm.config import GRAPH_BACKEND_ALIASES, EngineConfig
 from pyxllm.entrypoints.args import parse_args
 from pyxllm.entrypoints.llm import LLM
 from pyxllm.executor.input_batch import InputBatch
-from pyxllm.executor.runners import CompileRunner, EagerCapture, EagerRunner, GraphRunner, capture_sizes
+from pyxllm.executor.runners import CompileRunner, EagerCapture, EagerRunner, GraphRunner, build_runner, capture_sizes
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 from pyxllm.kernels.cuda.paged_cache import reshape_and_cache as capturable_reshape_and_cache
 from pyxllm.kernels.native import reshape_and_cache
@@ -168,10 +168,27 @@ def test_graph_stand_in_gives_eager_tokens(eager_llm, eager_tokens):
     assert runner.replays[1] >= GREEDY.max_tokens - 1
 
 
-def test_graph_is_refused_on_cpu_by_name():
-    for spelling in ("graph", "cudagraphs", "aclgraph"):
-        with pytest.raises(ValueError, match=r"--graph-backend graph is not supported on device cpu"):
-            LLM(graph_backend=spelling, device="cpu", **LLM_KWARGS)
+def test_cpu_graph_replays_traced_decode_steps_with_eager_tokens(eager_tokens):
+    """On the CPU, ``--graph-backend graph`` records each bucket's decode step with TorchScript;
+    its replays must write the real KV cache (checked by the tokens of later steps)."""
+    llm = LLM(graph_backend="cudagraphs", **LLM_KWARGS)
+    runner = llm.llm_engine.executor.runner
+    assert isinstance(runner, GraphRunner) and runner.sizes == [1, 2, 4, 8]
+    tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY)]
+    single = llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
+    assert tokens == eager_tokens and single == eager_tokens[0]
+    assert runner.replays[4] >= GREEDY.max_tokens - 1 and runner.replays[1] >= GREEDY.max_tokens - 1
+
+
+def test_graph_refuses_what_a_capture_cannot_record(eager_llm, monkeypatch):
+    executor = eager_llm.llm_engine.executor
+    monkeypatch.setattr(type(executor.model.model.norm), "capturable", False, raising=False)
+    with pytest.raises(ValueError, match=r"cannot capture LlamaForCausalLM: its RMSNorm runs Python on the data"):
+        GraphRunner(executor.model, executor.attn_backend, executor.kv_caches, 8, 128, 16, EagerCapture())
+    monkeypatch.undo()
+    monkeypatch.setattr("pyxllm.executor.runners.get_tp_size", lambda: 2)
+    with pytest.raises(ValueError, match=r"cannot record collectives: use it with --tp 1"):
+        build_runner("graph", executor.model, executor.platform, executor.attn_backend, executor.kv_caches, 8, 128, 16)
 
 
 # --- compile -------------------------------------------------------------------------------

@@ -39,6 +39,10 @@ class FusedMoE(nn.Module):
         ValueError: ``intermediate_size`` not divisible by the TP size.
     """
 
+    # the routing reads per-expert token counts on the host: a captured step would replay the
+    # capture-time routing, so ``--graph-backend graph`` refuses models with this layer
+    capturable = False
+
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool
     ) -> None:

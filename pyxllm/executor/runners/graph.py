@@ -2,8 +2,9 @@
 
 Device-neutral: bucket choice, the static input buffers and the padding live in
 :class:`GraphRunner`; the capture itself is pluggable. :class:`DeviceGraphCapture` records CUDA
-graphs (``torch.cuda.CUDAGraph``) or ACL graphs (``torch.npu.NPUGraph``); :class:`EagerCapture`
-replays by running the padded batch eagerly, the CPU stand-in that tests the padding for real.
+graphs (``torch.cuda.CUDAGraph``) or ACL graphs (``torch.npu.NPUGraph``); :class:`TraceCapture`
+records the CPU's decode step as a TorchScript graph; :class:`EagerCapture` replays by running
+the padded batch eagerly (a stand-in that tests the padding alone).
 
 A decode batch of ``n`` sequences runs in the smallest bucket ``b >= n`` (1, 2, 4, 8, then
 multiples of 16 up to ``--max-seqs-per-batch``). Rows ``n..b`` are padding: token 0 at
@@ -12,6 +13,8 @@ discarded output). Steps with a prefill, or more sequences than the largest buck
 """
 from __future__ import annotations
 
+import itertools
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 
@@ -31,11 +34,40 @@ def capture_sizes(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
-class EagerCapture:
-    """The CPU stand-in: "capturing" keeps the function, and a replay runs it again eagerly."""
+# A capture turns ``fn(*args)`` (the decode step over the static buffers and the KV caches, all
+# in ``args``) into a replay: a function of no arguments that reruns it on the same tensors.
+StepFn = Callable[..., torch.Tensor]
+Replay = Callable[[], torch.Tensor]
 
-    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        return fn
+
+class EagerCapture:
+    """The stand-in: "capturing" keeps the function, and a replay runs it again eagerly."""
+
+    def capture(self, fn: StepFn, args: tuple[torch.Tensor, ...]) -> Replay:
+        return lambda: fn(*args)
+
+
+class TraceCapture:
+    """The CPU's capture: ``torch.jit.trace`` records the decode step's ops once, and a replay
+    runs them from TorchScript's C++ interpreter, without the ~2.5 ms of Python a step that
+    SmolLM2's 30 layers cost eagerly (about 25 % of a batch-1 int4 step on 2 cores; README,
+    Performance). CUDA graphs play this role on a GPU; on a CPU nothing else replays a recorded
+    step (``torch.compile`` keeps dynamo's guards and the Python attention op, and was slower).
+
+    The static buffers and the KV caches are the traced function's inputs, not constants: a
+    replay reads the copied inputs, and TorchScript keeps the cache writes (a write into a
+    captured constant is dropped by its optimizer from the third call on). What a trace cannot record is refused where the runner is
+    built: collectives (tensor parallelism) and layers that run Python on the data (MoE routing).
+    TorchScript is in maintenance upstream; ``torch.export`` with AOTInductor is the successor
+    to move to once it can replay a paged-attention step as cheaply.
+    """
+
+    def capture(self, fn: StepFn, args: tuple[torch.Tensor, ...]) -> Replay:
+        fn(*args)  # warm-up: lazy initialisation must not be recorded
+        with warnings.catch_warnings():  # TracerWarnings about Python values: the step has none that vary
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(fn, args, check_trace=False)
+        return lambda: traced(*args)
 
 
 class DeviceGraphCapture:
@@ -54,13 +86,13 @@ class DeviceGraphCapture:
         self.device_module, self.graph_class, self.warmup = device_module, getattr(device_module, graph_class), warmup
         self.pool = device_module.graph_pool_handle()  # shared by every bucket, largest captured first
 
-    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def capture(self, fn: StepFn, args: tuple[torch.Tensor, ...]) -> Replay:
         for _ in range(self.warmup):
-            fn()
+            fn(*args)
         self.device_module.synchronize()
         graph = self.graph_class()
         with self.device_module.graph(graph, pool=self.pool):
-            out = fn()
+            out = fn(*args)
         self.device_module.synchronize()
 
         def replay() -> torch.Tensor:
@@ -91,6 +123,10 @@ class GraphRunner(Runner):
 
     def __init__(self, model: nn.Module, attn_backend, kv_caches, max_batch: int, max_model_len: int,
                  block_size: int, capture) -> None:
+        uncapturable = sorted({type(m).__name__ for m in model.modules() if not getattr(m, "capturable", True)})
+        if uncapturable:
+            raise ValueError(f"--graph-backend graph cannot capture {type(model).__name__}: its "
+                             f"{', '.join(uncapturable)} runs Python on the data; use --graph-backend eager")
         super().__init__(model)
         self.attn_backend, self.kv_caches = attn_backend, kv_caches
         self.sizes = capture_sizes(max_batch)
@@ -103,20 +139,20 @@ class GraphRunner(Runner):
         self.seq_lens = torch.ones(size, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(size, max_blocks, dtype=torch.long, device=device)
         with torch.inference_mode():
-            self.graphs = {s: capture.capture(self._decode_fn(s)) for s in reversed(self.sizes)}
+            self.graphs = {s: capture.capture(self._decode_step, self._step_args(s)) for s in reversed(self.sizes)}
         self.replays = dict.fromkeys(self.sizes, 0)
 
-    def _decode_fn(self, size: int) -> Callable[[], torch.Tensor]:
-        """The forward of a ``size``-row decode step over the static buffers."""
+    def _step_args(self, size: int) -> tuple[torch.Tensor, ...]:
+        """The inputs of a ``size``-row decode step: views of the static buffers' first ``size``
+        rows, then every layer's ``k_cache, v_cache``."""
+        return (self.input_ids[:size], self.positions[:size], self.slot_mapping[:size], self.block_tables[:size],
+                self.seq_lens[:size], *itertools.chain.from_iterable(self.kv_caches))
 
-        def forward() -> torch.Tensor:
-            step = self.attn_backend.build_decode(
-                self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size], self.max_seq_len
-            )
-            with set_forward_context(ForwardContext(step, self.kv_caches)):
-                return self.model(self.input_ids[:size], self.positions[:size])
-
-        return forward
+    def _decode_step(self, input_ids, positions, slot_mapping, block_tables, seq_lens, *caches) -> torch.Tensor:
+        """The model forward of one decode step over :meth:`_step_args`."""
+        step = self.attn_backend.build_decode(slot_mapping, block_tables, seq_lens, self.max_seq_len)
+        with set_forward_context(ForwardContext(step, list(zip(caches[0::2], caches[1::2])))):
+            return self.model(input_ids, positions)
 
     def bucket_for(self, batch) -> int | None:
         """The bucket an ``InputBatch`` replays in; ``None`` when it must run eagerly (a prefill
