@@ -6,7 +6,7 @@ Figures (each printed with pyxllm's ratio to each peer that ran):
    ``--output-len`` tokens each (greedy): transformers ``generate`` in bfloat16, batches of
    ``--hf-batch-size`` (16) with left padding; llama-cpp-python one request at a time on the
    GGUF (on ``--llamacpp-prompts`` of them: it has no batching); pyxllm's ``LLM`` (``--dtype
-   auto``: bfloat16 on CPUs with native bf16).
+   auto``: bfloat16 on CPUs with native bf16). pyxllm runs ``--graph-backend graph`` throughout.
 2. Batch 1: prefill rate of one prompt and decode rate of ``--output-len`` tokens; pyxllm with
    ``--quantization int4`` (the GGUF's Q4_1 weights, exactly) and with float weights.
 3. Serving, ``--concurrency`` (8) clients: ``pyxllm serve --quantization int4`` against
@@ -37,6 +37,10 @@ from pyxllm.benchmarks.metrics import compute_metrics
 from pyxllm.benchmarks.prompts import make_prompts
 from pyxllm.benchmarks.serve import run_benchmark
 from pyxllm.weights.source import default_gguf_path
+
+
+# pyxllm runs with its fastest CPU runner: decode steps replayed from TorchScript traces
+GRAPH_BACKEND = "graph"
 
 
 def log(*parts) -> None:
@@ -106,14 +110,15 @@ def pyxllm_figures(prompts, output_len: int, fresh) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     figures = {}
-    llm = LLM(max_model_len=1024, kv_cache_memory=1.0)
+    llm = LLM(max_model_len=1024, kv_cache_memory=1.0, graph_backend=GRAPH_BACKEND)
     figures["dtype"] = str(llm.llm_engine.executor.dtype).removeprefix("torch.")
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, ignore_eos=True))
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     figures["output_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
     for name, engine in (("float", llm.llm_engine),
-                         ("int4", LLM(max_model_len=1024, kv_cache_memory=0.2, quantization="int4").llm_engine)):
+                         ("int4", LLM(max_model_len=1024, kv_cache_memory=0.2, quantization="int4",
+                                      graph_backend=GRAPH_BACKEND).llm_engine)):
         _timed_request(engine, prompts[1][::-1], 8, f"warm-{name}")
         runs = [_timed_request(engine, ids, output_len, f"{name}-{i}") for i, ids in enumerate(fresh)]
         figures[f"{name}_prefill_tok_s"] = sum(len(ids) / r[0] for ids, r in zip(fresh, runs)) / len(runs)
@@ -144,7 +149,8 @@ def serving(prompts, output_len: int, concurrency: int, threads: int, llamacpp: 
     """Aggregate output tok/s and median TTFT of each server under ``concurrency`` clients."""
     path, results = default_gguf_path(), {}
     servers = {"pyxllm": [sys.executable, "-m", "pyxllm.entrypoints.cli", "serve", "--port", "18931",
-                          "--quantization", "int4", "--max-model-len", "1024", "--kv-cache-memory", "0.5"]}
+                          "--quantization", "int4", "--max-model-len", "1024", "--kv-cache-memory", "0.5",
+                          "--graph-backend", GRAPH_BACKEND]}
     if llamacpp:
         servers["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--port", "18932",
                                 "--n_threads", str(threads), "--n_ctx", "2048"]
