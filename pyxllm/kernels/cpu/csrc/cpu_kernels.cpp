@@ -46,8 +46,6 @@ struct Rows<float> {
   static void load(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
   static void store(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
   static void round(float*, int64_t) {}
-  // A float32 view of n values at src: src itself here (no copy), else converted into buf.
-  static const float* view(const float* src, float*, int64_t) { return src; }
 };
 
 template <>
@@ -62,10 +60,6 @@ struct Rows<BFloat16> {
   }
   static void round(float* x, int64_t n) {
     for (int64_t i = 0; i < n; ++i) x[i] = bits_to_float(static_cast<uint32_t>(bf16_bits(x[i])) << 16);
-  }
-  static const float* view(const BFloat16* src, float* buf, int64_t n) {
-    load(buf, src, n);
-    return buf;
   }
 };
 
