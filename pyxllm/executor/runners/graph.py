@@ -56,8 +56,9 @@ class TraceCapture:
 
     The static buffers and the KV caches are the traced function's inputs, not constants: a
     replay reads the copied inputs, and TorchScript keeps the cache writes (a write into a
-    captured constant is dropped by its optimizer from the third call on). What a trace cannot record is refused where the runner is
-    built: collectives (tensor parallelism) and layers that run Python on the data (MoE routing).
+    captured constant is dropped by its optimizer from the third call on). What a trace cannot
+    record is refused where the runner is built: collectives (tensor parallelism) and layers
+    that run Python on the data (MoE routing).
     TorchScript is in maintenance upstream; ``torch.export`` with AOTInductor is the successor
     to move to once it can replay a paged-attention step as cheaply.
     """

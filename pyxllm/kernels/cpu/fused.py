@@ -17,6 +17,7 @@ native kernels.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -91,17 +92,10 @@ def _register_fakes() -> None:
         return query.new_empty(query.shape)
 
 
-_LOADED: object | None = None
-_TRIED = False
-
-
+@functools.cache
 def load():
     """``torch.ops.pyxllm_cpu`` with the fused kernels built and loaded, or ``None`` (see the
-    module docstring); built at most once per process."""
-    global _LOADED, _TRIED
-    if _TRIED:
-        return _LOADED
-    _TRIED = True
+    module docstring); tried at most once per process."""
     if os.environ.get(_ENV, "fused") == "native":
         logger.info("%s=native: using the pure-PyTorch CPU kernels", _ENV)
         return None
@@ -114,11 +108,11 @@ def load():
         load_extension(name=f"pyxllm_cpu_kernels_{suffix}", sources=[str(_SOURCE)], extra_cflags=cflags,
                        extra_ldflags=ldflags, is_python_module=False, verbose=False)
         _register_fakes()
-        _LOADED = torch.ops.pyxllm_cpu
+        return torch.ops.pyxllm_cpu
     except Exception as exc:  # noqa: BLE001 - any build failure means: fall back to native
         logger.warning("fused CPU kernels unavailable (%s: %s); using the pure-PyTorch ones (slower)",
                        type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
-    return _LOADED
+        return None
 
 
 # The kernels under ``pyxllm.kernels.native``'s names and signatures (bound by

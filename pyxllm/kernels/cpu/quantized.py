@@ -18,10 +18,8 @@ import torch
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """See ``pyxllm.kernels.native.quantized.int8_linear``."""
-    if x.dim() == 2:  # the executor's [tokens, features]: no reshape (a decode step makes ~120 calls)
-        y = torch._weight_int8pack_mm(x, qweight, scales)
-    else:
-        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), qweight, scales).view(*x.shape[:-1], -1)
+    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), qweight, scales)
+    y = y.view(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
 
 
@@ -39,9 +37,6 @@ def pack_int4_weight(q: torch.Tensor) -> torch.Tensor:
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """See ``pyxllm.kernels.native.quantized.int4_linear``."""
-    if x.dim() == 2:
-        y = torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
-    else:
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), packed, group_size, scales_and_zeros)
-        y = y.view(*x.shape[:-1], -1)
+    y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), packed, group_size, scales_and_zeros)
+    y = y.view(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
