@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8", "int4")  # weight-only, see pyxllm.layers.quantization
+QUANTIZATIONS = ("int8", "int4", "w8a8")  # see pyxllm.layers.quantization
 DEVICES = ("auto", "cpu", "cuda", "npu", "mlu")
 GRAPH_BACKENDS = ("eager", "compile", "graph")
 # xLLM's spellings of --graph-backend, and ours, -> the runner kind
@@ -36,7 +36,8 @@ class EngineConfig:
       ``cudagraphs``/``aclgraph`` are read as these and stored normalized.
     - ``quantization``: ``None`` (weights in ``dtype``), or weight-only ``int8`` (per output
       channel) / ``int4`` (groups of 32, exact for GGUF Q4_1 weights) for the linear layers,
-      the LM head in int8 for both; activations stay in ``dtype``.
+      the LM head in int8 for both, activations staying in ``dtype``; or ``w8a8``: int8
+      weights per channel and int8 activations per token (int8 matmuls, LM head included).
     - ``kv_cache_memory``: ``None`` sizes the cache from ``gpu_memory_utilization`` on an
       accelerator and takes 2 GiB on the CPU.
     - Tensor parallelism (see ``pyxllm.executor.multiproc``): ``tensor_parallel_size`` N > 1 on

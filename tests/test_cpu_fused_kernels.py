@@ -73,6 +73,31 @@ def test_cache_write_and_decode_attention_match_native(dtype, head_dim):
     close(got, want, dtype, bf16_tol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w8a8_linear_matches_native_exactly(dtype):
+    """Same int8 activations, exact int32 sums and the same float32 rescaling: bit-equal, also
+    for a row of zeros, a bias, odd sizes, a 3-D strided input and no rows at all."""
+    from pyxllm.layers.quantization import quantize_int8_per_channel
+
+    g = torch.Generator().manual_seed(2)
+    for rows, k, n in [(1, 576, 960), (64, 1536, 576), (3, 40, 24), (0, 64, 32)]:
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        if rows:
+            x[0] = 0
+        q, scales = quantize_int8_per_channel(torch.randn(n, k, generator=g))
+        for bias in (None, torch.randn(n, generator=g).to(dtype)):
+            got, want = fused.w8a8_linear(x, q, scales, bias), native.w8a8_linear(x, q, scales, bias)
+            assert got.dtype == dtype and torch.equal(got, want)
+    x = torch.randn(2, 3, 2 * 576, generator=g).to(dtype)[..., ::2]
+    q, scales = quantize_int8_per_channel(torch.randn(96, 576, generator=g))
+    assert torch.equal(fused.w8a8_linear(x, q, scales), native.w8a8_linear(x, q, scales))
+    assert fused.w8a8_linear(x, q, scales).shape == (2, 3, 96)
+    with pytest.raises(RuntimeError, match="weight_scales must be float32"):
+        fused.w8a8_linear(x, q, scales.to(dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="input features"):
+        fused.w8a8_linear(x[..., :64], q, scales)
+
+
 def test_decode_attention_of_an_empty_row_is_zero():
     """A graph-padding row (``seq_len`` 0) attends to nothing and gets zeros, not NaN."""
     cache = torch.randn(4, 16, 1, 8)
@@ -94,7 +119,8 @@ def test_native_kernels_when_asked():
     code = (
         "from pyxllm.kernels.cpu import fused; assert fused.load() is None;"
         "import pyxllm.kernels.cpu as cpu; from pyxllm.kernels import native;"
-        "assert cpu.rms_norm is native.rms_norm and cpu.paged_attention_decode is native.paged_attention_decode"
+        "assert cpu.rms_norm is native.rms_norm and cpu.paged_attention_decode is native.paged_attention_decode;"
+        "assert cpu.w8a8_linear is native.w8a8_linear"
     )
     env = {**os.environ, "PYXLLM_CPU_KERNELS": "native"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)

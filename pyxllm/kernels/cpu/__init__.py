@@ -18,4 +18,5 @@ if _fused.load() is not None:
         reshape_and_cache,
         rms_norm,
         silu_and_mul,
+        w8a8_linear,
     )

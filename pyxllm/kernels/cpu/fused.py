@@ -91,6 +91,10 @@ def _register_fakes() -> None:
     def _(query, k_cache, v_cache, block_tables, seq_lens, scale):
         return query.new_empty(query.shape)
 
+    @torch.library.register_fake(lib + "w8a8_linear")
+    def _(x, qweight, weight_scales, bias):
+        return x.new_empty(*x.shape[:-1], qweight.shape[0])
+
 
 @functools.cache
 def load():
@@ -158,3 +162,14 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     ``seq_lens[b]`` tokens, so ``max_seq_len`` and ``attn_mask`` are not needed (a row of length
     0, graph padding, gets zeros)."""
     return torch.ops.pyxllm_cpu.paged_attention_decode.default(query, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """See ``pyxllm.kernels.native.w8a8_linear``: the same int8 activations and int32 sums
+    (``torch._int_mm``, oneDNN's VNNI kernels), with quantization and rescaling fused around it.
+
+    Raises:
+        RuntimeError: ``qweight`` not int8 ``[N, K]``, ``weight_scales`` not float32 ``[N]``.
+    """
+    return torch.ops.pyxllm_cpu.w8a8_linear.default(x, qweight, weight_scales, bias)

@@ -14,7 +14,7 @@ from pyxllm.kernels.native.paged_attention import (
     paged_attention_prefill,
     reshape_and_cache,
 )
-from pyxllm.kernels.native.quantized import int4_linear, int8_linear, pack_int4_weight
+from pyxllm.kernels.native.quantized import int4_linear, int8_linear, pack_int4_weight, w8a8_linear
 
 __all__ = [
     "apply_rotary_emb",
@@ -32,4 +32,5 @@ __all__ = [
     "rotary_cos_sin",
     "rotary_embedding",
     "silu_and_mul",
+    "w8a8_linear",
 ]

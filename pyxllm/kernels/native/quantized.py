@@ -10,6 +10,11 @@ Formats (chosen so the CPU kernels of ATen take them as they are, see ``kernels.
   formula of ``torch._weight_int4pack_mm_for_cpu`` (checked against it in tests/test_quantization.py).
   The reference keeps ``q`` unpacked, one ``uint8`` per weight; a platform packs it its own way
   (``pack_int4_weight``), and only its own ``int4_linear`` reads the packed form.
+- w8a8 (int8 weights and int8 activations): the int8 weight format above with ``scales`` in
+  float32, and activations quantized per token when the layer runs (symmetric, dynamic:
+  ``scale[m] = max_k |x[m, k]| / 127``), so the matmul itself is int8 x int8 -> int32, the
+  scheme of vLLM's dynamic per-token W8A8 int8 (``compressed-tensors``) and of SmoothQuant
+  (Xiao et al., 2023) without its smoothing.
 """
 from __future__ import annotations
 
@@ -60,3 +65,27 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
         ``[..., N]`` in ``x.dtype``.
     """
     return F.linear(x, dequantize_int4(packed, scales_and_zeros, group_size), bias)
+
+
+def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (qweight * weight_scales[:, None]).T + bias`` with ``x`` quantized to int8 per token.
+
+    Per row ``m`` of ``x`` (float32): ``amax = max_k |x[m, k]|``, ``q = clamp(round(x * (127 /
+    amax)), -127, 127)`` (a row of zeros gives zeros); ``acc = q @ qweight.T`` exactly (integers,
+    computed here in float64); ``y = x.dtype((acc * (amax / 127)) * weight_scales)``, then
+    ``y + bias`` in ``x.dtype``. Every platform kernel computes this formula.
+
+    Args:
+        x: ``[..., K]`` float activations.
+        qweight: ``[N, K]`` int8; weight_scales: ``[N]`` float32; bias: ``[N]`` in ``x.dtype`` or None.
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+    """
+    x2 = _flat(x).float()
+    amax = x2.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # not 127.0 / amax: a reciprocal
+    q = torch.round(x2 * inv).clamp_(-127, 127)
+    acc = (q.double() @ qweight.double().t()).float()
+    y = (acc * (amax / 127.0) * weight_scales).to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
+    return y if bias is None else y + bias

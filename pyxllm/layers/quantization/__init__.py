@@ -1,9 +1,9 @@
-"""``--quantization``: weight-only int8/int4 linear layers, chosen once the weights are loaded.
+"""``--quantization``: int8/int4 weight-only or int8 W8A8 linear layers, chosen once the weights are loaded.
 
 Layers with a ``quant_method`` attribute (the column/row-parallel linears and the LM head) and
 ``quantizable = True`` are converted by :func:`quantize_model`; the others (norms, the token
 embedding, a MoE router, stacked MoE experts) stay in the compute dtype. See
-``weight_only.py`` for the formats and README (Performance) for speed and accuracy.
+``weight_only.py`` and ``w8a8.py`` for the formats and README (Performance) for speed and accuracy.
 """
 from __future__ import annotations
 
@@ -20,19 +20,21 @@ from pyxllm.layers.quantization.weight_only import (
     quantize_int4_groups,
     quantize_int8_per_channel,
 )
+from pyxllm.layers.quantization.w8a8 import W8A8LinearMethod
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
 # --quantization -> (method of the decoder linears, method of the LM head)
 _METHODS = {
     "int8": (Int8LinearMethod, Int8LinearMethod),
     "int4": (Int4LinearMethod, Int8LinearMethod),
+    "w8a8": (W8A8LinearMethod, W8A8LinearMethod),
 }
 
 __all__ = [
     "INT4_GROUP_SIZE", "QUANTIZATION_METHODS", "UNQUANTIZED", "Int4LinearMethod", "Int8LinearMethod",
-    "UnquantizedLinearMethod", "quantize_int4_groups", "quantize_int8_per_channel", "quantize_model",
+    "UnquantizedLinearMethod", "W8A8LinearMethod", "quantize_int4_groups", "quantize_int8_per_channel", "quantize_model",
 ]
 
 
@@ -40,8 +42,8 @@ def quantize_model(model: nn.Module, quantization: str | None) -> int:
     """Convert every quantizable layer of a loaded ``model`` in place; returns how many.
 
     The LM head (a module with ``compute_logits``) takes the second method of the pair in
-    ``_METHODS`` (int8 for both choices: its rows are the vocabulary, and int8 keeps the logits
-    closest to float at a small cost in speed).
+    ``_METHODS`` (int8 for the weight-only choices: its rows are the vocabulary, and int8 keeps
+    the logits closest to float at a small cost in speed; w8a8 for ``w8a8``).
 
     Raises:
         ValueError: an unknown method, or a layer whose shape the method cannot hold (naming
@@ -62,5 +64,5 @@ def quantize_model(model: nn.Module, quantization: str | None) -> int:
         except (ValueError, RuntimeError) as e:
             raise ValueError(f"--quantization {quantization}: layer {name} {tuple(module.weight.shape)}: {e}") from e
         count += 1
-    logger.info("quantized %d layers to %s (weight-only)", count, quantization)
+    logger.info("quantized %d layers to %s", count, quantization)
     return count

@@ -65,7 +65,7 @@ class UnquantizedLinearMethod:
         return F.linear(x, layer.weight, bias)
 
 
-def _replace_weight(layer: nn.Module, **buffers: torch.Tensor) -> None:
+def replace_weight(layer: nn.Module, **buffers: torch.Tensor) -> None:
     """Drop ``layer.weight`` (a tied embedding keeps its own reference) and add ``buffers``."""
     del layer.weight
     for name, tensor in buffers.items():
@@ -80,7 +80,7 @@ class Int8LinearMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.data
         q, scales = quantize_int8_per_channel(weight)
-        _replace_weight(layer, qweight=q, weight_scales=scales.to(weight.dtype))
+        replace_weight(layer, qweight=q, weight_scales=scales.to(weight.dtype))
         layer.quant_method = self
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,7 +98,7 @@ class Int4LinearMethod(UnquantizedLinearMethod):
         weight = layer.weight.data
         q, scales_and_zeros = quantize_int4_groups(weight, self.group_size)
         packed = kernels.ops.pack_int4_weight(q)
-        _replace_weight(layer, qweight=packed, scales_and_zeros=scales_and_zeros.to(weight.dtype))
+        replace_weight(layer, qweight=packed, scales_and_zeros=scales_and_zeros.to(weight.dtype))
         layer.quant_method = self
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -463,6 +464,100 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& k_c
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// W8A8 linear: int8 weights per output channel (qweight [N, K], weight_scales [N] float32) times
+// int8 activations per token, accumulated in int32 by at::_int_mm (oneDNN, VNNI where present):
+//   amax[m] = max_k |x[m, k]|,  q[m, k] = clamp(rint(x[m, k] * (127 / amax[m])), -127, 127)
+//   y[m, n] = T((acc[m, n] * (amax[m] / 127)) * weight_scales[n])  (then T(y + bias) with a bias)
+// A row of zeros quantizes to zeros with scale 0. Same formula as pyxllm.kernels.native.w8a8_linear.
+// Largest |value| of n floats.
+inline float abs_max(const float* x, int64_t n) {
+  Vec16 m = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec16 v = load16(x + i);
+    const Vec16 a = v < 0 ? -v : v;
+    m = m > a ? m : a;
+  }
+  float best = 0.f;
+  for (int j = 0; j < kLanes; ++j) best = std::max(best, m[j]);
+  for (; i < n; ++i) best = std::max(best, std::fabs(x[i]));
+  return best;
+}
+
+// The row length is copied into a local: an int8 store may alias anything, a captured variable
+// included, and GCC does not vectorize a loop whose bound a store might change.
+template <typename T>
+void quantize_rows_int8(int8_t* q, float* scales, const T* x, int64_t rows, int64_t k, int64_t x_stride) {
+  at::parallel_for(0, rows, grain_for(rows, k), [&](int64_t begin, int64_t end) {
+    const int64_t n = k;
+    std::vector<float> buf(n);
+    float* b = buf.data();
+    for (int64_t r = begin; r < end; ++r) {
+      Rows<T>::load(b, x + r * x_stride, n);
+      const float amax = abs_max(b, n);
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* qr = q + r * n;
+      for (int64_t j = 0; j < n; ++j)
+        qr[j] = static_cast<int8_t>(std::min(std::max(std::rint(b[j] * inv), -127.f), 127.f));
+      scales[r] = amax / 127.f;
+    }
+  });
+}
+
+template <typename T>
+void dequantize_rows(T* y, const int32_t* acc, const float* x_scales, const float* w_scales, const T* bias,
+                     int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, grain_for(rows, n), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n), b(bias ? n : 0);
+    float* o = buf.data();
+    if (bias) Rows<T>::load(b.data(), bias, n);
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* a = acc + r * n;
+      const float sx = x_scales[r];
+      for (int64_t j = 0; j < n; ++j) o[j] = (static_cast<float>(a[j]) * sx) * w_scales[j];
+      if (bias) {
+        Rows<T>::round(o, n);
+        for (int64_t j = 0; j < n; ++j) o[j] += b[j];
+      }
+      Rows<T>::store(y + r * n, o, n);
+    }
+  });
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& weight_scales,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
+              "w8a8_linear: qweight must be a contiguous int8 [N, K] tensor");
+  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.is_contiguous() &&
+                  weight_scales.numel() == qweight.size(0),
+              "w8a8_linear: weight_scales must be float32 [N]");
+  const int64_t k = x.size(-1), n = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) == k, "w8a8_linear: x has ", k, " input features, qweight ", qweight.size(1));
+  at::Tensor x2 = x.reshape({-1, k});
+  if (x2.stride(-1) != 1) x2 = x2.contiguous();
+  const int64_t rows = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out.view(out_shape);
+  at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kChar));
+  at::Tensor x_scales = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.numel() == n && b.scalar_type() == x.scalar_type(), "w8a8_linear: bias must be [N] in x's dtype");
+  }
+  PYXLLM_DISPATCH_FLOAT(x.scalar_type(), "w8a8_linear", [&] {
+    quantize_rows_int8<scalar_t>(q.data_ptr<int8_t>(), x_scales.data_ptr<float>(), x2.data_ptr<scalar_t>(), rows, k,
+                                 x2.stride(0));
+    const at::Tensor acc = at::_int_mm(q, qweight.t());
+    dequantize_rows<scalar_t>(out.data_ptr<scalar_t>(), acc.data_ptr<int32_t>(), x_scales.data_ptr<float>(),
+                              weight_scales.data_ptr<float>(), b.defined() ? b.data_ptr<scalar_t>() : nullptr, rows, n);
+  });
+  return out.view(out_shape);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pyxllm_cpu, m) {
@@ -472,6 +567,7 @@ TORCH_LIBRARY(pyxllm_cpu, m) {
   m.def("apply_rotary_emb(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor weight_scales, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pyxllm_cpu, CPU, m) {
@@ -481,4 +577,5 @@ TORCH_LIBRARY_IMPL(pyxllm_cpu, CPU, m) {
   m.impl("apply_rotary_emb", &apply_rotary_emb);
   m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("paged_attention_decode", &paged_attention_decode);
+  m.impl("w8a8_linear", &w8a8_linear);
 }
