@@ -6,7 +6,8 @@ Figures (each printed with pyxllm's ratio to each peer that ran):
    ``--output-len`` tokens each (greedy): transformers ``generate`` in bfloat16, batches of
    ``--hf-batch-size`` (16) with left padding; llama-cpp-python one request at a time on the
    GGUF (on ``--llamacpp-prompts`` of them: it has no batching); pyxllm's ``LLM`` (``--dtype
-   auto``: bfloat16 on CPUs with native bf16). pyxllm runs ``--graph-backend graph`` throughout.
+   auto``: bfloat16 on CPUs with native bf16), with float weights and with ``--quantization
+   w8a8`` (int8 matmuls). pyxllm runs ``--graph-backend graph`` throughout.
 2. Batch 1: prefill rate of one prompt and decode rate of ``--output-len`` tokens; pyxllm with
    ``--quantization int4`` (the GGUF's Q4_1 weights, exactly) and with float weights.
 3. Serving, ``--concurrency`` (8) clients: ``pyxllm serve --quantization int4`` against
@@ -103,19 +104,26 @@ def llamacpp_figures(path, prompts, output_len: int, threads: int, num: int, fre
 
 
 def pyxllm_figures(prompts, output_len: int, fresh) -> dict:
-    """pyxllm offline throughput (bf16 default) and batch-1 rates with float and int4 weights,
-    on the ``fresh`` prompts (not seen before: no prefix-cache hit)."""
+    """pyxllm offline throughput (bf16 default, and w8a8) and batch-1 rates with float and int4
+    weights, on the ``fresh`` prompts (not seen before: no prefix-cache hit)."""
     from pyxllm import LLM, SamplingParams
     from pyxllm.benchmarks.latency import _timed_request
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+    def offline(llm) -> float:
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, ignore_eos=True))
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
     figures = {}
     llm = LLM(max_model_len=1024, kv_cache_memory=1.0, graph_backend=GRAPH_BACKEND)
     figures["dtype"] = str(llm.llm_engine.executor.dtype).removeprefix("torch.")
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, ignore_eos=True))
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    figures["output_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+    figures["output_tok_s"] = offline(llm)
+    figures["w8a8_output_tok_s"] = offline(LLM(max_model_len=1024, kv_cache_memory=1.0, quantization="w8a8",
+                                               graph_backend=GRAPH_BACKEND))
+    gc.collect()
     for name, engine in (("float", llm.llm_engine),
                          ("int4", LLM(max_model_len=1024, kv_cache_memory=0.2, quantization="int4",
                                       graph_backend=GRAPH_BACKEND).llm_engine)):
@@ -225,9 +233,9 @@ def main() -> None:
         log("serving:", json.dumps(results["serving"]))
     ours, hf, lc = results["pyxllm"], results.get("transformers", {}), results.get("llama.cpp", {})
     lines = ["", "=== pyxllm vs peers (ratios > 1: pyxllm better) ==="]
-    lines += ratio_lines(f"Offline throughput ({ours['dtype']})", ours["output_tok_s"],
-                         {"transformers bf16 batch 16": hf.get("output_tok_s"), "llama.cpp sequential": lc.get("output_tok_s")},
-                         "output tok/s")
+    offline_peers = {"transformers bf16 batch 16": hf.get("output_tok_s"), "llama.cpp sequential": lc.get("output_tok_s")}
+    lines += ratio_lines(f"Offline throughput ({ours['dtype']})", ours["output_tok_s"], offline_peers, "output tok/s")
+    lines += ratio_lines("Offline throughput (w8a8)", ours["w8a8_output_tok_s"], offline_peers, "output tok/s")
     for kind in ("int4", "float"):
         lines += ratio_lines(f"Batch-1 decode ({kind} weights)", ours[f"{kind}_decode_tok_s"],
                              {"llama.cpp Q4_1": lc.get("decode_tok_s"), "transformers bf16 (end to end)": hf.get("batch1_e2e_tok_s")},
