@@ -35,9 +35,9 @@ class EngineConfig:
       captured as CUDA/ACL graphs); xLLM's ``off``/``none``, ``inductor`` and
       ``cudagraphs``/``aclgraph`` are read as these and stored normalized.
     - ``quantization``: ``None`` (weights in ``dtype``), or weight-only ``int8`` (per output
-      channel) / ``int4`` (groups of 32, exact for GGUF Q4_1 weights) for the linear layers,
-      the LM head in int8 for both, activations staying in ``dtype``; or ``w8a8``: int8
-      weights per channel and int8 activations per token (int8 matmuls, LM head included).
+      channel) / ``int4`` (groups of 32, exact for GGUF Q4_1 weights) for the decoder's linear
+      layers, activations staying in ``dtype``; or ``w8a8``: int8 weights per channel and int8
+      activations per token (int8 matmuls). The LM head is W8A8 with each of them.
     - ``kv_cache_memory``: ``None`` sizes the cache from ``gpu_memory_utilization`` on an
       accelerator and takes 2 GiB on the CPU.
     - Tensor parallelism (see ``pyxllm.executor.multiproc``): ``tensor_parallel_size`` N > 1 on

@@ -76,7 +76,8 @@ def test_cache_write_and_decode_attention_match_native(dtype, head_dim):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a8_linear_matches_native_exactly(dtype):
     """Same int8 activations, exact int32 sums and the same float32 rescaling: bit-equal, also
-    for a row of zeros, a bias, odd sizes, a 3-D strided input and no rows at all."""
+    for a row of zeros, a bias, odd sizes, a Hadamard transform first, a 3-D strided input and
+    no rows at all."""
     from pyxllm.layers.quantization import quantize_int8_per_channel
 
     g = torch.Generator().manual_seed(2)
@@ -88,6 +89,12 @@ def test_w8a8_linear_matches_native_exactly(dtype):
         for bias in (None, torch.randn(n, generator=g).to(dtype)):
             got, want = fused.w8a8_linear(x, q, scales, bias), native.w8a8_linear(x, q, scales, bias)
             assert got.dtype == dtype and torch.equal(got, want)
+    x = torch.randn(5, 1536, generator=g).to(dtype)
+    q, scales = quantize_int8_per_channel(torch.randn(64, 1536, generator=g))
+    for block in (512, 2):  # the down projection's online Hadamard transform
+        assert torch.equal(fused.w8a8_linear(x, q, scales, None, block), native.w8a8_linear(x, q, scales, None, block))
+    with pytest.raises(RuntimeError, match="power of two"):
+        fused.w8a8_linear(x, q, scales, None, 384)
     x = torch.randn(2, 3, 2 * 576, generator=g).to(dtype)[..., ::2]
     q, scales = quantize_int8_per_channel(torch.randn(96, 576, generator=g))
     assert torch.equal(fused.w8a8_linear(x, q, scales), native.w8a8_linear(x, q, scales))

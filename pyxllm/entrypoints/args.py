@@ -28,8 +28,8 @@ ENGINE_HELP = {
     "served_model_name": "model name reported by the API (default: derived from --model)",
     "dtype": "weight and activation dtype; auto picks the model's dtype for the device",
     "quantization": "quantization of the linear layers: weight-only int8 (per channel) or int4 "
-    "(groups of 32; exact for GGUF Q4_1 weights), the LM head int8 with either; or w8a8 (int8 "
-    "weights and per-token int8 activations, int8 matmuls: fastest for large batches) "
+    "(groups of 32; exact for GGUF Q4_1 weights), or w8a8 (int8 weights and per-token int8 "
+    "activations, int8 matmuls: fastest for large batches); the LM head is w8a8 with each "
     "(default: none, weights in --dtype)",
     "device": "device to run on; auto picks cuda, then npu (torch_npu), then mlu (torch_mlu), "
     "else cpu",

@@ -92,7 +92,7 @@ def _register_fakes() -> None:
         return query.new_empty(query.shape)
 
     @torch.library.register_fake(lib + "w8a8_linear")
-    def _(x, qweight, weight_scales, bias):
+    def _(x, qweight, weight_scales, bias, hadamard_block=0):
         return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
 
@@ -165,11 +165,13 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, hadamard_block: int = 0) -> torch.Tensor:
     """See ``pyxllm.kernels.native.w8a8_linear``: the same int8 activations and int32 sums
-    (``torch._int_mm``, oneDNN's VNNI kernels), with quantization and rescaling fused around it.
+    (``torch._int_mm``, oneDNN's VNNI kernels), with the Hadamard transform, quantization and
+    rescaling fused around it.
 
     Raises:
-        RuntimeError: ``qweight`` not int8 ``[N, K]``, ``weight_scales`` not float32 ``[N]``.
+        RuntimeError: ``qweight`` not int8 ``[N, K]``, ``weight_scales`` not float32 ``[N]``, a
+            ``hadamard_block`` that is not a power of two dividing ``K``.
     """
-    return torch.ops.pyxllm_cpu.w8a8_linear.default(x, qweight, weight_scales, bias)
+    return torch.ops.pyxllm_cpu.w8a8_linear.default(x, qweight, weight_scales, bias, hadamard_block)

@@ -67,11 +67,28 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     return F.linear(x, dequantize_int4(packed, scales_and_zeros, group_size), bias)
 
 
+def hadamard_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x [rows, K] @ blockdiag(H, ..., H)`` with ``H`` the ``block x block`` Sylvester Hadamard
+    matrix (``H_1 = [1]``, ``H_2m = [[H_m, H_m], [H_m, -H_m]]``, entries +-1, ``H H^T = block I``),
+    by the fast Walsh-Hadamard transform's stages of sums and differences (the fused kernels'
+    order, so float32 results agree bit for bit)."""
+    rows, k = x.shape
+    h = 1
+    while h < block:
+        pairs = x.reshape(rows, k // (2 * h), 2, h)
+        x = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
+        h *= 2
+    return x.reshape(rows, k)
+
+
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, hadamard_block: int = 0) -> torch.Tensor:
     """``x @ (qweight * weight_scales[:, None]).T + bias`` with ``x`` quantized to int8 per token.
 
-    Per row ``m`` of ``x`` (float32): ``amax = max_k |x[m, k]|``, ``q = clamp(round(x * (127 /
+    With ``hadamard_block`` > 0, ``x`` is first multiplied by the block-diagonal Hadamard matrix
+    of that block size (:func:`hadamard_blocks`; the weights must have been multiplied by it too,
+    see ``pyxllm.layers.quantization.rotation``). Then per row ``m`` (float32): ``amax = max_k
+    |x[m, k]|``, ``q = clamp(round(x * (127 /
     amax)), -127, 127)`` (a row of zeros gives zeros); ``acc = q @ qweight.T`` exactly (integers,
     computed here in float64); ``y = x.dtype((acc * (amax / 127)) * weight_scales)``, then
     ``y + bias`` in ``x.dtype``. Every platform kernel computes this formula.
@@ -83,6 +100,8 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scales: torch.Ten
         ``[..., N]`` in ``x.dtype``.
     """
     x2 = _flat(x).float()
+    if hadamard_block:
+        x2 = hadamard_blocks(x2, hadamard_block)
     amax = x2.abs().amax(dim=1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # not 127.0 / amax: a reciprocal
     q = torch.round(x2 * inv).clamp_(-127, 127)

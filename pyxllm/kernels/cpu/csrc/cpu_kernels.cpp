@@ -582,7 +582,9 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& k_c
 // int8 activations per token, accumulated in int32 by at::_int_mm (oneDNN, VNNI where present):
 //   amax[m] = max_k |x[m, k]|,  q[m, k] = clamp(rint(x[m, k] * (127 / amax[m])), -127, 127)
 //   y[m, n] = T((acc[m, n] * (amax[m] / 127)) * weight_scales[n])  (then T(y + bias) with a bias)
-// A row of zeros quantizes to zeros with scale 0. Same formula as pyxllm.kernels.native.w8a8_linear.
+// A row of zeros quantizes to zeros with scale 0. With hadamard_block > 0, each row is first
+// multiplied by the block-diagonal Sylvester Hadamard matrix of that block size (a fast
+// Walsh-Hadamard transform, stage by stage). Same formula as pyxllm.kernels.native.w8a8_linear.
 // Largest |value| of n floats.
 inline float abs_max(const float* x, int64_t n) {
   Vec16 m = {};
@@ -598,16 +600,57 @@ inline float abs_max(const float* x, int64_t n) {
   return best;
 }
 
+// The first four Hadamard stages (h = 1, 2, 4, 8) of 16 values, in registers: lane j takes
+// x[j] + x[j ^ h] where bit h of j is clear, x[j ^ h] - x[j] where it is set.
+inline Vec16 hadamard16(Vec16 v) {
+  typedef int32_t Mask16 __attribute__((vector_size(64)));
+  const Mask16 m1 = {0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1};
+  const Mask16 m2 = {0, 0, -1, -1, 0, 0, -1, -1, 0, 0, -1, -1, 0, 0, -1, -1};
+  const Mask16 m4 = {0, 0, 0, 0, -1, -1, -1, -1, 0, 0, 0, 0, -1, -1, -1, -1};
+  const Mask16 m8 = {0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1};
+  Vec16 a = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  v = m1 ? a - v : v + a;
+  a = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v = m2 ? a - v : v + a;
+  a = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v = m4 ? a - v : v + a;
+  a = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  return m8 ? a - v : v + a;
+}
+
+// x <- x H for each block of `block` values (a power of two), H the Sylvester Hadamard matrix
+// (H_1 = [1], H_2m = [[H_m, H_m], [H_m, -H_m]]): log2(block) stages of sums and differences,
+// the first four in registers (blocks of 16 or more), the others on whole vectors.
+inline void hadamard_blocks(float* x, int64_t n, int64_t block) {
+  int64_t h = 1;
+  if (block >= kLanes) {
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const Vec16 v = hadamard16(load16(x + i));
+      std::memcpy(x + i, &v, sizeof v);
+    }
+    h = kLanes;
+  }
+  for (; h < block; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+}
+
 // The row length is copied into a local: an int8 store may alias anything, a captured variable
 // included, and GCC does not vectorize a loop whose bound a store might change.
 template <typename T>
-void quantize_rows_int8(int8_t* q, float* scales, const T* x, int64_t rows, int64_t k, int64_t x_stride) {
+void quantize_rows_int8(int8_t* q, float* scales, const T* x, int64_t rows, int64_t k, int64_t x_stride,
+                        int64_t hadamard_block) {
   at::parallel_for(0, rows, grain_for(rows, k), [&](int64_t begin, int64_t end) {
     const int64_t n = k;
     std::vector<float> buf(n);
     float* b = buf.data();
     for (int64_t r = begin; r < end; ++r) {
       Rows<T>::load(b, x + r * x_stride, n);
+      if (hadamard_block > 0) hadamard_blocks(b, n, hadamard_block);
       const float amax = abs_max(b, n);
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       int8_t* qr = q + r * n;
@@ -641,7 +684,7 @@ void dequantize_rows(T* y, const int32_t* acc, const float* x_scales, const floa
 constexpr int64_t kW8A8RowChunk = 256;
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& weight_scales,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, int64_t hadamard_block) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
               "w8a8_linear: qweight must be a contiguous int8 [N, K] tensor");
   TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.is_contiguous() &&
@@ -649,6 +692,9 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
               "w8a8_linear: weight_scales must be float32 [N]");
   const int64_t k = x.size(-1), n = qweight.size(0);
   TORCH_CHECK(qweight.size(1) == k, "w8a8_linear: x has ", k, " input features, qweight ", qweight.size(1));
+  TORCH_CHECK(hadamard_block == 0 || (hadamard_block > 0 && (hadamard_block & (hadamard_block - 1)) == 0 &&
+                                      k % hadamard_block == 0),
+              "w8a8_linear: hadamard_block must be 0 or a power of two dividing ", k, ", got ", hadamard_block);
   at::Tensor x2 = x.reshape({-1, k});
   if (x2.stride(-1) != 1) x2 = x2.contiguous();
   const int64_t rows = x2.size(0);
@@ -665,7 +711,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   }
   PYXLLM_DISPATCH_FLOAT(x.scalar_type(), "w8a8_linear", [&] {
     quantize_rows_int8<scalar_t>(q.data_ptr<int8_t>(), x_scales.data_ptr<float>(), x2.data_ptr<scalar_t>(), rows, k,
-                                 x2.stride(0));
+                                 x2.stride(0), hadamard_block);
     // Row chunks, so that each chunk's int32 sums are rescaled while still in cache (a prefill's
     // [rows, N] int32 would go through memory twice); int8 GEMMs of 256 rows run at full speed.
     at::Tensor acc = at::empty({std::min(rows, kW8A8RowChunk), n}, x.options().dtype(at::kInt));
@@ -690,7 +736,7 @@ TORCH_LIBRARY(pyxllm_cpu, m) {
   m.def("apply_rotary_emb(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
-  m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor weight_scales, Tensor? bias) -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor weight_scales, Tensor? bias, int hadamard_block=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pyxllm_cpu, CPU, m) {
