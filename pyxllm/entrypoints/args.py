@@ -34,7 +34,8 @@ ENGINE_HELP = {
     "device": "device to run on; auto picks cuda, then npu (torch_npu), then mlu (torch_mlu), "
     "else cpu",
     "graph_backend": "how the model runs: eager, compile (torch.compile) or graph (decode steps "
-    "captured as CUDA/ACL graphs, prefill eager); also off/none, inductor, cudagraphs/aclgraph",
+    "captured once: CUDA/ACL graphs, TorchScript traces on the CPU; prefill eager); also "
+    "off/none, inductor, cudagraphs/aclgraph",
     "max_seqs_per_batch": "most sequences scheduled in one engine step",
     "max_tokens_per_batch": "most tokens (prefill + decode) scheduled in one engine step",
     "max_model_len": "context limit in tokens (default: the model's max_position_embeddings)",

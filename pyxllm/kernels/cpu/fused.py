@@ -108,7 +108,7 @@ def load():
 
         cflags, ldflags, suffix = _compile_flags()
         _put_ninja_on_path()
-        logger.info("loading the fused CPU kernels (built once per machine and environment, 15-60 s)")
+        logger.info("loading the fused CPU kernels (the first load in an environment builds them: 15-60 s)")
         load_extension(name=f"pyxllm_cpu_kernels_{suffix}", sources=[str(_SOURCE)], extra_cflags=cflags,
                        extra_ldflags=ldflags, is_python_module=False, verbose=False)
         _register_fakes()

@@ -14,7 +14,7 @@ output when its weights get the same rotation. Following QuaRot (Ashkboos et al.
   weight folded into its columns and then ``W Q``, the norm's weight becomes 1 (RMSNorm commutes
   with an orthogonal matrix, not with a per-channel scale), and each layer that writes the
   residual (``o_proj``, ``down_proj``) becomes ``Q^T W``. All exact in real arithmetic; done
-  once at load in float32.
+  once at load in float32 (~1.5 s for SmolLM2-135M on 2 cores).
 - the down-projection input (``silu(gate) * up``) has no weight before it to fold a rotation
   into, so its kernel applies a block-diagonal Hadamard matrix online (``hadamard_block``:
   ``log2(block)`` stages of sums and differences per value, fused into the activation
@@ -33,6 +33,8 @@ import logging
 import torch
 from torch import nn
 
+from pyxllm.kernels.native.quantized import hadamard_blocks
+
 logger = logging.getLogger(__name__)
 
 MAX_HADAMARD_BLOCK = 512
@@ -45,14 +47,6 @@ def random_orthogonal(n: int, seed: int = _SEED) -> torch.Tensor:
     gaussian = torch.randn(n, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     q, r = torch.linalg.qr(gaussian)
     return (q * torch.sign(torch.diagonal(r))).float()
-
-
-def sylvester_hadamard(n: int) -> torch.Tensor:
-    """The ``[n, n]`` float32 Sylvester Hadamard matrix (entries +-1), ``n`` a power of two."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h
 
 
 def hadamard_block_for(size: int) -> int:
@@ -102,7 +96,6 @@ def rotate_for_int8_activations(model: nn.Module) -> bool:
     size = inner.layers[0].mlp.down_proj.weight.shape[1] if len(inner.layers) else 0  # this rank's share
     signs = torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(_SEED + 1)).float() * 2 - 1
     block = hadamard_block_for(size)
-    hadamard = torch.block_diag(*[sylvester_hadamard(block)] * (size // block)) if size else None
     for layer in inner.layers:
         for norm, reader in ((layer.input_layernorm, layer.self_attn.qkv_proj),
                              (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
@@ -120,6 +113,6 @@ def rotate_for_int8_activations(model: nn.Module) -> bool:
         _set_weight(gate_up, weight)
         if gate_up.bias is not None:
             gate_up.bias[size:] *= signs.to(gate_up.bias.dtype)
-        _set_weight(down, (down.weight.float() * signs) @ hadamard / block)
+        _set_weight(down, hadamard_blocks(down.weight.float() * signs, block) / block)  # (W diag(s)) H / block
         down.hadamard_block = block
     return True
