@@ -19,7 +19,7 @@ output when its weights get the same rotation. Following QuaRot (Ashkboos et al.
   into, so its kernel applies a block-diagonal Hadamard matrix online (``hadamard_block``:
   ``log2(block)`` stages of sums and differences per value, fused into the activation
   quantization); the down weights get ``W H / block``, and random signs folded into the rows of
-  ``up`` randomize it (``H diag(signs)`` instead of ``H``).
+  ``up`` randomize it (``diag(signs) H`` instead of ``H``).
 
 Measured on the default model (4 prompts, 57 positions, against float32 logits, max / mean
 |diff| and top-1 agreement): W8A8 without rotation 6.8 / 0.91 / 0.86; residual rotation only
