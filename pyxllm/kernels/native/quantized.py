@@ -87,11 +87,11 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scales: torch.Ten
 
     With ``hadamard_block`` > 0, ``x`` is first multiplied by the block-diagonal Hadamard matrix
     of that block size (:func:`hadamard_blocks`; the weights must have been multiplied by it too,
-    see ``pyxllm.layers.quantization.rotation``). Then per row ``m`` (float32): ``amax = max_k
-    |x[m, k]|``, ``q = clamp(round(x * (127 /
-    amax)), -127, 127)`` (a row of zeros gives zeros); ``acc = q @ qweight.T`` exactly (integers,
-    computed here in float64); ``y = x.dtype((acc * (amax / 127)) * weight_scales)``, then
-    ``y + bias`` in ``x.dtype``. Every platform kernel computes this formula.
+    see ``pyxllm.layers.quantization.rotation``). Then per row ``m`` (float32):
+    ``amax = max_k |x[m, k]|``, ``q = clamp(round(x * (127 / amax)), -127, 127)`` (a row of zeros
+    gives zeros); ``acc = q @ qweight.T`` exactly (integers, computed here in float64);
+    ``y = x.dtype((acc * (amax / 127)) * weight_scales)``, then ``y + bias`` in ``x.dtype``.
+    Every platform kernel computes this formula.
 
     Args:
         x: ``[..., K]`` float activations.
