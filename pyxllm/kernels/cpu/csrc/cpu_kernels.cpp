@@ -404,8 +404,8 @@ void attend_one_kv_head_any(float* out, const float* q, const float* kf, const f
 // bfloat16 decode attention of one KV head with AVX512-BF16 dot products (vdpbf16ps: 32 bf16
 // products a cycle summed in pairs into 16 float32 lanes), reading the cache rows as they are,
 // without converting them. q is [group, D] bf16 (scaled and rounded, as the reference); rows[l]
-// is the offset of token l's K/V row in the caches; scores is [group, len] float32 scratch and
-// probs [group, len / 2 + 1] pairs of bf16.
+// is the offset of token l's K/V row in the caches; scores is [group, len] float32 scratch,
+// probs [group, len / 2 + 1] pairs of bf16 and inv [group] float32 scratch.
 //   QK: 4 cached tokens at a time, their D/32 key vectors reused by every query head.
 //   softmax in float32; the probabilities rounded to bf16 (where the reference rounds them).
 //   PV: 2 tokens at a time: their value rows interleaved (unpacklo/hi_epi16) so that one
@@ -414,7 +414,8 @@ void attend_one_kv_head_any(float* out, const float* q, const float* kf, const f
 //   half 8j + 4 + t), which the store undoes.
 template <int D>
 void attend_one_kv_head_bf16(BFloat16* out, const BFloat16* q, const BFloat16* k_cache, const BFloat16* v_cache,
-                             const int64_t* rows, int64_t len, int64_t group, float* scores, uint32_t* probs) {
+                             const int64_t* rows, int64_t len, int64_t group, float* scores, uint32_t* probs,
+                             float* inv) {
   constexpr int P = D / 32;  // 512-bit vectors of bf16 per row
   auto row = [&](const BFloat16* cache, int64_t l) { return cache + rows[l]; };
   auto load_bh = [](const BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
@@ -436,7 +437,6 @@ void attend_one_kv_head_bf16(BFloat16* out, const BFloat16* q, const BFloat16* k
     for (int i = 0; i < P; ++i) k[i] = load_bh(row(k_cache, l) + 32 * i);
     for (int64_t g = 0; g < group; ++g) scores[g * len + l] = hsum(partial(k, g));
   }
-  std::vector<float> inv(group);
   const int64_t pairs = (len + 1) / 2;
   for (int64_t g = 0; g < group; ++g) {
     float* sc = scores + g * len;
@@ -512,6 +512,7 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
 #if defined(__AVX512BF16__)
     constexpr bool bf16_dots = std::is_same_v<T, BFloat16>;
     std::vector<uint32_t> probs(group * (max_len / 2 + 1));
+    std::vector<float> inv(group);
     std::vector<BFloat16> qh(group * head_dim);
     std::vector<int64_t> rows(max_len);
 #endif
@@ -535,7 +536,8 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
                 rows[l + t] = (base + t) * kv_row + kvh * head_dim;
             Rows<BFloat16>::store(qh.data(), q.data(), group * head_dim);
             (head_dim == 64 ? attend_one_kv_head_bf16<64> : attend_one_kv_head_bf16<128>)(
-                head_out, qh.data(), k_cache, v_cache, rows.data(), len, group, scores.data(), probs.data());
+                head_out, qh.data(), k_cache, v_cache, rows.data(), len, group, scores.data(), probs.data(),
+                inv.data());
             continue;
           }
         }
