@@ -152,6 +152,41 @@ inline float exp_approx(float x) {
   return p * bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
 }
 
+typedef int32_t Int16v __attribute__((vector_size(64)));
+
+// exp_approx on 16 lanes, the same operations in the same order, so the same bits (GCC does not
+// vectorize the scalar version's std::floor and bit casts in a loop).
+inline Vec16 exp_approx16(Vec16 x) {
+  x = x < -87.f ? Vec16{} - 87.f : x;
+  x = x > 88.f ? Vec16{} + 88.f : x;
+  const Vec16 t = x * 1.44269504088896341f + 0.5f;
+  Vec16 n = __builtin_convertvector(__builtin_convertvector(t, Int16v), Vec16);  // truncated
+  n = n > t ? n - 1.f : n;                                                           // floored
+  const Vec16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  Vec16 p = Vec16{} + 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const Int16v bits = (__builtin_convertvector(n, Int16v) + 127) << 23;
+  Vec16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// x[i] = exp_approx(x[i] - shift) for i < n.
+inline void exp_shifted(float* x, int64_t n, float shift) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec16 v = exp_approx16(load16(x + i) - shift);
+    std::memcpy(x + i, &v, sizeof v);
+  }
+  for (; i < n; ++i) x[i] = exp_approx(x[i] - shift);
+}
+
 #define PYXLLM_DISPATCH_FLOAT(dtype, NAME, ...)                                   \
   [&] {                                                                           \
     if ((dtype) == at::kFloat) {                                                  \
@@ -253,7 +288,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
         float* g = gate.data();
         Rows<scalar_t>::load(g, in + r * 2 * d, d);
         Rows<scalar_t>::load(up.data(), in + r * 2 * d + d, d);
-        for (int64_t j = 0; j < d; ++j) g[j] = g[j] / (1.f + exp_approx(-g[j]));
+        int64_t j = 0;
+        for (; j + kLanes <= d; j += kLanes) {
+          const Vec16 v = load16(g + j);
+          const Vec16 s = v / (1.f + exp_approx16(-v));
+          std::memcpy(g + j, &s, sizeof s);
+        }
+        for (; j < d; ++j) g[j] = g[j] / (1.f + exp_approx(-g[j]));
         Rows<scalar_t>::round(g, d);
         for (int64_t j = 0; j < d; ++j) g[j] *= up[j];
         Rows<scalar_t>::store(o + r * d, g, d);
@@ -372,7 +413,7 @@ void attend_one_kv_head(float* out, const float* q, const float* kf, const float
     for (; l + 4 <= len; l += 4) hsum4(partial(l), partial(l + 1), partial(l + 2), partial(l + 3), scores + l);
     for (; l < len; ++l) scores[l] = hsum(partial(l));
     const float peak = len ? *std::max_element(scores, scores + len) : 0.f;
-    for (int64_t l = 0; l < len; ++l) scores[l] = exp_approx(scores[l] - peak);
+    exp_shifted(scores, len, peak);
     const float inv = len ? 1.f / sum(scores, len) : 0.f;
     Vec16 acc[C] = {};
     for (int64_t l = 0; l < len; ++l)
@@ -390,7 +431,7 @@ void attend_one_kv_head_any(float* out, const float* q, const float* kf, const f
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t l = 0; l < len; ++l) scores[l] = dot(q + g * head_dim, kf + l * head_dim, head_dim);
     const float peak = len ? *std::max_element(scores, scores + len) : 0.f;
-    for (int64_t l = 0; l < len; ++l) scores[l] = exp_approx(scores[l] - peak);
+    exp_shifted(scores, len, peak);
     const float inv = len ? 1.f / sum(scores, len) : 0.f;
     float* o = out + g * head_dim;
     std::fill(o, o + head_dim, 0.f);
@@ -441,7 +482,7 @@ void attend_one_kv_head_bf16(BFloat16* out, const BFloat16* q, const BFloat16* k
   for (int64_t g = 0; g < group; ++g) {
     float* sc = scores + g * len;
     const float peak = *std::max_element(sc, sc + len);
-    for (int64_t j = 0; j < len; ++j) sc[j] = exp_approx(sc[j] - peak);
+    exp_shifted(sc, len, peak);
     inv[g] = 1.f / sum(sc, len);
     uint32_t* pg = probs + g * pairs;
     for (int64_t j = 0; j < pairs; ++j) {
