@@ -10,7 +10,7 @@ Figures (each printed with pyxllm's ratio to each peer that ran):
    w8a8`` (int8 matmuls). pyxllm runs ``--graph-backend graph`` throughout.
 2. Batch 1: prefill rate of one prompt and decode rate of ``--output-len`` tokens; pyxllm with
    ``--quantization int4`` (the GGUF's Q4_1 weights, exactly) and with float weights.
-3. Serving, ``--concurrency`` (8) clients: ``pyxllm serve --quantization int4`` against
+3. Serving, ``--concurrency`` (8) clients: ``pyxllm serve --quantization w8a8`` against
    ``python -m llama_cpp.server`` (extra ``llamacpp``), both driven by ``pyxllm bench serve``'s
    client: aggregate output tok/s and median TTFT.
 
@@ -157,7 +157,7 @@ def serving(prompts, output_len: int, concurrency: int, threads: int, llamacpp: 
     """Aggregate output tok/s and median TTFT of each server under ``concurrency`` clients."""
     path, results = default_gguf_path(), {}
     servers = {"pyxllm": [sys.executable, "-m", "pyxllm.entrypoints.cli", "serve", "--port", "18931",
-                          "--quantization", "int4", "--max-model-len", "1024", "--kv-cache-memory", "0.5",
+                          "--quantization", "w8a8", "--max-model-len", "1024", "--kv-cache-memory", "0.5",
                           "--graph-backend", GRAPH_BACKEND]}
     if llamacpp:
         servers["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--port", "18932",
