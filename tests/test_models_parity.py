@@ -183,6 +183,7 @@ def test_dtype_auto_follows_a_bfloat16_checkpoint(tmp_path, hf_gguf_tokenizer):
 def test_resolve_dtype_auto_on_cpu(declared, expected):
     assert resolve_dtype("auto", CPU_PLATFORM, SimpleNamespace(dtype=declared)) == expected
     assert resolve_dtype("float32", CPU_PLATFORM, SimpleNamespace(dtype=declared)) == torch.float32
+    assert resolve_dtype("float16", CPU_PLATFORM, SimpleNamespace(dtype=declared)) == torch.bfloat16  # as vLLM
 
 
 def test_tp_split_experts_sum_to_the_unsplit_moe(monkeypatch):

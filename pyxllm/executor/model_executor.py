@@ -47,9 +47,15 @@ def resolve_dtype(dtype: str, platform: Platform, model_config=None) -> torch.dt
 
     ``auto`` takes the checkpoint's dtype from ``model_config`` (see :func:`checkpoint_dtype`),
     except float16, which becomes the platform's ``float16_dtype`` (bfloat16 on CPU, as vLLM
-    does); without one (GGUF) it is the platform's default, float32 on CPU. Any other value is
-    taken as given.
+    does); without one (GGUF) it is the platform's default, float32 on CPU. An explicit
+    ``float16`` on a platform that does not compute in it becomes ``float16_dtype`` too, with a
+    warning (vLLM's CPU backend does the same; our fused CPU kernels take float32 and bfloat16).
+    Any other value is taken as given.
     """
+    if dtype == "float16" and platform.float16_dtype != torch.float16:
+        logger.warning("--dtype float16 is not supported on %s: using %s", platform.name,
+                       str(platform.float16_dtype).removeprefix("torch."))
+        return platform.float16_dtype
     if dtype != "auto":
         return _DTYPES[dtype]
     declared = checkpoint_dtype(model_config)

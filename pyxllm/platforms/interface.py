@@ -63,8 +63,9 @@ class Platform:
             ``graph``).
         dist_backend: the ``torch.distributed`` backend for tensor parallelism.
         default_dtype: what ``--dtype auto`` means here when the checkpoint declares no dtype.
-        float16_dtype: what a checkpoint declared float16 computes in under ``--dtype auto``
-            (bfloat16 on CPU, where float16 matmuls are slow and overflow-prone).
+        float16_dtype: what float16 computes in: a checkpoint declared float16 under ``--dtype
+            auto``, and ``--dtype float16`` itself (bfloat16 on CPU, where float16 matmuls are
+            slow and overflow-prone and the fused kernels take float32 and bfloat16 only).
         fused_attention: fused backends in order of preference, each used when its package is
             installed and the block size fits.
         graph_class: name of the graph-capture class in ``torch.<torch_device>``
