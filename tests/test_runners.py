@@ -180,6 +180,18 @@ def test_cpu_graph_replays_traced_decode_steps_with_eager_tokens(eager_tokens):
     assert runner.replays[4] >= GREEDY.max_tokens - 1 and runner.replays[1] >= GREEDY.max_tokens - 1
 
 
+@pytest.mark.parametrize("quantization", ["int4", "w8a8"])
+def test_cpu_graph_gives_eager_tokens_with_quantized_linears(quantization):
+    """The quantized matmuls (ATen's int4 kernel; the fused W8A8 op with its per-token scales,
+    which padding rows must not disturb) replay from the traces as they run eagerly."""
+    prompts = PROMPTS[:3]
+    eager = LLM(quantization=quantization, **LLM_KWARGS)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
+    llm = LLM(quantization=quantization, graph_backend="graph", **LLM_KWARGS)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert llm.llm_engine.executor.runner.replays[4] >= GREEDY.max_tokens - 1
+
+
 def test_graph_refuses_what_a_capture_cannot_record(eager_llm, monkeypatch):
     executor = eager_llm.llm_engine.executor
     monkeypatch.setattr(type(executor.model.model.norm), "capturable", False, raising=False)
