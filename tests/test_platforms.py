@@ -153,7 +153,10 @@ def test_float16_checkpoints_per_platform():
     assert resolve_dtype("auto", CUDA_PLATFORM, fp16) == torch.float16
     assert resolve_dtype("auto", CPU_PLATFORM, SimpleNamespace()) == torch.float32
     assert resolve_dtype("auto", CUDA_PLATFORM, SimpleNamespace()) == torch.bfloat16
-    assert resolve_dtype("float16", CPU_PLATFORM, fp16) == torch.float16
+    # an explicit float16 too becomes bfloat16 on the CPU (with a warning), as in vLLM: the fused
+    # CPU kernels take float32 and bfloat16; an accelerator keeps it
+    assert resolve_dtype("float16", CPU_PLATFORM, fp16) == torch.bfloat16
+    assert resolve_dtype("float16", CUDA_PLATFORM, fp16) == torch.float16
 
 
 def test_attention_backend_choice(monkeypatch):
