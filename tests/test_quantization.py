@@ -178,6 +178,16 @@ def test_accuracy_against_float32_logits(float32_logits, quantization, dtype, ma
 
 # --- w8a8's rotations (pyxllm.layers.quantization.rotation) ------------------------------------
 
+def test_hadamard_blocks_is_the_block_diagonal_sylvester_matrix():
+    from pyxllm.kernels.native.quantized import hadamard_blocks
+
+    h = torch.ones(1, 1)
+    for _ in range(3):
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)  # H_8
+    assert torch.equal(hadamard_blocks(torch.eye(16), 8), torch.block_diag(h, h))
+    assert torch.equal(h @ h.t(), 8 * torch.eye(8))
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_rotation_leaves_the_float_model_unchanged(kind, tmp_path, hf_gguf_tokenizer):
     """Rotating the residual stream and (with the online Hadamard transform of the down
