@@ -137,19 +137,25 @@ inline float sum(const float* a, int64_t n) {
 // (the Cephes constants), |r| <= ln2 / 2, e^r by its Taylor series to degree 7 (truncation
 // error below 1e-8 relative), times 2^n built in the exponent bits. Inputs are clamped to
 // [-87, 88], so the result is never 0 or inf.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.f / 5040.f;
+// The reduction x - n ln2 and the series, for float or Vec16 (the same operations, so the same
+// bits either way).
+template <typename V>
+inline V exp_reduced(V x, V n) {
+  const V r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  V p = V{} + 1.f / 5040.f;
   p = p * r + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
   p = p * r + 1.f / 24.f;
   p = p * r + 1.f / 6.f;
   p = p * r + 0.5f;
   p = p * r + 1.f;
-  p = p * r + 1.f;
-  return p * bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+  return p * r + 1.f;
+}
+
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  return exp_reduced(x, n) * bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
 }
 
 typedef int32_t Int16v __attribute__((vector_size(64)));
@@ -162,19 +168,10 @@ inline Vec16 exp_approx16(Vec16 x) {
   const Vec16 t = x * 1.44269504088896341f + 0.5f;
   Vec16 n = __builtin_convertvector(__builtin_convertvector(t, Int16v), Vec16);  // truncated
   n = n > t ? n - 1.f : n;                                                           // floored
-  const Vec16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  Vec16 p = Vec16{} + 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
   const Int16v bits = (__builtin_convertvector(n, Int16v) + 127) << 23;
   Vec16 scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return exp_reduced(x, n) * scale;
 }
 
 // x[i] = exp_approx(x[i] - shift) for i < n.
