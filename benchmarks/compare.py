@@ -233,7 +233,8 @@ def main() -> None:
         log("serving:", json.dumps(results["serving"]))
     ours, hf, lc = results["pyxllm"], results.get("transformers", {}), results.get("llama.cpp", {})
     lines = ["", "=== pyxllm vs peers (ratios > 1: pyxllm better) ==="]
-    offline_peers = {"transformers bf16 batch 16": hf.get("output_tok_s"), "llama.cpp sequential": lc.get("output_tok_s")}
+    offline_peers = {"transformers bf16 batch 16": hf.get("output_tok_s"),
+                     "llama.cpp sequential": lc.get("output_tok_s")}
     lines += ratio_lines(f"Offline throughput ({ours['dtype']})", ours["output_tok_s"], offline_peers, "output tok/s")
     lines += ratio_lines("Offline throughput (w8a8)", ours["w8a8_output_tok_s"], offline_peers, "output tok/s")
     for kind in ("int4", "float"):

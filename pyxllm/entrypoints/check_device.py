@@ -12,7 +12,8 @@ Three checks, on the model of ``--model`` (default: the embedded SmolLM2-135M-In
    (a figure, not a pass/fail).
 
 On the CPU the logits check compares the CPU with itself, and ``graph`` replays TorchScript
-traces of the decode step (``runners.graph.TraceCapture``). Prints one line per check; exit status 0 when all pass, else 1.
+traces of the decode step (``runners.graph.TraceCapture``). Prints one line per check; exit
+status 0 when all pass, else 1.
 """
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ _METHODS = {
 
 __all__ = [
     "INT4_GROUP_SIZE", "QUANTIZATION_METHODS", "UNQUANTIZED", "Int4LinearMethod", "Int8LinearMethod",
-    "UnquantizedLinearMethod", "W8A8LinearMethod", "quantize_int4_groups", "quantize_int8_per_channel", "quantize_model",
+    "UnquantizedLinearMethod", "W8A8LinearMethod", "quantize_int4_groups", "quantize_int8_per_channel",
+    "quantize_model",
 ]
 
 
