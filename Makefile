@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pyxllm-installed
 ARGS ?=
 
-.PHONY: serve test install clean
+.PHONY: serve test lint install clean
 
 install: $(STAMP)
 
@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/pyxllm serve $(ARGS)
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q $(ARGS)
+
+# ruff's linter and formatter check (configuration in pyproject.toml; also a pre-commit hook)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -20,6 +20,7 @@ threads (default: all cores). Run from the repository root::
     .venv/bin/python benchmarks/compare.py                      # all three, ~5 min on 2 cores
     .venv/bin/python benchmarks/compare.py --skip serving --result-file compare.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,6 @@ from pyxllm.benchmarks.prompts import make_prompts
 from pyxllm.benchmarks.serve import run_benchmark
 from pyxllm.weights.source import default_gguf_path
 
-
 # pyxllm runs with its fastest CPU runner: decode steps replayed from TorchScript traces
 GRAPH_BACKEND = "graph"
 
@@ -54,25 +54,37 @@ def hf_throughput(path, prompts, output_len: int, batch_size: int) -> dict:
 
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, padding_side="left")
     tok.pad_token = tok.pad_token or tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.bfloat16
+    ).eval()
 
     def run(batch):
         enc = tok.pad({"input_ids": batch}, return_tensors="pt")
         with torch.inference_mode():
-            out = model.generate(**enc, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
+            out = model.generate(
+                **enc,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
         return out.shape[1] - enc["input_ids"].shape[1]
 
     run([prompts[0][:8]])  # warm-up
     start, produced = time.perf_counter(), 0
     for i in range(0, len(prompts), batch_size):
-        batch = prompts[i:i + batch_size]
+        batch = prompts[i : i + batch_size]
         produced += run(batch) * len(batch)
     elapsed = time.perf_counter() - start
     one = prompts[0]
     t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(torch.tensor([one]), max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
+        model.generate(
+            torch.tensor([one]),
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+        )
     decode = output_len / (time.perf_counter() - t0)
     return {"output_tok_s": produced / elapsed, "elapsed_s": elapsed, "batch1_e2e_tok_s": decode}
 
@@ -87,7 +99,9 @@ def llamacpp_figures(path, prompts, output_len: int, threads: int, num: int, fre
     start, produced = time.perf_counter(), 0
     for ids in prompts[:num]:
         llm.reset()
-        produced += llm.create_completion(ids, max_tokens=output_len, temperature=0.0)["usage"]["completion_tokens"]
+        produced += llm.create_completion(ids, max_tokens=output_len, temperature=0.0)["usage"][
+            "completion_tokens"
+        ]
     elapsed = time.perf_counter() - start
     prefill, decode = [], []
     for ids in fresh:
@@ -99,8 +113,12 @@ def llamacpp_figures(path, prompts, output_len: int, threads: int, num: int, fre
         end = time.perf_counter()
         prefill.append(len(ids) / (first - t0))
         decode.append((n - 1) / (end - first))
-    return {"output_tok_s": produced / elapsed, "prefill_tok_s": sum(prefill) / len(prefill),
-            "decode_tok_s": sum(decode) / len(decode), "requests": num}
+    return {
+        "output_tok_s": produced / elapsed,
+        "prefill_tok_s": sum(prefill) / len(prefill),
+        "decode_tok_s": sum(decode) / len(decode),
+        "requests": num,
+    }
 
 
 def pyxllm_figures(prompts, output_len: int, fresh) -> dict:
@@ -112,7 +130,9 @@ def pyxllm_figures(prompts, output_len: int, fresh) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
     def offline(llm) -> float:
-        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, ignore_eos=True))
+        llm.generate(
+            [{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, ignore_eos=True)
+        )
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
@@ -121,15 +141,34 @@ def pyxllm_figures(prompts, output_len: int, fresh) -> dict:
     llm = LLM(max_model_len=1024, kv_cache_memory=1.0, graph_backend=GRAPH_BACKEND)
     figures["dtype"] = str(llm.llm_engine.executor.dtype).removeprefix("torch.")
     figures["output_tok_s"] = offline(llm)
-    figures["w8a8_output_tok_s"] = offline(LLM(max_model_len=1024, kv_cache_memory=1.0, quantization="w8a8",
-                                               graph_backend=GRAPH_BACKEND))
+    figures["w8a8_output_tok_s"] = offline(
+        LLM(
+            max_model_len=1024,
+            kv_cache_memory=1.0,
+            quantization="w8a8",
+            graph_backend=GRAPH_BACKEND,
+        )
+    )
     gc.collect()
-    for name, engine in (("float", llm.llm_engine),
-                         ("int4", LLM(max_model_len=1024, kv_cache_memory=0.2, quantization="int4",
-                                      graph_backend=GRAPH_BACKEND).llm_engine)):
+    for name, engine in (
+        ("float", llm.llm_engine),
+        (
+            "int4",
+            LLM(
+                max_model_len=1024,
+                kv_cache_memory=0.2,
+                quantization="int4",
+                graph_backend=GRAPH_BACKEND,
+            ).llm_engine,
+        ),
+    ):
         _timed_request(engine, prompts[1][::-1], 8, f"warm-{name}")
-        runs = [_timed_request(engine, ids, output_len, f"{name}-{i}") for i, ids in enumerate(fresh)]
-        figures[f"{name}_prefill_tok_s"] = sum(len(ids) / r[0] for ids, r in zip(fresh, runs)) / len(runs)
+        runs = [
+            _timed_request(engine, ids, output_len, f"{name}-{i}") for i, ids in enumerate(fresh)
+        ]
+        figures[f"{name}_prefill_tok_s"] = sum(
+            len(ids) / r[0] for ids, r in zip(fresh, runs)
+        ) / len(runs)
         figures[f"{name}_decode_tok_s"] = sum((n - 1) / (e2e - t) for t, e2e, n in runs) / len(runs)
     return figures
 
@@ -156,12 +195,38 @@ def _start(cmd: list[str], port: int, threads: int) -> subprocess.Popen:
 def serving(prompts, output_len: int, concurrency: int, threads: int, llamacpp: bool) -> dict:
     """Aggregate output tok/s and median TTFT of each server under ``concurrency`` clients."""
     path, results = default_gguf_path(), {}
-    servers = {"pyxllm": [sys.executable, "-m", "pyxllm.entrypoints.cli", "serve", "--port", "18931",
-                          "--quantization", "w8a8", "--max-model-len", "1024", "--kv-cache-memory", "0.5",
-                          "--graph-backend", GRAPH_BACKEND]}
+    servers = {
+        "pyxllm": [
+            sys.executable,
+            "-m",
+            "pyxllm.entrypoints.cli",
+            "serve",
+            "--port",
+            "18931",
+            "--quantization",
+            "w8a8",
+            "--max-model-len",
+            "1024",
+            "--kv-cache-memory",
+            "0.5",
+            "--graph-backend",
+            GRAPH_BACKEND,
+        ]
+    }
     if llamacpp:
-        servers["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--port", "18932",
-                                "--n_threads", str(threads), "--n_ctx", "2048"]
+        servers["llama.cpp"] = [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(path),
+            "--port",
+            "18932",
+            "--n_threads",
+            str(threads),
+            "--n_ctx",
+            "2048",
+        ]
     for name, cmd in servers.items():
         port = int(cmd[cmd.index("--port") + 1])
         proc = _start(cmd, port, threads)
@@ -170,22 +235,31 @@ def serving(prompts, output_len: int, concurrency: int, threads: int, llamacpp: 
             asyncio.run(run_benchmark(url, prompts[:2], 4, 2))  # warm-up
             records, duration = asyncio.run(run_benchmark(url, prompts, output_len, concurrency))
             m = compute_metrics(records, duration)
-            results[name] = {"output_tok_s": m.output_throughput, "median_ttft_ms": m.ttft_ms["median"],
-                             "completed": m.completed, "failed": m.failed}
+            results[name] = {
+                "output_tok_s": m.output_throughput,
+                "median_ttft_ms": m.ttft_ms["median"],
+                "completed": m.completed,
+                "failed": m.failed,
+            }
         finally:
             proc.terminate()
             proc.wait(timeout=30)
     return results
 
 
-def ratio_lines(title: str, ours: float | None, peers: dict[str, float | None], unit: str, lower_better=False) -> list[str]:
+def ratio_lines(
+    title: str, ours: float | None, peers: dict[str, float | None], unit: str, lower_better=False
+) -> list[str]:
     lines = [f"{title}: pyxllm {ours:.1f} {unit}" if ours is not None else f"{title}: pyxllm n/a"]
     for peer, value in peers.items():
         if value is None or ours is None:
             lines.append(f"    vs {peer}: skipped")
             continue
         r = value / ours if lower_better else ours / value
-        lines.append(f"    vs {peer}: {value:.1f} {unit} -> pyxllm/{peer} = {r:.2f}x{' (lower is better, shown inverted)' if lower_better else ''}")
+        lines.append(
+            f"    vs {peer}: {value:.1f} {unit} -> pyxllm/{peer} = "
+            f"{r:.2f}x{' (lower is better, shown inverted)' if lower_better else ''}"
+        )
     return lines
 
 
@@ -195,7 +269,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=100)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=16)
-    parser.add_argument("--llamacpp-prompts", type=int, default=4, help="llama.cpp runs these one by one")
+    parser.add_argument(
+        "--llamacpp-prompts", type=int, default=4, help="llama.cpp runs these one by one"
+    )
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--serving-prompts", type=int, default=24)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -207,15 +283,23 @@ def main() -> None:
     # find, not import: llama.cpp's library brings its own OpenMP runtime, whose threads compete
     # with torch's for the cores (pyxllm's batch-1 figures halved when it was imported first)
     if importlib.util.find_spec("llama_cpp") is None:
-        log("llama-cpp-python is not installed (pip install 'pyxllm[llamacpp]', a source build of minutes): skipped")
+        log(
+            "llama-cpp-python is not installed (pip install 'pyxllm[llamacpp]', a source build of "
+            "minutes): skipped"
+        )
         skip.add("llamacpp")
     from pyxllm.benchmarks.prompts import load_tokenizer
 
     path, tokenizer = default_gguf_path(), load_tokenizer(None)
     prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, "random", seed=0)
     ids = [p[1] for p in prompts]
-    fresh = [p[1] for p in make_prompts(tokenizer, 2, args.input_len, "random", seed=1)]  # batch-1 figures
-    log(f"{len(ids)} prompts of ~{args.input_len} tokens, {args.output_len} new tokens each, {args.threads} threads")
+    fresh = [
+        p[1] for p in make_prompts(tokenizer, 2, args.input_len, "random", seed=1)
+    ]  # batch-1 figures
+    log(
+        f"{len(ids)} prompts of ~{args.input_len} tokens, {args.output_len} new tokens each, "
+        f"{args.threads} threads"
+    )
     results = {"pyxllm": pyxllm_figures(ids, args.output_len, fresh)}
     log("pyxllm:", json.dumps(results["pyxllm"]))
     gc.collect()
@@ -224,32 +308,63 @@ def main() -> None:
         log("transformers:", json.dumps(results["transformers"]))
         gc.collect()
     if "llamacpp" not in skip:
-        results["llama.cpp"] = llamacpp_figures(path, ids, args.output_len, args.threads, args.llamacpp_prompts, fresh)
+        results["llama.cpp"] = llamacpp_figures(
+            path, ids, args.output_len, args.threads, args.llamacpp_prompts, fresh
+        )
         log("llama.cpp:", json.dumps(results["llama.cpp"]))
         gc.collect()
     if "serving" not in skip:
-        results["serving"] = serving(prompts[:args.serving_prompts], args.output_len,
-                                     args.concurrency, args.threads, "llamacpp" not in skip)
+        results["serving"] = serving(
+            prompts[: args.serving_prompts],
+            args.output_len,
+            args.concurrency,
+            args.threads,
+            "llamacpp" not in skip,
+        )
         log("serving:", json.dumps(results["serving"]))
     ours, hf, lc = results["pyxllm"], results.get("transformers", {}), results.get("llama.cpp", {})
     lines = ["", "=== pyxllm vs peers (ratios > 1: pyxllm better) ==="]
-    offline_peers = {"transformers bf16 batch 16": hf.get("output_tok_s"),
-                     "llama.cpp sequential": lc.get("output_tok_s")}
-    lines += ratio_lines(f"Offline throughput ({ours['dtype']})", ours["output_tok_s"], offline_peers, "output tok/s")
-    lines += ratio_lines("Offline throughput (w8a8)", ours["w8a8_output_tok_s"], offline_peers, "output tok/s")
+    offline_peers = {
+        "transformers bf16 batch 16": hf.get("output_tok_s"),
+        "llama.cpp sequential": lc.get("output_tok_s"),
+    }
+    lines += ratio_lines(
+        f"Offline throughput ({ours['dtype']})", ours["output_tok_s"], offline_peers, "output tok/s"
+    )
+    lines += ratio_lines(
+        "Offline throughput (w8a8)", ours["w8a8_output_tok_s"], offline_peers, "output tok/s"
+    )
     for kind in ("int4", "float"):
-        lines += ratio_lines(f"Batch-1 decode ({kind} weights)", ours[f"{kind}_decode_tok_s"],
-                             {"llama.cpp Q4_1": lc.get("decode_tok_s"), "transformers bf16 (end to end)": hf.get("batch1_e2e_tok_s")},
-                             "tok/s")
-        lines += ratio_lines(f"Batch-1 prefill ({kind} weights)", ours[f"{kind}_prefill_tok_s"],
-                             {"llama.cpp Q4_1": lc.get("prefill_tok_s")}, "tok/s")
+        lines += ratio_lines(
+            f"Batch-1 decode ({kind} weights)",
+            ours[f"{kind}_decode_tok_s"],
+            {
+                "llama.cpp Q4_1": lc.get("decode_tok_s"),
+                "transformers bf16 (end to end)": hf.get("batch1_e2e_tok_s"),
+            },
+            "tok/s",
+        )
+        lines += ratio_lines(
+            f"Batch-1 prefill ({kind} weights)",
+            ours[f"{kind}_prefill_tok_s"],
+            {"llama.cpp Q4_1": lc.get("prefill_tok_s")},
+            "tok/s",
+        )
     serve = results.get("serving", {})
     if "pyxllm" in serve:
-        lines += ratio_lines(f"Serving, {args.concurrency} clients, output", serve["pyxllm"]["output_tok_s"],
-                             {"llama-cpp-python server": serve.get("llama.cpp", {}).get("output_tok_s")}, "tok/s")
-        lines += ratio_lines("Serving, median TTFT", serve["pyxllm"]["median_ttft_ms"],
-                             {"llama-cpp-python server": serve.get("llama.cpp", {}).get("median_ttft_ms")}, "ms",
-                             lower_better=True)
+        lines += ratio_lines(
+            f"Serving, {args.concurrency} clients, output",
+            serve["pyxllm"]["output_tok_s"],
+            {"llama-cpp-python server": serve.get("llama.cpp", {}).get("output_tok_s")},
+            "tok/s",
+        )
+        lines += ratio_lines(
+            "Serving, median TTFT",
+            serve["pyxllm"]["median_ttft_ms"],
+            {"llama-cpp-python server": serve.get("llama.cpp", {}).get("median_ttft_ms")},
+            "ms",
+            lower_better=True,
+        )
     log("\n".join(lines))
     if args.result_file:
         with open(args.result_file, "w") as f:

@@ -14,6 +14,7 @@ Run from the repository root (defaults shown)::
 
 ``--model`` and ``--device`` are passed to the engine (default: the embedded SmolLM2 on CPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,17 +33,25 @@ SYSTEM_TEXT = (
 
 
 def build_prompts(engine: LLMEngine, num_requests: int, system_tokens: int) -> list[list[int]]:
-    """``num_requests`` token-id prompts: the same ``system_tokens`` tokens, then a question each."""
+    """``num_requests`` token-id prompts: the same ``system_tokens`` tokens, then a question
+    each."""
     encode = engine.tokenizer.encode
     system = []
     while len(system) < system_tokens:
         system += encode(SYSTEM_TEXT, add_special_tokens=False)
     system = system[:system_tokens]
-    return [system + encode(f"\nQuestion {i}: which branch lends book number {i * 37}?",
-                            add_special_tokens=False) for i in range(num_requests)]
+    return [
+        system
+        + encode(
+            f"\nQuestion {i}: which branch lends book number {i * 37}?", add_special_tokens=False
+        )
+        for i in range(num_requests)
+    ]
 
 
-def median_ttft(config: EngineConfig, num_requests: int, system_tokens: int, max_tokens: int) -> float:
+def median_ttft(
+    config: EngineConfig, num_requests: int, system_tokens: int, max_tokens: int
+) -> float:
     """Median seconds from submitting the burst to each request's first token, on a fresh engine."""
     engine = LLMEngine(config)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -60,9 +69,11 @@ def median_ttft(config: EngineConfig, num_requests: int, system_tokens: int, max
         for output in engine.step():
             ttft.setdefault(output.request_id, time.perf_counter() - start)
     stats = engine.stats()
-    print(f"  prefix cache {'on ' if config.enable_prefix_cache else 'off'}: "
-          f"median TTFT {statistics.median(ttft.values()):.3f} s, max {max(ttft.values()):.3f} s, "
-          f"prefix-cache hits {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} tokens")
+    print(
+        f"  prefix cache {'on ' if config.enable_prefix_cache else 'off'}: "
+        f"median TTFT {statistics.median(ttft.values()):.3f} s, max {max(ttft.values()):.3f} s, "
+        f"prefix-cache hits {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} tokens"
+    )
     return statistics.median(ttft.values())
 
 
@@ -77,12 +88,21 @@ def main() -> None:
     args = parser.parse_args()
     medians = {}
     for enabled in (False, True):
-        config = EngineConfig(model=args.model, device=args.device, max_model_len=1024,
-                              max_tokens_per_batch=args.max_tokens_per_batch, kv_cache_memory=1.0,
-                              enable_prefix_cache=enabled)
-        medians[enabled] = median_ttft(config, args.num_requests, args.system_tokens, args.max_tokens)
-    print(f"median TTFT ratio, prefix cache on / off: {medians[True] / medians[False]:.3f} "
-          f"(target <= 0.3)")
+        config = EngineConfig(
+            model=args.model,
+            device=args.device,
+            max_model_len=1024,
+            max_tokens_per_batch=args.max_tokens_per_batch,
+            kv_cache_memory=1.0,
+            enable_prefix_cache=enabled,
+        )
+        medians[enabled] = median_ttft(
+            config, args.num_requests, args.system_tokens, args.max_tokens
+        )
+    print(
+        f"median TTFT ratio, prefix cache on / off: {medians[True] / medians[False]:.3f} "
+        f"(target <= 0.3)"
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 ``from pyxllm import LLM, SamplingParams`` for offline use; ``pyxllm serve`` for the
 OpenAI-compatible server.
 """
+
 from pyxllm.entrypoints.llm import LLM
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.sampling_params import SamplingParams

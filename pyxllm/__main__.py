@@ -1,4 +1,5 @@
 """``python -m pyxllm``: the same as the ``pyxllm`` command."""
+
 import sys
 
 from pyxllm.entrypoints.cli import main

@@ -1,4 +1,5 @@
 """The one engine configuration: every CLI flag maps onto a field here."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,9 +10,14 @@ DEVICES = ("auto", "cpu", "cuda", "npu", "mlu")
 GRAPH_BACKENDS = ("eager", "compile", "graph")
 # xLLM's spellings of --graph-backend, and ours, -> the runner kind
 GRAPH_BACKEND_ALIASES = {
-    "eager": "eager", "off": "eager", "none": "eager",
-    "compile": "compile", "inductor": "compile",
-    "graph": "graph", "cudagraphs": "graph", "aclgraph": "graph",
+    "eager": "eager",
+    "off": "eager",
+    "none": "eager",
+    "compile": "compile",
+    "inductor": "compile",
+    "graph": "graph",
+    "cudagraphs": "graph",
+    "aclgraph": "graph",
 }
 
 
@@ -80,36 +86,55 @@ class EngineConfig:
     def _check_parallel(self) -> None:
         for name in ("tensor_parallel_size", "nnodes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}"
+                )
         if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank: must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, got {self.node_rank}")
+            raise ValueError(
+                f"--node-rank: must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, got "
+                f"{self.node_rank}"
+            )
         if self.nnodes > 1 and self.tensor_parallel_size not in (1, self.nnodes):
-            raise ValueError(f"--tensor-parallel-size: with --nnodes {self.nnodes} (one rank per node) it must be "
-                             f"1 or {self.nnodes}, got {self.tensor_parallel_size}")
+            raise ValueError(
+                f"--tensor-parallel-size: with --nnodes {self.nnodes} (one rank per node) it must "
+                "be "
+                f"1 or {self.nnodes}, got {self.tensor_parallel_size}"
+            )
         if self.nnodes > 1 and not self.master_addr:
-            raise ValueError("--master-addr: --nnodes > 1 needs the host:port of node 0 (e.g. 10.0.0.1:19888)")
+            raise ValueError(
+                "--master-addr: --nnodes > 1 needs the host:port of node 0 (e.g. 10.0.0.1:19888)"
+            )
         if self.master_addr:
             from pyxllm.distributed.address import parse_master_addr
 
             parse_master_addr(self.master_addr)
         if self.dist_init_timeout <= 0:
-            raise ValueError(f"--dist-init-timeout: must be > 0 seconds, got {self.dist_init_timeout}")
+            raise ValueError(
+                f"--dist-init-timeout: must be > 0 seconds, got {self.dist_init_timeout}"
+            )
 
     def __post_init__(self) -> None:
         self._check_parallel()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"--quantization: must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+            raise ValueError(
+                f"--quantization: must be one of {', '.join(QUANTIZATIONS)}, got "
+                f"{self.quantization!r}"
+            )
         for name in ("max_seqs_per_batch", "max_tokens_per_batch", "block_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}"
+                )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len: must be >= 1, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"--kv-cache-memory: must be > 0 GiB, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"--gpu-memory-utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"--gpu-memory-utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"--device: must be one of {', '.join(DEVICES)}, got {self.device!r}")
         kind = GRAPH_BACKEND_ALIASES.get(str(self.graph_backend).strip().lower())

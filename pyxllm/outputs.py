@@ -1,4 +1,5 @@
 """What the engine returns for a request, shaped like vLLM's ``RequestOutput``."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,5 @@
 """Per-request sampling parameters, with vLLM's names, defaults and checks."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -90,13 +91,17 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
         for token_id, bias in (self.logit_bias or {}).items():
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
-                raise ValueError(f"logit_bias: the bias of token {token_id} must be in [-100, 100], got {bias}")
+                raise ValueError(
+                    f"logit_bias: the bias of token {token_id} must be in [-100, 100], got {bias}"
+                )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens: must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens: {self.min_tokens} is more than max_tokens ({self.max_tokens})")
+            raise ValueError(
+                f"min_tokens: {self.min_tokens} is more than max_tokens ({self.max_tokens})"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -110,7 +115,11 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         """True when a repetition, presence or frequency penalty changes the logits."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 def _int_keys(bias: dict | None) -> dict[int, float]:
@@ -128,5 +137,7 @@ def _int_keys(bias: dict | None) -> dict[int, float]:
         try:
             out[token_id] = float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"logit_bias: the bias of token {key} must be a number, got {value!r}") from None
+            raise ValueError(
+                f"logit_bias: the bias of token {key} must be a number, got {value!r}"
+            ) from None
     return out

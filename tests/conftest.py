@@ -1,4 +1,5 @@
 """Shared fixtures: the embedded default model and transformers' float32 reference on it."""
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ so ``vocab_size`` is 49152, and is saved in float32 unless asked otherwise. Weig
 with ``initializer_range`` well above the usual 0.02 so greedy continuations vary from token to
 token instead of repeating one token.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -40,15 +41,31 @@ def tiny_config(kind: str, **overrides):
 
     common = {**_COMMON, **overrides}
     builders = {
-        "llama": lambda: LlamaConfig(**common, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=False),
-        "qwen2": lambda: Qwen2Config(**common, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=True),
+        "llama": lambda: LlamaConfig(
+            **common, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=False
+        ),
+        "qwen2": lambda: Qwen2Config(
+            **common, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=True
+        ),
         "qwen3": lambda: Qwen3Config(
-            **common, intermediate_size=128, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False
+            **common,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            head_dim=32,
+            tie_word_embeddings=False,
         ),
         "qwen3_moe": lambda: Qwen3MoeConfig(
-            **common, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, head_dim=32,
-            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-            mlp_only_layers=[1], tie_word_embeddings=False,
+            **common,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
         ),
     }
     return builders[kind]()
@@ -68,9 +85,14 @@ def build_hf_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
 
 
 def save_checkpoint(
-    model, directory: Path, tokenizer, max_shard_size: str | None = None, dtype: torch.dtype = torch.float32
+    model,
+    directory: Path,
+    tokenizer,
+    max_shard_size: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Save ``model`` (safetensors, config.json declaring ``dtype``) and ``tokenizer`` into ``directory``.
+    """Save ``model`` (safetensors, config.json declaring ``dtype``) and ``tokenizer`` into
+    ``directory``.
 
     With ``max_shard_size`` (e.g. ``"2MB"``) the weights are split over several files plus
     ``model.safetensors.index.json``. Returns ``directory``.
@@ -83,11 +105,18 @@ def save_checkpoint(
     return directory
 
 
-def build_checkpoint(kind: str, directory: Path, tokenizer, seed: int = 0, max_shard_size: str | None = None,
-                     dtype: torch.dtype = torch.float32):
+def build_checkpoint(
+    kind: str,
+    directory: Path,
+    tokenizer,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    dtype: torch.dtype = torch.float32,
+):
     """Build a tiny ``kind`` checkpoint (see :func:`tiny_config`) in ``directory``.
 
-    Returns ``(directory, hf_model)``: the transformers model whose weights were saved, the reference.
+    Returns ``(directory, hf_model)``: the transformers model whose weights were saved, the
+    reference.
     """
     model = build_hf_model(tiny_config(kind), seed, dtype)
     return save_checkpoint(model, directory, tokenizer, max_shard_size, dtype), model

@@ -3,6 +3,7 @@
 entrypoints -> engine -> executor -> models -> layers -> kernels; platforms bind kernels;
 attention backends sit beside the executor; weights and distributed are shared services.
 """
+
 from __future__ import annotations
 
 import ast
@@ -20,7 +21,8 @@ ALLOWED = {
     "models": {"layers", "kernels", "distributed"},
     "attention": {"kernels", "layers", "distributed"},
     "platforms": {"kernels", "distributed"} | SHARED,
-    "executor": {"models", "layers", "attention", "kernels", "platforms", "weights", "distributed"} | SHARED,
+    "executor": {"models", "layers", "attention", "kernels", "platforms", "weights", "distributed"}
+    | SHARED,
     "engine": {"executor", "platforms", "weights", "distributed"} | SHARED,
     "benchmarks": {"engine", "executor", "platforms", "weights", "entrypoints"} | SHARED,
 }
@@ -32,7 +34,11 @@ def _imported_packages(path: pathlib.Path) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] if node.module != "pyxllm" else [f"pyxllm.{a.name}" for a in node.names]
+            names = (
+                [node.module]
+                if node.module != "pyxllm"
+                else [f"pyxllm.{a.name}" for a in node.names]
+            )
         else:
             continue
         found |= {n.split(".")[1] for n in names if n.startswith("pyxllm.")}
@@ -52,14 +58,27 @@ def test_imports_point_down_the_stack():
 
 
 def test_layers_and_models_hold_no_device_branch():
-    """Device names appear in platforms/, kernels/, attention/ and the executor, not in layers or models."""
+    """Device names appear in platforms/, kernels/, attention/ and the executor, not in layers or
+    models."""
     offenders = []
     for package in ("layers", "models"):
         for path in (ROOT / package).rglob("*.py"):
-            if path.name == "registry.py":  # the model x platform support matrix: data, not a branch
+            if (
+                path.name == "registry.py"
+            ):  # the model x platform support matrix: data, not a branch
                 continue
-            code = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
-            for word in ("torch.cuda", "torch_npu", "torch_mlu", '"cuda"', '"npu"', '"mlu"', ".is_cuda"):
+            code = "\n".join(
+                line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")
+            )
+            for word in (
+                "torch.cuda",
+                "torch_npu",
+                "torch_mlu",
+                '"cuda"',
+                '"npu"',
+                '"mlu"',
+                ".is_cuda",
+            ):
                 if word in code:
                     offenders.append(f"{package}/{path.name}: {word}")
     assert not offenders, offenders

@@ -1,6 +1,7 @@
 """``pyxllm bench``: the metric math and the report on synthetic timings, then short real runs
 of ``bench serve`` (against a live ``pyxllm serve``), ``bench throughput`` and ``bench latency``.
 No timed assertion: only counts, fields and files are checked."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,14 @@ ENGINE = ["--max-model-len", "128", "--kv-cache-memory", "0.05"]
 
 
 def _record(start, chunks, end, tokens, prompt=10, success=True):
-    return RequestRecord(prompt_tokens=prompt, output_tokens=tokens, start=start, chunk_times=chunks,
-                         end=end, success=success)
+    return RequestRecord(
+        prompt_tokens=prompt,
+        output_tokens=tokens,
+        start=start,
+        chunk_times=chunks,
+        end=end,
+        success=success,
+    )
 
 
 def test_percentile_interpolates_like_numpy():
@@ -48,7 +55,11 @@ def test_compute_metrics_aggregates_successes_and_counts_failures():
     m = compute_metrics(records, duration_s=2.0)
     assert (m.completed, m.failed) == (2, 1)
     assert (m.total_input_tokens, m.total_output_tokens) == (30, 6)
-    assert m.request_throughput == 1.0 and m.output_throughput == 3.0 and m.total_token_throughput == 18.0
+    assert (
+        m.request_throughput == 1.0
+        and m.output_throughput == 3.0
+        and m.total_token_throughput == 18.0
+    )
     assert m.ttft_ms["mean"] == pytest.approx(200.0) and m.ttft_ms["median"] == pytest.approx(200.0)
     assert m.e2el_ms["mean"] == pytest.approx(500.0)
     assert m.tpot_ms["mean"] == pytest.approx((100.0 + 200.0) / 2)
@@ -58,14 +69,25 @@ def test_compute_metrics_aggregates_successes_and_counts_failures():
 
 
 def test_report_table_json_and_plot(tmp_path):
-    records = [_record(0.0, [0.1 * (i + 1), 0.1 * (i + 2)], 0.1 * (i + 2), tokens=2) for i in range(5)]
+    records = [
+        _record(0.0, [0.1 * (i + 1), 0.1 * (i + 2)], 0.1 * (i + 2), tokens=2) for i in range(5)
+    ]
     records.append(RequestRecord(error="boom"))
     metrics = compute_metrics(records, 1.0)
     table = format_table(metrics, "synthetic")
-    for label in ("Successful requests", "Failed requests", "Output token throughput (tok/s)",
-                  "Median TTFT (ms)", "P99 TPOT (ms)", "Mean ITL (ms)", "Median E2EL (ms)"):
+    for label in (
+        "Successful requests",
+        "Failed requests",
+        "Output token throughput (tok/s)",
+        "Median TTFT (ms)",
+        "P99 TPOT (ms)",
+        "Mean ITL (ms)",
+        "Median E2EL (ms)",
+    ):
         assert label in table
-    payload = json.loads(write_json(tmp_path / "r.json", {"x": math.nan, **metrics.to_dict()}).read_text())
+    payload = json.loads(
+        write_json(tmp_path / "r.json", {"x": math.nan, **metrics.to_dict()}).read_text()
+    )
     assert payload["x"] is None and payload["completed"] == 5 and payload["failed"] == 1
     pytest.importorskip("matplotlib")
     png = plot_png(tmp_path / "r.png", metrics, records, "synthetic")
@@ -77,16 +99,43 @@ def test_prompts_have_the_asked_length(hf_gguf_tokenizer):
         prompts = make_prompts(hf_gguf_tokenizer, 4, 50, dataset, seed=1)
         assert len(prompts) == 4
         assert all(45 <= len(ids) <= 50 for _, ids in prompts), [len(ids) for _, ids in prompts]
-        assert len({ids[0] for _, ids in prompts} if dataset == "random" else {text[:12] for text, _ in prompts}) > 1
-    assert make_prompts(hf_gguf_tokenizer, 2, 20, "random", 7) == make_prompts(hf_gguf_tokenizer, 2, 20, "random", 7)
+        assert (
+            len(
+                {ids[0] for _, ids in prompts}
+                if dataset == "random"
+                else {text[:12] for text, _ in prompts}
+            )
+            > 1
+        )
+    assert make_prompts(hf_gguf_tokenizer, 2, 20, "random", 7) == make_prompts(
+        hf_gguf_tokenizer, 2, 20, "random", 7
+    )
     with pytest.raises(ValueError, match="--dataset"):
         make_prompts(hf_gguf_tokenizer, 1, 5, "sharegpt")
 
 
 def test_bench_serve_against_a_live_server(tmp_path, capsys):
-    with RemoteServer([*ENGINE, "--served-model-name", "bench-test"], env={"OMP_NUM_THREADS": "1"}) as server:
-        status = main(["bench", "serve", "--base-url", server.base_url, "--num-prompts", "4", "--input-len", "16",
-                       "--output-len", "8", "--max-concurrency", "2", "--result-file", str(tmp_path / "serve.json")])
+    with RemoteServer(
+        [*ENGINE, "--served-model-name", "bench-test"], env={"OMP_NUM_THREADS": "1"}
+    ) as server:
+        status = main(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                server.base_url,
+                "--num-prompts",
+                "4",
+                "--input-len",
+                "16",
+                "--output-len",
+                "8",
+                "--max-concurrency",
+                "2",
+                "--result-file",
+                str(tmp_path / "serve.json"),
+            ]
+        )
     assert status == 0
     result = json.loads((tmp_path / "serve.json").read_text())
     assert result["completed"] == 4 and result["failed"] == 0
@@ -100,14 +149,51 @@ def test_bench_serve_against_a_live_server(tmp_path, capsys):
 
 
 def test_bench_throughput_and_latency_run(tmp_path, capsys):
-    assert main(["bench", "throughput", "--num-prompts", "3", "--input-len", "12", "--output-len", "4",
-                 *ENGINE, "--result-file", str(tmp_path / "t.json")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "throughput",
+                "--num-prompts",
+                "3",
+                "--input-len",
+                "12",
+                "--output-len",
+                "4",
+                *ENGINE,
+                "--result-file",
+                str(tmp_path / "t.json"),
+            ]
+        )
+        == 0
+    )
     t = json.loads((tmp_path / "t.json").read_text())
     assert t["num_prompts"] == 3 and t["total_output_tokens"] == 12 and t["output_tokens_per_s"] > 0
-    assert main(["bench", "latency", "--input-len", "12", "--output-len", "4", "--num-iters", "1",
-                 "--num-iters-warmup", "0", "--quantization", "int4", *ENGINE,
-                 "--result-file", str(tmp_path / "l.json")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "latency",
+                "--input-len",
+                "12",
+                "--output-len",
+                "4",
+                "--num-iters",
+                "1",
+                "--num-iters-warmup",
+                "0",
+                "--quantization",
+                "int4",
+                *ENGINE,
+                "--result-file",
+                str(tmp_path / "l.json"),
+            ]
+        )
+        == 0
+    )
     lat = json.loads((tmp_path / "l.json").read_text())
-    assert lat["quantization"] == "int4" and lat["ttft_ms_mean"] > 0 and lat["decode_tokens_per_s"] > 0
+    assert (
+        lat["quantization"] == "int4" and lat["ttft_ms_mean"] > 0 and lat["decode_tokens_per_s"] > 0
+    )
     out = capsys.readouterr().out
     assert "Throughput:" in out and "Latency (batch 1" in out

@@ -1,4 +1,5 @@
 """The ``pyxllm`` command line: flag spellings, booleans, errors, defaults and help."""
+
 from __future__ import annotations
 
 import argparse
@@ -35,6 +36,7 @@ def expect_usage_error(capsys, argv: list[str]) -> str:
 
 
 # --- spellings -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("form", ["dash", "underscore", "dash=", "underscore="])
 @pytest.mark.parametrize(
@@ -128,8 +130,14 @@ def test_bool_spellings(argv, value):
 
 @pytest.mark.parametrize(
     "argv, value",
-    [(["--no-chat"], False), (["--chat", "false"], False), (["--chat=0"], False),
-     (["--chat"], True), (["--chat", "yes"], True), ([], True)],
+    [
+        (["--no-chat"], False),
+        (["--chat", "false"], False),
+        (["--chat=0"], False),
+        (["--chat"], True),
+        (["--chat", "yes"], True),
+        ([], True),
+    ],
 )
 def test_generate_chat_flag(argv, value):
     args, _ = parse_args(["generate", "a prompt", *argv])
@@ -137,9 +145,14 @@ def test_generate_chat_flag(argv, value):
     assert args.prompt == "a prompt"
 
 
-@pytest.mark.parametrize("bad", [["--enable-chunked-prefill", "maybe"],
-                                 ["--enable-chunked-prefill=maybe"],
-                                 ["--enable_chunked_prefill="]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--enable-chunked-prefill", "maybe"],
+        ["--enable-chunked-prefill=maybe"],
+        ["--enable_chunked_prefill="],
+    ],
+)
 def test_bad_bool_names_flag_and_accepted_values(capsys, bad):
     err = expect_usage_error(capsys, ["serve", *bad])
     assert "--enable-chunked-prefill" in err
@@ -152,6 +165,7 @@ def test_no_flag_takes_no_value(capsys):
 
 
 # --- errors --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "argv, needle",
@@ -193,6 +207,7 @@ def test_command_is_required(capsys):
 
 # --- help ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"]])
 def test_help_lists_flags(capsys, argv):
     with pytest.raises(SystemExit) as exc:
@@ -207,11 +222,13 @@ def test_help_lists_flags(capsys, argv):
 
 # --- commands (engine and server replaced; the real path is the subprocess test below) -----
 
+
 def test_serve_calls_run_server(monkeypatch):
     calls = []
     fake = types.ModuleType("pyxllm.entrypoints.openai.api_server")
     fake.run_server = lambda config, host, port, reasoning_parser=None: calls.append(
-        (config, host, port, reasoning_parser))
+        (config, host, port, reasoning_parser)
+    )
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     assert main(["serve", "--port", "9001", "--host=0.0.0.0", "--max_seqs_per_batch", "4"]) == 0
     assert main(["serve", "--reasoning-parser", "qwen3"]) == 0
@@ -276,7 +293,7 @@ def test_generate_streams_cumulative_text_once(monkeypatch, capsys, chat, ids):
     flag = "--chat" if chat else "--no-chat"
     assert main(["generate", "Capital?", flag, "--temperature", "0", "--max-tokens", "7"]) == 0
     assert capsys.readouterr().out == "The capital of France is Paris.\n"
-    (_, prompt_ids, params, prompt), = FakeEngine.last.requests
+    ((_, prompt_ids, params, prompt),) = FakeEngine.last.requests
     assert prompt_ids == ids and prompt == "Capital?"
     assert (params.temperature, params.max_tokens) == (0.0, 7)
     assert params.top_k == 20  # not given: the model's generation_config default
@@ -306,9 +323,22 @@ def _engine_exists() -> bool:
 def test_generate_end_to_end_subprocess():
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pyxllm", "generate", "What is the capital of France?",
-         "--max-tokens", "16", "--temperature", "0"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+        [
+            sys.executable,
+            "-m",
+            "pyxllm",
+            "generate",
+            "What is the capital of France?",
+            "--max-tokens",
+            "16",
+            "--temperature",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout

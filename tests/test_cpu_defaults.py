@@ -1,5 +1,6 @@
 """``--dtype auto`` on the CPU: bfloat16 where the CPU has native bf16 (avx512_bf16/amx_bf16),
 float32 elsewhere, and ``PYXLLM_CPU_DEFAULT_DTYPE`` overrides (the suite pins float32)."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,11 +39,15 @@ def test_bfloat16_decode_agrees_with_bfloat16_prefill():
     from pyxllm import LLM, SamplingParams
 
     llm = LLM(dtype="bfloat16", max_model_len=256, kv_cache_memory=0.05)
-    out = llm.generate(["The three primary colors are"], SamplingParams(temperature=0.0, max_tokens=24, logprobs=0))[0]
+    out = llm.generate(
+        ["The three primary colors are"], SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
+    )[0]
     tokens = out.outputs[0].token_ids
     decoded = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
     full = out.prompt_token_ids + tokens
-    again = llm.generate([{"prompt_token_ids": full}], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    again = llm.generate(
+        [{"prompt_token_ids": full}], SamplingParams(max_tokens=1, prompt_logprobs=1)
+    )[0]
     start = len(out.prompt_token_ids)
     prefilled = [again.prompt_logprobs[start + i][t] for i, t in enumerate(tokens)]
     assert len(tokens) == 24

@@ -5,6 +5,7 @@ last bits of exp (a few ulp); in bfloat16, where the reference rounds intermedia
 the kernels round at the same places, so elementwise ops agree exactly and attention (whose
 scores and probabilities the kernel keeps in float32) within bf16 rounding.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,12 +18,20 @@ import torch
 from pyxllm.kernels import native
 from pyxllm.kernels.cpu import fused
 
-pytestmark = pytest.mark.skipif(fused.load() is None, reason="the fused CPU kernels could not be built here")
+pytestmark = pytest.mark.skipif(
+    fused.load() is None, reason="the fused CPU kernels could not be built here"
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, fp32_tol: float = 2e-6, bf16_tol: float = 0.0) -> None:
+def close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    dtype: torch.dtype,
+    fp32_tol: float = 2e-6,
+    bf16_tol: float = 0.0,
+) -> None:
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     tol = fp32_tol if dtype == torch.float32 else bf16_tol
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
@@ -35,7 +44,10 @@ def test_norms_and_activation_match_native(dtype, tokens):
     x, residual = (torch.randn(tokens, 576, generator=g).to(dtype) for _ in range(2))
     weight = torch.randn(576, generator=g).to(dtype)
     close(fused.rms_norm(x, weight, 1e-5), native.rms_norm(x, weight, 1e-5), dtype)
-    for got, want in zip(fused.fused_add_rms_norm(x, residual, weight, 1e-5), native.fused_add_rms_norm(x, residual, weight, 1e-5)):
+    for got, want in zip(
+        fused.fused_add_rms_norm(x, residual, weight, 1e-5),
+        native.fused_add_rms_norm(x, residual, weight, 1e-5),
+    ):
         close(got, want, dtype)
     gate_up = 4 * torch.randn(tokens, 2 * 1536, generator=g).to(dtype)
     close(fused.silu_and_mul(gate_up), native.silu_and_mul(gate_up), dtype)
@@ -47,8 +59,12 @@ def test_rotary_on_strided_qkv_views_matches_native_exactly(dtype):
     qkv = torch.randn(5, 960, generator=g).to(dtype)
     q, k, _ = qkv.split([576, 192, 192], dim=-1)  # views with row stride 960, as in the model
     q, k = q.view(5, 9, 64), k.view(5, 3, 64)
-    cos, sin = native.rotary_cos_sin(torch.tensor([0, 3, 17, 500, 2047]), torch.randn(2048, 64, generator=g), dtype)
-    for got, want in zip(fused.apply_rotary_emb(q, k, cos, sin), native.apply_rotary_emb(q, k, cos, sin)):
+    cos, sin = native.rotary_cos_sin(
+        torch.tensor([0, 3, 17, 500, 2047]), torch.randn(2048, 64, generator=g), dtype
+    )
+    for got, want in zip(
+        fused.apply_rotary_emb(q, k, cos, sin), native.apply_rotary_emb(q, k, cos, sin)
+    ):
         assert torch.equal(got, want)
 
 
@@ -57,7 +73,10 @@ def test_rotary_on_strided_qkv_views_matches_native_exactly(dtype):
 def test_cache_write_and_decode_attention_match_native(dtype, head_dim):
     g = torch.Generator().manual_seed(1)
     num_blocks, block_size, kv_heads = 24, 16, 3
-    caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2)]
+    caches = [
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+        for _ in range(2)
+    ]
     ours, ref = [c.clone() for c in caches], [c.clone() for c in caches]
     slots = torch.tensor([5, -1, 100, 383])  # -1: padding, written nowhere
     key, value = (torch.randn(4, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
@@ -87,12 +106,18 @@ def test_w8a8_linear_matches_native_exactly(dtype):
             x[0] = 0
         q, scales = quantize_int8_per_channel(torch.randn(n, k, generator=g))
         for bias in (None, torch.randn(n, generator=g).to(dtype)):
-            got, want = fused.w8a8_linear(x, q, scales, bias), native.w8a8_linear(x, q, scales, bias)
+            got, want = (
+                fused.w8a8_linear(x, q, scales, bias),
+                native.w8a8_linear(x, q, scales, bias),
+            )
             assert got.dtype == dtype and torch.equal(got, want)
     x = torch.randn(5, 1536, generator=g).to(dtype)
     q, scales = quantize_int8_per_channel(torch.randn(64, 1536, generator=g))
     for block in (512, 2):  # the down projection's online Hadamard transform
-        assert torch.equal(fused.w8a8_linear(x, q, scales, None, block), native.w8a8_linear(x, q, scales, None, block))
+        assert torch.equal(
+            fused.w8a8_linear(x, q, scales, None, block),
+            native.w8a8_linear(x, q, scales, None, block),
+        )
     with pytest.raises(RuntimeError, match="power of two"):
         fused.w8a8_linear(x, q, scales, None, 384)
     x = torch.randn(2, 3, 2 * 576, generator=g).to(dtype)[..., ::2]
@@ -108,25 +133,38 @@ def test_w8a8_linear_matches_native_exactly(dtype):
 def test_decode_attention_of_an_empty_row_is_zero():
     """A graph-padding row (``seq_len`` 0) attends to nothing and gets zeros, not NaN."""
     cache = torch.randn(4, 16, 1, 8)
-    out = fused.paged_attention_decode(torch.randn(2, 2, 8), cache, cache, torch.zeros(2, 1, dtype=torch.long),
-                                       torch.tensor([0, 3]), 3, 0.5)
+    out = fused.paged_attention_decode(
+        torch.randn(2, 2, 8),
+        cache,
+        cache,
+        torch.zeros(2, 1, dtype=torch.long),
+        torch.tensor([0, 3]),
+        3,
+        0.5,
+    )
     assert torch.equal(out[0], torch.zeros(2, 8)) and torch.isfinite(out).all()
 
 
 def test_bad_inputs_raise_clear_errors():
     cache = torch.randn(4, 16, 1, 8)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        fused.reshape_and_cache(torch.randn(1, 1, 8), torch.randn(1, 1, 8), cache, cache.clone(), torch.tensor([64]))
+        fused.reshape_and_cache(
+            torch.randn(1, 1, 8), torch.randn(1, 1, 8), cache, cache.clone(), torch.tensor([64])
+        )
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        fused.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6)
+        fused.rms_norm(
+            torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6
+        )
 
 
 def test_native_kernels_when_asked():
-    """``PYXLLM_CPU_KERNELS=native`` keeps the pure-PyTorch kernels (the fallback of a failed build)."""
+    """``PYXLLM_CPU_KERNELS=native`` keeps the pure-PyTorch kernels (the fallback of a failed
+    build)."""
     code = (
         "from pyxllm.kernels.cpu import fused; assert fused.load() is None;"
         "import pyxllm.kernels.cpu as cpu; from pyxllm.kernels import native;"
-        "assert cpu.rms_norm is native.rms_norm and cpu.paged_attention_decode is native.paged_attention_decode;"
+        "assert cpu.rms_norm is native.rms_norm and cpu.paged_attention_decode is "
+        "native.paged_attention_decode;"
         "assert cpu.w8a8_linear is native.w8a8_linear"
     )
     env = {**os.environ, "PYXLLM_CPU_KERNELS": "native"}

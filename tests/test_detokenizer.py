@@ -1,4 +1,5 @@
 """IncrementalDetokenizer on the real SmolLM2 tokenizer: UTF-8 safety, stop strings, specials."""
+
 from __future__ import annotations
 
 import random
@@ -35,7 +36,8 @@ class _CountingTokenizer(Tokenizer):
 
 
 def stream(tok, prompt, out_ids, **kwargs):
-    """Feed ``out_ids`` one at a time; check the streaming invariants; return (deltas, detok, stop, step)."""
+    """Feed ``out_ids`` one at a time; check the streaming invariants; return (deltas, detok, stop,
+    step)."""
     detok = IncrementalDetokenizer(tok, prompt, **kwargs)
     deltas, prev, stop, stop_step = [], "", None, None
     for step, t in enumerate(out_ids):
@@ -43,7 +45,7 @@ def stream(tok, prompt, out_ids, **kwargs):
         text = detok.output_text
         assert text.startswith(prev), (prev, text)  # only ever grows
         assert not text.endswith(FFFD), text  # never a partial character
-        deltas.append(text[len(prev):])
+        deltas.append(text[len(prev) :])
         prev = text
         if stop is not None:
             stop_step = step
@@ -51,7 +53,7 @@ def stream(tok, prompt, out_ids, **kwargs):
     if stop is None:
         final = detok.finish()
         assert final.startswith(prev)
-        deltas.append(final[len(prev):])
+        deltas.append(final[len(prev) :])
     assert "".join(deltas) == detok.output_text
     return deltas, detok, stop, stop_step
 
@@ -116,7 +118,9 @@ def test_invalid_bytes_do_not_stall_or_grow_the_window(hf_gguf_tokenizer, prompt
     counting = _CountingTokenizer(hf_gguf_tokenizer)
     lead_byte = counting.hf.convert_tokens_to_ids("å")  # the byte 0xE5 alone: a 3-byte lead
     assert counting.decode([lead_byte]) == FFFD
-    out_ids = [lead_byte] * (3 * MAX_PENDING_TOKENS) + counting.encode(" ok", add_special_tokens=False)
+    out_ids = [lead_byte] * (3 * MAX_PENDING_TOKENS) + counting.encode(
+        " ok", add_special_tokens=False
+    )
     _, detok, _, _ = stream(counting, prompt_ids, out_ids)
     assert detok.output_text.endswith(" ok")
     assert max(counting.decode_lengths) <= MAX_PENDING_TOKENS + 8
@@ -137,8 +141,10 @@ def test_random_token_sequences_match_full_decode(tok, prompt_ids):
     byte_tokens = [t for t in range(tok.vocab_size) if FFFD in tok.decode([t])]
     assert len(byte_tokens) > 50
     for _ in range(30):
-        ids = [rng.choice(byte_tokens) if rng.random() < 0.5 else rng.randrange(tok.vocab_size)
-               for _ in range(40)]
+        ids = [
+            rng.choice(byte_tokens) if rng.random() < 0.5 else rng.randrange(tok.vocab_size)
+            for _ in range(40)
+        ]
         _, detok, _, _ = stream(tok, prompt_ids, ids)
         assert detok.output_text == tok.decode(ids).rstrip(FFFD)
 
@@ -157,7 +163,9 @@ def test_stop_string_across_token_boundary(tok, prompt_ids):
 
 def test_stop_string_included(tok, prompt_ids):
     out_ids = tok.encode(SENTENCE, add_special_tokens=False)
-    _, detok, stop, _ = stream(tok, prompt_ids, out_ids, stop=["is Pa"], include_stop_str_in_output=True)
+    _, detok, stop, _ = stream(
+        tok, prompt_ids, out_ids, stop=["is Pa"], include_stop_str_in_output=True
+    )
     assert stop == "is Pa"
     assert detok.output_text == "The capital of France is Pa"
 
@@ -199,7 +207,9 @@ def test_stop_inside_multibyte_text(tok, prompt_ids):
     assert detok.output_text == "中国的"
 
 
-@pytest.mark.parametrize("skip, expected", [(True, "Hello there"), (False, "Hello there<|im_end|>")])
+@pytest.mark.parametrize(
+    "skip, expected", [(True, "Hello there"), (False, "Hello there<|im_end|>")]
+)
 def test_skip_special_tokens(tok, prompt_ids, skip, expected):
     im_end = tok.hf.convert_tokens_to_ids("<|im_end|>")
     out_ids = tok.encode("Hello there", add_special_tokens=False) + [im_end]

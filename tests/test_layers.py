@@ -1,4 +1,5 @@
 """Layers against transformers' own formulas: RoPE frequencies (plain, linear, llama3), RMSNorm."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,12 +13,20 @@ from pyxllm.layers.layernorm import RMSNorm
 from pyxllm.layers.rotary_embedding import RotaryEmbedding
 from pyxllm.models.config_utils import rope_parameters
 
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def _config(**kwargs) -> LlamaConfig:
-    return LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=512, **kwargs)
+    return LlamaConfig(
+        hidden_size=128, num_attention_heads=2, max_position_embeddings=512, **kwargs
+    )
 
 
 def _reference_inv_freq(config) -> torch.Tensor:
@@ -32,7 +41,11 @@ def _reference_inv_freq(config) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "config",
-    [_config(), _config(rope_scaling={"type": "linear", "factor": 2.0}), _config(rope_parameters=LLAMA3)],
+    [
+        _config(),
+        _config(rope_scaling={"type": "linear", "factor": 2.0}),
+        _config(rope_parameters=LLAMA3),
+    ],
     ids=["default", "linear", "llama3"],
 )
 def test_rope_cache_matches_transformers_frequencies(config):

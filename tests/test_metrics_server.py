@@ -4,6 +4,7 @@ The 64 chats are 16 distinct ones, 4 times each. Their concurrent outputs (batch
 prefix-cache hits on the system prompt and on whole identical prompts) must equal the 16 run
 one at a time; afterwards no KV block is in use, and the Prometheus metrics show the hits.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,23 +29,40 @@ SYSTEM = (
     "Answer every question in one short, friendly sentence, and never invent facts."
 )
 METRIC_NAMES = {
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
-    "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
-    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:num_preemptions",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:request_success",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
     "vllm:e2e_request_latency_seconds",
 }
 
 
 def messages(i: int) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Question {i}: can I borrow {i % 9 + 1} books?"}]
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Question {i}: can I borrow {i % 9 + 1} books?"},
+    ]
 
 
 @pytest.fixture(scope="module")
 def server():
-    args = ["--served-model-name", MODEL_NAME, "--max-model-len", "1024", "--kv-cache-memory", "0.25",
-            "--max-tokens-per-batch", "1024"]
+    args = [
+        "--served-model-name",
+        MODEL_NAME,
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "0.25",
+        "--max-tokens-per-batch",
+        "1024",
+    ]
     with RemoteServer(args) as remote:
         yield remote
 
@@ -79,14 +97,19 @@ def wait_until_idle(server: RemoteServer, timeout: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
-async def chat_all(server: RemoteServer, indices: list[int], concurrent: bool) -> list[tuple[str, str]]:
+async def chat_all(
+    server: RemoteServer, indices: list[int], concurrent: bool
+) -> list[tuple[str, str]]:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0, timeout=120)
+    client = openai.AsyncOpenAI(
+        base_url=server.base_url, api_key="EMPTY", max_retries=0, timeout=120
+    )
 
     async def one(i: int) -> tuple[str, str]:
         response = await client.chat.completions.create(
-            model=MODEL_NAME, messages=messages(i), max_tokens=8, temperature=0)
+            model=MODEL_NAME, messages=messages(i), max_tokens=8, temperature=0
+        )
         choice = response.choices[0]
         return choice.message.content, choice.finish_reason
 
@@ -111,8 +134,11 @@ def test_shared_system_prompt_concurrent_equals_sequential(server):
     wait_until_idle(server)
     after_burst = scrape(server)
     assert all(text and reason in ("stop", "length") for text, reason in concurrent)
-    assert after_burst["vllm:request_success_total[finished_reason=length]"] + \
-        after_burst["vllm:request_success_total[finished_reason=stop]"] == NUM_REQUESTS
+    assert (
+        after_burst["vllm:request_success_total[finished_reason=length]"]
+        + after_burst["vllm:request_success_total[finished_reason=stop]"]
+        == NUM_REQUESTS
+    )
     # every request but the first hit (at least) the system prompt's full blocks
     assert after_burst["vllm:prefix_cache_hits_total"] >= (NUM_REQUESTS - 1) * 128
     sequential = asyncio.run(chat_all(server, list(range(NUM_DISTINCT)), concurrent=False))

@@ -6,6 +6,7 @@ position's logits must agree to 1e-4. Also: checkpoint errors name the tensor, u
 architectures are named, ``--dtype auto`` follows the checkpoint, and MoE experts split by TP rank
 sum to the unsplit result.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from model_fixtures import build_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig
 
-from model_fixtures import build_checkpoint
 from pyxllm import LLM, SamplingParams
 from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.model_executor import resolve_dtype
@@ -49,8 +50,13 @@ def checkpoints(tmp_path_factory, hf_gguf_tokenizer):
     """kind -> (checkpoint dir, transformers reference model); qwen2 is sharded (index json)."""
     root = tmp_path_factory.mktemp("tiny_models")
     return {
-        kind: build_checkpoint(kind, root / kind, hf_gguf_tokenizer, seed=i,
-                               max_shard_size="5MB" if kind == "qwen2" else None)
+        kind: build_checkpoint(
+            kind,
+            root / kind,
+            hf_gguf_tokenizer,
+            seed=i,
+            max_shard_size="5MB" if kind == "qwen2" else None,
+        )
         for i, kind in enumerate(KINDS)
     }
 
@@ -66,24 +72,33 @@ def hf_generate(model, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy continuations, one ``generate`` call per prompt (no padding); EOS
     unset so that, like ``ignore_eos``, generation runs on past it (``min_new_tokens`` would
     instead forbid EOS)."""
-    config = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0
+    )
     outs = []
     for ids in prompts:
         inputs = torch.tensor([ids])
-        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=config)
+        out = model.generate(
+            inputs, attention_mask=torch.ones_like(inputs), generation_config=config
+        )
         assert out.shape[1] == len(ids) + NEW_TOKENS
-        outs.append(out[0, len(ids):].tolist())
+        outs.append(out[0, len(ids) :].tolist())
     return outs
 
 
 @torch.inference_mode()
 def pyxllm_last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Logits ``[vocab]`` float32 after the last token of ``ids``, one prefill step through the executor."""
+    """Logits ``[vocab]`` float32 after the last token of ``ids``, one prefill step through the
+    executor."""
     executor = llm.llm_engine.executor
     block_size = executor.config.block_size
-    seq = ScheduledSequence("logits", list(ids), 0, list(range(-(-len(ids) // block_size))), True, GREEDY)
+    seq = ScheduledSequence(
+        "logits", list(ids), 0, list(range(-(-len(ids) // block_size))), True, GREEDY
+    )
     batch = InputBatch.build(SchedulerOutput([seq]), block_size, executor.device)
-    with set_forward_context(ForwardContext(executor.attn_backend.build(batch), executor.kv_caches)):
+    with set_forward_context(
+        ForwardContext(executor.attn_backend.build(batch), executor.kv_caches)
+    ):
         hidden = executor.runner(batch.input_ids, batch.positions)
     return executor.model.compute_logits(hidden.index_select(0, batch.logits_indices))[0]
 
@@ -144,10 +159,18 @@ def test_unsupported_architecture_is_named_with_the_supported_ones(checkpoints, 
     "kind, edit, named",
     [
         ("llama", "extra", "model.layers.0.mlp.extra_proj.weight"),
-        ("llama", "missing", "model.layers.1.self_attn.k_proj.weight"),  # one piece of the fused QKV
+        (
+            "llama",
+            "missing",
+            "model.layers.1.self_attn.k_proj.weight",
+        ),  # one piece of the fused QKV
         ("qwen3", "missing", "model.layers.0.self_attn.q_norm.weight"),
         ("qwen3_moe", "missing", "model.layers.2.mlp.experts.3.up_proj.weight"),  # one piece of w13
-        ("qwen3_moe", "extra", "model.layers.0.mlp.experts.4.down_proj.weight"),  # expert id past num_experts
+        (
+            "qwen3_moe",
+            "extra",
+            "model.layers.0.mlp.experts.4.down_proj.weight",
+        ),  # expert id past num_experts
     ],
 )
 def test_checkpoint_tensor_errors_name_the_tensor(checkpoints, tmp_path, kind, edit, named):
@@ -164,7 +187,9 @@ def test_checkpoint_tensor_errors_name_the_tensor(checkpoints, tmp_path, kind, e
 
 
 def test_dtype_auto_follows_a_bfloat16_checkpoint(tmp_path, hf_gguf_tokenizer):
-    directory, _ = build_checkpoint("qwen3_moe", tmp_path / "bf16", hf_gguf_tokenizer, dtype=torch.bfloat16)
+    directory, _ = build_checkpoint(
+        "qwen3_moe", tmp_path / "bf16", hf_gguf_tokenizer, dtype=torch.bfloat16
+    )
     assert json.loads((directory / "config.json").read_text())["dtype"] == "bfloat16"
     llm = LLM(model=str(directory), **LLM_KWARGS)
     executor = llm.llm_engine.executor
@@ -172,18 +197,28 @@ def test_dtype_auto_follows_a_bfloat16_checkpoint(tmp_path, hf_gguf_tokenizer):
     assert {p.dtype for p in executor.model.parameters()} == {torch.bfloat16}
     out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
-    assert LLM(model=str(directory), dtype="float32", **LLM_KWARGS).llm_engine.executor.dtype == torch.float32
+    assert (
+        LLM(model=str(directory), dtype="float32", **LLM_KWARGS).llm_engine.executor.dtype
+        == torch.float32
+    )
 
 
 @pytest.mark.parametrize(
     "declared, expected",
-    [("float16", torch.bfloat16), (torch.float16, torch.bfloat16), ("bfloat16", torch.bfloat16),
-     (torch.float32, torch.float32), (None, torch.float32)],
+    [
+        ("float16", torch.bfloat16),
+        (torch.float16, torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        (torch.float32, torch.float32),
+        (None, torch.float32),
+    ],
 )
 def test_resolve_dtype_auto_on_cpu(declared, expected):
     assert resolve_dtype("auto", CPU_PLATFORM, SimpleNamespace(dtype=declared)) == expected
     assert resolve_dtype("float32", CPU_PLATFORM, SimpleNamespace(dtype=declared)) == torch.float32
-    assert resolve_dtype("float16", CPU_PLATFORM, SimpleNamespace(dtype=declared)) == torch.bfloat16  # as vLLM
+    assert (
+        resolve_dtype("float16", CPU_PLATFORM, SimpleNamespace(dtype=declared)) == torch.bfloat16
+    )  # as vLLM
 
 
 def test_tp_split_experts_sum_to_the_unsplit_moe(monkeypatch):
@@ -202,7 +237,9 @@ def test_tp_split_experts_sum_to_the_unsplit_moe(monkeypatch):
     weights, ids = fused_topk(logits, top_k, renormalize=True)
 
     def rank_output(rank: int, size: int) -> torch.Tensor:
-        monkeypatch.setattr(parallel_state, "_TP", parallel_state._TPState(rank=rank, world_size=size))
+        monkeypatch.setattr(
+            parallel_state, "_TP", parallel_state._TPState(rank=rank, world_size=size)
+        )
         layer = FusedMoE(experts, top_k, hidden, inter, renormalize=True)
         for e in range(experts):
             layer.weight_loader(layer.w13_weight, gate[e], "w1", e)
@@ -215,7 +252,8 @@ def test_tp_split_experts_sum_to_the_unsplit_moe(monkeypatch):
     torch.testing.assert_close(rank_output(0, 2) + rank_output(1, 2), full, atol=1e-4, rtol=1e-5)
     dense = torch.zeros(tokens, experts).scatter(1, ids, weights)
     reference = sum(
-        dense[:, e : e + 1] * ((torch.nn.functional.silu(x @ gate[e].T) * (x @ up[e].T)) @ down[e].T)
+        dense[:, e : e + 1]
+        * ((torch.nn.functional.silu(x @ gate[e].T) * (x @ up[e].T)) @ down[e].T)
         for e in range(experts)
     )
     torch.testing.assert_close(full, reference, atol=1e-4, rtol=1e-5)

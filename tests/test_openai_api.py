@@ -1,6 +1,7 @@
 """The OpenAI request surface end to end (sampling fields, logprobs, echo, n, usage chunks and
 the tokenizer routes): a real ``pyxllm serve`` on the default model, driven with the ``openai``
 SDK and raw HTTP."""
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,9 @@ def tokenize(server: RemoteServer, text: str, **kwargs) -> list[int]:
 
 
 def test_chat_logprobs_greedy(client):
-    response = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=6,
-                                              logprobs=True, top_logprobs=5)
+    response = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0, max_tokens=6, logprobs=True, top_logprobs=5
+    )
     choice = response.choices[0]
     content = choice.logprobs.content
     assert all(isinstance(entry, ChatCompletionTokenLogprob) for entry in content)
@@ -57,11 +59,20 @@ def test_chat_logprobs_greedy(client):
         assert entry.logprob == max(t.logprob for t in entry.top_logprobs)
         assert entry.token == entry.top_logprobs[0].token
         assert entry.bytes == list(entry.token.encode())
-        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
     if choice.finish_reason == "length":
         assert "".join(e.token for e in content) == choice.message.content
-    chunks = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=6,
-                                            logprobs=True, top_logprobs=5, stream=True)
+    chunks = client.chat.completions.create(
+        model=MODEL,
+        messages=CAPITAL,
+        temperature=0,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=5,
+        stream=True,
+    )
     streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
     # the second request reuses the first one's cached prompt blocks, so float32 sums may differ in
     # the last bits: tokens are equal, logprobs within 1e-4
@@ -70,21 +81,28 @@ def test_chat_logprobs_greedy(client):
 
 
 def test_chat_logprobs_without_top(client):
-    response = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0.8, seed=3, max_tokens=4,
-                                              logprobs=True)
+    response = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0.8, seed=3, max_tokens=4, logprobs=True
+    )
     content = response.choices[0].logprobs.content
     assert len(content) == 4 and all(e.top_logprobs == [] and e.logprob <= 0 for e in content)
-    plain = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0.8, seed=3, max_tokens=4)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0.8, seed=3, max_tokens=4
+    )
     assert plain.choices[0].logprobs is None
     assert plain.choices[0].message.content == response.choices[0].message.content
 
 
 def test_completion_logprobs_greedy(client):
-    response = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=5, logprobs=3)
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=5, logprobs=3
+    )
     choice = response.choices[0]
     assert isinstance(choice.logprobs, Logprobs)
     lp = choice.logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert (
+        len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    )
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 3 and value == max(top.values()) and top[token] == value
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
@@ -92,40 +110,60 @@ def test_completion_logprobs_greedy(client):
 
 
 def test_echo_with_max_tokens_zero_gives_prompt_logprobs(server, client):
-    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2
+    )
     choice = response.choices[0]
     ids = tokenize(server, PROMPT)
     assert choice.text == PROMPT and response.usage.completion_tokens == 0
     lp = choice.logprobs
-    assert "".join(lp.tokens) == PROMPT and len(lp.tokens) == len(ids) == response.usage.prompt_tokens
+    assert (
+        "".join(lp.tokens) == PROMPT and len(lp.tokens) == len(ids) == response.usage.prompt_tokens
+    )
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert all(len(top) in (2, 3) and top[t] == v for t, v, top in zip(lp.tokens[1:], lp.token_logprobs[1:],
-                                                                        lp.top_logprobs[1:]))
+    assert all(
+        len(top) in (2, 3) and top[t] == v
+        for t, v, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:])
+    )
 
 
 def test_prompt_logprobs_match_the_sampled_ones(server, client):
     """Greedy logprobs are those of the model's distribution (T=1): scoring the same tokens as a
     prompt (prefill positions) must give the same numbers as generating them (decode steps)."""
-    generated = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=6, logprobs=1)
+    generated = client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=6, logprobs=1
+    )
     lp = generated.choices[0].logprobs
     ids = tokenize(server, PROMPT)
     new_ids = tokenize(server, generated.choices[0].text, add_special_tokens=False)
     assert len(new_ids) == 6
-    echoed = post(server, "v1/completions", {"prompt": ids + new_ids, "max_tokens": 0, "echo": True, "logprobs": 1})
-    scored = echoed.json()["choices"][0]["logprobs"]["token_logprobs"][len(ids):]
-    assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(scored, lp.token_logprobs)), (scored, lp.token_logprobs)
+    echoed = post(
+        server,
+        "v1/completions",
+        {"prompt": ids + new_ids, "max_tokens": 0, "echo": True, "logprobs": 1},
+    )
+    scored = echoed.json()["choices"][0]["logprobs"]["token_logprobs"][len(ids) :]
+    assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(scored, lp.token_logprobs)), (
+        scored,
+        lp.token_logprobs,
+    )
 
 
 def test_echo_with_generation(client):
     plain = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=4)
-    echoed = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=4, echo=True, logprobs=0)
+    echoed = client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=4, echo=True, logprobs=0
+    )
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
     lp = echoed.choices[0].logprobs
     assert len(lp.tokens) == echoed.usage.prompt_tokens + 4 and lp.token_logprobs[0] is None
     assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
     assert lp.text_offset[-1] == len(echoed.choices[0].text) - len(lp.tokens[-1])
-    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=4, echo=True,
-                                              stream=True))
+    streamed = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, temperature=0, max_tokens=4, echo=True, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
 
 
@@ -151,15 +189,17 @@ def test_n3_streaming_matches_non_streaming(client):
 
 
 def test_completion_n3(client):
-    response = client.completions.create(model=MODEL, prompt=PROMPT, n=3, temperature=1.0, max_tokens=4, seed=5,
-                                         logprobs=0)
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, n=3, temperature=1.0, max_tokens=4, seed=5, logprobs=0
+    )
     assert [c.index for c in response.choices] == [0, 1, 2]
     assert all(c.finish_reason in ("stop", "length") for c in response.choices)
     assert response.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in response.choices)
     assert response.usage.prompt_tokens == 5
     texts, finishes = ["", "", ""], [[], [], []]
-    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, n=3, temperature=1.0, max_tokens=4, seed=5,
-                                           stream=True):
+    for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPT, n=3, temperature=1.0, max_tokens=4, seed=5, stream=True
+    ):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
             finishes[choice.index] += [choice.finish_reason] if choice.finish_reason else []
@@ -168,16 +208,34 @@ def test_completion_n3(client):
 
 
 def test_seed_reproducible_alone_and_in_a_mixed_batch(client):
-    seeded = dict(model=MODEL, prompt="Once upon a time", temperature=1.0, top_p=0.95, seed=1234, max_tokens=12)
+    seeded = dict(
+        model=MODEL,
+        prompt="Once upon a time",
+        temperature=1.0,
+        top_p=0.95,
+        seed=1234,
+        max_tokens=12,
+    )
     alone = client.completions.create(**seeded).choices[0].text
 
     def run(i: int) -> str:
         if i == 7:
             return client.completions.create(**seeded).choices[0].text
-        extra = [dict(temperature=0), dict(temperature=0.7, extra_body={"top_k": 20}), dict(temperature=1.2, presence_penalty=1.0),
-                 dict(temperature=1.0, n=2), dict(temperature=0.9, logprobs=2), dict(temperature=1.0, seed=i)][i % 6]
-        return client.completions.create(model=MODEL, prompt=f"Story number {i}:", max_tokens=4 + i % 9, **extra) \
-            .choices[0].text
+        extra = [
+            dict(temperature=0),
+            dict(temperature=0.7, extra_body={"top_k": 20}),
+            dict(temperature=1.2, presence_penalty=1.0),
+            dict(temperature=1.0, n=2),
+            dict(temperature=0.9, logprobs=2),
+            dict(temperature=1.0, seed=i),
+        ][i % 6]
+        return (
+            client.completions.create(
+                model=MODEL, prompt=f"Story number {i}:", max_tokens=4 + i % 9, **extra
+            )
+            .choices[0]
+            .text
+        )
 
     with ThreadPoolExecutor(16) as pool:
         texts = list(pool.map(run, range(16)))
@@ -185,17 +243,22 @@ def test_seed_reproducible_alone_and_in_a_mixed_batch(client):
 
 
 def _stream_lines(server: RemoteServer, path: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", server.url_for(path), json={"model": MODEL, **body}, timeout=60) as response:
+    with httpx.stream(
+        "POST", server.url_for(path), json={"model": MODEL, **body}, timeout=60
+    ) as response:
         assert response.status_code == 200
         lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
 
 
-@pytest.mark.parametrize("path, body", [
-    ("v1/chat/completions", {"messages": CAPITAL}),
-    ("v1/completions", {"prompt": PROMPT}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("v1/chat/completions", {"messages": CAPITAL}),
+        ("v1/completions", {"prompt": PROMPT}),
+    ],
+)
 def test_include_usage_on_and_off(server, path, body):
     base = {**body, "stream": True, "max_tokens": 5, "temperature": 0}
     without = _stream_lines(server, path, base)
@@ -223,8 +286,14 @@ def test_logit_bias_and_min_tokens_with_a_stop_token(client):
 
 def test_min_tokens_holds_back_eos_and_special_tokens_show_when_asked(client):
     body = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=8, logit_bias={str(EOS): 100})
-    shown = client.completions.create(**body, extra_body={"min_tokens": 2, "include_stop_str_in_output": True,
-                                                          "skip_special_tokens": False})
+    shown = client.completions.create(
+        **body,
+        extra_body={
+            "min_tokens": 2,
+            "include_stop_str_in_output": True,
+            "skip_special_tokens": False,
+        },
+    )
     assert shown.usage.completion_tokens == 3 and shown.choices[0].finish_reason == "stop"
     assert shown.choices[0].text.endswith("<|im_end|>")
     hidden = client.completions.create(**body, extra_body={"min_tokens": 2})
@@ -232,8 +301,14 @@ def test_min_tokens_holds_back_eos_and_special_tokens_show_when_asked(client):
 
 
 def test_include_stop_str_in_output(client):
-    response = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=16,
-                                              stop=["Paris"], extra_body={"include_stop_str_in_output": True})
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=CAPITAL,
+        temperature=0,
+        max_tokens=16,
+        stop=["Paris"],
+        extra_body={"include_stop_str_in_output": True},
+    )
     assert response.choices[0].message.content.endswith("Paris")
     assert response.choices[0].finish_reason == "stop"
 
@@ -241,20 +316,30 @@ def test_include_stop_str_in_output(client):
 def test_penalties_lower_repeated_tokens(client):
     """A penalty either changes the greedy text or, where the text stays, lowers the logprob of
     every token already generated (logprobs are of the penalized distribution)."""
-    body = dict(model=MODEL, prompt="one one one one one one", temperature=0, max_tokens=8, logprobs=0)
+    body = dict(
+        model=MODEL, prompt="one one one one one one", temperature=0, max_tokens=8, logprobs=0
+    )
     plain = client.completions.create(**body).choices[0].logprobs
     repeats = [j for j, t in enumerate(plain.tokens) if t in plain.tokens[:j]]
     assert repeats  # greedy repeats itself here
-    for extra in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"extra_body": {"repetition_penalty": 3.0}}):
+    for extra in (
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+        {"extra_body": {"repetition_penalty": 3.0}},
+    ):
         penalized = client.completions.create(**body, **extra).choices[0].logprobs
         if penalized.tokens == plain.tokens:
-            assert all(penalized.token_logprobs[j] < plain.token_logprobs[j] - 1e-3 for j in repeats), extra
+            assert all(
+                penalized.token_logprobs[j] < plain.token_logprobs[j] - 1e-3 for j in repeats
+            ), extra
         else:
             assert any(a != b for a, b in zip(penalized.tokens, plain.tokens)), extra
 
 
 def test_max_tokens_null_runs_to_the_context_limit(server):
-    response = post(server, "v1/completions", {"prompt": [THE] * 505, "max_tokens": None, "ignore_eos": True})
+    response = post(
+        server, "v1/completions", {"prompt": [THE] * 505, "max_tokens": None, "ignore_eos": True}
+    )
     body = response.json()
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 505, "completion_tokens": 7, "total_tokens": 512}
@@ -263,12 +348,24 @@ def test_max_tokens_null_runs_to_the_context_limit(server):
 # --- validation ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field, value", [
-    ("top_p", 0), ("top_p", 1.5), ("temperature", -0.5), ("n", 0), ("top_logprobs", 21),
-    ("logit_bias", {"5": 150}), ("logit_bias", {"99999999": 1}), ("logit_bias", {"x": 1}),
-    ("presence_penalty", 2.5), ("repetition_penalty", 0), ("min_p", 2), ("min_tokens", -1),
-    ("max_completion_tokens", 0),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("temperature", -0.5),
+        ("n", 0),
+        ("top_logprobs", 21),
+        ("logit_bias", {"5": 150}),
+        ("logit_bias", {"99999999": 1}),
+        ("logit_bias", {"x": 1}),
+        ("presence_penalty", 2.5),
+        ("repetition_penalty", 0),
+        ("min_p", 2),
+        ("min_tokens", -1),
+        ("max_completion_tokens", 0),
+    ],
+)
 def test_invalid_chat_values_name_the_field(server, field, value):
     body = {"messages": CAPITAL, "max_tokens": 2, "logprobs": True, field: value}
     response = post(server, "v1/chat/completions", body)
@@ -276,10 +373,15 @@ def test_invalid_chat_values_name_the_field(server, field, value):
     assert response.json()["error"]["param"] == field
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"logprobs": 21}, "logprobs"), ({"max_tokens": 0}, "max_tokens"), ({"n": 0, "stream": True}, "n"),
-    ({"logit_bias": {"-1": 5}}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"logprobs": 21}, "logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0, "stream": True}, "n"),
+        ({"logit_bias": {"-1": 5}}, "logit_bias"),
+    ],
+)
 def test_invalid_completion_values_name_the_field(server, body, field):
     response = post(server, "v1/completions", {"prompt": PROMPT, "max_tokens": 2, **body})
     assert response.status_code == 400, response.text
@@ -301,9 +403,15 @@ def test_tokenize_and_detokenize(server, client):
     assert body == {"count": len(ids), "max_model_len": 512, "tokens": ids} and len(ids) > 3
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True)
     assert by_ids.choices[0].text == PROMPT and by_ids.usage.prompt_tokens == len(ids)
-    strs = httpx.post(server.url_for("tokenize"), json={"prompt": PROMPT, "return_token_strs": True}).json()
-    assert strs["token_strs"][1] == "Ġcapital"  # byte-level BPE strings, as the vocabulary spells them
-    assert httpx.post(server.url_for("detokenize"), json={"tokens": ids}).json() == {"prompt": PROMPT}
+    strs = httpx.post(
+        server.url_for("tokenize"), json={"prompt": PROMPT, "return_token_strs": True}
+    ).json()
+    assert (
+        strs["token_strs"][1] == "Ġcapital"
+    )  # byte-level BPE strings, as the vocabulary spells them
+    assert httpx.post(server.url_for("detokenize"), json={"tokens": ids}).json() == {
+        "prompt": PROMPT
+    }
     chat = httpx.post(server.url_for("tokenize"), json={"messages": CAPITAL}).json()
     usage = client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=1).usage
     assert chat["count"] == usage.prompt_tokens == len(chat["tokens"])

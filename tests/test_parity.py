@@ -1,4 +1,5 @@
 """Greedy float32 tokens from pyxllm equal transformers' on the embedded SmolLM2 GGUF."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,9 +19,12 @@ COMPLETIONS = [
     "The three primary colors are",
     "Ünïcödé and émojis 🙂 are",
     # long enough to span more than 3 KV blocks of 16 tokens
-    "In the beginning of the twentieth century, the small harbour town was known for its fishing fleet, "
-    "its lighthouse and its market, where traders from the whole coast came every Saturday to sell fish, "
-    "bread, cloth and tools. Over the years the market grew, the harbour was deepened for larger ships, "
+    "In the beginning of the twentieth century, the small harbour town was known for its fishing "
+    "fleet, "
+    "its lighthouse and its market, where traders from the whole coast came every Saturday to "
+    "sell fish, "
+    "bread, cloth and tools. Over the years the market grew, the harbour was deepened for larger "
+    "ships, "
     "and a railway line reached the town from the capital. The mayor decided that",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -75,7 +79,8 @@ def test_greedy_batched_matches_transformers(llm, prompts, reference):
 
 @pytest.mark.parametrize("max_tokens_per_batch", [5, 16])
 def test_chunked_prefill_in_mixed_batches_matches(llm, prompts, reference, max_tokens_per_batch):
-    """Small step budgets split prompts into chunks that share steps with other requests' decodes."""
+    """Small step budgets split prompts into chunks that share steps with other requests'
+    decodes."""
     scheduler = llm.llm_engine.scheduler
     saved = scheduler.max_tokens
     scheduler.max_tokens = max_tokens_per_batch
@@ -87,6 +92,9 @@ def test_chunked_prefill_in_mixed_batches_matches(llm, prompts, reference, max_t
 
 
 def test_text_matches_transformers_decode(llm, hf_gguf_tokenizer):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=20))
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=20),
+    )
     assert out[0].outputs[0].text == "The capital of France is Paris."
     assert out[0].outputs[0].finish_reason == "stop"

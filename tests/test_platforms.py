@@ -1,5 +1,6 @@
 """Device platforms: detection with the device packages absent, the missing-package errors,
 the support matrix, runner refusal, memory sizing and device indices, and ``check-device``."""
+
 from __future__ import annotations
 
 import importlib
@@ -29,7 +30,9 @@ def no_device_packages(monkeypatch):
     """As on a machine without torch_npu, torch_mlu, flash-attn, and a torch without CUDA."""
     real = interface.package_installed
     absent = {"torch_npu", "torch_mlu", "flash_attn"}
-    monkeypatch.setattr(interface, "package_installed", lambda name: name not in absent and real(name))
+    monkeypatch.setattr(
+        interface, "package_installed", lambda name: name not in absent and real(name)
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", None)
 
@@ -41,6 +44,7 @@ def keep_cpu_bound():
 
 
 # --- detection and missing packages --------------------------------------------------------
+
 
 def test_auto_is_cpu_without_device_packages(no_device_packages):
     assert platforms.detect_device() == "cpu"
@@ -55,6 +59,7 @@ def test_auto_prefers_cuda_then_npu_then_mlu(monkeypatch):
         def is_available():
             seen.append(name)
             return available
+
         return SimpleNamespace(is_available=is_available)
 
     modules = {"cuda": fake("cuda", False), "npu": fake("npu", True), "mlu": fake("mlu", True)}
@@ -63,12 +68,17 @@ def test_auto_prefers_cuda_then_npu_then_mlu(monkeypatch):
     assert seen == ["cuda", "npu"]
 
 
-@pytest.mark.parametrize("device, package, command", [
-    ("npu", "torch_npu", "pip install torch-npu=="),
-    ("mlu", "torch_mlu", "pip install"),
-    ("cuda", "CUDA build of torch", "pip install --force-reinstall torch=="),
-])
-def test_a_missing_device_package_names_it_and_the_install_command(no_device_packages, device, package, command):
+@pytest.mark.parametrize(
+    "device, package, command",
+    [
+        ("npu", "torch_npu", "pip install torch-npu=="),
+        ("mlu", "torch_mlu", "pip install"),
+        ("cuda", "CUDA build of torch", "pip install --force-reinstall torch=="),
+    ],
+)
+def test_a_missing_device_package_names_it_and_the_install_command(
+    no_device_packages, device, package, command
+):
     with pytest.raises(PlatformUnavailableError) as exc:
         resolve_platform(device)
     message = str(exc.value)
@@ -84,7 +94,9 @@ def test_cuda_built_but_no_gpu(no_device_packages, monkeypatch):
 
 def test_the_engine_fails_at_start_up_before_loading_anything(no_device_packages, monkeypatch):
     loaded = []
-    monkeypatch.setattr("pyxllm.engine.llm_engine.resolve_model_source", lambda *a: loaded.append(a))
+    monkeypatch.setattr(
+        "pyxllm.engine.llm_engine.resolve_model_source", lambda *a: loaded.append(a)
+    )
     with pytest.raises(PlatformUnavailableError, match="torch_npu"):
         LLMEngine(EngineConfig(device="npu"))
     assert loaded == []
@@ -115,6 +127,7 @@ def test_device_kernel_packages_import_only_with_their_library(no_device_package
 
 # --- the platforms as data -----------------------------------------------------------------
 
+
 def test_platform_table_is_consistent():
     assert set(platforms.PLATFORM_MODULES) == set(DEVICES) - {"auto"} == set(ALL)
     for name, platform in ALL.items():
@@ -130,16 +143,22 @@ def test_platform_table_is_consistent():
 
 
 def test_support_matrix_is_data_and_checked(monkeypatch):
-    for arch, (module, cls, supported) in registry.MODEL_REGISTRY.items():
+    for arch, (_module, _cls, supported) in registry.MODEL_REGISTRY.items():
         assert supported <= set(ALL), arch
     config = SimpleNamespace(architectures=["LlamaForCausalLM"])
-    monkeypatch.setitem(registry.MODEL_REGISTRY, "LlamaForCausalLM",
-                        ("pyxllm.models.does_not_exist", "X", frozenset({"cuda"})))
+    monkeypatch.setitem(
+        registry.MODEL_REGISTRY,
+        "LlamaForCausalLM",
+        ("pyxllm.models.does_not_exist", "X", frozenset({"cuda"})),
+    )
     with pytest.raises(ValueError, match="not supported on device cpu; it runs on cuda"):
         registry.resolve_model_class(config, "cpu")  # refused before the module is imported
 
 
-@pytest.mark.parametrize("platform, kind", [(NPU_PLATFORM, "compile"), (MLU_PLATFORM, "graph"), (MLU_PLATFORM, "compile")])
+@pytest.mark.parametrize(
+    "platform, kind",
+    [(NPU_PLATFORM, "compile"), (MLU_PLATFORM, "graph"), (MLU_PLATFORM, "compile")],
+)
 def test_a_runner_the_platform_lacks_is_refused_by_name(platform, kind):
     with pytest.raises(ValueError) as exc:
         platform.check_runner(kind)
@@ -165,20 +184,34 @@ def test_attention_backend_choice(monkeypatch):
     assert CUDA_PLATFORM.select_attention_backend(256) == torch_paged
     monkeypatch.setattr(interface, "package_installed", lambda name: name == "flash_attn")
     assert CUDA_PLATFORM.select_attention_backend(16) == torch_paged  # flash-attn: 256-token pages
-    assert CUDA_PLATFORM.select_attention_backend(256) == "pyxllm.attention.flash_attn:FlashAttnBackend"
+    assert (
+        CUDA_PLATFORM.select_attention_backend(256)
+        == "pyxllm.attention.flash_attn:FlashAttnBackend"
+    )
     assert CPU_PLATFORM.select_attention_backend(256) == torch_paged
 
 
 # --- memory and device index (a fake accelerator module) ------------------------------------
 
+
 @pytest.fixture
 def fake_card(monkeypatch):
-    module = SimpleNamespace(device_count=lambda: 2, mem_get_info=lambda device: (60 * GIB, 80 * GIB),
-                             set_device=lambda index: None)
+    module = SimpleNamespace(
+        device_count=lambda: 2,
+        mem_get_info=lambda device: (60 * GIB, 80 * GIB),
+        set_device=lambda index: None,
+    )
     monkeypatch.setattr(torch, "fakedev", module, raising=False)
-    return Platform(name="fake", torch_device="fakedev", kernels_module="pyxllm.kernels.cpu",
-                    attention_backend="x:Y", runners=("eager",), dist_backend="gloo",
-                    default_dtype=torch.float32, visible_devices_env="FAKE_VISIBLE_DEVICES")
+    return Platform(
+        name="fake",
+        torch_device="fakedev",
+        kernels_module="pyxllm.kernels.cpu",
+        attention_backend="x:Y",
+        runners=("eager",),
+        dist_backend="gloo",
+        default_dtype=torch.float32,
+        visible_devices_env="FAKE_VISIBLE_DEVICES",
+    )
 
 
 def test_kv_cache_budget(fake_card):
@@ -187,7 +220,9 @@ def test_kv_cache_budget(fake_card):
     # 0.9 of 80 GiB is 72; 20 GiB are in use, so 52 GiB are left for the cache
     assert fake_card.kv_cache_bytes(None, 0.9, None) == pytest.approx(52 * GIB)
     assert fake_card.kv_cache_bytes(3.0, 0.9, None) == 3 * GIB
-    with pytest.raises(ValueError, match="--gpu-memory-utilization: 0.2 of 80.0 GiB leaves nothing"):
+    with pytest.raises(
+        ValueError, match="--gpu-memory-utilization: 0.2 of 80.0 GiB leaves nothing"
+    ):
         fake_card.kv_cache_bytes(None, 0.2, None)
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
         EngineConfig(gpu_memory_utilization=1.5)
@@ -195,19 +230,37 @@ def test_kv_cache_budget(fake_card):
 
 def test_each_rank_takes_the_card_at_its_index(fake_card):
     assert [fake_card.device_index(rank) for rank in (0, 1)] == [0, 1]
-    with pytest.raises(ValueError, match="rank 2 needs card 2 but only 2 are visible.*FAKE_VISIBLE_DEVICES"):
+    with pytest.raises(
+        ValueError, match="rank 2 needs card 2 but only 2 are visible.*FAKE_VISIBLE_DEVICES"
+    ):
         fake_card.device_index(2)
     assert CPU_PLATFORM.device_index(3) == 0 and CPU_PLATFORM.device(0) == torch.device("cpu")
 
 
 # --- check-device, end to end on the CPU (compared with itself) ------------------------------
 
+
 def test_check_device_runs_on_cpu(capsys):
-    status = main(["check-device", "--device", "cpu", "--runners", "eager,graph", "--max-tokens", "3",
-                   "--batch-size", "2", "--max-model-len", "128"])
+    status = main(
+        [
+            "check-device",
+            "--device",
+            "cpu",
+            "--runners",
+            "eager,graph",
+            "--max-tokens",
+            "3",
+            "--batch-size",
+            "2",
+            "--max-model-len",
+            "128",
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0, out
     assert "logits  PASS: float32 cpu vs cpu, max |diff| 0.00e+00" in out
     assert "eager   PASS" in out and "tok/s" in out
-    assert "graph   PASS: greedy tokens equal eager's" in out  # TorchScript-traced decode steps on the CPU
+    assert (
+        "graph   PASS: greedy tokens equal eager's" in out
+    )  # TorchScript-traced decode steps on the CPU
     assert "all checks passed" in out

@@ -1,4 +1,5 @@
 """The block pool and KV cache manager on their own: hashes, hits, ref counts, LRU eviction."""
+
 from __future__ import annotations
 
 from pyxllm.config import EngineConfig
@@ -16,7 +17,8 @@ def make_request(rid: str, token_ids: list[int]) -> Request:
 
 
 def admit(kv: KVCacheManager, request: Request) -> int:
-    """Admit ``request`` the way the scheduler does (whole prompt in one step); returns its hit in tokens."""
+    """Admit ``request`` the way the scheduler does (whole prompt in one step); returns its hit in
+    tokens."""
     hits = kv.get_computed_blocks(request)
     cached = len(hits) * kv.block_size
     assert kv.allocate_slots(request, request.num_tokens - cached, hits)
@@ -153,7 +155,9 @@ def test_pool_rejects_taking_more_blocks_than_free():
         raise AssertionError("expected ValueError")
 
 
-def run_until_done(scheduler: Scheduler, requests: list[Request], target_len: int) -> list[tuple[str, int]]:
+def run_until_done(
+    scheduler: Scheduler, requests: list[Request], target_len: int
+) -> list[tuple[str, int]]:
     """Drive the scheduler with fake sampled tokens until every request has ``target_len`` tokens.
 
     Returns ``(request_id, num_computed_tokens)`` of every scheduled sequence, in order.

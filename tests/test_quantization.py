@@ -8,6 +8,7 @@ bfloat16 1.36 / 0.16 / 0.95; with the W8A8 LM head every method has: int8 + bf16
 then the main loss: with a weight-only int8 head it was 0.68 / 0.06 / 0.93); w8a8 + bf16
 2.6 / 0.33 / 0.93 (6.8 / 0.91 / 0.86 without its rotations).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # --- formats and kernels -------------------------------------------------------------------
 
+
 def test_int8_per_channel_rounds_each_weight_to_its_row_step():
     torch.manual_seed(0)
     w = torch.randn(48, 80) * torch.rand(48, 1)
@@ -53,7 +55,9 @@ def test_int8_cpu_kernel_matches_the_reference(dtype, tol):
     for ops in (native, cpu_ops):
         got = ops.int8_linear(x, q, scales.to(dtype), bias)
         assert got.dtype == dtype
-        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+        torch.testing.assert_close(
+            got.float(), expected, rtol=tol, atol=tol * expected.abs().max().item()
+        )
 
 
 def test_w8a8_error_is_within_the_activation_rounding_bound():
@@ -61,7 +65,11 @@ def test_w8a8_error_is_within_the_activation_rounding_bound():
     activation by at most half its step ``amax / 127``: ``|diff[m, n]| <= step[m] / 2 *
     sum_k |W[n, k]|`` (plus float32 rounding)."""
     torch.manual_seed(0)
-    w, x, bias = torch.randn(64, 96), torch.randn(5, 96) * torch.linspace(0.1, 10, 5).unsqueeze(1), torch.randn(64)
+    w, x, bias = (
+        torch.randn(64, 96),
+        torch.randn(5, 96) * torch.linspace(0.1, 10, 5).unsqueeze(1),
+        torch.randn(64),
+    )
     q, scales = quantize_int8_per_channel(w)
     weight = q.float() * scales.unsqueeze(1)
     step = x.abs().amax(dim=1, keepdim=True) / 127
@@ -85,7 +93,9 @@ def test_int4_cpu_kernel_computes_q_minus_8_times_scale_plus_zero(dtype, tol):
     for ops in (native, cpu_ops):
         got = ops.int4_linear(x, ops.pack_int4_weight(q), scales_and_zeros.to(dtype), 32)
         assert got.dtype == dtype and got.shape == (3, 64)
-        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+        torch.testing.assert_close(
+            got.float(), expected, rtol=tol, atol=tol * expected.abs().max().item()
+        )
 
 
 def test_int4_pack_refuses_a_row_count_the_cpu_kernel_cannot_tile():
@@ -102,11 +112,15 @@ def test_int4_recovers_gguf_q4_1_blocks_exactly(default_gguf_path):
     info = gguf.tensor_by_name["blk.0.ffn_down.weight"]
     assert info.ggml_type.name == "Q4_1"
     block = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)])
-    raw = np.fromfile(default_gguf_path, dtype=block, count=info.nbytes // block.itemsize, offset=info.start)
+    raw = np.fromfile(
+        default_gguf_path, dtype=block, count=info.nbytes // block.itemsize, offset=info.start
+    )
     d = torch.from_numpy(raw["d"].astype(np.float32)).view(info.shape[0], -1)
     m = torch.from_numpy(raw["m"].astype(np.float32)).view(info.shape[0], -1)
     qs = torch.from_numpy(raw["qs"].astype(np.int64))
-    file_q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).view(info.shape)  # low nibbles: 0..15, high: 16..31
+    file_q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).view(
+        info.shape
+    )  # low nibbles: 0..15, high: 16..31
 
     weight = torch.from_numpy(gguf.read(info))
     q, scales_and_zeros = quantize_int4_groups(weight)
@@ -115,7 +129,9 @@ def test_int4_recovers_gguf_q4_1_blocks_exactly(default_gguf_path):
     assert torch.equal(q.long()[live], file_q[live])
     torch.testing.assert_close(scales_and_zeros[..., 0].t(), d, rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(scales_and_zeros[..., 1].t(), m + 8 * d, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(dequantize_int4(q, scales_and_zeros, 32), weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        dequantize_int4(q, scales_and_zeros, 32), weight, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_quantization_flag_is_checked():
@@ -125,6 +141,7 @@ def test_quantization_flag_is_checked():
 
 
 # --- the default model ---------------------------------------------------------------------
+
 
 def _logits(llm) -> torch.Tensor:
     """Float32 logits at every position of every prompt, through the executor's real path."""
@@ -136,9 +153,14 @@ def _logits(llm) -> torch.Tensor:
     block_size = llm.llm_engine.config.block_size
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
-        seq = ScheduledSequence(request_id="acc", token_ids=ids, num_computed_tokens=0,
-                                block_table=list(range(-(-len(ids) // block_size))), sample=True,
-                                sampling_params=SamplingParams())
+        seq = ScheduledSequence(
+            request_id="acc",
+            token_ids=ids,
+            num_computed_tokens=0,
+            block_table=list(range(-(-len(ids) // block_size))),
+            sample=True,
+            sampling_params=SamplingParams(),
+        )
         batch = InputBatch.build(SchedulerOutput([seq]), block_size, executor.device)
         with torch.inference_mode():
             hidden = executor.runner.execute(batch, executor.make_context)
@@ -153,13 +175,18 @@ def float32_logits():
     return _logits(LLM(dtype="float32", max_model_len=128, kv_cache_memory=0.05))
 
 
-@pytest.mark.parametrize("quantization, dtype, max_abs, mean_abs, top1", [
-    ("int4", "bfloat16", 4.0, 0.5, 0.9),
-    ("int8", "bfloat16", 5.0, 0.6, 0.9),
-    ("int4", "float32", 3.0, 0.25, 0.85),
-    ("w8a8", "bfloat16", 4.0, 0.5, 0.88),
-])
-def test_accuracy_against_float32_logits(float32_logits, quantization, dtype, max_abs, mean_abs, top1):
+@pytest.mark.parametrize(
+    "quantization, dtype, max_abs, mean_abs, top1",
+    [
+        ("int4", "bfloat16", 4.0, 0.5, 0.9),
+        ("int8", "bfloat16", 5.0, 0.6, 0.9),
+        ("int4", "float32", 3.0, 0.25, 0.85),
+        ("w8a8", "bfloat16", 4.0, 0.5, 0.88),
+    ],
+)
+def test_accuracy_against_float32_logits(
+    float32_logits, quantization, dtype, max_abs, mean_abs, top1
+):
     from pyxllm import LLM
 
     llm = LLM(dtype=dtype, quantization=quantization, max_model_len=128, kv_cache_memory=0.05)
@@ -167,7 +194,9 @@ def test_accuracy_against_float32_logits(float32_logits, quantization, dtype, ma
     layer = model.model.layers[0].mlp.down_proj
     assert layer.quant_method.name == quantization and not hasattr(layer, "weight")
     assert model.lm_head.quant_method.name == "w8a8"
-    assert model.model.embed_tokens.weight.dtype == llm.llm_engine.executor.dtype  # tied, kept float
+    assert (
+        model.model.embed_tokens.weight.dtype == llm.llm_engine.executor.dtype
+    )  # tied, kept float
     logits = _logits(llm)
     diff = (logits - float32_logits).abs()
     agreement = (logits.argmax(-1) == float32_logits.argmax(-1)).float().mean().item()
@@ -177,6 +206,7 @@ def test_accuracy_against_float32_logits(float32_logits, quantization, dtype, ma
 
 
 # --- w8a8's rotations (pyxllm.layers.quantization.rotation) ------------------------------------
+
 
 def test_hadamard_blocks_is_the_block_diagonal_sylvester_matrix():
     from pyxllm.kernels.native.quantized import hadamard_blocks
@@ -216,7 +246,9 @@ def test_rotation_leaves_the_float_model_unchanged(kind, tmp_path, hf_gguf_token
     for layer in model.model.layers:
         down = layer.mlp.down_proj
         assert down.hadamard_block == 128  # the tiny models' intermediate size
-        down.register_forward_pre_hook(lambda mod, args: (hadamard_blocks(args[0], mod.hadamard_block),))
+        down.register_forward_pre_hook(
+            lambda mod, args: (hadamard_blocks(args[0], mod.hadamard_block),)
+        )
     after = pyxllm_last_logits(llm, ids)
     assert before.std() > 1.0
     torch.testing.assert_close(after, before, atol=2e-4, rtol=0)

@@ -1,6 +1,7 @@
 """``--reasoning-parser qwen3``: the ``<think>`` parser on scripted text and token streams, and
 through a real ``pyxllm serve`` on a tiny random Qwen3 checkpoint whose tokenizer has
 ``<think>``/``</think>`` tokens and a chat template with ``enable_thinking``."""
+
 from __future__ import annotations
 
 import itertools
@@ -159,8 +160,11 @@ def test_prompt_decides_whether_reasoning_ended(think_tok):
     assert parser.is_reasoning_end(prompt(messages, enable_thinking=False))
     assert not parser.is_reasoning_end(prompt(messages))
     assert not parser.is_reasoning_end(prompt(messages, enable_thinking=True))
-    history = [*messages, {"role": "assistant", "content": "<think>hm</think>Rayleigh."},
-               {"role": "user", "content": "And at sunset?"}]
+    history = [
+        *messages,
+        {"role": "assistant", "content": "<think>hm</think>Rayleigh."},
+        {"role": "user", "content": "And at sunset?"},
+    ]
     assert not parser.is_reasoning_end(prompt(history))  # an earlier turn's block is history
     assert parser.is_reasoning_end(prompt(history, enable_thinking=False))
 
@@ -174,14 +178,17 @@ def test_special_think_tags_keep_special_tokens(hf_gguf_tokenizer, think_tok):
         engine = SimpleNamespace(model_name="m", max_model_len=64, tokenizer=Tokenizer(hf))
         chat = OpenAIServingChat(engine, reasoning_parser="qwen3")
         assert chat.reasoning_parser.needs_special_tokens == (hf is special_tok)
-        request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
-                                        skip_special_tokens=requested)
+        request = ChatCompletionRequest(
+            messages=[{"role": "user", "content": "hi"}], skip_special_tokens=requested
+        )
         params = SamplingParams(skip_special_tokens=True if requested is None else requested)
         prompt_ids = chat.render(request)
         assert chat.request_reasoning_parser(request, params, prompt_ids) is chat.reasoning_parser
         assert params.skip_special_tokens == expected
-    off = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
-                                chat_template_kwargs={"enable_thinking": False})
+    off = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}],
+        chat_template_kwargs={"enable_thinking": False},
+    )
     assert chat.request_reasoning_parser(off, SamplingParams(), chat.render(off)) is None
 
 
@@ -215,7 +222,7 @@ def greedy(model, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
     config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
     x = torch.tensor([ids])
     out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -247,8 +254,18 @@ def thinking_checkpoint(tmp_path_factory, think_tok):
 
 @pytest.fixture(scope="module")
 def server(thinking_checkpoint):
-    args = ["--model", str(thinking_checkpoint.dir), "--reasoning-parser", "qwen3",
-            "--max-model-len", "128", "--kv-cache-memory", "0.05", "--dtype", "float32"]
+    args = [
+        "--model",
+        str(thinking_checkpoint.dir),
+        "--reasoning-parser",
+        "qwen3",
+        "--max-model-len",
+        "128",
+        "--kv-cache-memory",
+        "0.05",
+        "--dtype",
+        "float32",
+    ]
     with RemoteServer(args, env={"OMP_NUM_THREADS": "1"}) as remote:
         yield remote
 
@@ -262,19 +279,26 @@ def raw_text(server, prompt_ids: list[int], max_tokens: int) -> str:
 
 
 def chat(server, max_tokens: int, stream: bool, **extra):
-    body = {"messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream, **extra}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        **extra,
+    }
     if not stream:
         response = httpx.post(server.url_for("v1", "chat", "completions"), json=body, timeout=60)
         assert response.status_code == 200, response.text
         return response.json()
     chunks = []
-    with httpx.stream("POST", server.url_for("v1", "chat", "completions"), json=body,
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", server.url_for("v1", "chat", "completions"), json=body, timeout=60
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: "):]))
+                chunks.append(json.loads(line[len("data: ") :]))
     return chunks
 
 
@@ -342,7 +366,10 @@ def test_server_openai_sdk_sees_reasoning(server, thinking_checkpoint):
     """The ``openai`` SDK exposes the extension fields on the message."""
     client = server.openai_client()
     response = client.chat.completions.create(
-        model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=3, temperature=0,
+        model=client.models.list().data[0].id,
+        messages=MESSAGES,
+        max_tokens=3,
+        temperature=0,
         extra_body={"ignore_eos": True},
     )
     message = response.choices[0].message

@@ -1,5 +1,6 @@
 """Runners: the ``--graph-backend`` spellings, the graph runner's buckets and padding (through
 its eager stand-in), the CPU's traced graphs and compile, both with eager's greedy tokens."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -11,14 +12,26 @@ from pyxllm.config import GRAPH_BACKEND_ALIASES, EngineConfig
 from pyxllm.entrypoints.args import parse_args
 from pyxllm.entrypoints.llm import LLM
 from pyxllm.executor.input_batch import InputBatch
-from pyxllm.executor.runners import CompileRunner, EagerCapture, EagerRunner, GraphRunner, build_runner, capture_sizes
+from pyxllm.executor.runners import (
+    CompileRunner,
+    EagerCapture,
+    EagerRunner,
+    GraphRunner,
+    build_runner,
+    capture_sizes,
+)
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 from pyxllm.kernels.cuda.paged_cache import reshape_and_cache as capturable_reshape_and_cache
 from pyxllm.kernels.native import reshape_and_cache
 from pyxllm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a forest", "1 2 3"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a forest",
+    "1 2 3",
+]
 LLM_KWARGS = dict(max_model_len=128, kv_cache_memory=0.05, max_seqs_per_batch=8)
 
 
@@ -37,11 +50,22 @@ def eager_tokens(eager_llm):
 
 # --- the flag ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spelling, kind", [
-    ("eager", "eager"), ("off", "eager"), ("none", "eager"), ("compile", "compile"),
-    ("inductor", "compile"), ("graph", "graph"), ("cudagraphs", "graph"), ("aclgraph", "graph"),
-    ("CudaGraphs", "graph"), ("OFF", "eager"),
-])
+
+@pytest.mark.parametrize(
+    "spelling, kind",
+    [
+        ("eager", "eager"),
+        ("off", "eager"),
+        ("none", "eager"),
+        ("compile", "compile"),
+        ("inductor", "compile"),
+        ("graph", "graph"),
+        ("cudagraphs", "graph"),
+        ("aclgraph", "graph"),
+        ("CudaGraphs", "graph"),
+        ("OFF", "eager"),
+    ],
+)
 @pytest.mark.parametrize("form", ["--graph-backend", "--graph_backend"])
 def test_every_graph_backend_spelling_is_read(spelling, kind, form):
     assert parse_args(["serve", form, spelling])[1].graph_backend == kind
@@ -49,7 +73,16 @@ def test_every_graph_backend_spelling_is_read(spelling, kind, form):
 
 
 def test_every_alias_is_listed():
-    assert set(GRAPH_BACKEND_ALIASES) == {"eager", "off", "none", "compile", "inductor", "graph", "cudagraphs", "aclgraph"}
+    assert set(GRAPH_BACKEND_ALIASES) == {
+        "eager",
+        "off",
+        "none",
+        "compile",
+        "inductor",
+        "graph",
+        "cudagraphs",
+        "aclgraph",
+    }
     assert EngineConfig().graph_backend == "eager"
 
 
@@ -64,6 +97,7 @@ def test_an_unknown_graph_backend_names_the_flag_and_the_spellings(capsys):
 
 
 # --- buckets and padding -------------------------------------------------------------------
+
 
 def test_capture_sizes():
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
@@ -80,9 +114,22 @@ def fake_batch(query_lens, seq_len=10):
 
 def test_bucket_choice(eager_llm):
     executor = eager_llm.llm_engine.executor
-    runner = GraphRunner(executor.model, executor.attn_backend, executor.kv_caches, 64, 128, 16, EagerCapture())
+    runner = GraphRunner(
+        executor.model, executor.attn_backend, executor.kv_caches, 64, 128, 16, EagerCapture()
+    )
     assert runner.sizes == [1, 2, 4, 8, 16, 32, 48, 64]
-    for n, size in [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (17, 32), (33, 48), (49, 64), (64, 64)]:
+    for n, size in [
+        (1, 1),
+        (2, 2),
+        (3, 4),
+        (5, 8),
+        (8, 8),
+        (9, 16),
+        (17, 32),
+        (33, 48),
+        (49, 64),
+        (64, 64),
+    ]:
         assert runner.bucket_for(fake_batch([1] * n)) == size, n
     assert runner.bucket_for(fake_batch([1] * 65)) is None  # more than the largest bucket
     assert runner.bucket_for(fake_batch([1, 5, 1])) is None  # a prefill in the step
@@ -96,7 +143,10 @@ def test_capturable_cache_write_equals_the_native_one():
         key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
         for slots in ([3, 0, -1, 9, -1], [-1, -1, 4, -1, -1], [0, 1, 2, 3, 15], [-1] * 5):
             slots = torch.tensor(slots)
-            native, capturable = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
+            native, capturable = (
+                (k_cache.clone(), v_cache.clone()),
+                (k_cache.clone(), v_cache.clone()),
+            )
             reshape_and_cache(key, value, *native, slots)
             capturable_reshape_and_cache(key, value, *capturable, slots)
             assert torch.equal(native[0], capturable[0]) and torch.equal(native[1], capturable[1])
@@ -113,15 +163,19 @@ def decode_batch(executor, lens: list[int]) -> InputBatch:
         ids = [(7 * i + 13 * j) % 1000 + 10 for j in range(n)]
         seqs.append(ScheduledSequence(f"s{i}", ids, 0, blocks, True, GREEDY))
     executor.execute(SchedulerOutput(seqs))
-    decodes = [ScheduledSequence(s.request_id, [42 + i], len(s.token_ids), s.block_table, True, GREEDY)
-               for i, s in enumerate(seqs)]
+    decodes = [
+        ScheduledSequence(s.request_id, [42 + i], len(s.token_ids), s.block_table, True, GREEDY)
+        for i, s in enumerate(seqs)
+    ]
     return InputBatch.build(SchedulerOutput(decodes), block_size, executor.device)
 
 
 def test_padding_through_the_eager_stand_in(eager_llm):
     executor = eager_llm.llm_engine.executor
     batch = decode_batch(executor, [5, 20, 9])
-    runner = GraphRunner(executor.model, executor.attn_backend, executor.kv_caches, 8, 128, 16, EagerCapture())
+    runner = GraphRunner(
+        executor.model, executor.attn_backend, executor.kv_caches, 8, 128, 16, EagerCapture()
+    )
     assert runner.bucket_for(batch) == 4
 
     runner.pad_inputs(batch, 4)
@@ -138,10 +192,14 @@ def test_padding_through_the_eager_stand_in(eager_llm):
     assert runner.replays[4] == 1
     after = [(k.clone(), v.clone()) for k, v in executor.kv_caches]
     for layer, ((k0, v0), (k1, v1)) in enumerate(zip(before, after)):
-        changed = ((k0 != k1).flatten(0, 1).any(-1).any(-1) | (v0 != v1).flatten(0, 1).any(-1).any(-1))
+        changed = (k0 != k1).flatten(0, 1).any(-1).any(-1) | (v0 != v1).flatten(0, 1).any(-1).any(
+            -1
+        )
         assert set(changed.nonzero().flatten().tolist()) <= set(batch.slot_mapping.tolist()), layer
 
-    for (k, v), (k0, v0) in zip(executor.kv_caches, before):  # the unpadded eager run, from the same cache
+    for (k, v), (k0, v0) in zip(
+        executor.kv_caches, before
+    ):  # the unpadded eager run, from the same cache
         k.copy_(k0)
         v.copy_(v0)
     expected = EagerRunner(executor.model).execute(batch, executor.make_context)
@@ -155,7 +213,9 @@ def test_padding_through_the_eager_stand_in(eager_llm):
 def test_graph_stand_in_gives_eager_tokens(eager_llm, eager_tokens):
     executor = eager_llm.llm_engine.executor
     saved = executor.runner
-    runner = GraphRunner(executor.model, executor.attn_backend, executor.kv_caches, 8, 128, 16, EagerCapture())
+    runner = GraphRunner(
+        executor.model, executor.attn_backend, executor.kv_caches, 8, 128, 16, EagerCapture()
+    )
     executor.runner = runner
     try:
         tokens = [o.outputs[0].token_ids for o in eager_llm.generate(PROMPTS[:3], GREEDY)]
@@ -164,7 +224,9 @@ def test_graph_stand_in_gives_eager_tokens(eager_llm, eager_tokens):
         executor.runner = saved
     assert tokens == eager_tokens
     assert single == eager_tokens[0]
-    assert runner.replays[4] >= GREEDY.max_tokens - 1  # 3 sequences decoded in bucket 4, not eagerly
+    assert (
+        runner.replays[4] >= GREEDY.max_tokens - 1
+    )  # 3 sequences decoded in bucket 4, not eagerly
     assert runner.replays[1] >= GREEDY.max_tokens - 1
 
 
@@ -195,15 +257,29 @@ def test_cpu_graph_gives_eager_tokens_with_quantized_linears(quantization):
 def test_graph_refuses_what_a_capture_cannot_record(eager_llm, monkeypatch):
     executor = eager_llm.llm_engine.executor
     monkeypatch.setattr(type(executor.model.model.norm), "capturable", False, raising=False)
-    with pytest.raises(ValueError, match=r"cannot capture LlamaForCausalLM: its RMSNorm runs Python on the data"):
-        GraphRunner(executor.model, executor.attn_backend, executor.kv_caches, 8, 128, 16, EagerCapture())
+    with pytest.raises(
+        ValueError, match=r"cannot capture LlamaForCausalLM: its RMSNorm runs Python on the data"
+    ):
+        GraphRunner(
+            executor.model, executor.attn_backend, executor.kv_caches, 8, 128, 16, EagerCapture()
+        )
     monkeypatch.undo()
     monkeypatch.setattr("pyxllm.executor.runners.get_tp_size", lambda: 2)
     with pytest.raises(ValueError, match=r"cannot record collectives: use it with --tp 1"):
-        build_runner("graph", executor.model, executor.platform, executor.attn_backend, executor.kv_caches, 8, 128, 16)
+        build_runner(
+            "graph",
+            executor.model,
+            executor.platform,
+            executor.attn_backend,
+            executor.kv_caches,
+            8,
+            128,
+            16,
+        )
 
 
 # --- compile -------------------------------------------------------------------------------
+
 
 def test_compile_gives_eager_tokens_on_smollm2(eager_tokens):
     llm = LLM(graph_backend="inductor", **LLM_KWARGS)

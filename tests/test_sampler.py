@@ -1,4 +1,5 @@
 """The batched sampler on hand-made logits, against references written here in plain torch."""
+
 from __future__ import annotations
 
 import torch
@@ -10,7 +11,15 @@ from pyxllm.sampling_params import SamplingParams
 
 def _seqs(*params: SamplingParams) -> list[ScheduledSequence]:
     return [
-        ScheduledSequence(str(i), [0], 0, [0], True, p, torch.Generator().manual_seed(p.seed) if p.seed is not None else None)
+        ScheduledSequence(
+            str(i),
+            [0],
+            0,
+            [0],
+            True,
+            p,
+            torch.Generator().manual_seed(p.seed) if p.seed is not None else None,
+        )
         for i, p in enumerate(params)
     ]
 
@@ -41,7 +50,11 @@ def test_top_k_top_p_keep_the_reference_sets():
 
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     logits = torch.randn(3, 100)
-    params = (SamplingParams(temperature=0), SamplingParams(temperature=1.5), SamplingParams(temperature=0))
+    params = (
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.5),
+        SamplingParams(temperature=0),
+    )
     seqs = _seqs(*params)
     tokens = Sampler(seed=1)(logits, SamplingMetadata.build(seqs, 100, torch.device("cpu")))
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
@@ -51,8 +64,15 @@ def test_seeded_request_samples_the_same_alone_and_in_a_batch():
     torch.manual_seed(0)
     logits = torch.randn(4, 1000)
     seeded = SamplingParams(temperature=1.0, seed=1234)
-    alone = Sampler(seed=0)(logits[2:3], SamplingMetadata.build(_seqs(seeded), 1000, torch.device("cpu")))
-    batch = _seqs(SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5), seeded, SamplingParams(temperature=0))
+    alone = Sampler(seed=0)(
+        logits[2:3], SamplingMetadata.build(_seqs(seeded), 1000, torch.device("cpu"))
+    )
+    batch = _seqs(
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.0, top_k=5),
+        seeded,
+        SamplingParams(temperature=0),
+    )
     together = Sampler(seed=99)(logits, SamplingMetadata.build(batch, 1000, torch.device("cpu")))
     assert together[2] == alone[0]
 
@@ -83,8 +103,11 @@ def _seq(params: SamplingParams, **fields) -> ScheduledSequence:
     return ScheduledSequence("r", [0], 0, [0], True, params, gen, **fields)
 
 
-def _processed_logprobs(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample ``logits`` and return (token ids, every row's full logprobs rebuilt from its top-V)."""
+def _processed_logprobs(
+    logits: torch.Tensor, seqs: list[ScheduledSequence]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``logits`` and return (token ids, every row's full logprobs rebuilt from its
+    top-V)."""
     vocab = logits.shape[1]
     out = Sampler(seed=0).sample(logits.clone(), SamplingMetadata.build(seqs, vocab, CPU))
     full = torch.full((len(seqs), vocab), float("nan"))
@@ -92,7 +115,9 @@ def _processed_logprobs(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> 
     return out.token_ids, full
 
 
-def _penalized_reference(row: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
+def _penalized_reference(
+    row: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams
+) -> torch.Tensor:
     row = row.clone()
     for t in set(prompt) | set(output):
         row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
@@ -106,14 +131,29 @@ def test_penalties_match_the_reference():
     vocab = 20
     logits = torch.randn(4, vocab) * 2
     cases = [
-        (SamplingParams(temperature=0, repetition_penalty=1.7, logprobs=vocab), [1, 2, 3], [3, 4, 4]),
+        (
+            SamplingParams(temperature=0, repetition_penalty=1.7, logprobs=vocab),
+            [1, 2, 3],
+            [3, 4, 4],
+        ),
         (SamplingParams(temperature=0, presence_penalty=1.5, logprobs=vocab), [5, 6], [6, 7, 7, 7]),
-        (SamplingParams(temperature=0, frequency_penalty=-0.8, presence_penalty=0.3, repetition_penalty=0.6,
-                        logprobs=vocab), [8, 9, 0], [0, 0, 11, 12, 11]),
+        (
+            SamplingParams(
+                temperature=0,
+                frequency_penalty=-0.8,
+                presence_penalty=0.3,
+                repetition_penalty=0.6,
+                logprobs=vocab,
+            ),
+            [8, 9, 0],
+            [0, 0, 11, 12, 11],
+        ),
         (SamplingParams(temperature=0, logprobs=vocab), [1, 2], [1]),  # no penalty: untouched
     ]
-    seqs = [_seq(p, penalty_token_ids=pr + out if p.uses_penalties else None, num_prompt_tokens=len(pr))
-            for p, pr, out in cases]
+    seqs = [
+        _seq(p, penalty_token_ids=pr + out if p.uses_penalties else None, num_prompt_tokens=len(pr))
+        for p, pr, out in cases
+    ]
     tokens, got = _processed_logprobs(logits, seqs)
     for row, (p, prompt, output) in enumerate(cases):
         expected = _penalized_reference(logits[row], prompt, output, p)
@@ -124,8 +164,11 @@ def test_penalties_match_the_reference():
 def test_presence_and_frequency_ignore_the_prompt():
     logits = torch.zeros(1, 8)
     logits[0, 2] = 1.0
-    seq = _seq(SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=2.0), penalty_token_ids=[2, 2, 2],
-               num_prompt_tokens=3)
+    seq = _seq(
+        SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=2.0),
+        penalty_token_ids=[2, 2, 2],
+        num_prompt_tokens=3,
+    )
     assert Sampler()(logits.clone(), SamplingMetadata.build([seq], 8, CPU)).item() == 2
 
 
@@ -149,9 +192,11 @@ def test_min_tokens_masks_every_stop_id_until_reached():
     logits = torch.zeros(3, vocab)
     logits[:, list(eos)] = 10.0  # the stop ids are by far the most likely
     params = SamplingParams(temperature=0, min_tokens=3, logprobs=vocab)
-    seqs = [_seq(params, num_output_tokens=0, min_tokens_stop_ids=eos),
-            _seq(params, num_output_tokens=2, min_tokens_stop_ids=eos),
-            _seq(params, num_output_tokens=3)]  # reached: the scheduler passes no ids
+    seqs = [
+        _seq(params, num_output_tokens=0, min_tokens_stop_ids=eos),
+        _seq(params, num_output_tokens=2, min_tokens_stop_ids=eos),
+        _seq(params, num_output_tokens=3),
+    ]  # reached: the scheduler passes no ids
     tokens, got = _processed_logprobs(logits, seqs)
     for row in (0, 1):
         assert tokens[row] not in eos
@@ -166,8 +211,12 @@ def test_min_p_top_k_top_p_together_match_the_reference():
     torch.manual_seed(2)
     vocab = 20
     logits = torch.randn(4, vocab) * 3
-    settings = [dict(temperature=0.7, min_p=0.1), dict(temperature=1.3, top_k=6, top_p=0.8),
-                dict(temperature=0.9, min_p=0.05, top_k=10, top_p=0.9), dict(temperature=1.0)]
+    settings = [
+        dict(temperature=0.7, min_p=0.1),
+        dict(temperature=1.3, top_k=6, top_p=0.8),
+        dict(temperature=0.9, min_p=0.05, top_k=10, top_p=0.9),
+        dict(temperature=1.0),
+    ]
     seqs = [_seq(SamplingParams(logprobs=vocab, seed=i, **s)) for i, s in enumerate(settings)]
     tokens, got = _processed_logprobs(logits, seqs)
     for row, s in enumerate(settings):
@@ -175,7 +224,9 @@ def test_min_p_top_k_top_p_together_match_the_reference():
         probs = torch.softmax(scaled, dim=-1)
         keep = probs >= s.get("min_p", 0.0) * probs.max()
         # top-k then top-p over the tokens min-p kept, most likely first
-        order = sorted((i for i in range(vocab) if keep[i]), key=lambda i: -float(scaled[i]))[: s.get("top_k", vocab)]
+        order = sorted((i for i in range(vocab) if keep[i]), key=lambda i: -float(scaled[i]))[
+            : s.get("top_k", vocab)
+        ]
         order_probs = torch.softmax(scaled[order], dim=-1).tolist()
         ref = {order[j] for j in range(len(order)) if sum(order_probs[:j]) < s.get("top_p", 1.0)}
         expected = torch.full((vocab,), float("-inf"))
@@ -187,7 +238,10 @@ def test_min_p_top_k_top_p_together_match_the_reference():
 def test_logprobs_rank_and_top_k_of_the_sampled_distribution():
     torch.manual_seed(3)
     logits = torch.randn(2, 50)
-    seqs = [_seq(SamplingParams(temperature=0.5, seed=7, logprobs=4)), _seq(SamplingParams(temperature=0, logprobs=0))]
+    seqs = [
+        _seq(SamplingParams(temperature=0.5, seed=7, logprobs=4)),
+        _seq(SamplingParams(temperature=0, logprobs=0)),
+    ]
     out = Sampler(seed=0).sample(logits.clone(), SamplingMetadata.build(seqs, 50, CPU))
     lp = torch.log_softmax(logits[0] / 0.5, dim=-1)
     (ids0, vals0, rank0), (ids1, vals1, rank1) = out.logprobs.tolists()
@@ -199,20 +253,36 @@ def test_logprobs_rank_and_top_k_of_the_sampled_distribution():
 
 
 def test_plain_greedy_batch_builds_no_optional_tensors():
-    meta = SamplingMetadata.build(_seqs(SamplingParams(temperature=0), SamplingParams(temperature=0)), 100, CPU)
+    meta = SamplingMetadata.build(
+        _seqs(SamplingParams(temperature=0), SamplingParams(temperature=0)), 100, CPU
+    )
     assert meta.all_greedy
-    assert (meta.top_p, meta.top_k, meta.min_p, meta.logit_bias, meta.min_tokens_mask, meta.penalties,
-            meta.logprob_rows) == (None,) * 7
+    assert (
+        meta.top_p,
+        meta.top_k,
+        meta.min_p,
+        meta.logit_bias,
+        meta.min_tokens_mask,
+        meta.penalties,
+        meta.logprob_rows,
+    ) == (None,) * 7
     assert Sampler().sample(torch.randn(2, 100), meta).logprobs is None
 
 
 def test_sampling_params_validation_names_the_field():
     import pytest
 
-    for kwargs, field in [(dict(n=0), "n"), (dict(top_p=0), "top_p"), (dict(min_p=1.5), "min_p"),
-                          (dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
-                          (dict(logit_bias={"5": 101}), "logit_bias"), (dict(logit_bias={"x": 1}), "logit_bias"),
-                          (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=21), "logprobs")]:
+    for kwargs, field in [
+        (dict(n=0), "n"),
+        (dict(top_p=0), "top_p"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(presence_penalty=3), "presence_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(logit_bias={"5": 101}), "logit_bias"),
+        (dict(logit_bias={"x": 1}), "logit_bias"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(logprobs=21), "logprobs"),
+    ]:
         with pytest.raises(ValueError, match=f"^{field}:"):
             SamplingParams(**kwargs)
     assert SamplingParams(logit_bias={"5": 1}).logit_bias == {5: 1.0}

@@ -5,6 +5,7 @@ Three engines on the embedded SmolLM2, shared by every test of the module:
 ``cached`` (the defaults: prefix cache and chunked prefill on) and ``small`` (prefix cache on,
 a KV cache of 17 blocks of 16 tokens, so requests evict each other's blocks and get preempted).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -38,8 +39,12 @@ def engine_llm(**kwargs) -> LLM:
 
 @pytest.fixture(scope="module")
 def ref():
-    return engine_llm(enable_prefix_cache=False, enable_chunked_prefill=False, max_tokens_per_batch=512,
-                      kv_cache_memory=0.1)
+    return engine_llm(
+        enable_prefix_cache=False,
+        enable_chunked_prefill=False,
+        max_tokens_per_batch=512,
+        kv_cache_memory=0.1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +113,9 @@ def test_prefix_cache_cold_then_warm(cached, prompts, expected):
     assert run(cached, prompts[:1]) == want[:1]  # cold: nothing to hit
     assert hits(cached) == before
     kv.reset_prefix_cache()
-    assert run(cached, prompts) == want  # cold, but later prompts hit blocks the first fills in the same step
+    assert (
+        run(cached, prompts) == want
+    )  # cold, but later prompts hit blocks the first fills in the same step
     assert hits(cached) - before == (len(prompts) - 1) * shared_tokens
     before = hits(cached)
     assert run(cached, prompts) == want  # warm: every prompt hits
@@ -136,9 +143,12 @@ def test_prefix_cache_after_eviction(small, prompts, expected):
     before = hits(small)
     assert run(small, [target]) == [expected[tuple(target)]]
     assert hits(small) > before  # warm
-    # other traffic, prefill only: four prompts of seven blocks, none sharing a block with the target
+    # other traffic, prefill only: four prompts of seven blocks, none sharing a block with the
+    # target
     encode, one = small.get_tokenizer().encode, SamplingParams(temperature=0, max_tokens=1)
-    small.generate([{"prompt_token_ids": encode(f"Note {i}. " + SYSTEM * 2)} for i in range(4)], one)
+    small.generate(
+        [{"prompt_token_ids": encode(f"Note {i}. " + SYSTEM * 2)} for i in range(4)], one
+    )
     before = hits(small)
     assert run(small, [target]) == [expected[tuple(target)]]
     assert hits(small) == before  # the other traffic evicted every block of the target

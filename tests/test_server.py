@@ -1,5 +1,6 @@
 """The OpenAI-compatible server end to end: a real ``pyxllm serve`` process on the default
 model, driven with the ``openai`` SDK and raw HTTP."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,14 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    args = ["--served-model-name", MODEL_NAME, "--max-model-len", "512",
-            "--kv-cache-memory", "0.25"]
+    args = [
+        "--served-model-name",
+        MODEL_NAME,
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory",
+        "0.25",
+    ]
     with RemoteServer(args) as remote:
         yield remote
 
@@ -70,9 +77,11 @@ def test_chat_capital_of_france(client):
 def test_chat_stream_matches_non_stream(client):
     kwargs = dict(model=MODEL_NAME, messages=CAPITAL, temperature=0, max_tokens=12)
     full = client.chat.completions.create(**kwargs)
-    chunks = list(client.chat.completions.create(
-        stream=True, stream_options={"include_usage": True}, **kwargs
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
     content_chunks = [c for c in chunks if c.choices]
     assert content_chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" for c in chunks)
@@ -110,10 +119,12 @@ def test_completion_prompt_forms(client, hf_gguf_tokenizer):
 
 
 def test_usage_is_consistent(client):
-    first = client.chat.completions.create(model=MODEL_NAME, messages=CAPITAL, max_tokens=5,
-                                           temperature=0)
-    second = client.chat.completions.create(model=MODEL_NAME, messages=CAPITAL, max_tokens=5,
-                                            temperature=0.8, seed=1)
+    first = client.chat.completions.create(
+        model=MODEL_NAME, messages=CAPITAL, max_tokens=5, temperature=0
+    )
+    second = client.chat.completions.create(
+        model=MODEL_NAME, messages=CAPITAL, max_tokens=5, temperature=0.8, seed=1
+    )
     for usage in (first.usage, second.usage):
         assert usage.prompt_tokens > 5
         assert 1 <= usage.completion_tokens <= 5
@@ -123,7 +134,10 @@ def test_usage_is_consistent(client):
 
 def test_stop_string_and_max_completion_tokens(client):
     response = client.chat.completions.create(
-        model=MODEL_NAME, messages=CAPITAL, temperature=0, max_completion_tokens=16,
+        model=MODEL_NAME,
+        messages=CAPITAL,
+        temperature=0,
+        max_completion_tokens=16,
         stop=["Paris"],
     )
     choice = response.choices[0]
@@ -139,8 +153,9 @@ def test_missing_model_means_served_model(server):
 
 def test_concurrent_requests(client):
     def one(i: int) -> str:
-        response = client.completions.create(model=MODEL_NAME, prompt=f"Count to {i}:",
-                                             max_tokens=6, temperature=0.7, seed=i)
+        response = client.completions.create(
+            model=MODEL_NAME, prompt=f"Count to {i}:", max_tokens=6, temperature=0.7, seed=i
+        )
         assert response.choices[0].finish_reason in ("stop", "length")
         return response.choices[0].text
 
@@ -151,8 +166,13 @@ def test_concurrent_requests(client):
 
 def test_stream_disconnect_aborts(server):
     wait_until_idle(server)
-    body = {"model": MODEL_NAME, "messages": CAPITAL, "max_tokens": 400, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": MODEL_NAME,
+        "messages": CAPITAL,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", server.url_for("v1", "chat", "completions"), json=body) as resp:
             assert resp.status_code == 200
@@ -173,8 +193,12 @@ def test_stream_disconnect_aborts(server):
 
 def test_non_stream_disconnect_aborts(server):
     wait_until_idle(server)
-    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 400,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 400,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url_for("v1", "completions"), json=body, timeout=1.0)
     wait_until_idle(server, timeout=5.0)

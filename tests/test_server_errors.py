@@ -1,4 +1,5 @@
 """Bad requests get a 4xx in OpenAI's error shape, and the server keeps serving afterwards."""
+
 from __future__ import annotations
 
 import httpx
@@ -14,8 +15,14 @@ HELLO = [{"role": "user", "content": "Hello"}]
 
 @pytest.fixture(scope="module")
 def server():
-    args = ["--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
-            "--kv-cache-memory", "0.25"]
+    args = [
+        "--served-model-name",
+        MODEL_NAME,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory",
+        "0.25",
+    ]
     with RemoteServer(args) as remote:
         yield remote
 
@@ -48,20 +55,27 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 @pytest.mark.parametrize("path", ["chat/completions", "completions"])
 def test_malformed_json(server, path):
-    response = post(server, path, content=b'{"model": "x", "messages": [',
-                    headers={"content-type": "application/json"})
+    response = post(
+        server,
+        path,
+        content=b'{"model": "x", "messages": [',
+        headers={"content-type": "application/json"},
+    )
     assert "JSON" in assert_error(response, 400)["message"]
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("chat/completions", {"messages": HELLO, "max_tokens": "many"}, "max_tokens"),
-    ("chat/completions", {"messages": "Hello"}, "messages"),
-    ("chat/completions", {"messages": HELLO, "temperature": "hot"}, "temperature"),
-    ("chat/completions", {"messages": HELLO, "stop": 7}, "stop"),
-    ("chat/completions", {"max_tokens": 2}, "messages"),
-    ("completions", {"prompt": 42}, "prompt"),
-    ("completions", {"prompt": "Hi", "stream": "sometimes"}, "stream"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("chat/completions", {"messages": HELLO, "max_tokens": "many"}, "max_tokens"),
+        ("chat/completions", {"messages": "Hello"}, "messages"),
+        ("chat/completions", {"messages": HELLO, "temperature": "hot"}, "temperature"),
+        ("chat/completions", {"messages": HELLO, "stop": 7}, "stop"),
+        ("chat/completions", {"max_tokens": 2}, "messages"),
+        ("completions", {"prompt": 42}, "prompt"),
+        ("completions", {"prompt": "Hi", "stream": "sometimes"}, "stream"),
+    ],
+)
 def test_wrong_field_types(server, path, body, param):
     assert_error(post(server, path, json=body), 400, param)
 
@@ -70,18 +84,20 @@ def test_body_not_an_object(server):
     assert_error(post(server, "completions", json=["Hello"]), 400)
 
 
-@pytest.mark.parametrize("path, body", [
-    ("chat/completions", {"model": "gpt-4o", "messages": HELLO, "max_tokens": 2}),
-    ("completions", {"model": "gpt-4o", "prompt": "Hi", "max_tokens": 2}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("chat/completions", {"model": "gpt-4o", "messages": HELLO, "max_tokens": 2}),
+        ("completions", {"model": "gpt-4o", "prompt": "Hi", "max_tokens": 2}),
+    ],
+)
 def test_unknown_model(server, path, body):
     assert "gpt-4o" in assert_error(post(server, path, json=body), 404, "model")["message"]
 
 
 def test_unknown_model_with_sdk(server):
     with pytest.raises(openai.NotFoundError):
-        server.openai_client().chat.completions.create(model="gpt-4o", messages=HELLO,
-                                                       max_tokens=2)
+        server.openai_client().chat.completions.create(model="gpt-4o", messages=HELLO, max_tokens=2)
 
 
 def test_unknown_route(server):
@@ -89,10 +105,13 @@ def test_unknown_route(server):
     assert_error(response, 404)
 
 
-@pytest.mark.parametrize("path, key, value", [
-    ("chat/completions", "messages", [{"role": "user", "content": "hello " * 200}]),
-    ("completions", "prompt", "hello " * 200),
-])
+@pytest.mark.parametrize(
+    "path, key, value",
+    [
+        ("chat/completions", "messages", [{"role": "user", "content": "hello " * 200}]),
+        ("completions", "prompt", "hello " * 200),
+    ],
+)
 def test_prompt_plus_max_tokens_too_long(server, path, key, value):
     response = post(server, path, json={"model": MODEL_NAME, key: value, "max_tokens": 100})
     message = assert_error(response, 400)["message"]
@@ -117,10 +136,19 @@ def test_empty_messages(server):
     assert_error(post(server, "chat/completions", json=body), 400, "messages")
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0), ("n", 0),
-    ("frequency_penalty", -3), ("logit_bias", {"1": -101}), ("min_p", -0.1),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("max_tokens", 0),
+        ("n", 0),
+        ("frequency_penalty", -3),
+        ("logit_bias", {"1": -101}),
+        ("min_p", -0.1),
+    ],
+)
 @pytest.mark.parametrize("path", ["chat/completions", "completions"])
 def test_invalid_sampling_values(server, path, field, value):
     body = {"model": MODEL_NAME, "max_tokens": 2, field: value}
@@ -131,8 +159,9 @@ def test_invalid_sampling_values(server, path, field, value):
 def test_invalid_sampling_with_sdk(server):
     client = server.openai_client()
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL_NAME, messages=HELLO, temperature=-1,
-                                       max_tokens=2)
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=HELLO, temperature=-1, max_tokens=2
+        )
     assert info.value.status_code == 400
 
 

@@ -10,6 +10,7 @@ its spawned workers; a worker whose master is unreachable gives up with a clear 
 The machine has 2 cores shared with other jobs: engines are few, prompts short, and every rank
 runs one torch thread.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,8 @@ import time
 import httpx
 import pytest
 import torch
-
 from model_fixtures import build_checkpoint
+
 from pyxllm import LLM, SamplingParams
 from pyxllm.distributed.control import encode
 from pyxllm.distributed.parallel_state import tp_state
@@ -32,7 +33,13 @@ from pyxllm.executor.plan_codec import PlanDecoder, PlanEncoder
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
-from pyxllm.weights import LazyWeight, iter_weight_slices, iter_weights, load_model_config, resolve_model_source
+from pyxllm.weights import (
+    LazyWeight,
+    iter_weight_slices,
+    iter_weights,
+    load_model_config,
+    resolve_model_source,
+)
 from tests.utils import RemoteServer, free_port
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -47,8 +54,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def tiny(tmp_path_factory, hf_gguf_tokenizer):
     """kind -> tiny random checkpoint directory (qwen3, qwen3_moe)."""
     root = tmp_path_factory.mktemp("tp_models")
-    return {kind: build_checkpoint(kind, root / kind, hf_gguf_tokenizer, seed=i)[0]
-            for i, kind in enumerate(("qwen3", "qwen3_moe"))}
+    return {
+        kind: build_checkpoint(kind, root / kind, hf_gguf_tokenizer, seed=i)[0]
+        for i, kind in enumerate(("qwen3", "qwen3_moe"))
+    }
 
 
 def greedy_tokens(model, tp: int) -> tuple[list[list[int]], int]:
@@ -85,8 +94,10 @@ def test_smollm2_tp3_w8a8_scores_the_prompt_like_float_tp1():
     but the model must stay the model: the log-probabilities of a prompt's tokens stay within
     W8A8's error of float32's (measured: max 0.56, mean 0.09, against a mean |logprob| of 2.1;
     ranks rotating differently would scramble the embedding sum)."""
-    prompt = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin "
-              "is the capital of Germany. def fibonacci(n): return n if n < 2 else fibonacci(n - 1)")
+    prompt = (
+        "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin "
+        "is the capital of Germany. def fibonacci(n): return n if n < 2 else fibonacci(n - 1)"
+    )
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     scores = []
     for tp, quantization in ((1, None), (3, "w8a8")):
@@ -95,8 +106,14 @@ def test_smollm2_tp3_w8a8_scores_the_prompt_like_float_tp1():
             out = llm.generate([prompt], params)[0]
         finally:
             llm.llm_engine.shutdown()
-        scores.append(torch.tensor([entry[token].logprob for token, entry
-                                    in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]))
+        scores.append(
+            torch.tensor(
+                [
+                    entry[token].logprob
+                    for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])
+                ]
+            )
+        )
     diff = (scores[0] - scores[1]).abs()
     assert len(diff) > 40 and scores[0].abs().mean() > 1.0
     assert diff.max() < 1.5 and diff.mean() < 0.2, (diff.max().item(), diff.mean().item())
@@ -122,11 +139,16 @@ def test_smollm2_tp2_is_refused_naming_the_head_counts():
 
 def test_kv_heads_are_replicated_when_tp_exceeds_them():
     """tp=4 over 4 query heads and 2 KV heads: rank r holds query head r and KV head r // 2, the
-    one query head r uses at tp=1 (grouped-query attention pairs heads 0,1 and 2,3 with KV 0 and 1)."""
+    one query head r uses at tp=1 (grouped-query attention pairs heads 0,1 and 2,3 with KV 0 and
+    1)."""
     from pyxllm.layers.linear import QKVParallelLinear
 
     head_dim, hidden = 8, 16
-    q, k, v = torch.randn(4 * head_dim, hidden), torch.randn(2 * head_dim, hidden), torch.randn(2 * head_dim, hidden)
+    q, k, v = (
+        torch.randn(4 * head_dim, hidden),
+        torch.randn(2 * head_dim, hidden),
+        torch.randn(2 * head_dim, hidden),
+    )
     for rank in range(4):
         with tp_state(rank, 4):
             layer = QKVParallelLinear(hidden, head_dim, 4, 2)
@@ -134,20 +156,34 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
             layer.weight_loader(layer.weight, full, shard)
         assert (layer.num_heads, layer.num_kv_heads, layer.kv_replicas) == (1, 1, 2)
         got_q, got_k, got_v = layer.weight.data.split(head_dim)
-        head, kv_head = slice(rank * head_dim, (rank + 1) * head_dim), slice(rank // 2 * head_dim, (rank // 2 + 1) * head_dim)
-        assert torch.equal(got_q, q[head]) and torch.equal(got_k, k[kv_head]) and torch.equal(got_v, v[kv_head])
-    with tp_state(0, 3), pytest.raises(ValueError, match="size 3 does not fit 4 attention heads and 2 KV heads"):
+        head, kv_head = (
+            slice(rank * head_dim, (rank + 1) * head_dim),
+            slice(rank // 2 * head_dim, (rank // 2 + 1) * head_dim),
+        )
+        assert (
+            torch.equal(got_q, q[head])
+            and torch.equal(got_k, k[kv_head])
+            and torch.equal(got_v, v[kv_head])
+        )
+    with (
+        tp_state(0, 3),
+        pytest.raises(ValueError, match="size 3 does not fit 4 attention heads and 2 KV heads"),
+    ):
         QKVParallelLinear(hidden, head_dim, 4, 2)
 
 
-def _load_rank(model_cls, model_config, source, weights, rank: int, tp: int) -> dict[str, torch.Tensor]:
+def _load_rank(
+    model_cls, model_config, source, weights, rank: int, tp: int
+) -> dict[str, torch.Tensor]:
     with tp_state(rank, tp):
         model = model_cls(model_config)
         load_weights(model, weights)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("which, rank, tp", [("qwen3", 1, 2), ("qwen3_moe", 1, 2), ("smollm2_gguf", 2, 3)])
+@pytest.mark.parametrize(
+    "which, rank, tp", [("qwen3", 1, 2), ("qwen3_moe", 1, 2), ("smollm2_gguf", 2, 3)]
+)
 def test_a_rank_reads_only_its_slices(tiny, monkeypatch, which, rank, tp):
     """Loading through unread slices gives the parameters that narrowing full tensors gives,
     while reading about 1/tp of the checkpoint (norms and replicated KV heads aside)."""
@@ -158,8 +194,12 @@ def test_a_rank_reads_only_its_slices(tiny, monkeypatch, which, rank, tp):
     total = sum(w.numel() for _, w in iter_weight_slices(source, model_config))
     read = []
     original = LazyWeight.load
-    monkeypatch.setattr(LazyWeight, "load", lambda self: read.append(self.numel()) or original(self))
-    sliced = _load_rank(model_cls, model_config, source, iter_weight_slices(source, model_config), rank, tp)
+    monkeypatch.setattr(
+        LazyWeight, "load", lambda self: read.append(self.numel()) or original(self)
+    )
+    sliced = _load_rank(
+        model_cls, model_config, source, iter_weight_slices(source, model_config), rank, tp
+    )
     assert full.keys() == sliced.keys()
     for name in full:
         torch.testing.assert_close(sliced[name], full[name], atol=0, rtol=0, msg=name)
@@ -174,21 +214,27 @@ def test_plan_codec_sends_deltas_and_round_trips():
     encoder, decoder = PlanEncoder(), PlanDecoder()
     steps = [
         [_seq("a", list(range(20)), 0, [3, 4]), _seq("b", [7, 8, 9], 0, [5], sample=False)],
-        [_seq("a", [42], 20, [3, 4]), _seq("b", [10], 3, [5])],           # decode, chunk end
-        [_seq("a", [43], 21, [3, 4]), _seq("b", [11], 4, [5])],           # decode, nothing new
-        [_seq("a", [44], 22, [3, 4, 9]), _seq("c", [1, 2], 0, [6])],      # a crosses a block, b gone
-        [_seq("b", [7, 8, 9, 10, 11, 12], 0, [8, 2]), _seq("a", [45], 0, [3, 4, 9, 1])],  # b recomputed; a reset
+        [_seq("a", [42], 20, [3, 4]), _seq("b", [10], 3, [5])],  # decode, chunk end
+        [_seq("a", [43], 21, [3, 4]), _seq("b", [11], 4, [5])],  # decode, nothing new
+        [_seq("a", [44], 22, [3, 4, 9]), _seq("c", [1, 2], 0, [6])],  # a crosses a block, b gone
+        [
+            _seq("b", [7, 8, 9, 10, 11, 12], 0, [8, 2]),
+            _seq("a", [45], 0, [3, 4, 9, 1]),
+        ],  # b recomputed; a reset
     ]
     sizes = []
     for plan in map(SchedulerOutput, steps):
         wire = encode(encoder.encode(plan))  # what the control channel sends
         sizes.append(len(wire))
         got = decoder.decode(json.loads(wire)[1])
-        assert [(s.token_ids, s.num_computed_tokens, s.block_table, s.sample) for s in got.sequences] == \
-            [(s.token_ids, s.num_computed_tokens, s.block_table, s.sample) for s in plan.sequences]
+        assert [
+            (s.token_ids, s.num_computed_tokens, s.block_table, s.sample) for s in got.sequences
+        ] == [(s.token_ids, s.num_computed_tokens, s.block_table, s.sample) for s in plan.sequences]
     handles = [s[0] for s in encoder.encode(SchedulerOutput(steps[4]))[1]]
     assert len(set(handles)) == 2
-    decode_step = encoder.encode(SchedulerOutput([_seq("b", [13], 6, [8, 2]), _seq("a", [46], 1, [3, 4, 9, 1])]))[1]
+    decode_step = encoder.encode(
+        SchedulerOutput([_seq("b", [13], 6, [8, 2]), _seq("a", [46], 1, [3, 4, 9, 1])])
+    )[1]
     assert all(keep == 2 or keep == 4 for _, _, _, _, keep, _, _ in decode_step)
     assert all(new == [] and computed == -1 for _, _, computed, _, _, new, _ in decode_step)
     assert sizes[2] < 60 < sizes[0]  # a decode step: ~25 bytes per sequence
@@ -202,12 +248,28 @@ class _TwoNodes:
 
     def __init__(self, model: str, log):
         self.master, self.log = f"127.0.0.1:{free_port()}", log
-        common = ["--model", model, "--nnodes", "2", "--master-addr", self.master, "--max-model-len", "256",
-                  "--kv-cache-memory", "0.05", "--dist-init-timeout", "60"]
+        common = [
+            "--model",
+            model,
+            "--nnodes",
+            "2",
+            "--master-addr",
+            self.master,
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory",
+            "0.05",
+            "--dist-init-timeout",
+            "60",
+        ]
         self.worker = subprocess.Popen(
             [sys.executable, "-m", "pyxllm.entrypoints.cli", "serve", "--node-rank", "1", *common],
-            stdout=log, stderr=subprocess.STDOUT)
-        self.server = RemoteServer(["--node-rank", "0", "--served-model-name", "tp", *common], startup_timeout=120)
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.server = RemoteServer(
+            ["--node-rank", "0", "--served-model-name", "tp", *common], startup_timeout=120
+        )
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +288,8 @@ def two_nodes(tiny, tmp_path_factory):
 def test_manual_two_process_launch_answers_a_chat(two_nodes):
     client = two_nodes.server.openai_client()
     response = client.chat.completions.create(
-        model="tp", messages=[{"role": "user", "content": "Say hi"}], temperature=0, max_tokens=8)
+        model="tp", messages=[{"role": "user", "content": "Say hi"}], temperature=0, max_tokens=8
+    )
     assert response.choices[0].message.content
     assert response.usage.completion_tokens == 8
     assert two_nodes.worker.poll() is None  # rank 1 is serving, not exited
@@ -236,7 +299,8 @@ def test_manual_two_process_launch_answers_a_chat(two_nodes):
 def test_killed_worker_makes_the_server_unhealthy_and_exit(two_nodes):
     server, chunks, failed = two_nodes.server, 0, None
     stream = server.openai_client().completions.create(
-        model="tp", prompt="Count:", max_tokens=240, temperature=0, stream=True)
+        model="tp", prompt="Count:", max_tokens=240, temperature=0, stream=True
+    )
     try:
         for _ in stream:
             chunks += 1
@@ -260,8 +324,19 @@ def test_killed_worker_makes_the_server_unhealthy_and_exit(two_nodes):
 
 
 def test_sigterm_on_rank0_stops_its_spawned_workers(tiny):
-    server = RemoteServer(["--model", str(tiny["qwen3"]), "--tp", "2", "--max-model-len", "96",
-                           "--kv-cache-memory", "0.05"], startup_timeout=120)
+    server = RemoteServer(
+        [
+            "--model",
+            str(tiny["qwen3"]),
+            "--tp",
+            "2",
+            "--max-model-len",
+            "96",
+            "--kv-cache-memory",
+            "0.05",
+        ],
+        startup_timeout=120,
+    )
     with server:
         children = _children(server.proc.pid)
         assert len(children) >= 1
@@ -303,8 +378,19 @@ def test_worker_gives_up_on_an_unreachable_master(capsys):
 
     port = free_port()  # nothing listens there
     started = time.monotonic()
-    code = main(["serve", "--nnodes", "2", "--node-rank", "1", "--master-addr", f"127.0.0.1:{port}",
-                 "--dist-init-timeout", "2"])
+    code = main(
+        [
+            "serve",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            f"127.0.0.1:{port}",
+            "--dist-init-timeout",
+            "2",
+        ]
+    )
     elapsed = time.monotonic() - started
     err = capsys.readouterr().err
     assert code == 1
@@ -322,13 +408,17 @@ def test_gguf_slices_of_quantized_experts_equal_the_full_tensor(tmp_path, monkey
     from pyxllm.weights import gguf_reader
     from pyxllm.weights.gguf_loader import iter_gguf_weight_slices
 
-    stacked = np.random.default_rng(0).standard_normal((4, 8, 64)).astype(np.float32)  # [E, out, in]
+    stacked = (
+        np.random.default_rng(0).standard_normal((4, 8, 64)).astype(np.float32)
+    )  # [E, out, in]
     path = tmp_path / "moe.gguf"
     writer = gguf.GGUFWriter(str(path), "qwen3moe")
     for key, value in (("block_count", 1), ("embedding_length", 64), ("attention.head_count", 2)):
         writer.add_uint32(f"qwen3moe.{key}", value)
     quantized = gguf.quants.quantize(stacked, gguf.GGMLQuantizationType.Q8_0)
-    writer.add_tensor("blk.0.ffn_down_exps.weight", quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor(
+        "blk.0.ffn_down_exps.weight", quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0
+    )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -338,14 +428,27 @@ def test_gguf_slices_of_quantized_experts_equal_the_full_tensor(tmp_path, monkey
     expert = weights["model.layers.0.mlp.experts.2.down_proj.weight"]
     assert expert.shape == (8, 64)
     torch.testing.assert_close(expert.load(), full[2], atol=0, rtol=0)
-    for dim, start, length in ((0, 4, 4), (1, 32, 32), (1, 8, 20)):  # rows; aligned cols; unaligned cols
-        torch.testing.assert_close(expert.narrow(dim, start, length).load(), full[2].narrow(dim, start, length),
-                                   atol=0, rtol=0)
+    for dim, start, length in (
+        (0, 4, 4),
+        (1, 32, 32),
+        (1, 8, 20),
+    ):  # rows; aligned cols; unaligned cols
+        torch.testing.assert_close(
+            expert.narrow(dim, start, length).load(),
+            full[2].narrow(dim, start, length),
+            atol=0,
+            rtol=0,
+        )
     with pytest.raises(ValueError, match="outside"):
         expert.narrow(1, 60, 8)
-    dequantized = []  # raw bytes handed to dequantize: an aligned column half reads half of each row
+    # raw bytes handed to dequantize: an aligned column half reads half of each row
+    dequantized = []
     original = gguf_reader.dequantize
-    monkeypatch.setattr(gguf_reader, "dequantize", lambda raw, qtype: dequantized.append(raw.shape) or original(raw, qtype))
+    monkeypatch.setattr(
+        gguf_reader,
+        "dequantize",
+        lambda raw, qtype: dequantized.append(raw.shape) or original(raw, qtype),
+    )
     expert.narrow(0, 4, 4).narrow(1, 32, 32).load()
     assert dequantized == [(4, 34)]  # 4 rows x one 34-byte Q8_0 block (a whole row is 68 bytes)
 
@@ -355,12 +458,16 @@ def test_parallel_flags_and_their_errors(capsys):
 
     _, config = parse_args(["serve", "--tp", "3"])
     assert (config.tensor_parallel_size, config.world_size, config.nnodes) == (3, 3, 1)
-    _, config = parse_args(["serve", "--nnodes", "2", "--node_rank", "1", "--master_node_addr", "10.0.0.1:19888"])
+    _, config = parse_args(
+        ["serve", "--nnodes", "2", "--node_rank", "1", "--master_node_addr", "10.0.0.1:19888"]
+    )
     assert (config.world_size, config.node_rank, config.master_addr) == (2, 1, "10.0.0.1:19888")
-    for argv, named in ((["--nnodes", "2"], "--master-addr"),
-                        (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h:1"], "--node-rank"),
-                        (["--nnodes", "2", "--tp", "3", "--master-addr", "h:1"], "--tensor-parallel-size"),
-                        (["--master-addr", "localhost"], "host:port")):
+    for argv, named in (
+        (["--nnodes", "2"], "--master-addr"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h:1"], "--node-rank"),
+        (["--nnodes", "2", "--tp", "3", "--master-addr", "h:1"], "--tensor-parallel-size"),
+        (["--master-addr", "localhost"], "host:port"),
+    ):
         with pytest.raises(SystemExit):
             parse_args(["serve", *argv])
         assert named in capsys.readouterr().err, argv

@@ -1,4 +1,5 @@
 """Tokenizer wrapper on the real SmolLM2 tokenizer: encode/decode, EOS ids, chat templates."""
+
 from __future__ import annotations
 
 import copy
@@ -61,9 +62,11 @@ def test_chat_template_matches_transformers(tok, hf_gguf_tokenizer):
 def test_template_kwargs_reach_the_template(hf_gguf_tokenizer):
     t = _with_template(
         hf_gguf_tokenizer,
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n"
-        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n{% endif %}"
+        "{% if enable_thinking is defined and not enable_thinking %}"
+        "<think>\n\n</think>\n{% endif %}"
         "{% endif %}",
     )
     msgs = [{"role": "user", "content": "hi"}]
@@ -102,4 +105,6 @@ def test_template_errors_become_value_error(hf_gguf_tokenizer):
     with pytest.raises(ValueError, match="chat template"):
         broken.apply_chat_template([{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="tokenize"):
-        Tokenizer(hf_gguf_tokenizer).apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
+        Tokenizer(hf_gguf_tokenizer).apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=True
+        )

@@ -1,4 +1,5 @@
 """Test helpers: :class:`RemoteServer` runs ``pyxllm serve`` as a real subprocess."""
+
 from __future__ import annotations
 
 import os
@@ -31,12 +32,26 @@ class RemoteServer:
         base_url: ``http://host:port/v1``, for the OpenAI SDK.
     """
 
-    def __init__(self, args: list[str], startup_timeout: float = 120.0,
-                 stop_timeout: float = 20.0, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        startup_timeout: float = 120.0,
+        stop_timeout: float = 20.0,
+        env: dict[str, str] | None = None,
+    ):
         self.host = "127.0.0.1"
         self.port = free_port()
-        self.args = [sys.executable, "-m", "pyxllm.entrypoints.cli", "serve",
-                     "--host", self.host, "--port", str(self.port), *args]
+        self.args = [
+            sys.executable,
+            "-m",
+            "pyxllm.entrypoints.cli",
+            "serve",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *args,
+        ]
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -69,10 +84,11 @@ class RemoteServer:
         self._log.seek(0)
         return self._log.read().decode(errors="replace")
 
-    def __enter__(self) -> "RemoteServer":
+    def __enter__(self) -> RemoteServer:
         self._log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.env)
+        self.proc = subprocess.Popen(
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
+        )
         try:
             self._wait_healthy()
         except BaseException:
@@ -89,16 +105,20 @@ class RemoteServer:
         while True:
             code = self.proc.poll()
             if code is not None:
-                raise RuntimeError(f"server exited with status {code} before it was healthy:\n"
-                                   f"{self.output()[-8000:]}")
+                raise RuntimeError(
+                    f"server exited with status {code} before it was healthy:\n"
+                    f"{self.output()[-8000:]}"
+                )
             try:
                 if httpx.get(url, timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"server not healthy after {self.startup_timeout:.0f} s:\n"
-                                   f"{self.output()[-8000:]}")
+                raise TimeoutError(
+                    f"server not healthy after {self.startup_timeout:.0f} s:\n"
+                    f"{self.output()[-8000:]}"
+                )
             time.sleep(0.25)
 
     def stop(self) -> int | None:

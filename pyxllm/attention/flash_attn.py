@@ -10,6 +10,7 @@ then every row attends over its cached context: a decode-only step with
 ``flash_attn_with_kvcache``, any other step with one ``flash_attn_varlen_func`` call (causal
 masks align each query chunk to the end of its context).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,17 +41,31 @@ class FlashAttnStep:
     max_seq_len: int
 
     def forward(self, query, key, value, k_cache, v_cache, scale: float) -> torch.Tensor:
-        """Cache the step's K/V, then attend: ``query [T, heads, head_dim] -> [T, heads, head_dim]``."""
+        """Cache the step's K/V, then attend: ``query [T, heads, head_dim] -> [T, heads,
+        head_dim]``."""
         kernels.ops.reshape_and_cache(key, value, k_cache, v_cache, self.slot_mapping)
         if self.cu_seqlens_q is None:
             out = flash_attn_with_kvcache(
-                query.unsqueeze(1), k_cache, v_cache, cache_seqlens=self.seq_lens,
-                block_table=self.block_tables, softmax_scale=scale, causal=True,
+                query.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=self.seq_lens,
+                block_table=self.block_tables,
+                softmax_scale=scale,
+                causal=True,
             )
             return out.squeeze(1)
         return flash_attn_varlen_func(
-            query, k_cache, v_cache, self.cu_seqlens_q, self.cu_seqlens_k, self.max_query_len,
-            self.max_seq_len, softmax_scale=scale, causal=True, block_table=self.block_tables,
+            query,
+            k_cache,
+            v_cache,
+            self.cu_seqlens_q,
+            self.cu_seqlens_k,
+            self.max_query_len,
+            self.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            block_table=self.block_tables,
         )
 
 
@@ -66,11 +81,22 @@ class FlashAttnBackend:
             block_tables=batch.block_tables.to(torch.int32),
             seq_lens=seq_lens,
             cu_seqlens_q=None if decode_only else batch.query_start_loc.to(torch.int32),
-            cu_seqlens_k=None if decode_only else F.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0)),
+            cu_seqlens_k=None
+            if decode_only
+            else F.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0)),
             max_query_len=max(batch.query_lens),
             max_seq_len=max(batch.seq_lens_list),
         )
 
     def build_decode(self, slot_mapping, block_tables, seq_lens, max_seq_len: int) -> FlashAttnStep:
-        """A decode-only step over given tensors (the int32 copies are device ops a graph captures)."""
-        return FlashAttnStep(slot_mapping, block_tables.to(torch.int32), seq_lens.to(torch.int32), None, None, 1, max_seq_len)
+        """A decode-only step over given tensors (the int32 copies are device ops a graph
+        captures)."""
+        return FlashAttnStep(
+            slot_mapping,
+            block_tables.to(torch.int32),
+            seq_lens.to(torch.int32),
+            None,
+            None,
+            1,
+            max_seq_len,
+        )

@@ -8,6 +8,7 @@ compares it with the CPU on a card. Imported only when the NPU platform is bound
 ACL graph cannot use it as is; the graph runner's decode steps use the inherited
 ``build_decode`` (pure-PyTorch attention over static buffers) instead.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,10 +35,15 @@ class NPUAttentionStep(TorchPagedAttentionStep):
         query = query.contiguous()
         out = torch.empty_like(query)
         torch_npu._npu_paged_attention(
-            query=query, key_cache=k_cache, value_cache=v_cache, num_kv_heads=k_cache.shape[2],
-            num_heads=query.shape[1], scale_value=scale,
+            query=query,
+            key_cache=k_cache,
+            value_cache=v_cache,
+            num_kv_heads=k_cache.shape[2],
+            num_heads=query.shape[1],
+            scale_value=scale,
             block_table=self.decode_block_tables.to(torch.int32),
-            context_lens=self.decode_seq_lens_host, out=out,
+            context_lens=self.decode_seq_lens_host,
+            out=out,
         )
         return out
 
@@ -48,6 +54,8 @@ class NPUAttentionBackend(TorchPagedAttentionBackend):
     def build(self, batch) -> NPUAttentionStep:
         """``batch``: an ``InputBatch``."""
         step = super().build(batch)
-        host = torch.tensor([n for n, q in zip(batch.seq_lens_list, batch.query_lens) if q == 1], dtype=torch.int32)
+        host = torch.tensor(
+            [n for n, q in zip(batch.seq_lens_list, batch.query_lens) if q == 1], dtype=torch.int32
+        )
         fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
         return NPUAttentionStep(**fields, decode_seq_lens_host=host)

@@ -4,6 +4,7 @@ Per step it splits the batch into decode sequences (one new token: batched toget
 prefill sequences (a prompt or a chunk of one, over any cached prefix: one call each), so a
 batch may mix both in any order.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ from pyxllm import kernels
 
 @dataclass(slots=True)
 class PrefillSpan:
-    """One prefill sequence of the step: its tokens ``[start, end)`` and context length after them."""
+    """One prefill sequence of the step: its tokens ``[start, end)`` and context length after
+    them."""
 
     start: int
     end: int
@@ -50,12 +52,19 @@ class TorchPagedAttentionStep:
         """Attention of the decode rows ``query [num_decodes, heads, head_dim]`` over their cached
         context (a fused backend overrides this)."""
         return kernels.ops.paged_attention_decode(
-            query, k_cache, v_cache, self.decode_block_tables, self.decode_seq_lens, self.decode_max_seq_len, scale,
+            query,
+            k_cache,
+            v_cache,
+            self.decode_block_tables,
+            self.decode_seq_lens,
+            self.decode_max_seq_len,
+            scale,
             self.decode_mask,
         )
 
     def forward(self, query, key, value, k_cache, v_cache, scale: float) -> torch.Tensor:
-        """Cache the step's K/V, then attend: ``query [T, heads, head_dim] -> [T, heads, head_dim]``."""
+        """Cache the step's K/V, then attend: ``query [T, heads, head_dim] -> [T, heads,
+        head_dim]``."""
         ops = kernels.ops
         ops.reshape_and_cache(key, value, k_cache, v_cache, self.slot_mapping)
         if not self.prefills:
@@ -71,8 +80,14 @@ class TorchPagedAttentionStep:
                 out[idx] = dec
         for p in self.prefills:
             out[p.start : p.end] = ops.paged_attention_prefill(
-                query[p.start : p.end], key[p.start : p.end], value[p.start : p.end],
-                k_cache, v_cache, p.block_table, p.context_len, scale,
+                query[p.start : p.end],
+                key[p.start : p.end],
+                value[p.start : p.end],
+                k_cache,
+                v_cache,
+                p.block_table,
+                p.context_len,
+                scale,
             )
         return out
 
@@ -80,8 +95,13 @@ class TorchPagedAttentionStep:
 class TorchPagedAttentionBackend:
     """Builds a ``TorchPagedAttentionStep`` from each step's input batch."""
 
-    def build_decode(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     max_seq_len: int) -> TorchPagedAttentionStep:
+    def build_decode(
+        self,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+    ) -> TorchPagedAttentionStep:
         """A decode-only step over given tensors, with no host-side reads, so a graph can
         capture it (the graph runner's static buffers).
 
@@ -91,8 +111,13 @@ class TorchPagedAttentionBackend:
                 ``seq_lens`` (``max_blocks * block_size`` for a captured step).
         """
         return TorchPagedAttentionStep(
-            slot_mapping=slot_mapping, num_decodes=slot_mapping.shape[0], decode_token_idx=None,
-            decode_block_tables=block_tables, decode_seq_lens=seq_lens, decode_max_seq_len=max_seq_len, prefills=[],
+            slot_mapping=slot_mapping,
+            num_decodes=slot_mapping.shape[0],
+            decode_token_idx=None,
+            decode_block_tables=block_tables,
+            decode_seq_lens=seq_lens,
+            decode_max_seq_len=max_seq_len,
+            prefills=[],
             decode_mask=kernels.ops.decode_attention_mask(seq_lens, max_seq_len),
         )
 
@@ -112,10 +137,16 @@ class TorchPagedAttentionBackend:
         return TorchPagedAttentionStep(
             slot_mapping=batch.slot_mapping,
             num_decodes=len(decode_rows),
-            decode_token_idx=None if contiguous else torch.tensor([starts[i] for i in decode_rows], dtype=torch.long),
-            decode_block_tables=batch.block_tables if contiguous and not prefills else batch.block_tables[rows],
+            decode_token_idx=None
+            if contiguous
+            else torch.tensor([starts[i] for i in decode_rows], dtype=torch.long),
+            decode_block_tables=batch.block_tables
+            if contiguous and not prefills
+            else batch.block_tables[rows],
             decode_seq_lens=decode_seq_lens,
             decode_max_seq_len=max_seq_len,
             prefills=prefills,
-            decode_mask=kernels.ops.decode_attention_mask(decode_seq_lens, max_seq_len) if decode_rows else None,
+            decode_mask=kernels.ops.decode_attention_mask(decode_seq_lens, max_seq_len)
+            if decode_rows
+            else None,
         )

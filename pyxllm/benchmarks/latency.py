@@ -4,6 +4,7 @@ Runs ``--num-iters`` requests (after ``--num-iters-warmup``), driving the engine
 the time to the first token (the prefill of ``--input-len`` tokens) and the decode rate of the
 remaining ``--output-len - 1`` tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,9 @@ from pyxllm.benchmarks.report import write_json
 from pyxllm.benchmarks.throughput import _config_kwargs, _token_prompts
 
 
-def _timed_request(engine, token_ids: list[int], max_tokens: int, request_id: str) -> tuple[float, float, int]:
+def _timed_request(
+    engine, token_ids: list[int], max_tokens: int, request_id: str
+) -> tuple[float, float, int]:
     """``(time to first token s, end-to-end s, output tokens)`` of one request run alone."""
     from pyxllm.sampling_params import SamplingParams
 
@@ -40,23 +43,32 @@ def bench_latency(args: argparse.Namespace, config) -> dict:
     engine = llm.llm_engine
     for i in range(args.num_iters_warmup):
         _timed_request(engine, ids, args.output_len, f"warmup-{i}")
-    runs = [_timed_request(engine, ids, args.output_len, f"latency-{i}") for i in range(args.num_iters)]
+    runs = [
+        _timed_request(engine, ids, args.output_len, f"latency-{i}") for i in range(args.num_iters)
+    ]
     ttft = [r[0] for r in runs]
     decode_rates = [(n - 1) / (e2e - t) for t, e2e, n in runs if n > 1 and e2e > t]
     result = {
-        "input_len": len(ids), "output_len": args.output_len, "num_iters": args.num_iters,
+        "input_len": len(ids),
+        "output_len": args.output_len,
+        "num_iters": args.num_iters,
         "dtype": str(engine.executor.dtype).removeprefix("torch."),
-        "quantization": config.quantization, "graph_backend": config.graph_backend,
+        "quantization": config.quantization,
+        "graph_backend": config.graph_backend,
         "ttft_ms_mean": statistics.mean(ttft) * 1000,
         "e2e_latency_s_mean": statistics.mean(r[1] for r in runs),
         "prefill_tokens_per_s": len(ids) / statistics.mean(ttft),
         "decode_tokens_per_s": statistics.mean(decode_rates) if decode_rates else None,
         "decode_ms_per_token": 1000 / statistics.mean(decode_rates) if decode_rates else None,
     }
-    decode = "n/a" if result["decode_tokens_per_s"] is None else f"{result['decode_tokens_per_s']:.1f}"
-    print(f"Latency (batch 1, {len(ids)} prompt tokens, {args.output_len} new): TTFT "
-          f"{result['ttft_ms_mean']:.1f} ms, end-to-end {result['e2e_latency_s_mean']:.3f} s, "
-          f"decode {decode} tokens/s")
+    decode = (
+        "n/a" if result["decode_tokens_per_s"] is None else f"{result['decode_tokens_per_s']:.1f}"
+    )
+    print(
+        f"Latency (batch 1, {len(ids)} prompt tokens, {args.output_len} new): TTFT "
+        f"{result['ttft_ms_mean']:.1f} ms, end-to-end {result['e2e_latency_s_mean']:.3f} s, "
+        f"decode {decode} tokens/s"
+    )
     if args.result_file:
         write_json(args.result_file, result)
     return result

@@ -12,6 +12,7 @@ For one request sent at ``start`` whose streamed output chunks arrived at ``t_1 
 Aggregates: mean, median and p99 (linear interpolation between order statistics, numpy's
 default) of each, in milliseconds; throughput over the benchmark's wall duration.
 """
+
 from __future__ import annotations
 
 import math

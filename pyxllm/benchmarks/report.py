@@ -3,6 +3,7 @@
 matplotlib is the optional extra ``bench`` (``pip install pyxllm[bench]``); without it the plot
 is skipped with a message and everything else is still written.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,12 +12,20 @@ from pathlib import Path
 
 from pyxllm.benchmarks.metrics import BenchmarkMetrics, RequestRecord
 
-_LATENCIES = (("ttft_ms", "Time to first token"), ("tpot_ms", "Time per output token (excl. 1st)"),
-              ("itl_ms", "Inter-token latency"), ("e2el_ms", "End-to-end latency"))
+_LATENCIES = (
+    ("ttft_ms", "Time to first token"),
+    ("tpot_ms", "Time per output token (excl. 1st)"),
+    ("itl_ms", "Inter-token latency"),
+    ("e2el_ms", "End-to-end latency"),
+)
 
 
 def _fmt(value: float) -> str:
-    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}"
+    return (
+        "n/a"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else f"{value:.2f}"
+    )
 
 
 def format_table(metrics: BenchmarkMetrics, title: str = "Serving benchmark") -> str:
@@ -38,13 +47,16 @@ def format_table(metrics: BenchmarkMetrics, title: str = "Serving benchmark") ->
         stats = getattr(metrics, key)
         lines.append(f" {label} ".center(width, "-"))
         for stat in ("mean", "median", "p99"):
-            lines.append(f"{f'{stat.capitalize()} {key[:-3].upper()} (ms)':<36}{_fmt(stats[stat]):>14}")
+            lines.append(
+                f"{f'{stat.capitalize()} {key[:-3].upper()} (ms)':<36}{_fmt(stats[stat]):>14}"
+            )
     lines.append("=" * width)
     return "\n".join(lines)
 
 
 def write_json(path: str | Path, payload: dict) -> Path:
     """Write ``payload`` as indented JSON (NaN written as ``null``); returns the path."""
+
     def clean(obj):
         if isinstance(obj, float) and math.isnan(obj):
             return None
@@ -60,8 +72,12 @@ def write_json(path: str | Path, payload: dict) -> Path:
     return path
 
 
-def plot_png(path: str | Path, metrics: BenchmarkMetrics, records: list[RequestRecord],
-             title: str = "Serving benchmark") -> Path | None:
+def plot_png(
+    path: str | Path,
+    metrics: BenchmarkMetrics,
+    records: list[RequestRecord],
+    title: str = "Serving benchmark",
+) -> Path | None:
     """A 2x2 figure: per-request TTFT, TPOT, ITL and E2E latency histograms, with the mean,
     median and p99 marked. Returns the path, or ``None`` (with a message) without matplotlib."""
     try:
@@ -87,12 +103,16 @@ def plot_png(path: str | Path, metrics: BenchmarkMetrics, records: list[RequestR
         stats = getattr(metrics, key)
         for stat, style in (("mean", "-"), ("median", "--"), ("p99", ":")):
             if not math.isnan(stats[stat]):
-                ax.axvline(stats[stat], color="#C44E52", linestyle=style, label=f"{stat} {stats[stat]:.1f}")
+                ax.axvline(
+                    stats[stat], color="#C44E52", linestyle=style, label=f"{stat} {stats[stat]:.1f}"
+                )
         ax.set_title(label)
         ax.set_xlabel("ms")
         ax.legend(fontsize=8)
-    fig.suptitle(f"{title}: {metrics.completed} ok, {metrics.failed} failed, "
-                 f"{metrics.output_throughput:.1f} output tok/s, {metrics.request_throughput:.2f} req/s")
+    fig.suptitle(
+        f"{title}: {metrics.completed} ok, {metrics.failed} failed, "
+        f"{metrics.output_throughput:.1f} output tok/s, {metrics.request_throughput:.2f} req/s"
+    )
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ once). Each chunk's arrival time is taken when its SSE line is read; the metrics
 :mod:`pyxllm.benchmarks.metrics`, written as a table, JSON (``--result-file``) and a PNG
 (``--plot-file``, default: the result file with ``.png``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,27 +24,56 @@ from pyxllm.benchmarks.report import format_table, plot_png, write_json
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The flags of ``pyxllm bench serve``."""
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
-                        help="the server's OpenAI API root (ends in /v1)")
-    parser.add_argument("--model-name", default=None,
-                        help="the model name to send (default: the first of GET /models)")
-    parser.add_argument("--tokenizer", default=None, metavar="PATH",
-                        help="tokenizer for building prompts of --input-len tokens: a .gguf file or HF "
-                        "directory (default: the embedded SmolLM2)")
-    parser.add_argument("--dataset", choices=DATASETS, default="random", help="random or fixed prompt texts")
+    parser.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000/v1",
+        help="the server's OpenAI API root (ends in /v1)",
+    )
+    parser.add_argument(
+        "--model-name",
+        default=None,
+        help="the model name to send (default: the first of GET /models)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="tokenizer for building prompts of --input-len tokens: a .gguf file or HF "
+        "directory (default: the embedded SmolLM2)",
+    )
+    parser.add_argument(
+        "--dataset", choices=DATASETS, default="random", help="random or fixed prompt texts"
+    )
     parser.add_argument("--num-prompts", type=int, default=64, help="requests to send")
     parser.add_argument("--input-len", type=int, default=100, help="prompt length in tokens")
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--max-concurrency", type=int, default=8, help="most requests in flight")
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="mean arrivals per second (Poisson); inf sends all at once")
-    parser.add_argument("--ignore-eos", type=_bool, default=True, metavar="BOOL",
-                        help="ask the server to generate exactly --output-len tokens")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="mean arrivals per second (Poisson); inf sends all at once",
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        type=_bool,
+        default=True,
+        metavar="BOOL",
+        help="ask the server to generate exactly --output-len tokens",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a request fails")
-    parser.add_argument("--result-file", default=None, metavar="PATH", help="write the results as JSON here")
-    parser.add_argument("--plot-file", default=None, metavar="PATH",
-                        help="write the PNG plot here (default: the result file with .png)")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds before a request fails"
+    )
+    parser.add_argument(
+        "--result-file", default=None, metavar="PATH", help="write the results as JSON here"
+    )
+    parser.add_argument(
+        "--plot-file",
+        default=None,
+        metavar="PATH",
+        help="write the PNG plot here (default: the result file with .png)",
+    )
     parser.add_argument("--label", default="pyxllm bench serve", help="title of the table and plot")
 
 
@@ -94,14 +124,24 @@ async def _model_name(client, base_url: str) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def run_benchmark(base_url: str, prompts: list[tuple[str, list[int]]], output_len: int,
-                        max_concurrency: int, request_rate: float = float("inf"), model_name: str | None = None,
-                        ignore_eos: bool = True, seed: int = 0, timeout: float = 600.0) -> tuple[list[RequestRecord], float]:
+async def run_benchmark(
+    base_url: str,
+    prompts: list[tuple[str, list[int]]],
+    output_len: int,
+    max_concurrency: int,
+    request_rate: float = float("inf"),
+    model_name: str | None = None,
+    ignore_eos: bool = True,
+    seed: int = 0,
+    timeout: float = 600.0,
+) -> tuple[list[RequestRecord], float]:
     """Send every prompt; returns the per-request records and the wall duration in seconds."""
     import httpx
 
     base_url = base_url.rstrip("/")
-    limits = httpx.Limits(max_connections=max_concurrency + 2, max_keepalive_connections=max_concurrency + 2)
+    limits = httpx.Limits(
+        max_connections=max_concurrency + 2, max_keepalive_connections=max_concurrency + 2
+    )
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = model_name or await _model_name(client, base_url)
         semaphore = asyncio.Semaphore(max_concurrency)
@@ -109,8 +149,14 @@ async def run_benchmark(base_url: str, prompts: list[tuple[str, list[int]]], out
         records = [RequestRecord(prompt_tokens=len(ids)) for _, ids in prompts]
 
         async def limited(text: str, record: RequestRecord) -> None:
-            body = {"model": model, "prompt": text, "max_tokens": output_len, "temperature": 0.0,
-                    "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "prompt": text,
+                "max_tokens": output_len,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             if ignore_eos:
                 body["ignore_eos"] = True
             async with semaphore:
@@ -131,25 +177,41 @@ def bench_serve(args: argparse.Namespace) -> dict:
     returns the JSON payload."""
     tokenizer = load_tokenizer(args.tokenizer)
     prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, args.dataset, args.seed)
-    records, duration = asyncio.run(run_benchmark(
-        args.base_url, prompts, args.output_len, args.max_concurrency, args.request_rate,
-        args.model_name, args.ignore_eos, args.seed, args.timeout,
-    ))
+    records, duration = asyncio.run(
+        run_benchmark(
+            args.base_url,
+            prompts,
+            args.output_len,
+            args.max_concurrency,
+            args.request_rate,
+            args.model_name,
+            args.ignore_eos,
+            args.seed,
+            args.timeout,
+        )
+    )
     metrics = compute_metrics(records, duration)
     print(format_table(metrics, args.label))
     errors = sorted({r.error for r in records if not r.success})
     if errors:
         print("errors:", *errors[:5], sep="\n  ")
     payload = {
-        "label": args.label, "base_url": args.base_url, "dataset": args.dataset,
-        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+        "label": args.label,
+        "base_url": args.base_url,
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
         "max_concurrency": args.max_concurrency,
         "request_rate": None if args.request_rate == float("inf") else args.request_rate,
-        **metrics.to_dict(), "errors": errors[:5],
+        **metrics.to_dict(),
+        "errors": errors[:5],
     }
     if args.result_file:
         print(f"results: {write_json(args.result_file, payload)}")
-    plot = args.plot_file or (str(Path(args.result_file).with_suffix(".png")) if args.result_file else None)
+    plot = args.plot_file or (
+        str(Path(args.result_file).with_suffix(".png")) if args.result_file else None
+    )
     if plot and plot_png(plot, metrics, records, args.label):
         print(f"plot: {plot}")
     return payload

@@ -1,4 +1,5 @@
 """The master address every rank meets at (no torch import: the config checks it)."""
+
 from __future__ import annotations
 
 

@@ -13,6 +13,7 @@ ephemeral port of the master host and publishes it in the ranks' ``TCPStore`` un
 ``pyxllm/control``. Messages are compact JSON (lists, numbers, strings: nothing executable, so
 a stray connection cannot run code on either end) behind an 8-byte little-endian length.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,8 +80,14 @@ class ControlServer:
         TimeoutError: a worker did not connect in time (naming the missing ranks).
     """
 
-    def __init__(self, host: str, store, world_size: int, timeout_s: float,
-                 check_alive: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        store,
+        world_size: int,
+        timeout_s: float,
+        check_alive: Callable[[], None] | None = None,
+    ) -> None:
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(0.2)
         store.set(_PORT_KEY, str(self._listener.getsockname()[1]))
@@ -94,7 +101,9 @@ class ControlServer:
                 check_alive()
             if time.monotonic() > deadline:
                 missing = sorted(set(range(1, world_size)) - set(self.conns))
-                raise TimeoutError(f"ranks {missing} did not open the control connection within {timeout_s:g} s")
+                raise TimeoutError(
+                    f"ranks {missing} did not open the control connection within {timeout_s:g} s"
+                )
             try:
                 conn, _ = self._listener.accept()
             except TimeoutError:
@@ -102,7 +111,9 @@ class ControlServer:
             conn.settimeout(timeout_s)
             rank = _hello_rank(recv_frame(conn), world_size)
             conn.settimeout(None)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a plan per step: no Nagle delay
+            conn.setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+            )  # a plan per step: no Nagle delay
             if rank is None or rank in self.conns:
                 conn.close()  # not one of our workers
             else:

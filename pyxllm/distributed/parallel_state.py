@@ -17,6 +17,7 @@ its network interface from the host name; set ``GLOO_SOCKET_IFNAME`` (``NCCL_SOC
 Logits are gathered to rank 0 (``torch.distributed.gather``, not an all-gather): only rank 0
 samples, so the other ranks need not receive the vocabulary-wide rows.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,9 +34,20 @@ from pyxllm.distributed.address import parse_master_addr
 from pyxllm.distributed.errors import DistributedError
 
 __all__ = [
-    "DistributedError", "destroy_distributed", "get_local_rank", "get_store", "get_tp_rank", "get_tp_size",
-    "init_distributed", "parse_master_addr", "split_cpu_threads", "tensor_model_parallel_all_gather",
-    "tensor_model_parallel_all_reduce", "tensor_model_parallel_gather", "tensor_model_parallel_min", "tp_state",
+    "DistributedError",
+    "destroy_distributed",
+    "get_local_rank",
+    "get_store",
+    "get_tp_rank",
+    "get_tp_size",
+    "init_distributed",
+    "parse_master_addr",
+    "split_cpu_threads",
+    "tensor_model_parallel_all_gather",
+    "tensor_model_parallel_all_reduce",
+    "tensor_model_parallel_gather",
+    "tensor_model_parallel_min",
+    "tp_state",
 ]
 
 _JOINED_KEY = "pyxllm/joined"
@@ -90,7 +102,9 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     return torch.cat(parts, dim=dim)
 
 
-def tensor_model_parallel_gather(x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
+def tensor_model_parallel_gather(
+    x: torch.Tensor, dim: int = -1, dst: int = 0
+) -> torch.Tensor | None:
     """Concatenate ``x`` from every TP rank along ``dim`` on rank ``dst``; ``None`` elsewhere.
 
     Every rank must call it with the same shape (identity on one rank).
@@ -127,7 +141,9 @@ def _wait_reachable(host: str, port: int, deadline: float) -> None:
     """Retry a TCP connection to ``host:port`` until it is accepted or ``deadline`` passes."""
     while True:
         try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+            with socket.create_connection(
+                (host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))
+            ):
                 return
         except OSError:
             if time.monotonic() >= deadline:
@@ -135,8 +151,15 @@ def _wait_reachable(host: str, port: int, deadline: float) -> None:
             time.sleep(0.2)
 
 
-def init_distributed(platform, rank: int, world_size: int, master_addr: str, timeout_s: float,
-                     local_rank: int = 0, check_alive: Callable[[], None] | None = None):
+def init_distributed(
+    platform,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    timeout_s: float,
+    local_rank: int = 0,
+    check_alive: Callable[[], None] | None = None,
+):
     """Join the ``world_size`` ranks at ``master_addr`` and set this process's TP state.
 
     Args:
@@ -158,32 +181,55 @@ def init_distributed(platform, rank: int, world_size: int, master_addr: str, tim
     where = f"{host}:{port}"
     if rank == 0:
         try:
-            store = dist.TCPStore(host, port, world_size, is_master=True,
-                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+            store = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=True,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
         except (RuntimeError, OSError) as e:
-            raise DistributedError(f"rank 0 could not listen on the master address {where} ({e}); "
-                                   "pick a free port on this host") from None
+            raise DistributedError(
+                f"rank 0 could not listen on the master address {where} ({e}); "
+                "pick a free port on this host"
+            ) from None
         while (joined := store.add(_JOINED_KEY, 0)) < world_size - 1:
             if check_alive is not None:
                 check_alive()
             if time.monotonic() >= deadline:
                 raise DistributedError(
-                    f"rank 0: only {joined} of {world_size - 1} other ranks joined at {where} within "
-                    f"{timeout_s:g} s; start them with --nnodes {world_size} --node-rank i --master-addr {where}")
+                    f"rank 0: only {joined} of {world_size - 1} other ranks joined at {where} "
+                    "within "
+                    f"{timeout_s:g} s; start them with --nnodes {world_size} --node-rank i "
+                    f"--master-addr {where}"
+                )
             time.sleep(0.05)
     else:
         try:
             _wait_reachable(host, port, deadline)
-            store = dist.TCPStore(host, port, world_size, is_master=False,
-                                  timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+            store = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=False,
+                timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
+            )
         except (RuntimeError, OSError):
             raise DistributedError(
                 f"rank {rank} could not reach the master address {where} within {timeout_s:g} s; "
-                "start rank 0 there, or check --master-addr and the network") from None
+                "start rank 0 there, or check --master-addr and the network"
+            ) from None
         store.add(_JOINED_KEY, 1)
     dist.init_process_group(platform.dist_backend, store=store, rank=rank, world_size=world_size)
     device = platform.device(platform.device_index(local_rank))
-    _TP.rank, _TP.world_size, _TP.local_rank, _TP.device, _TP.store = rank, world_size, local_rank, device, store
+    _TP.rank, _TP.world_size, _TP.local_rank, _TP.device, _TP.store = (
+        rank,
+        world_size,
+        local_rank,
+        device,
+        store,
+    )
     return store
 
 
@@ -202,7 +248,9 @@ def split_cpu_threads(platform, local_world_size: int) -> int:
     it has now, so ``OMP_NUM_THREADS`` still caps it); returns the count. Accelerators: no-op."""
     if platform.is_accelerator:
         return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     threads = max(1, min(torch.get_num_threads(), cores // max(1, local_world_size)))
     torch.set_num_threads(threads)
     return threads

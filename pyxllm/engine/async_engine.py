@@ -5,6 +5,7 @@ thread through a thread-safe queue, and outputs come back into per-request ``asy
 via ``loop.call_soon_threadsafe``. PyTorch releases the GIL inside its kernels, so the server
 stays responsive while a step computes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -64,7 +65,11 @@ class AsyncEngine:
         return cls(LLMEngine(config))
 
     async def generate(
-        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str, prompt: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its output after every step that changed it.
 
@@ -138,7 +143,9 @@ class AsyncEngine:
 
     def _drain(self, block: bool) -> None:
         try:
-            kind, payload = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
+            kind, payload = (
+                self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
+            )
             self._handle(kind, payload)
             while True:
                 kind, payload = self._commands.get_nowait()

@@ -10,6 +10,7 @@ hashed) go to the front, cached blocks to the back in least-recently-freed order
 its blocks tail first, so of one request's blocks the last ones are evicted first and the shared
 head of a prompt lives longest.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,7 +24,8 @@ HashFn = Callable[[BlockHash | None, Sequence[int]], BlockHash]
 
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """The SHA-256 digest of ``parent_hash`` (``None`` for a prompt's first block) and the block's token ids."""
+    """The SHA-256 digest of ``parent_hash`` (``None`` for a prompt's first block) and the block's
+    token ids."""
     digest = hashlib.sha256(parent_hash or b"\0")
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
@@ -56,7 +58,9 @@ class BlockPool:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks, self.enable_caching = num_blocks, enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
         self.cached: dict[BlockHash, KVBlock] = {}
 
     @property
@@ -77,7 +81,8 @@ class BlockPool:
         return block
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
-        """Take one more reference on each of ``blocks`` (cache hits), taking free ones off the queue."""
+        """Take one more reference on each of ``blocks`` (cache hits), taking free ones off the
+        queue."""
         for block in blocks:
             if block.ref_cnt == 0:
                 del self.free_queue[block.block_id]
@@ -90,7 +95,9 @@ class BlockPool:
             ValueError: fewer than ``num_blocks`` blocks are free.
         """
         if num_blocks > len(self.free_queue):
-            raise ValueError(f"asked for {num_blocks} KV blocks, only {len(self.free_queue)} are free")
+            raise ValueError(
+                f"asked for {num_blocks} KV blocks, only {len(self.free_queue)} are free"
+            )
         blocks = []
         for _ in range(num_blocks):
             _, block = self.free_queue.popitem(last=False)

@@ -1,4 +1,5 @@
 """Incremental detokenization: UTF-8 safe streaming text and stop strings."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -57,10 +58,14 @@ class IncrementalDetokenizer:
 
         n_seed = min(len(prompt_token_ids), INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
         # The window: only the prompt's tail plus the output tokens not yet read for good.
-        self._token_ids: list[int] = [int(t) for t in prompt_token_ids[len(prompt_token_ids) - n_seed :]]
+        self._token_ids: list[int] = [
+            int(t) for t in prompt_token_ids[len(prompt_token_ids) - n_seed :]
+        ]
         self._prefix_offset = 0
         self._read_offset = n_seed
-        self._prefix_len = len(self._decode(self._token_ids))  # chars of decode(window[prefix:read])
+        self._prefix_len = len(
+            self._decode(self._token_ids)
+        )  # chars of decode(window[prefix:read])
         self._pending_emitted = 0  # chars past _prefix_len already taken while the tail was held
 
         self._text = ""  # all decoded output text, including text held back for stop strings
@@ -70,7 +75,8 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
-        """The text that may be shown so far; it only ever grows (a delta is ``text[len(prev):]``)."""
+        """The text that may be shown so far; it only ever grows (a delta is
+        ``text[len(prev):]``)."""
         return self._text[: self._visible]
 
     @property

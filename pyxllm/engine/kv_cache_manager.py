@@ -8,6 +8,7 @@ last block rather than writing into a block other requests share. A block is reg
 cache as soon as the step that fills it is scheduled (its K/V are written in that forward pass,
 before any attention reads them), so requests admitted later in the same step already hit it.
 """
+
 from __future__ import annotations
 
 from pyxllm.engine.block_pool import BlockPool, HashFn, KVBlock, hash_block_tokens
@@ -26,15 +27,22 @@ class KVCacheManager:
             request, and those of them found cached (counted when the admission succeeds).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True,
-                 hash_fn: HashFn = hash_block_tokens) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_cache: bool = True,
+        hash_fn: HashFn = hash_block_tokens,
+    ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.pool = BlockPool(num_blocks, enable_prefix_cache)
         self.hash_fn = hash_fn
         self.tables: dict[str, list[KVBlock]] = {}
         self.block_ids: dict[str, list[int]] = {}  # the same tables as block ids, for the executor
-        self.num_cached_blocks: dict[str, int] = {}  # leading table blocks already offered to the cache
+        self.num_cached_blocks: dict[
+            str, int
+        ] = {}  # leading table blocks already offered to the cache
         self.num_queries = self.num_hits = 0
 
     @property
@@ -77,14 +85,17 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // size
         hits = []
         for i, block_hash in enumerate(self._block_hashes(request, max_blocks)):
-            block = self.pool.get_cached_block(block_hash, request.token_ids[i * size : (i + 1) * size])
+            block = self.pool.get_cached_block(
+                block_hash, request.token_ids[i * size : (i + 1) * size]
+            )
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> bool:
         """Grow ``request``'s block table to cover ``num_new_tokens`` more tokens.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`; given, possibly empty, only when
@@ -112,8 +123,11 @@ class KVCacheManager:
         self._cache_full_blocks(request, table, end // self.block_size)
         return True
 
-    def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_full_blocks: int) -> None:
-        """Offer ``request``'s full blocks not offered yet to the cache (duplicates stay uncached)."""
+    def _cache_full_blocks(
+        self, request: Request, table: list[KVBlock], num_full_blocks: int
+    ) -> None:
+        """Offer ``request``'s full blocks not offered yet to the cache (duplicates stay
+        uncached)."""
         if not self.enable_prefix_cache:
             return
         size, start = self.block_size, self.num_cached_blocks.get(request.request_id, 0)

@@ -1,4 +1,5 @@
 """The synchronous engine: requests in, one scheduler step at a time, request outputs out."""
+
 from __future__ import annotations
 
 import logging
@@ -7,8 +8,8 @@ import time
 from pyxllm.config import EngineConfig
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.kv_cache_manager import KVCacheManager
-from pyxllm.engine.metrics import EngineMetrics
 from pyxllm.engine.logprobs import record_logprobs
+from pyxllm.engine.metrics import EngineMetrics
 from pyxllm.engine.parallel_sampling import ParentRequest, fold_children
 from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
@@ -31,10 +32,15 @@ def _resolve_max_model_len(config: EngineConfig, model_config) -> int:
     model_max = getattr(model_config, "max_position_embeddings", None)
     if config.max_model_len is None:
         if model_max is None:
-            raise ValueError("--max-model-len: the model config has no max_position_embeddings; set the flag")
+            raise ValueError(
+                "--max-model-len: the model config has no max_position_embeddings; set the flag"
+            )
         return model_max
     if model_max is not None and config.max_model_len > model_max:
-        raise ValueError(f"--max-model-len: {config.max_model_len} exceeds the model's max_position_embeddings ({model_max})")
+        raise ValueError(
+            f"--max-model-len: {config.max_model_len} exceeds the model's max_position_embeddings "
+            f"({model_max})"
+        )
     return config.max_model_len
 
 
@@ -63,10 +69,13 @@ class LLMEngine:
         self.tokenizer = Tokenizer(load_hf_tokenizer(source), defaults.eos_token_ids)
         self.model_name = config.served_model_name or source.name
         set_current_platform(platform)
-        # one ModelExecutor, or under tensor parallelism rank 0's MultiprocExecutor driving the workers
+        # one ModelExecutor, or under tensor parallelism rank 0's MultiprocExecutor driving the
+        # workers
         self.executor = build_executor(config, model_config, source, platform)
         self.kv_cache_manager = KVCacheManager(
-            self.executor.num_kv_blocks, config.block_size, enable_prefix_cache=config.enable_prefix_cache
+            self.executor.num_kv_blocks,
+            config.block_size,
+            enable_prefix_cache=config.enable_prefix_cache,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.metrics = EngineMetrics(self.model_name, self.scheduler, self.kv_cache_manager)
@@ -75,9 +84,15 @@ class LLMEngine:
         self._parent_of: dict[str, ParentRequest] = {}  # child id -> parent
         max_concurrency = self.executor.num_kv_blocks * config.block_size / self.max_model_len
         logger.info(
-            "model %s, dtype %s, device %s, %d KV blocks of %d tokens, max %.2fx concurrent sequences of %d tokens",
-            self.model_name, str(self.executor.dtype).removeprefix("torch."), platform.name,
-            self.executor.num_kv_blocks, config.block_size, max_concurrency, self.max_model_len,
+            "model %s, dtype %s, device %s, %d KV blocks of %d tokens, max %.2fx concurrent "
+            "sequences of %d tokens",
+            self.model_name,
+            str(self.executor.dtype).removeprefix("torch."),
+            platform.name,
+            self.executor.num_kv_blocks,
+            config.block_size,
+            max_concurrency,
+            self.max_model_len,
         )
 
     @classmethod
@@ -99,14 +114,20 @@ class LLMEngine:
         vocab = self.executor.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]} is out of range [0, {vocab})")
-        max_tokens = self.max_model_len - num_prompt if params.max_tokens is None else params.max_tokens
+        max_tokens = (
+            self.max_model_len - num_prompt if params.max_tokens is None else params.max_tokens
+        )
         if num_prompt + max(max_tokens, 1) > self.max_model_len:
             raise ValueError(
-                f"This model's maximum context length (max_model_len) is {self.max_model_len} tokens, but "
+                f"This model's maximum context length (max_model_len) is {self.max_model_len} "
+                "tokens, but "
                 f"{num_prompt} prompt tokens plus {max_tokens} max_tokens were requested "
                 f"({num_prompt + max_tokens} tokens). Shorten the prompt or lower max_tokens."
             )
@@ -114,15 +135,23 @@ class LLMEngine:
         if kv.blocks_for_tokens(num_prompt + max_tokens) > kv.num_blocks:
             raise ValueError(
                 f"prompt: {num_prompt} prompt tokens plus {max_tokens} max_tokens need "
-                f"{kv.blocks_for_tokens(num_prompt + max_tokens)} KV blocks but the cache has {kv.num_blocks}; "
+                f"{kv.blocks_for_tokens(num_prompt + max_tokens)} KV blocks but the cache has "
+                f"{kv.num_blocks}; "
                 "raise --kv-cache-memory or lower max_tokens"
             )
         return max_tokens
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, prompt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
         """Queue a request; it joins the batch at the next step.
 
-        With ``n > 1`` the request runs as ``n`` children (see :mod:`pyxllm.engine.parallel_sampling`)
+        With ``n > 1`` the request runs as ``n`` children (see
+        :mod:`pyxllm.engine.parallel_sampling`)
         whose outputs come back as one ``RequestOutput`` under ``request_id``.
 
         Raises:
@@ -138,20 +167,41 @@ class LLMEngine:
         self.parents[request_id] = parent
         for index, child_id in enumerate(parent.child_ids):
             self._parent_of[child_id] = parent
-            self._add_child(child_id, prompt, prompt_token_ids, parent.child_params(index), max_tokens, index)
+            self._add_child(
+                child_id, prompt, prompt_token_ids, parent.child_params(index), max_tokens, index
+            )
 
-    def _add_child(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                   params: SamplingParams, max_tokens: int, index: int = 0) -> None:
+    def _add_child(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        index: int = 0,
+    ) -> None:
         detokenizer = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens,
+            self.tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
         )
         min_tokens_stop_ids = ()
         if params.min_tokens > 0:
             eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
             min_tokens_stop_ids = tuple(sorted({*eos, *params.stop_token_ids}))
-        request = Request(request_id, prompt, list(prompt_token_ids), params, max_tokens, detokenizer,
-                          index=index, min_tokens_stop_ids=min_tokens_stop_ids)
+        request = Request(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            max_tokens,
+            detokenizer,
+            index=index,
+            min_tokens_stop_ids=min_tokens_stop_ids,
+        )
         self.requests[request_id] = request
         self.scheduler.add_request(request)
 
@@ -209,7 +259,10 @@ class LLMEngine:
         if stop is not None:
             request.stop_reason = stop
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             request.detokenizer.finish()
             return RequestStatus.FINISHED_LENGTH
         return None
@@ -232,8 +285,14 @@ class LLMEngine:
             stop_reason=request.stop_reason,
             logprobs=None if request.logprobs is None else list(request.logprobs),
         )
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             request.status.finished, request.prompt_logprobs)
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            [completion],
+            request.status.finished,
+            request.prompt_logprobs,
+        )
 
     def stats(self) -> dict[str, int | float]:
         """Scheduler and KV cache counters (for /debug/stats); a cached block that no live

@@ -1,5 +1,6 @@
 """Turning the executor's logprob lists into the per-token ``{token id: Logprob}`` dicts that
 requests collect (:attr:`~pyxllm.engine.request.Request.logprobs` and ``prompt_logprobs``)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
@@ -11,7 +12,9 @@ from pyxllm.outputs import Logprob
 Decode = Callable[[Sequence[int]], list[str]]
 
 
-def logprob_dict(token_ids: list[int], logprobs: list[float], rank: int, decode: Decode) -> dict[int, Logprob]:
+def logprob_dict(
+    token_ids: list[int], logprobs: list[float], rank: int, decode: Decode
+) -> dict[int, Logprob]:
     """``token id -> Logprob`` of one position: the given token first (with its rank), then the
     top ones (rank 1, 2, ...); ``decode(ids)`` gives each token's text."""
     texts = decode(token_ids)
@@ -21,7 +24,9 @@ def logprob_dict(token_ids: list[int], logprobs: list[float], rank: int, decode:
     return entries
 
 
-def record_logprobs(requests: Mapping[str, Request], plan: SchedulerOutput, result, decode: Decode) -> None:
+def record_logprobs(
+    requests: Mapping[str, Request], plan: SchedulerOutput, result, decode: Decode
+) -> None:
     """Append a step's sample and prompt logprobs (a ``StepResult``) to their requests.
 
     Call before the scheduler advances the requests: each sequence's ``num_computed_tokens``
@@ -38,4 +43,6 @@ def record_logprobs(requests: Mapping[str, Request], plan: SchedulerOutput, resu
         chunk = result.prompt_logprobs[i] if result.prompt_logprobs is not None else None
         if chunk and request.prompt_logprobs is not None:
             skip = len(request.prompt_logprobs) - (seq.num_computed_tokens + 1)
-            request.prompt_logprobs.extend(logprob_dict(*entry, decode) for entry in chunk[max(skip, 0):])
+            request.prompt_logprobs.extend(
+                logprob_dict(*entry, decode) for entry in chunk[max(skip, 0) :]
+            )

@@ -14,6 +14,7 @@ The collectors live in a per-engine ``CollectorRegistry`` (``EngineMetrics.regis
 several engines in one process do not clash; ``prometheus_client.generate_latest(registry)``
 renders them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -27,9 +28,62 @@ from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
 
 # seconds
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
-E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+ITL_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+)
+E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+)
 FINISHED_REASONS = tuple(s.value for s in RequestStatus if s.finished)
 
 
@@ -42,18 +96,43 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         label = [self.model_name]
         values = [
-            (GaugeMetricFamily, "vllm:num_requests_running", "Requests in model execution batches.",
-             len(self.scheduler.running)),
-            (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be processed.",
-             len(self.scheduler.waiting)),
-            (GaugeMetricFamily, "vllm:kv_cache_usage_perc",
-             "KV-cache usage: 1 means 100 percent of the blocks are referenced by live requests.", self.kv.usage),
-            (CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemptions.",
-             self.scheduler.num_preemptions),
-            (CounterMetricFamily, "vllm:prefix_cache_queries",
-             "Prefix cache queries, in tokens (the tokens of each admitted request).", self.kv.num_queries),
-            (CounterMetricFamily, "vllm:prefix_cache_hits",
-             "Prefix cache hits, in tokens found cached.", self.kv.num_hits),
+            (
+                GaugeMetricFamily,
+                "vllm:num_requests_running",
+                "Requests in model execution batches.",
+                len(self.scheduler.running),
+            ),
+            (
+                GaugeMetricFamily,
+                "vllm:num_requests_waiting",
+                "Requests waiting to be processed.",
+                len(self.scheduler.waiting),
+            ),
+            (
+                GaugeMetricFamily,
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage: 1 means 100 percent of the blocks are referenced by live "
+                "requests.",
+                self.kv.usage,
+            ),
+            (
+                CounterMetricFamily,
+                "vllm:num_preemptions",
+                "Cumulative number of preemptions.",
+                self.scheduler.num_preemptions,
+            ),
+            (
+                CounterMetricFamily,
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in tokens (the tokens of each admitted request).",
+                self.kv.num_queries,
+            ),
+            (
+                CounterMetricFamily,
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in tokens found cached.",
+                self.kv.num_hits,
+            ),
         ]
         for family, name, doc, value in values:
             metric = family(name, doc, labels=["model_name"])
@@ -68,18 +147,40 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(model_name, scheduler, kv))
         label, kw = ["model_name"], {"registry": self.registry}
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", label, **kw).labels(model_name)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prefill tokens processed.", label, **kw
+        ).labels(model_name)
         self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Generation tokens processed.", label, **kw).labels(model_name)
-        success = Counter("vllm:request_success", "Finished requests, by finish reason.",
-                          ["model_name", "finished_reason"], **kw)
+            "vllm:generation_tokens", "Generation tokens processed.", label, **kw
+        ).labels(model_name)
+        success = Counter(
+            "vllm:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            **kw,
+        )
         self.request_success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.",
-                              label, buckets=TTFT_BUCKETS, **kw).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens in seconds.",
-                             label, buckets=ITL_BUCKETS, **kw).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-                             label, buckets=E2E_BUCKETS, **kw).labels(model_name)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token in seconds.",
+            label,
+            buckets=TTFT_BUCKETS,
+            **kw,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between output tokens in seconds.",
+            label,
+            buckets=ITL_BUCKETS,
+            **kw,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency in seconds.",
+            label,
+            buckets=E2E_BUCKETS,
+            **kw,
+        ).labels(model_name)
 
     def record_tokens(self, requests: Iterable[Request], now: float) -> None:
         """Each of ``requests`` got one token at ``now`` (``time.monotonic()`` seconds).

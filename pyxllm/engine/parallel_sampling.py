@@ -5,6 +5,7 @@ child ``i`` samples with ``seed + i`` (as vLLM's ``ParentRequest`` does): child 
 ``n=1`` with the same seed gives, and a seeded request is reproducible whatever else runs.
 Only child 0 computes prompt logprobs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,13 @@ class ParentRequest:
         child_ids: the children's request ids, in index order.
     """
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.params = params
         self.child_ids = [child_request_id(request_id, i) for i in range(params.n)]
@@ -38,7 +45,8 @@ class ParentRequest:
         logprobs for child 0 only."""
         params = self.params
         return dataclasses.replace(
-            params, n=1,
+            params,
+            n=1,
             seed=None if params.seed is None else params.seed + index,
             prompt_logprobs=params.prompt_logprobs if index == 0 else None,
         )
@@ -53,12 +61,21 @@ class ParentRequest:
 
     def output(self) -> RequestOutput:
         """The parent's output: every child's latest completion, finished when all are."""
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, list(self.outputs),
-                             all(self.finished), self.prompt_logprobs)
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            list(self.outputs),
+            all(self.finished),
+            self.prompt_logprobs,
+        )
 
 
-def fold_children(outputs: list[RequestOutput], parents: dict[str, ParentRequest],
-                  parent_of: dict[str, ParentRequest]) -> list[RequestOutput]:
+def fold_children(
+    outputs: list[RequestOutput],
+    parents: dict[str, ParentRequest],
+    parent_of: dict[str, ParentRequest],
+) -> list[RequestOutput]:
     """Replace a step's child outputs by one output per parent; a finished child leaves
     ``parent_of``, a finished parent leaves ``parents``."""
     folded, updated = [], {}

@@ -1,4 +1,5 @@
 """A request's state inside the engine."""
+
 from __future__ import annotations
 
 import enum
@@ -77,7 +78,9 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """True while some prompt token still lacks its logprobs (its prefill must compute
         logits at every prompt position, so it takes no prefix-cache hit)."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ blocks run out, the most recently admitted running request is preempted: its blo
 and it waits to be recomputed, keeping the tokens it generated. A waiting request (new or
 preempted) starts after its prefix-cache hit (see ``KVCacheManager.get_computed_blocks``).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -39,7 +40,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
-        """Mark ``request`` finished with ``status``, drop it from the queues and free its blocks."""
+        """Mark ``request`` finished with ``status``, drop it from the queues and free its
+        blocks."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -94,7 +96,10 @@ class Scheduler:
         num_output = request.num_output_tokens
         targets = None
         if request.needs_prompt_logprobs:
-            targets = request.token_ids[start + 1 : min(start + num_new + 1, request.num_prompt_tokens)] or None
+            targets = (
+                request.token_ids[start + 1 : min(start + num_new + 1, request.num_prompt_tokens)]
+                or None
+            )
         return ScheduledSequence(
             request_id=request.request_id,
             token_ids=request.token_ids[start : start + num_new],
@@ -104,7 +109,9 @@ class Scheduler:
             sampling_params=params,
             generator=request.generator,
             num_output_tokens=num_output,
-            min_tokens_stop_ids=request.min_tokens_stop_ids if num_output < params.min_tokens else (),
+            min_tokens_stop_ids=request.min_tokens_stop_ids
+            if num_output < params.min_tokens
+            else (),
             penalty_token_ids=request.token_ids if params.uses_penalties else None,
             num_prompt_tokens=request.num_prompt_tokens,
             prompt_logprob_targets=targets,

@@ -1,18 +1,25 @@
 """The engine's view of a tokenizer: a thin wrapper over a transformers tokenizer."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 # Names of ``transformers`` ``apply_chat_template`` arguments that would change what it returns.
-_RESERVED_TEMPLATE_KWARGS = ("tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask")
+_RESERVED_TEMPLATE_KWARGS = (
+    "tokenize",
+    "return_dict",
+    "return_tensors",
+    "return_assistant_tokens_mask",
+)
 
 
 class Tokenizer:
     """Wraps a transformers (preferably fast) tokenizer; the engine and server only use this.
 
     Args:
-        hf_tokenizer: a ``transformers`` tokenizer (``PreTrainedTokenizerBase``), available as ``hf``.
+        hf_tokenizer: a ``transformers`` tokenizer (``PreTrainedTokenizerBase``), available as
+            ``hf``.
         eos_token_ids: extra token ids that end generation (e.g. from ``generation_config.json``
             or the GGUF metadata); ``hf.eos_token_id`` is always included.
 
@@ -43,23 +50,30 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds e.g. a BOS token if the model uses one."""
+        """Token ids of ``text``; ``add_special_tokens`` adds e.g. a BOS token if the model uses
+        one."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``token_ids``, without special tokens (``<|im_end|>`` …) if ``skip_special_tokens``.
+        """Text of ``token_ids``, without special tokens (``<|im_end|>`` …) if
+        ``skip_special_tokens``.
 
         An incomplete UTF-8 sequence at either end comes out as U+FFFD, as in transformers.
         """
         return self.hf.decode(
-            list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+            list(token_ids),
+            skip_special_tokens=skip_special_tokens,
+            clean_up_tokenization_spaces=False,
         )
 
     def decode_each(self, token_ids: Sequence[int]) -> list[str]:
         """Each token's text decoded alone, special tokens kept (as logprobs show tokens); a
         token holding part of a UTF-8 character comes out as U+FFFD."""
-        return self.hf.batch_decode([[int(t)] for t in token_ids], skip_special_tokens=False,
-                                    clean_up_tokenization_spaces=False)
+        return self.hf.batch_decode(
+            [[int(t)] for t in token_ids],
+            skip_special_tokens=False,
+            clean_up_tokenization_spaces=False,
+        )
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary strings of ``ids`` (e.g. ``"ĠParis"`` for a byte-level BPE)."""
@@ -75,15 +89,20 @@ class Tokenizer:
 
         Args:
             messages: OpenAI-style messages, each a mapping with a string ``role`` and a ``content``
-                (a string, a list of parts, or ``None`` for an assistant message with ``tool_calls``).
+                (a string, a list of parts, or ``None`` for an assistant message with
+                ``tool_calls``).
             add_generation_prompt: append the header that opens the assistant's turn.
-            **template_kwargs: passed to the template (e.g. ``enable_thinking=False``, ``tools=[...]``).
+            **template_kwargs: passed to the template (e.g. ``enable_thinking=False``,
+                ``tools=[...]``).
 
         Raises:
             ValueError: the tokenizer has no chat template, ``messages`` is empty or malformed,
                 a reserved argument (``tokenize`` …) is given, or the template fails to render.
         """
-        if getattr(self.hf, "chat_template", None) is None and "chat_template" not in template_kwargs:
+        if (
+            getattr(self.hf, "chat_template", None) is None
+            and "chat_template" not in template_kwargs
+        ):
             raise ValueError(
                 f"tokenizer {type(self.hf).__name__} has no chat template; "
                 "send a plain completion prompt or provide a model with a chat template"
@@ -94,7 +113,10 @@ class Tokenizer:
         _check_messages(messages)
         try:
             text = self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **template_kwargs,
             )
         except ValueError:
             raise
@@ -112,7 +134,8 @@ def _check_messages(messages: Any) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise ValueError(
-                f"messages[{i}]: expected an object with 'role' and 'content', got {type(m).__name__}"
+                f"messages[{i}]: expected an object with 'role' and 'content', got "
+                f"{type(m).__name__}"
             )
         if not isinstance(m.get("role"), str):
             raise ValueError(f"messages[{i}]: 'role' is missing or not a string")

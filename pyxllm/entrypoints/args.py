@@ -7,6 +7,7 @@ added later is a flag without another edit. Only help strings and choices live h
 Booleans take ``--x``, ``--no-x``, ``--x=false`` or ``--x false`` (also true/false, 1/0, yes/no,
 on/off); any other value is an error naming the flag, never a silent ``True``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,11 +61,19 @@ ENGINE_HELP = {
 }
 ENGINE_CHOICES = {"dtype": DTYPES, "device": DEVICES, "quantization": QUANTIZATIONS}
 # extra spellings of a flag (xLLM's names, short forms)
-ENGINE_ALIASES = {"tensor_parallel_size": ["--tp"],
-                  "master_addr": ["--master-node-addr", "--master_node_addr"]}
-ENGINE_METAVARS = {"model": "PATH", "served_model_name": "NAME", "kv_cache_memory": "GIB",
-                   "master_addr": "HOST:PORT", "dist_init_timeout": "SECONDS",
-                   "graph_backend": "KIND", "gpu_memory_utilization": "FRACTION"}
+ENGINE_ALIASES = {
+    "tensor_parallel_size": ["--tp"],
+    "master_addr": ["--master-node-addr", "--master_node_addr"],
+}
+ENGINE_METAVARS = {
+    "model": "PATH",
+    "served_model_name": "NAME",
+    "kv_cache_memory": "GIB",
+    "master_addr": "HOST:PORT",
+    "dist_init_timeout": "SECONDS",
+    "graph_backend": "KIND",
+    "gpu_memory_utilization": "FRACTION",
+}
 
 
 def flag_names(name: str) -> list[str]:
@@ -129,11 +138,20 @@ def _field_type(hint) -> tuple[type, bool]:
 def add_bool_flag(parser, name: str, default: bool, help: str) -> None:
     """Add ``--name [BOOL]`` and ``--no-name`` (both spellings each) storing into ``name``."""
     parser.add_argument(
-        *flag_names(name), dest=name, type=parse_bool, nargs="?", const=True, default=default,
-        metavar="BOOL", help=help,
+        *flag_names(name),
+        dest=name,
+        type=parse_bool,
+        nargs="?",
+        const=True,
+        default=default,
+        metavar="BOOL",
+        help=help,
     )
     parser.add_argument(
-        *flag_names("no_" + name), dest=name, action="store_false", default=argparse.SUPPRESS,
+        *flag_names("no_" + name),
+        dest=name,
+        action="store_false",
+        default=argparse.SUPPRESS,
         help=f"same as {flag_names(name)[0]}=false",
     )
 
@@ -177,9 +195,13 @@ def add_engine_args(parser, config_cls: type = EngineConfig) -> None:
         if nullable and base is not str:
             convert = _optional(convert)
         parser.add_argument(
-            *flag_names(field.name), *ENGINE_ALIASES.get(field.name, ()), dest=field.name,
-            type=convert, default=default,
-            choices=ENGINE_CHOICES.get(field.name), help=help_text,
+            *flag_names(field.name),
+            *ENGINE_ALIASES.get(field.name, ()),
+            dest=field.name,
+            type=convert,
+            default=default,
+            choices=ENGINE_CHOICES.get(field.name),
+            help=help_text,
             metavar=_metavar(field.name, base),
         )
 
@@ -200,7 +222,10 @@ def _port(text: str) -> int:
 def _engine_flags_help() -> str:
     """The engine flags section, for the top-level ``pyxllm --help``."""
     parser = argparse.ArgumentParser(
-        prog="pyxllm", usage=argparse.SUPPRESS, add_help=False, allow_abbrev=False,
+        prog="pyxllm",
+        usage=argparse.SUPPRESS,
+        add_help=False,
+        allow_abbrev=False,
         formatter_class=HelpFormatter,
     )
     add_engine_args(parser.add_argument_group("engine flags (serve and generate)"))
@@ -215,62 +240,116 @@ def make_arg_parser() -> argparse.ArgumentParser:
     """
     fmt = HelpFormatter
     parser = argparse.ArgumentParser(
-        prog="pyxllm", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="pyxllm",
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="pyxllm: a Python-native LLM inference and serving engine.",
         epilog=_engine_flags_help(),
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     serve = commands.add_parser(
-        "serve", help="serve an OpenAI-compatible HTTP API", allow_abbrev=False,
-        formatter_class=fmt, description="Serve an OpenAI-compatible HTTP API.",
+        "serve",
+        help="serve an OpenAI-compatible HTTP API",
+        allow_abbrev=False,
+        formatter_class=fmt,
+        description="Serve an OpenAI-compatible HTTP API.",
     )
     server = serve.add_argument_group("server flags")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
-    server.add_argument(*flag_names("reasoning_parser"), dest="reasoning_parser", default=None,
-                        choices=reasoning_parser_names(),
-                        help="split chat output into reasoning_content and content")
+    server.add_argument(
+        *flag_names("reasoning_parser"),
+        dest="reasoning_parser",
+        default=None,
+        choices=reasoning_parser_names(),
+        help="split chat output into reasoning_content and content",
+    )
     add_engine_args(serve.add_argument_group("engine flags"))
 
     generate = commands.add_parser(
-        "generate", help="generate a completion for one prompt and stream it to stdout",
-        allow_abbrev=False, formatter_class=fmt,
+        "generate",
+        help="generate a completion for one prompt and stream it to stdout",
+        allow_abbrev=False,
+        formatter_class=fmt,
         description="Generate a completion for one prompt and stream it to stdout.",
     )
     generate.add_argument("prompt", help="the prompt text; '-' reads it from stdin")
     sampling = generate.add_argument_group("sampling flags")
-    sampling.add_argument(*flag_names("max_tokens"), dest="max_tokens", type=_int, default=256,
-                          metavar="N", help="most new tokens to generate")
+    sampling.add_argument(
+        *flag_names("max_tokens"),
+        dest="max_tokens",
+        type=_int,
+        default=256,
+        metavar="N",
+        help="most new tokens to generate",
+    )
     model_default = "(default: the model's generation_config.json, else 1.0)"
-    sampling.add_argument(*flag_names("temperature"), dest="temperature", type=_float,
-                          metavar="T", help=f"sampling temperature; 0 is greedy {model_default}")
-    sampling.add_argument(*flag_names("top_p"), dest="top_p", type=_float, metavar="P",
-                          help=f"nucleus sampling probability mass, in (0, 1] {model_default}")
-    add_bool_flag(sampling, "chat", True,
-                  "apply the model's chat template to the prompt as one user message")
+    sampling.add_argument(
+        *flag_names("temperature"),
+        dest="temperature",
+        type=_float,
+        metavar="T",
+        help=f"sampling temperature; 0 is greedy {model_default}",
+    )
+    sampling.add_argument(
+        *flag_names("top_p"),
+        dest="top_p",
+        type=_float,
+        metavar="P",
+        help=f"nucleus sampling probability mass, in (0, 1] {model_default}",
+    )
+    add_bool_flag(
+        sampling, "chat", True, "apply the model's chat template to the prompt as one user message"
+    )
     add_engine_args(generate.add_argument_group("engine flags"))
 
     check = commands.add_parser(
-        "check-device", help="check a device against the CPU and every runner against eager",
-        allow_abbrev=False, formatter_class=fmt,
+        "check-device",
+        help="check a device against the CPU and every runner against eager",
+        allow_abbrev=False,
+        formatter_class=fmt,
         description="Check the device's float32 logits against the CPU's, each runner's greedy "
         "tokens against eager's, and measure decode throughput (see README, Devices and runners).",
     )
     checks = check.add_argument_group("check flags")
-    checks.add_argument(*flag_names("max_tokens"), dest="max_tokens", type=_int, default=16,
-                        metavar="N", help="greedy tokens per prompt")
-    checks.add_argument(*flag_names("batch_size"), dest="batch_size", type=_int, default=8,
-                        metavar="N", help="sequences decoded together for the throughput figure")
-    checks.add_argument("--atol", type=_float, default=1e-2,
-                        help="largest |logit difference| allowed between device and CPU (float32)")
-    checks.add_argument("--runners", default="eager,graph,compile",
-                        help="comma-separated runners to compare (those the device lacks are skipped)")
+    checks.add_argument(
+        *flag_names("max_tokens"),
+        dest="max_tokens",
+        type=_int,
+        default=16,
+        metavar="N",
+        help="greedy tokens per prompt",
+    )
+    checks.add_argument(
+        *flag_names("batch_size"),
+        dest="batch_size",
+        type=_int,
+        default=8,
+        metavar="N",
+        help="sequences decoded together for the throughput figure",
+    )
+    checks.add_argument(
+        "--atol",
+        type=_float,
+        default=1e-2,
+        help="largest |logit difference| allowed between device and CPU (float32)",
+    )
+    checks.add_argument(
+        "--runners",
+        default="eager,graph,compile",
+        help="comma-separated runners to compare (those the device lacks are skipped)",
+    )
     add_engine_args(check.add_argument_group("engine flags"))
     check.set_defaults(dtype="float32")
 
     bench = _add_bench_parsers(commands, fmt)
-    parser.command_parsers = {"serve": serve, "generate": generate, "check-device": check, "bench": bench}
+    parser.command_parsers = {
+        "serve": serve,
+        "generate": generate,
+        "check-device": check,
+        "bench": bench,
+    }
     return parser
 
 
@@ -281,19 +360,29 @@ def _add_bench_parsers(commands, fmt) -> argparse.ArgumentParser:
     from pyxllm.benchmarks.throughput import add_offline_args
 
     bench = commands.add_parser(
-        "bench", help="benchmark a server (serve), offline throughput or batch-1 latency",
-        allow_abbrev=False, description="Benchmarks; see README, Performance.",
+        "bench",
+        help="benchmark a server (serve), offline throughput or batch-1 latency",
+        allow_abbrev=False,
+        description="Benchmarks; see README, Performance.",
     )
     kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     serve = kinds.add_parser(
-        "serve", help="load-test any OpenAI-compatible server", allow_abbrev=False, formatter_class=fmt,
-        description="Streaming /completions requests against --base-url; TTFT, TPOT, ITL and end-to-end "
-        "latency (mean/median/p99 ms), request and token throughput, as a table, JSON and a PNG.",
+        "serve",
+        help="load-test any OpenAI-compatible server",
+        allow_abbrev=False,
+        formatter_class=fmt,
+        description="Streaming /completions requests against --base-url; TTFT, TPOT, ITL and "
+        "end-to-end latency (mean/median/p99 ms), request and token throughput, as a table, "
+        "JSON and a PNG.",
     )
     add_serve_args(serve)
-    for kind, text in (("throughput", "offline throughput of the LLM API"),
-                       ("latency", "batch-1 time to first token and decode rate")):
-        sub = kinds.add_parser(kind, help=text, allow_abbrev=False, formatter_class=fmt, description=text + ".")
+    for kind, text in (
+        ("throughput", "offline throughput of the LLM API"),
+        ("latency", "batch-1 time to first token and decode rate"),
+    ):
+        sub = kinds.add_parser(
+            kind, help=text, allow_abbrev=False, formatter_class=fmt, description=text + "."
+        )
         add_offline_args(sub.add_argument_group("benchmark flags"), kind)
         add_engine_args(sub.add_argument_group("engine flags"))
     return bench

@@ -15,6 +15,7 @@ On the CPU the logits check compares the CPU with itself, and ``graph`` replays 
 traces of the decode step (``runners.graph.TraceCapture``). Prints one line per check; exit
 status 0 when all pass, else 1.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,10 +60,14 @@ def prompt_logits(engine, token_ids: list[int]) -> torch.Tensor:
     executor = engine.executor
     block_size = executor.config.block_size
     blocks = list(range(-(-len(token_ids) // block_size)))
-    seq = ScheduledSequence("check", list(token_ids), 0, blocks, True, SamplingParams(temperature=0))
+    seq = ScheduledSequence(
+        "check", list(token_ids), 0, blocks, True, SamplingParams(temperature=0)
+    )
     batch = InputBatch.build(SchedulerOutput([seq]), block_size, executor.device)
     hidden = executor.runner.execute(batch, executor.make_context)
-    return executor.model.compute_logits(hidden.index_select(0, batch.logits_indices))[0].float().cpu()
+    return (
+        executor.model.compute_logits(hidden.index_select(0, batch.logits_indices))[0].float().cpu()
+    )
 
 
 def _generate(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
@@ -106,14 +111,20 @@ def run_check_device(args, config: EngineConfig, out=None) -> int:
     same_argmax = int(logits.argmax()) == int(reference.argmax())
     passed = diff <= args.atol and same_argmax
     ok &= passed
-    say(f"logits  {'PASS' if passed else 'FAIL'}: float32 {platform.name} vs cpu, max |diff| {diff:.2e} "
-        f"(atol {args.atol:g}), argmax {'equal' if same_argmax else 'differs'}")
+    say(
+        f"logits  {'PASS' if passed else 'FAIL'}: float32 {platform.name} vs cpu, max |diff| "
+        f"{diff:.2e} "
+        f"(atol {args.atol:g}), argmax {'equal' if same_argmax else 'differs'}"
+    )
 
     expected, reference_kind = None, None
     batch = [prompts[i % len(prompts)] for i in range(args.batch_size)]
     for kind in wanted:
         if kind not in platform.runners:
-            say(f"{kind:7} SKIP: not supported on {platform.name} (supported: {', '.join(platform.runners)})")
+            say(
+                f"{kind:7} SKIP: not supported on {platform.name} (supported: "
+                f"{', '.join(platform.runners)})"
+            )
             continue
         start = time.perf_counter()
         engine = _engine(config, graph_backend=kind)
@@ -126,9 +137,13 @@ def run_check_device(args, config: EngineConfig, out=None) -> int:
             expected, reference_kind = tokens, kind
         passed = tokens == expected
         ok &= passed
-        say(f"{kind:7} {'PASS' if passed else 'FAIL'}: greedy tokens {'equal' if passed else 'differ from'} "
-            f"{reference_kind}'s ({len(prompts)} prompts x {args.max_tokens}); decode {rate:.1f} tok/s at batch "
-            f"{len(batch)}; first run {ready:.1f} s")
+        say(
+            f"{kind:7} {'PASS' if passed else 'FAIL'}: greedy tokens "
+            f"{'equal' if passed else 'differ from'} "
+            f"{reference_kind}'s ({len(prompts)} prompts x {args.max_tokens}); decode {rate:.1f} "
+            "tok/s at batch "
+            f"{len(batch)}; first run {ready:.1f} s"
+        )
         if not passed:
             say(f"        expected {expected}\n        got      {tokens}")
     say("check-device: " + ("all checks passed" if ok else "FAILED"))

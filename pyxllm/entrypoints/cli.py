@@ -1,4 +1,5 @@
-"""The ``pyxllm`` command: ``serve``, ``generate``, ``check-device`` and ``bench`` (serve|throughput|latency).
+"""The ``pyxllm`` command: ``serve``, ``generate``, ``check-device`` and ``bench``
+(serve|throughput|latency).
 
 Flags are defined in :mod:`pyxllm.entrypoints.args`. A bad flag value exits with argparse's
 usage error (status 2); an error while loading the model (a ``ValueError`` or a missing file)
@@ -9,6 +10,7 @@ Tensor parallelism by hand: ``serve`` (or ``generate``) with ``--node-rank i > 0
 that rank's executor (no HTTP server) until rank 0 stops it. A rank that cannot join the others,
 or a server stopped by a dead worker, prints ``error: <message naming the rank>`` and exits 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +20,15 @@ import sys
 from pyxllm.config import EngineConfig
 from pyxllm.entrypoints.args import config_from_args, make_arg_parser, parse_args
 
-__all__ = ["main", "make_arg_parser", "config_from_args", "run_serve", "run_generate", "run_check_device",
-           "run_bench"]
+__all__ = [
+    "main",
+    "make_arg_parser",
+    "config_from_args",
+    "run_serve",
+    "run_generate",
+    "run_check_device",
+    "run_bench",
+]
 
 
 def run_worker_rank(config: EngineConfig) -> int:
@@ -29,7 +38,9 @@ def run_worker_rank(config: EngineConfig) -> int:
 
     from pyxllm.executor.worker import run_worker
 
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank {config.node_rank} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(levelname)s rank {config.node_rank} %(name)s: %(message)s"
+    )
     return run_worker(config, config.node_rank, config.world_size, config.master_addr)
 
 
@@ -69,8 +80,11 @@ def run_generate(args: argparse.Namespace, config: EngineConfig, out=None) -> in
     from pyxllm.sampling_params import SamplingParams
 
     out = out if out is not None else sys.stdout
-    explicit = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p")
-                if getattr(args, k) is not None}
+    explicit = {
+        k: getattr(args, k)
+        for k in ("max_tokens", "temperature", "top_p")
+        if getattr(args, k) is not None
+    }
     try:
         SamplingParams(**explicit)  # bad flag values fail before the model loads
     except ValueError as exc:
@@ -84,8 +98,9 @@ def run_generate(args: argparse.Namespace, config: EngineConfig, out=None) -> in
     defaults = {k: v for k, v in model_defaults.items() if k in _MODEL_DEFAULTED}
     params = SamplingParams(**{**defaults, **explicit})
     request_id = "generate-0"
-    engine.add_request(request_id, _prompt_token_ids(engine, prompt, args.chat), params,
-                       prompt=prompt)
+    engine.add_request(
+        request_id, _prompt_token_ids(engine, prompt, args.chat), params, prompt=prompt
+    )
     printed = 0
     try:
         while engine.has_unfinished_requests():
@@ -106,7 +121,8 @@ def run_generate(args: argparse.Namespace, config: EngineConfig, out=None) -> in
 
 
 def run_check_device(args: argparse.Namespace, config: EngineConfig) -> int:
-    """``pyxllm check-device``: the device and runner checks of :mod:`pyxllm.entrypoints.check_device`."""
+    """``pyxllm check-device``: the device and runner checks of
+    :mod:`pyxllm.entrypoints.check_device`."""
     from pyxllm.entrypoints.check_device import run_check_device as check
 
     return check(args, config)
@@ -130,7 +146,12 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     return 0
 
 
-COMMANDS = {"serve": run_serve, "generate": run_generate, "check-device": run_check_device, "bench": run_bench}
+COMMANDS = {
+    "serve": run_serve,
+    "generate": run_generate,
+    "check-device": run_check_device,
+    "bench": run_bench,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

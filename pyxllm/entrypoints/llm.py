@@ -1,4 +1,5 @@
 """The offline API: ``LLM(...).generate(prompts, SamplingParams(...))``, as in vLLM."""
+
 from __future__ import annotations
 
 import itertools
@@ -20,8 +21,10 @@ class LLM:
     """An engine for offline batched generation.
 
     Args:
-        model: ``None`` (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file or a Hugging Face directory.
-        **kwargs: any other ``EngineConfig`` field (``dtype``, ``max_model_len``, ``kv_cache_memory``, ...).
+        model: ``None`` (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file or a Hugging Face
+            directory.
+        **kwargs: any other ``EngineConfig`` field (``dtype``, ``max_model_len``,
+            ``kv_cache_memory``, ...).
 
     Raises:
         ValueError: a bad setting or a model that cannot be loaded (the message says which and why).
@@ -43,7 +46,8 @@ class LLM:
         """Generate for every prompt, batched; outputs come back in the order of ``prompts``.
 
         Args:
-            prompts: text, or ``{"prompt_token_ids": [...]}`` (vLLM's TokensPrompt), or a list of them.
+            prompts: text, or ``{"prompt_token_ids": [...]}`` (vLLM's TokensPrompt), or a list of
+                them.
             sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``).
         Raises:
             ValueError: an invalid prompt or parameters (nothing is run then).
@@ -68,7 +72,10 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        token_ids = [tokenizer.apply_chat_template(c, True, **(chat_template_kwargs or {})) for c in conversations]
+        token_ids = [
+            tokenizer.apply_chat_template(c, True, **(chat_template_kwargs or {}))
+            for c in conversations
+        ]
         return self._run(token_ids, [None] * len(token_ids), sampling_params, use_tqdm)
 
     def _tokenize(self, prompt: PromptType) -> list[int]:

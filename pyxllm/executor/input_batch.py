@@ -1,4 +1,5 @@
 """A step's model inputs, built as tensors once per step (never per token in Python)."""
+
 from __future__ import annotations
 
 import itertools
@@ -43,17 +44,28 @@ class InputBatch:
         seq_lens = [c + n for c, n in zip(computed, query_lens)]
         starts = [0, *itertools.accumulate(query_lens)]
         max_blocks = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs], dtype=torch.long)
+        tables = torch.tensor(
+            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
+            dtype=torch.long,
+        )
 
         lens_t = torch.tensor(query_lens, dtype=torch.long)
         seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), lens_t)
-        offsets = torch.tensor(computed, dtype=torch.long) - torch.tensor(starts[:-1], dtype=torch.long)
+        offsets = torch.tensor(computed, dtype=torch.long) - torch.tensor(
+            starts[:-1], dtype=torch.long
+        )
         positions = torch.arange(starts[-1], dtype=torch.long) + offsets[seq_idx]
-        slot_mapping = tables[seq_idx, positions // block_size] * block_size + positions % block_size
+        slot_mapping = (
+            tables[seq_idx, positions // block_size] * block_size + positions % block_size
+        )
         sampled = [starts[i + 1] - 1 for i, s in enumerate(seqs) if s.sample]
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return cls(
-            input_ids=to(torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in seqs)), dtype=torch.long)),
+            input_ids=to(
+                torch.tensor(
+                    list(itertools.chain.from_iterable(s.token_ids for s in seqs)), dtype=torch.long
+                )
+            ),
             positions=to(positions),
             slot_mapping=to(slot_mapping),
             query_start_loc=to(torch.tensor(starts, dtype=torch.long)),

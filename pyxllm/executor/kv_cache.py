@@ -1,4 +1,5 @@
 """Sizing and allocating the paged KV cache from a memory budget."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,7 +38,8 @@ class KVCacheSpec:
         """How many blocks fit in ``budget_bytes``.
 
         Raises:
-            ValueError: not even one block fits (naming ``--kv-cache-memory`` and the block size in bytes).
+            ValueError: not even one block fits (naming ``--kv-cache-memory`` and the block size in
+                bytes).
         """
         num_blocks = int(budget_bytes // self.bytes_per_block)
         if num_blocks < 1:
@@ -48,10 +50,16 @@ class KVCacheSpec:
         return num_blocks
 
 
-def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed ``(k_cache, v_cache)`` per layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+def allocate_kv_caches(
+    spec: KVCacheSpec, num_blocks: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed ``(k_cache, v_cache)`` per layer, each ``[num_blocks, block_size, num_kv_heads,
+    head_dim]``."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     return [
-        (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+        (
+            torch.zeros(shape, dtype=spec.dtype, device=device),
+            torch.zeros(shape, dtype=spec.dtype, device=device),
+        )
         for _ in range(spec.num_layers)
     ]

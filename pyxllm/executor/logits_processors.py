@@ -4,6 +4,7 @@ The sampler applies them in vLLM's order: logit bias and the ``min_tokens`` mask
 penalties, then temperature, then min-p, top-k and top-p. Each takes only the rows (or token
 entries) that use it, so a batch that does not use a feature pays nothing for it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,7 +52,9 @@ def apply_logit_bias(logits: torch.Tensor, bias: TokenEntries) -> torch.Tensor:
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenEntries) -> torch.Tensor:
     """Set the logits at ``(mask.rows, mask.token_ids)`` to ``-inf``, in place (``min_tokens``)."""
-    return logits.index_put_((mask.rows, mask.token_ids), torch.tensor(float("-inf"), device=logits.device))
+    return logits.index_put_(
+        (mask.rows, mask.token_ids), torch.tensor(float("-inf"), device=logits.device)
+    )
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
@@ -83,7 +86,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Set logits outside each row's top-k and top-p (nucleus, Holtzman et al. 2019) sets to -inf.
 
     Args:
@@ -123,7 +128,9 @@ class LogprobsTensors:
         return list(zip(self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()))
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> LogprobsTensors:
     """Log-softmax of ``logits [L, vocab]``, gathered at ``token_ids [L]`` plus a top-``num_top``.
 
     One ``topk`` over all rows; rows that asked for fewer keep a prefix of theirs.

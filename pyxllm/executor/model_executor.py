@@ -1,5 +1,6 @@
 """The model executor of one TP rank: owns the model, its KV cache, the attention backend,
 the runner and the sampler, and executes one scheduler step at a time."""
+
 from __future__ import annotations
 
 import logging
@@ -9,13 +10,13 @@ import torch
 from tqdm import tqdm
 
 from pyxllm.config import EngineConfig
+from pyxllm.distributed.parallel_state import get_local_rank, get_tp_rank, tensor_model_parallel_min
 from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.kv_cache import KVCacheSpec, allocate_kv_caches
-from pyxllm.executor.runners import build_runner
 from pyxllm.executor.logits_processors import compute_logprobs
+from pyxllm.executor.runners import build_runner
 from pyxllm.executor.sampler import Sampler, SamplingMetadata
 from pyxllm.executor.scheduler_output import SchedulerOutput
-from pyxllm.distributed.parallel_state import get_local_rank, get_tp_rank, tensor_model_parallel_min
 from pyxllm.layers.forward_context import ForwardContext
 from pyxllm.layers.quantization import quantize_model
 from pyxllm.models.registry import resolve_model_class
@@ -34,7 +35,8 @@ def checkpoint_dtype(model_config) -> torch.dtype | None:
 
     ``None`` when absent (e.g. a GGUF file) or not a float dtype pyxllm computes in.
     """
-    # reading ``torch_dtype`` on a transformers 5 config warns; read it only where ``dtype`` is absent
+    # reading ``torch_dtype`` on a transformers 5 config warns; read it only where ``dtype`` is
+    # absent
     name = "dtype" if hasattr(model_config, "dtype") else "torch_dtype"
     value = getattr(model_config, name, None)
     if isinstance(value, str):
@@ -53,8 +55,11 @@ def resolve_dtype(dtype: str, platform: Platform, model_config=None) -> torch.dt
     Any other value is taken as given.
     """
     if dtype == "float16" and platform.float16_dtype != torch.float16:
-        logger.warning("--dtype float16 is not supported on %s: using %s", platform.name,
-                       str(platform.float16_dtype).removeprefix("torch."))
+        logger.warning(
+            "--dtype float16 is not supported on %s: using %s",
+            platform.name,
+            str(platform.float16_dtype).removeprefix("torch."),
+        )
         return platform.float16_dtype
     if dtype != "auto":
         return _DTYPES[dtype]
@@ -98,7 +103,9 @@ class ModelExecutor:
             budget too small to hold one block.
     """
 
-    def __init__(self, config: EngineConfig, model_config, source: ModelSource, platform: Platform) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config, source: ModelSource, platform: Platform
+    ) -> None:
         self.config, self.model_config, self.platform = config, model_config, platform
         platform.check_runner(config.graph_backend)
         self.device = platform.set_device(platform.device_index(get_local_rank()))
@@ -120,18 +127,33 @@ class ModelExecutor:
         quantize_model(self.model, config.quantization)
 
         self.kv_spec = KVCacheSpec.from_model(self.model, config.block_size, self.dtype)
-        budget = platform.kv_cache_bytes(config.kv_cache_memory, config.gpu_memory_utilization, self.device)
+        budget = platform.kv_cache_bytes(
+            config.kv_cache_memory, config.gpu_memory_utilization, self.device
+        )
         # every TP rank must hold the same blocks: take the smallest count any rank can afford
         self.num_kv_blocks = tensor_model_parallel_min(self.kv_spec.num_blocks_for(budget))
         self.kv_caches = allocate_kv_caches(self.kv_spec, self.num_kv_blocks, self.device)
         self.attn_backend = load_class(platform.select_attention_backend(config.block_size))()
-        max_model_len = config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
+        max_model_len = (
+            config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
+        )
         self.runner = build_runner(
-            config.graph_backend, self.model, platform, self.attn_backend, self.kv_caches,
-            max_batch=config.max_seqs_per_batch, max_model_len=max_model_len, block_size=config.block_size,
+            config.graph_backend,
+            self.model,
+            platform,
+            self.attn_backend,
+            self.kv_caches,
+            max_batch=config.max_seqs_per_batch,
+            max_model_len=max_model_len,
+            block_size=config.block_size,
         )
         self.sampler = Sampler(config.seed, self.device)
-        logger.info("device %s, attention %s, runner %s", self.device, type(self.attn_backend).__name__, self.runner.name)
+        logger.info(
+            "device %s, attention %s, runner %s",
+            self.device,
+            type(self.attn_backend).__name__,
+            self.runner.name,
+        )
 
     failure: str | None = None  # a one-process executor has no worker to lose
 
@@ -158,19 +180,27 @@ class ModelExecutor:
                 rows = []
         if rows:
             seqs = [plan.sequences[i] for i in rows]
-            out = self.sampler.sample(logits, SamplingMetadata.build(seqs, logits.shape[-1], self.device))
+            out = self.sampler.sample(
+                logits, SamplingMetadata.build(seqs, logits.shape[-1], self.device)
+            )
             for row, token in zip(rows, out.token_ids.tolist()):
                 result.sampled_token_ids[row] = token
             if out.logprobs is not None:
                 result.logprobs = [None] * len(plan.sequences)
-                asked = [(row, s.sampling_params.logprobs) for row, s in zip(rows, seqs) if s.sampling_params.logprobs is not None]
+                asked = [
+                    (row, s.sampling_params.logprobs)
+                    for row, s in zip(rows, seqs)
+                    if s.sampling_params.logprobs is not None
+                ]
                 for (row, k), (ids, values, rank) in zip(asked, out.logprobs.tolists()):
                     result.logprobs[row] = (ids[: 1 + k], values[: 1 + k], rank)
         if any(s.prompt_logprob_targets for s in plan.sequences):
             result.prompt_logprobs = self._prompt_logprobs(plan, batch, hidden_states)
         return result
 
-    def _prompt_logprobs(self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor) -> list:
+    def _prompt_logprobs(
+        self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor
+    ) -> list:
         """Logprobs of the raw model distribution (no penalty or temperature) at every prompt
         position whose next prompt token the plan asks about; logits only for those positions."""
         out: list[list[TokenLogprobs] | None] = [None] * len(plan.sequences)
@@ -182,5 +212,7 @@ class ModelExecutor:
                 if logits is None:  # a TP worker: only rank 0 gets logits
                     continue
                 target_ids = torch.tensor(targets, device=logits.device)
-                out[i] = compute_logprobs(logits.float(), target_ids, seq.sampling_params.prompt_logprobs).tolists()
+                out[i] = compute_logprobs(
+                    logits.float(), target_ids, seq.sampling_params.prompt_logprobs
+                ).tolists()
         return out

@@ -21,6 +21,7 @@ flight once its collective fails, raises :class:`WorkerDiedError`, and ``check_h
 too. :meth:`MultiprocExecutor.shutdown` sends the workers a stop message, then terminates
 spawned ones that have not exited within a few seconds.
 """
+
 from __future__ import annotations
 
 import logging
@@ -114,11 +115,22 @@ class MultiprocExecutor:
         try:
             if spawn:
                 self._spawn(config, master)
-            store = init_distributed(platform, 0, self.world_size, master, config.dist_init_timeout,
-                                     check_alive=self.check_health)
+            store = init_distributed(
+                platform,
+                0,
+                self.world_size,
+                master,
+                config.dist_init_timeout,
+                check_alive=self.check_health,
+            )
             split_cpu_threads(platform, self.world_size if spawn else 1)
-            self.channel = ControlServer(parse_master_addr(master)[0], store, self.world_size,
-                                         config.dist_init_timeout, check_alive=self.check_health)
+            self.channel = ControlServer(
+                parse_master_addr(master)[0],
+                store,
+                self.world_size,
+                config.dist_init_timeout,
+                check_alive=self.check_health,
+            )
             self.channel.watch(self._on_worker_failure)
             self.driver = ModelExecutor(config, model_config, source, platform)
         except BaseException as e:
@@ -129,8 +141,12 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self.encoder = PlanEncoder()
-        logger.info("tensor parallel: %d ranks at %s (%s)", self.world_size, master,
-                    "spawned here" if spawn else "one per node")
+        logger.info(
+            "tensor parallel: %d ranks at %s (%s)",
+            self.world_size,
+            master,
+            "spawned here" if spawn else "one per node",
+        )
 
     def _spawn(self, config: EngineConfig, master: str) -> None:
         from pyxllm.executor.worker import worker_main
@@ -138,9 +154,18 @@ class MultiprocExecutor:
         context = multiprocessing.get_context("spawn")
         for rank in range(1, self.world_size):
             proc = context.Process(
-                target=worker_main, name=f"pyxllm-tp-rank{rank}", daemon=True,
-                kwargs=dict(config=config, rank=rank, world_size=self.world_size, master_addr=master,
-                            local_rank=rank, local_world_size=self.world_size, spawned=True),
+                target=worker_main,
+                name=f"pyxllm-tp-rank{rank}",
+                daemon=True,
+                kwargs=dict(
+                    config=config,
+                    rank=rank,
+                    world_size=self.world_size,
+                    master_addr=master,
+                    local_rank=rank,
+                    local_world_size=self.world_size,
+                    spawned=True,
+                ),
             )
             proc.start()
             self.procs[rank] = proc
@@ -151,7 +176,11 @@ class MultiprocExecutor:
         if proc is not None:
             proc.join(timeout=1.0)
         pid = f" (pid {proc.pid})" if proc is not None else ""
-        how = f"failed: {error}" if error else "died" + _describe_exit(proc.exitcode if proc else None)
+        how = (
+            f"failed: {error}"
+            if error
+            else "died" + _describe_exit(proc.exitcode if proc else None)
+        )
         if self.failure is None:
             self.failure = f"TP worker rank {rank}{pid} {how}"
             logger.error(self.failure)
@@ -161,7 +190,8 @@ class MultiprocExecutor:
         if self.failure is None:
             for rank, proc in self.procs.items():
                 if proc.exitcode is not None and not self._closed:
-                    self.failure = f"TP worker rank {rank} (pid {proc.pid}) died{_describe_exit(proc.exitcode)}"
+                    died = _describe_exit(proc.exitcode)
+                    self.failure = f"TP worker rank {rank} (pid {proc.pid}) died{died}"
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
 
@@ -189,7 +219,8 @@ class MultiprocExecutor:
         return self.failure is not None
 
     def shutdown(self) -> None:
-        """Stop every worker (stop message, then terminate spawned stragglers) and leave the group."""
+        """Stop every worker (stop message, then terminate spawned stragglers) and leave the
+        group."""
         if self._closed:
             return
         self._closed = True

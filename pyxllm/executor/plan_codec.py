@@ -3,10 +3,12 @@
 A worker needs, per scheduled sequence, what builds its ``InputBatch`` (tokens, position, block
 table), whether it is sampled and at how many prompt positions logprobs are wanted (the LM
 head's gather is a collective, so every rank computes logits for the same rows); it never
-samples, so sampling parameters, generators, penalty history and logprob targets stay on rank 0. Both ends keep the state of the previous
+samples, so sampling parameters, generators, penalty history and logprob targets stay on rank 0.
+Both ends keep the state of the previous
 step's sequences, keyed by a small integer handle that rank 0 gives each request:
 
-``("step", [(handle, token_ids, num_computed, sample, keep, new_blocks, num_prompt_logprobs), ...])``
+``("step", [(handle, token_ids, num_computed, sample, keep, new_blocks, num_prompt_logprobs),
+...])``
 
 - ``num_computed`` is ``-1`` when it equals the last step's ``num_computed + len(token_ids)``
   (always, for a sequence that keeps running), else the value (a new or recomputed sequence);
@@ -16,6 +18,7 @@ step's sequences, keyed by a small integer handle that rank 0 gives each request
 
 Sent as JSON (``distributed.control``), a decode step costs each sequence about 20 bytes.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -23,7 +26,8 @@ from dataclasses import dataclass
 
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 
-# (handle, token_ids, num_computed or -1, sample, keep, new_blocks, number of prompt logprob targets)
+# (handle, token_ids, num_computed or -1, sample, keep, new_blocks, number of prompt logprob
+# targets)
 EncodedSequence = tuple[int, list[int], int, bool, int, list[int], int]
 
 
@@ -48,12 +52,24 @@ class PlanEncoder:
             handle = next(self._handles) if prev is None else prev.handle
             table = s.block_table
             keep = 0
-            if prev is not None and len(table) >= len(prev.block_table) and table[: len(prev.block_table)] == prev.block_table:
+            if (
+                prev is not None
+                and len(table) >= len(prev.block_table)
+                and table[: len(prev.block_table)] == prev.block_table
+            ):
                 keep = len(prev.block_table)
-            computed = -1 if prev is not None and prev.next_computed == s.num_computed_tokens else s.num_computed_tokens
+            computed = (
+                -1
+                if prev is not None and prev.next_computed == s.num_computed_tokens
+                else s.num_computed_tokens
+            )
             num_targets = len(s.prompt_logprob_targets or ())
-            seqs.append((handle, list(s.token_ids), computed, s.sample, keep, table[keep:], num_targets))
-            known[s.request_id] = _Known(handle, list(table), s.num_computed_tokens + len(s.token_ids))
+            seqs.append(
+                (handle, list(s.token_ids), computed, s.sample, keep, table[keep:], num_targets)
+            )
+            known[s.request_id] = _Known(
+                handle, list(table), s.num_computed_tokens + len(s.token_ids)
+            )
         self._known = known
         return ("step", seqs)
 
@@ -76,13 +92,23 @@ class PlanDecoder:
         for handle, token_ids, computed, sample, keep, new_blocks, num_targets in seqs:
             prev = self._known.get(handle)
             if prev is None and (computed < 0 or keep):
-                raise ValueError(f"plan refers to sequence {handle}, which the last step did not have")
+                raise ValueError(
+                    f"plan refers to sequence {handle}, which the last step did not have"
+                )
             if computed < 0:
                 computed = prev.next_computed
             table = (prev.block_table[:keep] if keep else []) + list(new_blocks)
-            out.append(ScheduledSequence(request_id=str(handle), token_ids=token_ids, num_computed_tokens=computed,
-                                          block_table=table, sample=sample, sampling_params=None,
-                                          prompt_logprob_targets=[0] * num_targets or None))
+            out.append(
+                ScheduledSequence(
+                    request_id=str(handle),
+                    token_ids=token_ids,
+                    num_computed_tokens=computed,
+                    block_table=table,
+                    sample=sample,
+                    sampling_params=None,
+                    prompt_logprob_targets=[0] * num_targets or None,
+                )
+            )
             known[handle] = _Known(handle, table, computed + len(token_ids))
         self._known = known
         return SchedulerOutput(out)

@@ -12,6 +12,7 @@ ruled out has ``-inf``. A greedy row's distribution is its biased and penalized 
 temperature 1 (argmax is invariant to temperature; min-p/top-k/top-p are ignored for it).
 vLLM V1 returns the raw model logprobs by default instead; ours match its ``processed_logprobs``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -85,8 +86,14 @@ class Sampler:
         if meta.logprob_rows is None:
             return SamplerOutput(token_ids)
         rows = meta.logprob_rows
-        return SamplerOutput(token_ids, compute_logprobs(processed.index_select(0, rows),
-                                                         token_ids.index_select(0, rows), meta.max_num_logprobs))
+        return SamplerOutput(
+            token_ids,
+            compute_logprobs(
+                processed.index_select(0, rows),
+                token_ids.index_select(0, rows),
+                meta.max_num_logprobs,
+            ),
+        )
 
     @staticmethod
     def _seeded_draws(q: torch.Tensor, generators: dict[int, torch.Generator]) -> None:
@@ -96,5 +103,8 @@ class Sampler:
         and is copied over, so a seed gives the same draws on every device.
         """
         rows = list(generators)
-        draws = [torch.empty(q.shape[1], dtype=q.dtype, device=g.device).exponential_(generator=g) for g in generators.values()]
+        draws = [
+            torch.empty(q.shape[1], dtype=q.dtype, device=g.device).exponential_(generator=g)
+            for g in generators.values()
+        ]
         q[torch.tensor(rows, device=q.device)] = torch.stack(draws).to(q.device, non_blocking=True)

@@ -3,6 +3,7 @@
 Each optional feature's tensors are ``None`` when no row of the batch uses it, so an all-greedy
 batch without penalties, biases or logprobs builds three small tensors and nothing else.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -47,21 +48,35 @@ class SamplingMetadata:
     max_num_logprobs: int = 0
 
     @classmethod
-    def build(cls, seqs: list[ScheduledSequence], vocab_size: int, device: torch.device) -> SamplingMetadata:
+    def build(
+        cls, seqs: list[ScheduledSequence], vocab_size: int, device: torch.device
+    ) -> SamplingMetadata:
         """The metadata of ``seqs`` (one row each) for logits of ``vocab_size`` columns."""
         params = [s.sampling_params for s in seqs]
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
-        off = [(1.0, vocab_size, 0.0) if g else (p.top_p, p.top_k if 0 < p.top_k < vocab_size else vocab_size, p.min_p)
-               for g, p in zip(greedy, params)]
+        off = [
+            (1.0, vocab_size, 0.0)
+            if g
+            else (p.top_p, p.top_k if 0 < p.top_k < vocab_size else vocab_size, p.min_p)
+            for g, p in zip(greedy, params)
+        ]
         top_p, top_k, min_p = zip(*off)
         meta = cls(
             all_greedy=all_greedy,
             greedy=torch.tensor(greedy, device=device),
-            temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device),
-            top_p=None if all_greedy or all(v >= 1.0 for v in top_p) else torch.tensor(top_p, device=device),
-            top_k=None if all_greedy or all(k >= vocab_size for k in top_k) else torch.tensor(top_k, device=device),
-            min_p=None if all_greedy or not any(min_p) else torch.tensor(min_p, dtype=torch.float32, device=device),
+            temperature=torch.tensor(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device
+            ),
+            top_p=None
+            if all_greedy or all(v >= 1.0 for v in top_p)
+            else torch.tensor(top_p, device=device),
+            top_k=None
+            if all_greedy or all(k >= vocab_size for k in top_k)
+            else torch.tensor(top_k, device=device),
+            min_p=None
+            if all_greedy or not any(min_p)
+            else torch.tensor(min_p, dtype=torch.float32, device=device),
             generators={i: s.generator for i, s in enumerate(seqs) if s.generator is not None},
         )
         if any(p.logit_bias for p in params):
@@ -69,7 +84,9 @@ class SamplingMetadata:
         if any(s.min_tokens_stop_ids for s in seqs):
             entries = [(i, t) for i, s in enumerate(seqs) for t in s.min_tokens_stop_ids]
             rows, ids = zip(*entries)
-            meta.min_tokens_mask = TokenEntries(torch.tensor(rows, device=device), torch.tensor(ids, device=device))
+            meta.min_tokens_mask = TokenEntries(
+                torch.tensor(rows, device=device), torch.tensor(ids, device=device)
+            )
         if any(s.penalty_token_ids is not None for s in seqs):
             meta.penalties = _penalties(seqs, vocab_size, device)
         asked = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
@@ -83,8 +100,11 @@ class SamplingMetadata:
 def _bias_entries(params, device: torch.device) -> TokenEntries:
     entries = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
     rows, ids, values = zip(*entries)
-    return TokenEntries(torch.tensor(rows, device=device), torch.tensor(ids, device=device),
-                        torch.tensor(values, dtype=torch.float32, device=device))
+    return TokenEntries(
+        torch.tensor(rows, device=device),
+        torch.tensor(ids, device=device),
+        torch.tensor(values, dtype=torch.float32, device=device),
+    )
 
 
 def _penalties(seqs: list[ScheduledSequence], vocab_size: int, device: torch.device) -> Penalties:
@@ -108,9 +128,15 @@ def _penalties(seqs: list[ScheduledSequence], vocab_size: int, device: torch.dev
     params = [seqs[i].sampling_params for i in rows]
     return Penalties(
         rows=torch.tensor(rows, device=device),
-        repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
-        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device),
-        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device),
+        repetition=torch.tensor(
+            [p.repetition_penalty for p in params], dtype=torch.float32, device=device
+        ),
+        presence=torch.tensor(
+            [p.presence_penalty for p in params], dtype=torch.float32, device=device
+        ),
+        frequency=torch.tensor(
+            [p.frequency_penalty for p in params], dtype=torch.float32, device=device
+        ),
         prompt_mask=prompt_mask,
         output_counts=counts,
     )

@@ -2,6 +2,7 @@
 
 Defined here, below the engine, so the executor never imports the engine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -9,6 +9,7 @@ with the other ranks'; this rank never samples), repeat. It ends on rank 0's sto
 to rank 0 before the worker exits, so rank 0 can name it. A spawned worker ignores SIGINT: a
 Ctrl-C in the terminal reaches every process of the group, and rank 0 stops the workers itself.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -31,8 +32,14 @@ from pyxllm.distributed.parallel_state import (
 logger = logging.getLogger("pyxllm.worker")
 
 
-def run_worker(config: EngineConfig, rank: int, world_size: int, master_addr: str,
-               local_rank: int = 0, local_world_size: int = 1) -> int:
+def run_worker(
+    config: EngineConfig,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    local_rank: int = 0,
+    local_world_size: int = 1,
+) -> int:
     """Be TP rank ``rank`` (> 0) of ``world_size`` until rank 0 stops it; returns the exit status.
 
     Raises:
@@ -49,7 +56,9 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, master_addr: st
     channel = None
     try:
         split_cpu_threads(platform, local_world_size)
-        channel = ControlClient(parse_master_addr(master_addr)[0], get_store(), rank, config.dist_init_timeout)
+        channel = ControlClient(
+            parse_master_addr(master_addr)[0], get_store(), rank, config.dist_init_timeout
+        )
         source = resolve_model_source(config.model)
         executor = ModelExecutor(config, load_model_config(source), source, platform)
         logger.info("rank %d of %d ready (%d KV blocks)", rank, world_size, executor.num_kv_blocks)
@@ -57,15 +66,20 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, master_addr: st
         while True:
             message = channel.recv()
             if message is None:
-                logger.error("rank %d: rank 0 closed the control connection (it exited or died); exiting", rank)
+                logger.error(
+                    "rank %d: rank 0 closed the control connection (it exited or died); exiting",
+                    rank,
+                )
                 return 1
             if message[0] == "stop":
                 return 0
             try:
                 executor.execute(decoder.decode(message[1]))
             except RuntimeError as e:  # a collective broke: a peer (rank 0, or another worker) died
-                raise DistributedError(f"rank {rank}: a step's collective failed, another rank has probably "
-                                       f"died ({str(e).splitlines()[0][:300]})") from e
+                raise DistributedError(
+                    f"rank {rank}: a step's collective failed, another rank has probably "
+                    f"died ({str(e).splitlines()[0][:300]})"
+                ) from e
     except BaseException as e:
         if channel is not None:
             channel.report_error(f"{type(e).__name__}: {e}")
@@ -76,18 +90,28 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, master_addr: st
         destroy_distributed()
 
 
-def worker_main(config: EngineConfig, rank: int, world_size: int, master_addr: str,
-                local_rank: int, local_world_size: int, spawned: bool = False) -> None:
-    """Process entry point of a spawned worker: :func:`run_worker`, errors as one line, exit status."""
+def worker_main(
+    config: EngineConfig,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    local_rank: int,
+    local_world_size: int,
+    spawned: bool = False,
+) -> None:
+    """Process entry point of a spawned worker: :func:`run_worker`, errors as one line, exit
+    status."""
     if spawned:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s"
+    )
     try:
         code = run_worker(config, rank, world_size, master_addr, local_rank, local_world_size)
     except Exception as e:  # noqa: BLE001 - one line, not a traceback; rank 0 names it too
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         code = 1
     atexit._run_exitfuncs()  # multiprocessing's finalizers (semaphores) and other exit hooks, then
-    sys.stdout.flush()       # skip the interpreter's slow teardown of torch: nothing is left to save
+    sys.stdout.flush()  # skip the interpreter's slow teardown of torch: nothing is left to save
     sys.stderr.flush()
     os._exit(code)

@@ -4,6 +4,7 @@ Layers call ``kernels.ops.<name>(...)``; ``platforms`` binds ``ops`` to the kern
 chosen device (``pyxllm.kernels.cpu`` on CPU). Before any binding, ``ops`` is the pure-PyTorch
 reference implementation in ``pyxllm.kernels.native``, the fallback every platform can use.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,5 @@
 """Gated activations."""
+
 import torch
 from torch import nn
 

@@ -5,6 +5,7 @@ compiler (as vLLM's unified attention op is): the backend's per-step Python (its
 prefill sequences, the cache write) runs eagerly inside it, and the layers around it compile
 into one graph without graph breaks. Eager runs call the same function directly.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,10 +14,13 @@ from torch import nn
 from pyxllm.layers.forward_context import get_forward_context
 
 
-def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+def _attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
     """Cache this step's K/V of layer ``layer_idx`` and attend, through the current forward context.
 
-    ``query [T, heads, head_dim]``, ``key``/``value [T, kv_heads, head_dim]`` -> ``[T, heads, head_dim]``.
+    ``query [T, heads, head_dim]``, ``key``/``value [T, kv_heads, head_dim]`` -> ``[T, heads,
+    head_dim]``.
     """
     ctx = get_forward_context()
     k_cache, v_cache = ctx.kv_caches[layer_idx]
@@ -24,8 +28,11 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
 
 
 @torch.library.custom_op("pyxllm::attention", mutates_args=())
-def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
-    """:func:`_attention` as an op the compiler does not trace into (contiguous output, a new tensor)."""
+def attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    """:func:`_attention` as an op the compiler does not trace into (contiguous output, a new
+    tensor)."""
     return _attention(query, key, value, layer_idx, scale).contiguous()
 
 
@@ -41,7 +48,9 @@ class Attention(nn.Module):
     returns ``[T, heads*head_dim]``. The step's K/V are written to the cache by the backend.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, layer_idx: int) -> None:
+    def __init__(
+        self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, layer_idx: int
+    ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale, self.layer_idx = scale, layer_idx

@@ -3,6 +3,7 @@
 The executor sets it around each model forward (xLLM's ``ForwardContext`` in a ``ContextVar``),
 so model ``forward`` signatures stay ``(input_ids, positions)``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -21,7 +22,8 @@ class ForwardContext:
     Attributes:
         attn: the attention backend's per-step state; ``attn.forward(query, key, value, k_cache,
             v_cache, scale)`` computes attention for every token of the step.
-        kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
+            head_dim]``.
         step_cache: what layers compute once per step and share (e.g. the rotary ``cos``/``sin``
             of the step's positions), keyed by the producer; dropped with the context.
     """
@@ -47,7 +49,9 @@ def get_forward_context() -> ForwardContext:
     """
     ctx = _CONTEXT.get()
     if ctx is None:
-        raise RuntimeError("attention called outside a forward context; run the model through the executor")
+        raise RuntimeError(
+            "attention called outside a forward context; run the model through the executor"
+        )
     return ctx
 
 

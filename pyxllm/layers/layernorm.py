@@ -1,4 +1,5 @@
 """RMSNorm with an optional fused residual add."""
+
 from __future__ import annotations
 
 import torch

@@ -8,26 +8,36 @@ checkpoint tensor into it, so model loading is one loop over checkpoint tensors.
 is a tensor or an unread :class:`~pyxllm.weights.lazy.LazyWeight`; loaders narrow it first, so a
 rank reads only its own slice from the file.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pyxllm.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from pyxllm.distributed.parallel_state import (
+    get_tp_rank,
+    get_tp_size,
+    tensor_model_parallel_all_reduce,
+)
 from pyxllm.layers.quantization.weight_only import UNQUANTIZED
 from pyxllm.layers.weight_utils import materialize
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})"
+        )
     return numerator // denominator
 
 
 def _copy_checked(param_slice: torch.Tensor, loaded, name: str) -> None:
     """Copy ``loaded`` (a tensor or a narrowed ``LazyWeight``, read here) into ``param_slice``."""
     if param_slice.shape != loaded.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not fit parameter slice {tuple(param_slice.shape)}")
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(loaded.shape)} does not fit parameter slice "
+            f"{tuple(param_slice.shape)}"
+        )
     param_slice.copy_(materialize(loaded))
 
 
@@ -88,43 +98,62 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+    ) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         shard = loaded.narrow(0, self.tp_rank * size, size)
-        _copy_checked(param.data.narrow(0, offset, size), shard, f"{type(self).__name__}[{shard_id}]")
+        _copy_checked(
+            param.data.narrow(0, offset, size), shard, f"{type(self).__name__}[{shard_id}]"
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Query, key and value projections fused in one matmul, split by attention head.
 
     When the TP size exceeds the number of KV heads, each KV head is replicated on
-    ``tp_size // total_num_kv_heads`` ranks (as vLLM does). ``shard_id`` is ``"q"``, ``"k"`` or ``"v"``.
+    ``tp_size // total_num_kv_heads`` ranks (as vLLM does). ``shard_id`` is ``"q"``, ``"k"`` or
+    ``"v"``.
 
     Raises:
         ValueError: the TP size does not divide the query heads, or neither divides nor is a
             multiple of the KV heads (naming both head counts and the TP size).
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+    ) -> None:
         tp_size = get_tp_size()
         self.head_dim = head_dim
         kv_fits = total_num_kv_heads % tp_size == 0 or tp_size % total_num_kv_heads == 0
         if total_num_heads % tp_size or not kv_fits:
             raise ValueError(
-                f"tensor-parallel size {tp_size} does not fit {total_num_heads} attention heads and "
-                f"{total_num_kv_heads} KV heads: it must divide the attention heads, and divide or be a "
+                f"tensor-parallel size {tp_size} does not fit {total_num_heads} attention heads "
+                "and "
+                f"{total_num_kv_heads} KV heads: it must divide the attention heads, and divide "
+                "or be a "
                 "multiple of the KV heads"
             )
         self.num_heads = total_num_heads // tp_size
         if tp_size >= total_num_kv_heads:
             self.num_kv_heads, self.kv_replicas = 1, tp_size // total_num_kv_heads
         else:
-            self.num_kv_heads, self.kv_replicas = _divide(total_num_kv_heads, tp_size, "number of KV heads"), 1
+            self.num_kv_heads, self.kv_replicas = (
+                _divide(total_num_kv_heads, tp_size, "number of KV heads"),
+                1,
+            )
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+    ) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
             offset, size, rank = 0, q_size, self.tp_rank
@@ -132,7 +161,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, rank = kv_size, self.tp_rank // self.kv_replicas
         shard = loaded.narrow(0, rank * size, size)
-        _copy_checked(param.data.narrow(0, offset, size), shard, f"{type(self).__name__}[{shard_id}]")
+        _copy_checked(
+            param.data.narrow(0, offset, size), shard, f"{type(self).__name__}[{shard_id}]"
+        )
 
 
 class RowParallelLinear(LinearBase):

@@ -3,6 +3,7 @@
 Each rank holds a contiguous range of ``ceil(vocab / tp_size)`` rows; rows past the real vocabulary
 are zero padding and their logits are dropped.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,9 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.num_per_rank = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.num_per_rank
-        self.weight = nn.Parameter(torch.zeros(self.num_per_rank, embedding_dim), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.zeros(self.num_per_rank, embedding_dim), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

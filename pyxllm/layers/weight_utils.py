@@ -1,4 +1,5 @@
 """What the layers' weight loaders share."""
+
 from __future__ import annotations
 
 import torch

@@ -1,11 +1,13 @@
 """Reading Hugging Face config fields that changed spelling between transformers versions."""
+
 from __future__ import annotations
 
 from typing import Any
 
 
 def head_dim_of(config) -> int:
-    """Per-head dimension: ``config.head_dim`` when set, else ``hidden_size // num_attention_heads``."""
+    """Per-head dimension: ``config.head_dim`` when set, else ``hidden_size //
+    num_attention_heads``."""
     head_dim = getattr(config, "head_dim", None)
     return head_dim or config.hidden_size // config.num_attention_heads
 

@@ -3,6 +3,7 @@
 Structure and weight names follow transformers' ``modeling_llama.py``; the checkpoint's separate
 ``q/k/v_proj`` and ``gate/up_proj`` load into fused parameters through ``packed_modules_mapping``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,23 +26,41 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=qkv_bias
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=qkv_bias,
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_size, self.kv_size = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=False
+        )
         base, scaling = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, base, scaling)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_idx)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, base, scaling
+        )
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_idx
+        )
 
-    def split_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Project ``[T, hidden]`` to ``q [T, heads*head_dim]``, ``k`` and ``v [T, kv_heads*head_dim]``."""
+    def split_qkv(
+        self, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Project ``[T, hidden]`` to ``q [T, heads*head_dim]``, ``k`` and ``v [T,
+        kv_heads*head_dim]``."""
         return self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split_qkv(hidden_states)
         q, k = self.rotary_emb(
-            positions, q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+            positions,
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
         )
         return self.o_proj(self.attn(q, k, v))
 
@@ -51,7 +70,9 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False
+        )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
         self.act_fn = SiluAndMul()
 
@@ -72,7 +93,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def build_mlp(self, config, layer_idx: int) -> nn.Module:
-        """The feed-forward block of layer ``layer_idx`` (a mixture of experts in MoE subclasses)."""
+        """The feed-forward block of layer ``layer_idx`` (a mixture of experts in MoE
+        subclasses)."""
         return LlamaMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, positions, hidden_states, residual):
@@ -87,14 +109,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm: ``(input_ids [T], positions [T]) -> [T, hidden]``."""
+    """Embedding, decoder layers and final norm: ``(input_ids [T], positions [T]) -> [T,
+    hidden]``."""
 
     decoder_layer_cls = LlamaDecoderLayer
 
     def __init__(self, config) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -106,7 +131,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM head over ``LlamaModel``; the LM head is tied to the embedding when the config says so.
+    """Causal LM head over ``LlamaModel``; the LM head is tied to the embedding when the config says
+    so.
 
     ``forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden]``;
     ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32, called on sampled positions only.

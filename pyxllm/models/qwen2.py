@@ -3,6 +3,7 @@
 Follows transformers' ``modeling_qwen2.py``; the checkpoint's ``q/k/v_proj.bias`` load into the
 fused ``qkv_proj.bias`` through the same shard loader as the weights.
 """
+
 from __future__ import annotations
 
 from pyxllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -14,10 +15,15 @@ def check_full_attention(config) -> None:
     Raises:
         ValueError: some ``config.layer_types`` entry is ``"sliding_attention"``.
     """
-    sliding = [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind == "sliding_attention"]
+    sliding = [
+        i
+        for i, kind in enumerate(getattr(config, "layer_types", None) or [])
+        if kind == "sliding_attention"
+    ]
     if sliding:
         raise ValueError(
-            f"sliding-window attention (layers {sliding[:4]}{'…' if len(sliding) > 4 else ''}) is not supported; "
+            f"sliding-window attention (layers {sliding[:4]}{'…' if len(sliding) > 4 else ''}) is "
+            "not supported; "
             "use a checkpoint with use_sliding_window false"
         )
 
@@ -36,13 +42,15 @@ class Qwen2DecoderLayer(LlamaDecoderLayer):
 
 
 class Qwen2Model(LlamaModel):
-    """Embedding, Qwen2 decoder layers, final norm: ``(input_ids [T], positions [T]) -> [T, hidden]``."""
+    """Embedding, Qwen2 decoder layers, final norm: ``(input_ids [T], positions [T]) -> [T,
+    hidden]``."""
 
     decoder_layer_cls = Qwen2DecoderLayer
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2 causal LM (``Qwen2ForCausalLM`` in config.json); same interface as ``LlamaForCausalLM``.
+    """Qwen2 causal LM (``Qwen2ForCausalLM`` in config.json); same interface as
+    ``LlamaForCausalLM``.
 
     Raises:
         ValueError: a config with sliding-window layers.

@@ -4,6 +4,7 @@ Follows transformers' ``modeling_qwen3.py``: ``q_norm`` / ``k_norm`` (weight ``[
 applied to each head of q and k after the projection and before RoPE; ``head_dim`` comes from the
 config and may differ from ``hidden_size // num_attention_heads``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,7 +41,8 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 
 
 class Qwen3Model(LlamaModel):
-    """Embedding, Qwen3 decoder layers, final norm: ``(input_ids [T], positions [T]) -> [T, hidden]``."""
+    """Embedding, Qwen3 decoder layers, final norm: ``(input_ids [T], positions [T]) -> [T,
+    hidden]``."""
 
     decoder_layer_cls = Qwen3DecoderLayer
 

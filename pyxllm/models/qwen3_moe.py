@@ -6,6 +6,7 @@ else a dense SwiGLU MLP of ``intermediate_size``. The checkpoint's per-expert
 ``mlp.experts.{e}.{gate,up,down}_proj.weight`` load into the stacked ``w13_weight`` / ``w2_weight``
 of ``FusedMoE`` through ``expert_params_mapping``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,11 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedMoE(
-            config.num_experts, config.num_experts_per_tok, config.hidden_size,
-            config.moe_intermediate_size, renormalize=config.norm_topk_prob,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            renormalize=config.norm_topk_prob,
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -37,7 +41,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:
-    """Whether layer ``layer_idx`` of a Qwen3-MoE config has a sparse MoE block (see the module docstring)."""
+    """Whether layer ``layer_idx`` of a Qwen3-MoE config has a sparse MoE block (see the module
+    docstring)."""
     return (
         config.num_experts > 0
         and (layer_idx + 1) % config.decoder_sparse_step == 0
@@ -57,13 +62,15 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 
 
 class Qwen3MoeModel(Qwen3Model):
-    """Embedding, Qwen3-MoE decoder layers, final norm: ``(input_ids [T], positions [T]) -> [T, hidden]``."""
+    """Embedding, Qwen3-MoE decoder layers, final norm: ``(input_ids [T], positions [T]) -> [T,
+    hidden]``."""
 
     decoder_layer_cls = Qwen3MoeDecoderLayer
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    """Qwen3-MoE causal LM (``Qwen3MoeForCausalLM`` in config.json); same interface as ``LlamaForCausalLM``.
+    """Qwen3-MoE causal LM (``Qwen3MoeForCausalLM`` in config.json); same interface as
+    ``LlamaForCausalLM``.
 
     Raises:
         ValueError: a config with sliding-window layers, or ``moe_intermediate_size`` not divisible

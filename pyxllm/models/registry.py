@@ -2,6 +2,7 @@
 
 The support matrix is data, checked before any model module is imported (xLLM's registry).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -34,7 +35,10 @@ def resolve_model_class(config, platform: str) -> type:
         if arch in MODEL_REGISTRY:
             module, cls, platforms = MODEL_REGISTRY[arch]
             if platform not in platforms:
-                raise ValueError(f"architecture {arch} is not supported on device {platform}; it runs on {', '.join(sorted(platforms))}")
+                raise ValueError(
+                    f"architecture {arch} is not supported on device {platform}; it runs on "
+                    f"{', '.join(sorted(platforms))}"
+                )
             return getattr(importlib.import_module(module), cls)
     raise ValueError(
         f"unsupported model architecture {', '.join(archs) or '(none given in config.json)'}; "

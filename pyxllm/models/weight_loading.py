@@ -6,9 +6,11 @@ A model declares how checkpoint names reach its fused parameters:
   ("qkv_proj", "q")``; the loader is called as ``weight_loader(param, tensor, shard_id)``.
 - ``expert_params_mapping`` (MoE models, see ``layers.fused_moe.make_expert_params_mapping``):
   ``{ckpt module after experts.{e}.: (parameter prefix, shard id)}``, e.g. ``"gate_proj":
-  ("w13_", "w1")`` sends ``...experts.{e}.gate_proj.weight`` to ``...experts.w13_weight``; the loader
+  ("w13_", "w1")`` sends ``...experts.{e}.gate_proj.weight`` to ``...experts.w13_weight``; the
+  loader
   is called as ``weight_loader(param, tensor, shard_id, expert_id)``.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,7 +36,10 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
         ValueError: the shapes differ.
     """
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match parameter shape {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint shape {tuple(loaded.shape)} does not match parameter shape "
+            f"{tuple(param.shape)}"
+        )
     param.data.copy_(materialize(loaded))
 
 
@@ -43,7 +48,11 @@ def _route(name: str, packed: dict, experts: dict) -> _Piece:
     match = _EXPERT_NAME.search(name) if experts else None
     if match and match.group(2) in experts:
         prefix, shard = experts[match.group(2)]
-        return f"{name[: match.start()]}.experts.{prefix}{name[match.end():]}", shard, int(match.group(1))
+        return (
+            f"{name[: match.start()]}.experts.{prefix}{name[match.end() :]}",
+            shard,
+            int(match.group(1)),
+        )
     for ckpt_key, (fused, shard) in packed.items():
         if f".{ckpt_key}." in name:
             return name.replace(f".{ckpt_key}.", f".{fused}."), shard, None
@@ -58,7 +67,9 @@ def _expected(params: dict[str, nn.Parameter], packed: dict, experts: dict) -> d
         for ckpt_key, (prefix, shard) in experts.items():
             if f".experts.{prefix}" in pname:
                 for e in range(param.shape[0]):
-                    pieces[(pname, shard, e)] = pname.replace(f".experts.{prefix}", f".experts.{e}.{ckpt_key}.")
+                    pieces[(pname, shard, e)] = pname.replace(
+                        f".experts.{prefix}", f".experts.{e}.{ckpt_key}."
+                    )
         is_expert = bool(pieces)
         for ckpt_key, (fused, shard) in packed.items():
             if not is_expert and f".{fused}." in pname:
@@ -68,7 +79,8 @@ def _expected(params: dict[str, nn.Parameter], packed: dict, experts: dict) -> d
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy every ``(hf_name, tensor)`` into ``model``, fusing packed projections and stacking experts.
+    """Copy every ``(hf_name, tensor)`` into ``model``, fusing packed projections and stacking
+    experts.
 
     A tensor may be an unread ``LazyWeight`` (``iter_weight_slices``): each parameter's loader
     then reads only this TP rank's slice of it.
@@ -92,7 +104,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         piece = _route(name, packed, experts)
         target, shard_id, expert_id = piece
         if target not in params:
-            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+            raise ValueError(
+                f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}"
+            )
         param = params[target]
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
@@ -106,6 +120,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         loaded.add(piece)
     if tied:
         loaded.add(("lm_head.weight", None, None))
-    missing = sorted(ckpt for piece, ckpt in _expected(params, packed, experts).items() if piece not in loaded)
+    missing = sorted(
+        ckpt for piece, ckpt in _expected(params, packed, experts).items() if piece not in loaded
+    )
     if missing:
-        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}")
+        raise ValueError(
+            "checkpoint is missing weights: "
+            f"{', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}"
+        )

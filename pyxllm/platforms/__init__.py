@@ -5,6 +5,7 @@ nowhere else. ``--device auto`` picks CUDA, then NPU (``torch_npu``), then MLU (
 else the CPU; a device asked for by name whose package is missing fails at start-up with one
 message naming the package and its install command.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,13 +27,22 @@ DEVICES = ("auto", *PLATFORM_MODULES)  # the same as pyxllm.config.DEVICES
 _current: Platform | None = None
 
 __all__ = [
-    "AUTO_ORDER", "DEVICES", "PLATFORM_MODULES", "Platform", "PlatformUnavailableError",
-    "current_platform", "detect_device", "platform_module", "resolve_platform", "set_current_platform",
+    "AUTO_ORDER",
+    "DEVICES",
+    "PLATFORM_MODULES",
+    "Platform",
+    "PlatformUnavailableError",
+    "current_platform",
+    "detect_device",
+    "platform_module",
+    "resolve_platform",
+    "set_current_platform",
 ]
 
 
 def platform_module(device: str):
-    """The module of a device's platform (``is_available()``, ``load()``); imports no device package."""
+    """The module of a device's platform (``is_available()``, ``load()``); imports no device
+    package."""
     return importlib.import_module(PLATFORM_MODULES[device])
 
 
@@ -55,7 +65,9 @@ def resolve_platform(device: str) -> Platform:
     if device == "auto":
         device = detect_device()
     if device not in PLATFORM_MODULES:
-        raise ValueError(f"--device: unsupported device {device!r}; supported: {', '.join(DEVICES)}")
+        raise ValueError(
+            f"--device: unsupported device {device!r}; supported: {', '.join(DEVICES)}"
+        )
     return platform_module(device).load()
 
 

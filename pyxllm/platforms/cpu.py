@@ -9,6 +9,7 @@ matmuls are converted on the fly and may be slower than float32, so float32 stay
 ``PYXLLM_CPU_DEFAULT_DTYPE=float32|bfloat16`` overrides the choice (the test suite pins float32
 so its exact-parity checks against transformers' float32 hold on any machine).
 """
+
 import os
 
 import torch
@@ -43,10 +44,13 @@ def cpu_default_dtype(flags: set[str] | None = None, override: str | None = None
     override = override if override is not None else os.environ.get("PYXLLM_CPU_DEFAULT_DTYPE")
     if override:
         if override not in _DTYPE_NAMES:
-            raise ValueError(f"PYXLLM_CPU_DEFAULT_DTYPE must be float32 or bfloat16, got {override!r}")
+            raise ValueError(
+                f"PYXLLM_CPU_DEFAULT_DTYPE must be float32 or bfloat16, got {override!r}"
+            )
         return _DTYPE_NAMES[override]
     flags = cpu_flags() if flags is None else flags
     return torch.bfloat16 if any(f in flags for f in _BF16_FLAGS) else torch.float32
+
 
 CPU_PLATFORM = Platform(
     name="cpu",

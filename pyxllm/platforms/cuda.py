@@ -4,6 +4,7 @@ Attention uses flash-attn when it is installed (and ``--block-size`` is a multip
 its paged KV cache takes), else the pure-PyTorch backend; kernels are ``pyxllm.kernels.cuda``.
 Graphs are CUDA graphs; collectives use NCCL.
 """
+
 import torch
 
 from pyxllm.platforms import interface
@@ -17,7 +18,9 @@ CUDA_PLATFORM = Platform(
     runners=("eager", "compile", "graph"),
     dist_backend="nccl",
     default_dtype=torch.bfloat16,
-    fused_attention=(FusedAttention("flash_attn", "pyxllm.attention.flash_attn:FlashAttnBackend", 256),),
+    fused_attention=(
+        FusedAttention("flash_attn", "pyxllm.attention.flash_attn:FlashAttnBackend", 256),
+    ),
     graph_class="CUDAGraph",
     visible_devices_env="CUDA_VISIBLE_DEVICES",
 )

@@ -5,6 +5,7 @@ backend, which dtypes) plus a few queries answered through ``torch.<device>`` (`
 ``torch.npu`` once ``torch_npu`` is imported, ``torch.mlu`` once ``torch_mlu`` is). Peer
 platforms share this interface, not code.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -97,7 +98,9 @@ class Platform:
 
     def device(self, index: int = 0) -> torch.device:
         """The ``torch.device`` this process computes on."""
-        return torch.device(self.torch_device, index) if self.is_accelerator else torch.device("cpu")
+        return (
+            torch.device(self.torch_device, index) if self.is_accelerator else torch.device("cpu")
+        )
 
     def device_index(self, local_rank: int) -> int:
         """The card a rank computes on: every rank sees all cards of its node (through
@@ -112,7 +115,8 @@ class Platform:
         if local_rank >= count:
             raise ValueError(
                 f"--device {self.name}: rank {local_rank} needs card {local_rank} but only {count} "
-                f"are visible; every rank must see all cards of its node ({self.visible_devices_env})"
+                "are visible; every rank must see all cards of its node "
+                f"({self.visible_devices_env})"
             )
         return local_rank
 
@@ -134,8 +138,13 @@ class Platform:
                 f"supported there: {', '.join(self.runners)}"
             )
 
-    def kv_cache_bytes(self, kv_cache_memory: float | None, gpu_memory_utilization: float,
-                       device: torch.device, cpu_default_gib: float = 2.0) -> float:
+    def kv_cache_bytes(
+        self,
+        kv_cache_memory: float | None,
+        gpu_memory_utilization: float,
+        device: torch.device,
+        cpu_default_gib: float = 2.0,
+    ) -> float:
         """Bytes the KV cache may take, measured after the weights are loaded.
 
         ``kv_cache_memory`` (GiB) wins when given. Otherwise an accelerator takes
@@ -153,8 +162,10 @@ class Platform:
         budget = total * gpu_memory_utilization - (total - free)
         if budget <= 0:
             raise ValueError(
-                f"--gpu-memory-utilization: {gpu_memory_utilization} of {total / GIB:.1f} GiB leaves "
-                f"nothing for the KV cache ({(total - free) / GIB:.1f} GiB already in use); raise it "
+                f"--gpu-memory-utilization: {gpu_memory_utilization} of {total / GIB:.1f} GiB "
+                "leaves "
+                f"nothing for the KV cache ({(total - free) / GIB:.1f} GiB already in use); raise "
+                "it "
                 "or set --kv-cache-memory"
             )
         return budget
@@ -166,8 +177,12 @@ class Platform:
             if not package_installed(fused.package):
                 continue
             if block_size % fused.block_multiple:
-                logger.info("%s needs --block-size a multiple of %d; using %s", fused.package,
-                            fused.block_multiple, self.attention_backend)
+                logger.info(
+                    "%s needs --block-size a multiple of %d; using %s",
+                    fused.package,
+                    fused.block_multiple,
+                    self.attention_backend,
+                )
                 continue
             return fused.backend
         return self.attention_backend

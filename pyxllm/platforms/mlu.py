@@ -4,6 +4,7 @@ Kernels are ``pyxllm.kernels.mlu`` (the pure-PyTorch ones, which torch_mlu runs 
 attention is the pure-PyTorch paged backend; collectives use CNCL. Only the eager runner is
 offered until MLU graphs are checked on a card.
 """
+
 import importlib
 
 import torch
@@ -28,8 +29,10 @@ PACKAGE = "torch_mlu"
 def install_hint() -> str:
     """The install command for the torch_mlu matching the installed torch (not on PyPI)."""
     release = interface.torch_release()
-    return (f"pip install the torch_mlu wheel built for torch {release} from Cambricon's "
-            "Cambricon PyTorch release (pip install torch_mlu-<version>-<python>-linux_x86_64.whl)")
+    return (
+        f"pip install the torch_mlu wheel built for torch {release} from Cambricon's "
+        "Cambricon PyTorch release (pip install torch_mlu-<version>-<python>-linux_x86_64.whl)"
+    )
 
 
 def is_available() -> bool:
@@ -44,11 +47,13 @@ def load() -> Platform:
     """The MLU platform.
 
     Raises:
-        PlatformUnavailableError: torch_mlu is not installed (naming the install command) or sees no MLU.
+        PlatformUnavailableError: torch_mlu is not installed (naming the install command) or sees no
+            MLU.
     """
     if not interface.package_installed(PACKAGE):
         raise PlatformUnavailableError(
-            f"device mlu needs torch_mlu (Cambricon's PyTorch adapter), which is not installed; {install_hint()}"
+            "device mlu needs torch_mlu (Cambricon's PyTorch adapter), which is not installed; "
+            f"{install_hint()}"
         )
     if not is_available():
         raise PlatformUnavailableError(

@@ -4,6 +4,7 @@ Kernels (``pyxllm.kernels.npu``) and attention (``pyxllm.attention.npu``) use to
 ops; graphs are ACL graphs (``torch.npu.NPUGraph``); collectives use HCCL. Every rank sees all
 cards through ``ASCEND_RT_VISIBLE_DEVICES`` and takes the one at its local rank.
 """
+
 import importlib
 
 import torch
@@ -30,8 +31,10 @@ PACKAGE = "torch_npu"
 def install_hint() -> str:
     """The install command for the torch_npu matching the installed torch."""
     release = interface.torch_release()
-    return (f"pip install torch-npu=={release} (its version must match torch {release}), then "
-            "source the CANN toolkit's set_env.sh")
+    return (
+        f"pip install torch-npu=={release} (its version must match torch {release}), then "
+        "source the CANN toolkit's set_env.sh"
+    )
 
 
 def is_available() -> bool:
@@ -46,15 +49,18 @@ def load() -> Platform:
     """The NPU platform.
 
     Raises:
-        PlatformUnavailableError: torch_npu is not installed (naming the pip command) or sees no NPU.
+        PlatformUnavailableError: torch_npu is not installed (naming the pip command) or sees no
+            NPU.
     """
     if not interface.package_installed(PACKAGE):
         raise PlatformUnavailableError(
-            f"device npu needs torch_npu (Ascend's PyTorch adapter), which is not installed; {install_hint()}"
+            "device npu needs torch_npu (Ascend's PyTorch adapter), which is not installed; "
+            f"{install_hint()}"
         )
     if not is_available():
         raise PlatformUnavailableError(
-            "device npu: torch_npu sees no NPU; check ASCEND_RT_VISIBLE_DEVICES, the driver (npu-smi info) "
+            "device npu: torch_npu sees no NPU; check ASCEND_RT_VISIBLE_DEVICES, the driver "
+            "(npu-smi info) "
             "and that the CANN toolkit's set_env.sh was sourced"
         )
     return NPU_PLATFORM

@@ -4,9 +4,10 @@ A model is the embedded SmolLM2-135M-Instruct GGUF (``model=None``), a ``.gguf``
 local Hugging Face directory (``config.json`` + ``*.safetensors``). Every problem raises
 :class:`ModelLoadError` with a message naming the file and the fix.
 """
+
 from pyxllm.weights.errors import ModelLoadError
-from pyxllm.weights.lazy import LazyWeight
 from pyxllm.weights.gguf_loader import GGUF_ARCHITECTURES
+from pyxllm.weights.lazy import LazyWeight
 from pyxllm.weights.loader import (
     GenerationDefaults,
     iter_weight_slices,

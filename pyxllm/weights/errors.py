@@ -1,4 +1,5 @@
 """The one error type of model loading."""
+
 from __future__ import annotations
 
 

@@ -8,6 +8,7 @@ qwen2/qwen3/qwen3moe converters do not permute.
 :func:`iter_gguf_weight_slices` yields unread :class:`GGUFWeight` s: a tensor-parallel rank
 dequantizes only its own rows (see :meth:`GGUFFile.read_region` for columns).
 """
+
 from __future__ import annotations
 
 import re
@@ -101,19 +102,27 @@ def gguf_config_dict(path: str | Path) -> dict[str, Any]:
     arch = gguf_architecture(gguf)
     model_type, architecture = GGUF_ARCHITECTURES[arch]
     meta = gguf.metadata
-    config: dict[str, Any] = {"model_type": model_type, "architectures": [architecture],
-                              "_name_or_path": str(gguf.path)}
+    config: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [architecture],
+        "_name_or_path": str(gguf.path),
+    }
     for key, attr in _CONFIG_KEYS.items():
         if f"{arch}.{key}" in meta:
             config[attr] = meta[f"{arch}.{key}"]
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in config]
+    missing = [
+        k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in config
+    ]
     if missing:
-        raise ModelLoadError(f"{gguf.path} lacks the metadata for {', '.join(missing)}; it is corrupt or "
-                             "was written by an incompatible converter. Re-download or re-convert it.")
+        raise ModelLoadError(
+            f"{gguf.path} lacks the metadata for {', '.join(missing)}; it is corrupt or "
+            "was written by an incompatible converter. Re-download or re-convert it."
+        )
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
     if "head_dim" not in config:  # llama files state the rotary width, equal to the head size there
-        config["head_dim"] = meta.get(f"{arch}.rope.dimension_count",
-                                      config["hidden_size"] // config["num_attention_heads"])
+        config["head_dim"] = meta.get(
+            f"{arch}.rope.dimension_count", config["hidden_size"] // config["num_attention_heads"]
+        )
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in meta:
         config["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
     if arch == "qwen3moe":
@@ -121,15 +130,24 @@ def gguf_config_dict(path: str | Path) -> dict[str, Any]:
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling in ("linear", "yarn"):
-        rope = {"rope_type": scaling, "rope_theta": theta,
-                "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0))}
+        rope = {
+            "rope_type": scaling,
+            "rope_theta": theta,
+            "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
+        }
         if f"{arch}.rope.scaling.original_context_length" in meta:
-            rope["original_max_position_embeddings"] = meta[f"{arch}.rope.scaling.original_context_length"]
+            rope["original_max_position_embeddings"] = meta[
+                f"{arch}.rope.scaling.original_context_length"
+            ]
         config["rope_parameters"] = rope
     else:
         config["rope_theta"] = theta
     config["tie_word_embeddings"] = "output.weight" not in gguf.tensor_by_name
-    for attr, key in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+    for attr, key in (
+        ("bos_token_id", "bos"),
+        ("eos_token_id", "eos"),
+        ("pad_token_id", "padding"),
+    ):
         if f"tokenizer.ggml.{key}_token_id" in meta:
             config[attr] = meta[f"tokenizer.ggml.{key}_token_id"]
     return config
@@ -155,8 +173,10 @@ def hf_name(gguf_name: str) -> str | None:
             return f"model.layers.{layer}.{_PER_LAYER[part]}.{suffix}"
         if part in _EXPERTS:
             return f"model.layers.{layer}.mlp.experts.{{expert}}.{_EXPERTS[part]}.{suffix}"
-    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name; this file holds a "
-                         "model variant pyxllm does not support.")
+    raise ModelLoadError(
+        f"GGUF tensor {gguf_name!r} has no known Hugging Face name; this file holds a "
+        "model variant pyxllm does not support."
+    )
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -179,8 +199,14 @@ class GGUFWeight(LazyWeight):
     rows are then read in whole heads and un-permuted (see :func:`unpermute_qk`).
     """
 
-    def __init__(self, name: str, gguf: GGUFFile, info: GGUFTensorInfo, expert: int | None = None,
-                 qk_heads: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        gguf: GGUFFile,
+        info: GGUFTensorInfo,
+        expert: int | None = None,
+        qk_heads: int | None = None,
+    ) -> None:
         self.gguf, self.info, self.qk_heads = gguf, info, qk_heads
         shape = info.shape[1:] if expert is not None else info.shape
         self.row_base = 0 if expert is None else expert * shape[0]
@@ -189,21 +215,31 @@ class GGUFWeight(LazyWeight):
     def _read(self, ranges):
         if len(ranges) != 2:  # vectors (norms, biases) are small: read whole, then cut
             rows = int(np.prod(self.full_shape[:-1], dtype=np.int64))
-            full = self.gguf.read_region(self.info, (self.row_base, self.row_base + rows), (0, self.full_shape[-1]))
+            full = self.gguf.read_region(
+                self.info, (self.row_base, self.row_base + rows), (0, self.full_shape[-1])
+            )
             full = full if self.qk_heads is None else unpermute_qk(full.reshape(-1), self.qk_heads)
-            return torch.from_numpy(full.reshape(self.full_shape))[tuple(slice(a, b) for a, b in ranges)].clone()
+            return torch.from_numpy(full.reshape(self.full_shape))[
+                tuple(slice(a, b) for a, b in ranges)
+            ].clone()
         rows, cols = ranges
         if self.qk_heads is None:
-            array = self.gguf.read_region(self.info, (self.row_base + rows[0], self.row_base + rows[1]), cols)
+            array = self.gguf.read_region(
+                self.info, (self.row_base + rows[0], self.row_base + rows[1]), cols
+            )
             return torch.from_numpy(array)
-        head = self.full_shape[0] // self.qk_heads  # rows per head: read whole heads, un-permute, cut
+        head = (
+            self.full_shape[0] // self.qk_heads
+        )  # rows per head: read whole heads, un-permute, cut
         first, last = rows[0] // head, -(-rows[1] // head)
         array = self.gguf.read_region(self.info, (first * head, last * head), cols)
-        array = unpermute_qk(array, last - first)[rows[0] - first * head:rows[1] - first * head]
+        array = unpermute_qk(array, last - first)[rows[0] - first * head : rows[1] - first * head]
         return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def iter_gguf_weight_slices(path: str | Path, config: Any = None) -> Iterator[tuple[str, GGUFWeight]]:
+def iter_gguf_weight_slices(
+    path: str | Path, config: Any = None
+) -> Iterator[tuple[str, GGUFWeight]]:
     """Iterate ``(hf_name, unread weight)`` over every tensor of the GGUF file, in file order.
 
     Names as :func:`iter_gguf_weights`; stacked experts come as one weight per expert. Nothing
@@ -218,15 +254,21 @@ def iter_gguf_weight_slices(path: str | Path, config: Any = None) -> Iterator[tu
 
 
 def _permuted_heads(gguf: GGUFFile) -> dict[str, int]:
-    """``{"attn_q": heads, "attn_k": kv heads}`` for llama files (whose converter permutes), else ``{}``."""
+    """``{"attn_q": heads, "attn_k": kv heads}`` for llama files (whose converter permutes), else
+    ``{}``."""
     arch = gguf_architecture(gguf)
     if arch != "llama":  # qwen2/qwen3/qwen3moe converters do not permute
         return {}
     q_heads = gguf.metadata.get(f"{arch}.attention.head_count")
     if not isinstance(q_heads, int):
-        raise ModelLoadError(f"{gguf.path} lacks {arch}.attention.head_count; it is corrupt or was written "
-                             "by an incompatible converter. Re-download or re-convert it.")
-    return {"attn_q": q_heads, "attn_k": gguf.metadata.get(f"{arch}.attention.head_count_kv", q_heads)}
+        raise ModelLoadError(
+            f"{gguf.path} lacks {arch}.attention.head_count; it is corrupt or was written "
+            "by an incompatible converter. Re-download or re-convert it."
+        )
+    return {
+        "attn_q": q_heads,
+        "attn_k": gguf.metadata.get(f"{arch}.attention.head_count_kv", q_heads),
+    }
 
 
 def _gguf_slices(gguf: GGUFFile, heads: dict[str, int]) -> Iterator[tuple[str, GGUFWeight]]:
@@ -237,7 +279,10 @@ def _gguf_slices(gguf: GGUFFile, heads: dict[str, int]) -> Iterator[tuple[str, G
         qk_heads = heads.get(info.name.split(".")[-2])
         if "{expert}" in name:
             for expert in range(info.shape[0]):
-                yield name.format(expert=expert), GGUFWeight(name.format(expert=expert), gguf, info, expert)
+                yield (
+                    name.format(expert=expert),
+                    GGUFWeight(name.format(expert=expert), gguf, info, expert),
+                )
         else:
             yield name, GGUFWeight(name, gguf, info, qk_heads=qk_heads)
 

@@ -9,6 +9,7 @@ offset), then the tensor data starting at the next ``general.alignment`` (defaul
 model; this parser reads the strings straight into Python objects (~0.1 s). Dequantization is
 ``gguf.quants.dequantize`` (vectorized numpy). Files are parsed once per (path, size, mtime).
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,7 +26,19 @@ from gguf.quants import dequantize
 
 from pyxllm.weights.errors import ModelLoadError
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -84,8 +97,10 @@ class GGUFFile:
     def _parse(self) -> tuple[dict[str, Any], list[GGUFTensorInfo]]:
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", self._map, 4)
         if version not in (2, 3):
-            raise ModelLoadError(f"{self.path} is GGUF version {version}; pyxllm reads versions 2 and 3. "
-                                 "Re-convert it with a recent llama.cpp.")
+            raise ModelLoadError(
+                f"{self.path} is GGUF version {version}; pyxllm reads versions 2 and 3. "
+                "Re-convert it with a recent llama.cpp."
+            )
         pos, metadata = 24, {}
         for _ in range(n_kv):
             key, pos = self._string(pos)
@@ -107,15 +122,21 @@ class GGUFFile:
                 qtype = GGMLQuantizationType(gtype)
                 block, type_size = GGML_QUANT_SIZES[qtype]
             except (ValueError, KeyError):
-                raise ModelLoadError(f"{self.path}: tensor {name} has ggml type {gtype}, which the gguf "
-                                     "package cannot read; upgrade it (pip install -U gguf).") from None
+                raise ModelLoadError(
+                    f"{self.path}: tensor {name} has ggml type {gtype}, which the gguf "
+                    "package cannot read; upgrade it (pip install -U gguf)."
+                ) from None
             if shape and shape[-1] % block:
-                raise _Corrupt(f"tensor {name} has a row of {shape[-1]} values, not a multiple of {block}")
+                raise _Corrupt(
+                    f"tensor {name} has a row of {shape[-1]} values, not a multiple of {block}"
+                )
             nbytes = prod(shape) // block * type_size
             start = data_start + offset
             if start + nbytes > len(self._map):
-                raise _Corrupt(f"tensor {name} ends at byte {start + nbytes}, past the end of the "
-                               f"{len(self._map)}-byte file")
+                raise _Corrupt(
+                    f"tensor {name} ends at byte {start + nbytes}, past the end of the "
+                    f"{len(self._map)}-byte file"
+                )
             tensors.append(GGUFTensorInfo(name, shape, qtype, start, nbytes))
         return metadata, tensors
 
@@ -124,7 +145,7 @@ class GGUFFile:
         end = pos + 8 + length
         if end > len(self._map):
             raise _Corrupt(f"a string at byte {pos} runs past the end of the file")
-        return self._map[pos + 8:end].decode("utf-8"), end
+        return self._map[pos + 8 : end].decode("utf-8"), end
 
     def _value(self, vtype: int, pos: int) -> tuple[Any, int]:
         if vtype in _SCALARS:
@@ -153,7 +174,7 @@ class GGUFFile:
         Returns:
             A new float32 array of ``info.shape`` (writable, not backed by the file).
         """
-        raw = self._array[info.start:info.start + info.nbytes]
+        raw = self._array[info.start : info.start + info.nbytes]
         block, type_size = GGML_QUANT_SIZES[info.ggml_type]
         rows = raw.reshape(-1, info.shape[-1] // block * type_size) if info.shape else raw
         out = dequantize(rows, info.ggml_type)
@@ -161,7 +182,9 @@ class GGUFFile:
             out = np.array(out, dtype=np.float32)
         return out.reshape(info.shape)
 
-    def read_region(self, info: GGUFTensorInfo, rows: tuple[int, int], cols: tuple[int, int]) -> np.ndarray:
+    def read_region(
+        self, info: GGUFTensorInfo, rows: tuple[int, int], cols: tuple[int, int]
+    ) -> np.ndarray:
         """Dequantize rows ``rows[0]:rows[1]``, columns ``cols[0]:cols[1]`` of a tensor seen as 2-D.
 
         The tensor is viewed as ``[prod(shape[:-1]), shape[-1]]`` (a 1-D tensor is one row).
@@ -174,12 +197,16 @@ class GGUFFile:
         block, type_size = GGML_QUANT_SIZES[info.ggml_type]
         width = info.shape[-1] if info.shape else 1
         row_bytes = width // block * type_size
-        raw = self._array[info.start:info.start + info.nbytes].reshape(-1, row_bytes)[rows[0]:rows[1]]
+        raw = self._array[info.start : info.start + info.nbytes].reshape(-1, row_bytes)[
+            rows[0] : rows[1]
+        ]
         start, stop = cols
         if start % block == 0 and (stop % block == 0 or stop == width):
-            raw = raw[:, start // block * type_size:-(-stop // block) * type_size]
+            raw = raw[:, start // block * type_size : -(-stop // block) * type_size]
             start, stop = 0, stop - start
-        out = dequantize(np.ascontiguousarray(raw), info.ggml_type).reshape(rows[1] - rows[0], -1)[:, start:stop]
+        out = dequantize(np.ascontiguousarray(raw), info.ggml_type).reshape(rows[1] - rows[0], -1)[
+            :, start:stop
+        ]
         if out.dtype != np.float32 or np.shares_memory(out, self._array):
             out = np.array(out, dtype=np.float32)
         return np.ascontiguousarray(out)

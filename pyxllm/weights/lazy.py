@@ -18,6 +18,7 @@ reads just the narrowed region from the file:
 Weight loaders (``pyxllm.layers``) narrow what they receive, then call
 ``layers.weight_utils.materialize``, so they accept a plain tensor too.
 """
+
 from __future__ import annotations
 
 import copy
@@ -61,10 +62,16 @@ class LazyWeight:
         dim = dim % self.dim()
         begin, stop = self.ranges[dim]
         if start < 0 or length < 0 or start + length > stop - begin:
-            raise ValueError(f"rows/columns {start}..{start + length} of dim {dim} are outside "
-                             f"{self.name} {tuple(self.shape)}")
+            raise ValueError(
+                f"rows/columns {start}..{start + length} of dim {dim} are outside "
+                f"{self.name} {tuple(self.shape)}"
+            )
         view = copy.copy(self)
-        view.ranges = (*self.ranges[:dim], (begin + start, begin + start + length), *self.ranges[dim + 1:])
+        view.ranges = (
+            *self.ranges[:dim],
+            (begin + start, begin + start + length),
+            *self.ranges[dim + 1 :],
+        )
         return view
 
     def load(self) -> torch.Tensor:

@@ -3,6 +3,7 @@
 Each function takes a :class:`ModelSource` (or anything :func:`resolve_model_source` accepts)
 and dispatches on its kind, so callers never branch on GGUF versus Hugging Face directories.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,11 @@ _SAMPLING_KEYS = {
     "max_new_tokens": "max_tokens",
 }
 # llama.cpp stops generation on any of these ("end of generation" tokens)
-_GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+_GGUF_EOS_KEYS = (
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+)
 
 
 def _as_source(source: ModelSource | str | Path | None) -> ModelSource:
@@ -61,8 +66,10 @@ def load_model_config(source: ModelSource | str | Path | None) -> Any:
     try:
         return AutoConfig.from_pretrained(source.path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"{source.path / 'config.json'} could not be read as a transformers "
-                             f"config ({e}); fix or re-download it.") from e
+        raise ModelLoadError(
+            f"{source.path / 'config.json'} could not be read as a transformers "
+            f"config ({e}); fix or re-download it."
+        ) from e
 
 
 def load_hf_tokenizer(source: ModelSource | str | Path | None) -> Any:
@@ -83,13 +90,16 @@ def load_hf_tokenizer(source: ModelSource | str | Path | None) -> Any:
         if source.kind == "gguf":
             open_gguf(source.path)  # a clear error for a corrupt file, before transformers reads it
             return PreTrainedTokenizerFast.from_pretrained(
-                source.path.parent, gguf_file=source.path.name, local_files_only=True)
+                source.path.parent, gguf_file=source.path.name, local_files_only=True
+            )
         return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         if isinstance(e, ModelLoadError):
             raise
-        raise ModelLoadError(f"The tokenizer of {source.path} could not be loaded ({e}); an HF directory "
-                             "needs tokenizer.json (or tokenizer files) next to config.json.") from e
+        raise ModelLoadError(
+            f"The tokenizer of {source.path} could not be loaded ({e}); an HF directory "
+            "needs tokenizer.json (or tokenizer files) next to config.json."
+        ) from e
 
 
 @dataclass(frozen=True)
@@ -118,7 +128,9 @@ def _ids(value: Any) -> list[int]:
     return [int(value)]
 
 
-def load_generation_defaults(source: ModelSource | str | Path | None, config: Any) -> GenerationDefaults:
+def load_generation_defaults(
+    source: ModelSource | str | Path | None, config: Any
+) -> GenerationDefaults:
     """Collect the EOS ids and sampling defaults of a model (see :class:`GenerationDefaults`).
 
     Args:
@@ -143,7 +155,9 @@ def load_generation_defaults(source: ModelSource | str | Path | None, config: An
                 if not isinstance(generation, dict):
                     raise ValueError("not a JSON object")
             except (OSError, ValueError) as e:
-                raise ModelLoadError(f"{path} is not a valid generation config ({e}); fix or delete it.") from e
+                raise ModelLoadError(
+                    f"{path} is not a valid generation config ({e}); fix or delete it."
+                ) from e
             eos += _ids(generation.get("eos_token_id"))
             for key, name in _SAMPLING_KEYS.items():
                 value = generation.get(key)
@@ -152,7 +166,9 @@ def load_generation_defaults(source: ModelSource | str | Path | None, config: An
     return GenerationDefaults(tuple(dict.fromkeys(eos)), sampling)
 
 
-def iter_weights(source: ModelSource | str | Path | None, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    source: ModelSource | str | Path | None, config: Any
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every checkpoint tensor of the model as ``(hf_name, tensor)``, one at a time.
 
     Names are Hugging Face checkpoint names (``model.embed_tokens.weight``,
@@ -171,7 +187,9 @@ def iter_weights(source: ModelSource | str | Path | None, config: Any) -> Iterat
     return iter_safetensors_weights(source.path)
 
 
-def iter_weight_slices(source: ModelSource | str | Path | None, config: Any) -> Iterator[tuple[str, LazyWeight]]:
+def iter_weight_slices(
+    source: ModelSource | str | Path | None, config: Any
+) -> Iterator[tuple[str, LazyWeight]]:
     """As :func:`iter_weights`, but each tensor comes unread, as a :class:`LazyWeight`.
 
     A weight loader narrows it to this rank's rows or columns and reads only those (see

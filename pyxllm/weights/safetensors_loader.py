@@ -4,6 +4,7 @@
 rank reads only its own rows or columns (``safe_open(...).get_slice(name)``);
 :func:`iter_safetensors_weights` yields whole tensors.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,20 +35,31 @@ def safetensors_files(directory: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ModelLoadError(f"{index} is not a valid safetensors index (no readable weight_map: {e}); "
-                                 "re-download it.") from e
+            raise ModelLoadError(
+                f"{index} is not a valid safetensors index (no readable weight_map: {e}); "
+                "re-download it."
+            ) from e
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (directory / n).is_file()]
         if missing:
-            raise ModelLoadError(f"{index} names weight file(s) {', '.join(missing)} that are missing from "
-                                 f"{directory}; download them (or re-download the whole model).")
+            raise ModelLoadError(
+                f"{index} names weight file(s) {', '.join(missing)} that are missing from "
+                f"{directory}; download them (or re-download the whole model)."
+            )
         return [directory / n for n in names]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         others = sorted(p.name for p in directory.glob("*.bin"))
-        hint = (f" It holds PyTorch .bin weights ({', '.join(others[:2])}), which pyxllm does not read; "
-                "convert them to safetensors." if others else "")
-        raise ModelLoadError(f"Model directory {directory} has no *.safetensors weight files.{hint}")
+        hint = (
+            f" It holds PyTorch .bin weights ({', '.join(others[:2])}), which pyxllm does not "
+            "read; "
+            "convert them to safetensors."
+            if others
+            else ""
+        )
+        raise ModelLoadError(
+            f"Model directory {directory} has no *.safetensors weight files.{hint}"
+        )
     return files
 
 
@@ -68,7 +80,9 @@ class SafetensorsWeight(LazyWeight):
                 return self._slice[:]
             return self._slice[tuple(slice(a, b) for a, b in ranges)]
         except (SafetensorError, OSError, ValueError) as e:
-            raise ModelLoadError(f"{self.path} is truncated or corrupt ({e}); re-download it.") from e
+            raise ModelLoadError(
+                f"{self.path} is truncated or corrupt ({e}); re-download it."
+            ) from e
 
 
 def iter_safetensors_slices(directory: Path) -> Iterator[tuple[str, SafetensorsWeight]]:

@@ -1,4 +1,6 @@
-"""Where a model comes from: the embedded default GGUF, a ``.gguf`` file or a Hugging Face directory."""
+"""Where a model comes from: the embedded default GGUF, a ``.gguf`` file or a Hugging Face
+directory."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -84,7 +86,11 @@ def resolve_model_source(model: str | Path | None) -> ModelSource:
         if (path / "config.json").is_file():
             return ModelSource("hf", path.resolve(), path.resolve().name)
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
-        hint = f" It holds GGUF files ({', '.join(ggufs[:3])}): pass one of them instead." if ggufs else ""
+        hint = (
+            f" It holds GGUF files ({', '.join(ggufs[:3])}): pass one of them instead."
+            if ggufs
+            else ""
+        )
         raise ModelLoadError(
             f"Model directory {str(path)!r} has no config.json, so it is not a Hugging Face model "
             f"directory.{hint} Pass {_ACCEPTED}."
@@ -92,6 +98,7 @@ def resolve_model_source(model: str | Path | None) -> ModelSource:
     if path.suffix.lower() == ".gguf":
         return ModelSource("gguf", path.resolve(), path.stem)
     raise ModelLoadError(
-        f"Model file {str(path)!r} is not a supported model file (unknown type {path.suffix or 'without suffix'!s}). "
+        f"Model file {str(path)!r} is not a supported model file (unknown type "
+        f"{path.suffix or 'without suffix'!s}). "
         f"Pass {_ACCEPTED}."
     )

@@ -10,6 +10,7 @@ When the engine reports a fatal error (a tensor-parallel worker died), ``/health
 the server stops about a second later and :func:`run_server` raises ``DistributedError`` naming
 the rank; should the graceful stop hang, the process exits with status 1 after 20 s.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,9 @@ router = APIRouter()
 
 def _model_card(raw_request: Request) -> ModelCard:
     engine = raw_request.app.state.engine
-    return ModelCard(id=engine.model_name, root=engine.model_name,
-                     max_model_len=engine.max_model_len)
+    return ModelCard(
+        id=engine.model_name, root=engine.model_name, max_model_len=engine.max_model_len
+    )
 
 
 @router.get("/health")
@@ -142,7 +144,9 @@ def build_app(engine, reasoning_parser: str | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.openai_serving_chat = OpenAIServingChat(engine, reasoning_parser)
     app.state.openai_serving_completion = OpenAIServingCompletion(engine)
-    app.state.openai_serving_tokenization = OpenAIServingTokenization(engine, app.state.openai_serving_chat)
+    app.state.openai_serving_tokenization = OpenAIServingTokenization(
+        engine, app.state.openai_serving_chat
+    )
     install_exception_handlers(app)
     return app
 
@@ -207,8 +211,13 @@ def _ensure_logging() -> None:
         ours.setLevel(logging.INFO)
 
 
-def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-               log_level: str = "warning", reasoning_parser: str | None = None) -> None:
+def run_server(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "warning",
+    reasoning_parser: str | None = None,
+) -> None:
     """Load the engine, serve it over HTTP until SIGINT/SIGTERM, then shut the engine down.
 
     ``log_level`` is uvicorn's (its access log is off); pyxllm logs one line with the URL.
@@ -229,11 +238,19 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     try:
         app = build_app(engine, reasoning_parser)
         shown_host = f"[{host}]" if ":" in host else host
-        banner = (f"serving {engine.model_name} (max_model_len={engine.max_model_len}) "
-                  f"at http://{shown_host}:{port}/v1")
-        uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                   access_log=False, lifespan="off",
-                                   timeout_graceful_shutdown=5)
+        banner = (
+            f"serving {engine.model_name} (max_model_len={engine.max_model_len}) "
+            f"at http://{shown_host}:{port}/v1"
+        )
+        uv_config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
         server = _Server(uv_config, banner, engine)
         with _signals_handled_by_uvicorn():
             server.run()

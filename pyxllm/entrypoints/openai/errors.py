@@ -4,6 +4,7 @@
 Request validation errors, which FastAPI answers with 422, are answered with 400 here, as
 OpenAI and vLLM do.
 """
+
 from __future__ import annotations
 
 import logging

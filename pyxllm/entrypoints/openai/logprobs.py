@@ -4,6 +4,7 @@ Chat: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, byt
 Completions: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``. A logprob of a
 token the sampling settings ruled out (``-inf``) is sent as -9999.0, as vLLM does.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -29,25 +30,45 @@ def _text(entry: Logprob) -> str:
 
 def _top(entries: dict[int, Logprob], num_top: int) -> list[Logprob]:
     """The ``num_top`` most likely entries, by rank."""
-    ranked = sorted((e for e in entries.values() if e.rank is not None and e.rank <= num_top), key=lambda e: e.rank)
+    ranked = sorted(
+        (e for e in entries.values() if e.rank is not None and e.rank <= num_top),
+        key=lambda e: e.rank,
+    )
     return ranked[:num_top]
 
 
-def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]], num_top: int) -> ChatCompletionLogProbs:
-    """Chat ``logprobs`` of generated ``token_ids`` (one dict each) with ``num_top`` alternatives."""
+def chat_logprobs(
+    token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]], num_top: int
+) -> ChatCompletionLogProbs:
+    """Chat ``logprobs`` of generated ``token_ids`` (one dict each) with ``num_top``
+    alternatives."""
     content = []
     for token_id, entries in zip(token_ids, logprobs):
         chosen = entries[token_id]
-        top = [ChatCompletionLogProb(token=_text(e), logprob=_value(e.logprob), bytes=list(_text(e).encode()))
-               for e in _top(entries, num_top)]
-        content.append(ChatCompletionLogProbsContent(
-            token=_text(chosen), logprob=_value(chosen.logprob), bytes=list(_text(chosen).encode()), top_logprobs=top,
-        ))
+        top = [
+            ChatCompletionLogProb(
+                token=_text(e), logprob=_value(e.logprob), bytes=list(_text(e).encode())
+            )
+            for e in _top(entries, num_top)
+        ]
+        content.append(
+            ChatCompletionLogProbsContent(
+                token=_text(chosen),
+                logprob=_value(chosen.logprob),
+                bytes=list(_text(chosen).encode()),
+                top_logprobs=top,
+            )
+        )
     return ChatCompletionLogProbs(content=content)
 
 
-def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob] | None], num_top: int,
-                        initial_offset: int = 0, decode_each=None) -> CompletionLogProbs:
+def completion_logprobs(
+    token_ids: Sequence[int],
+    logprobs: Sequence[dict[int, Logprob] | None],
+    num_top: int,
+    initial_offset: int = 0,
+    decode_each=None,
+) -> CompletionLogProbs:
     """Completion ``logprobs`` of ``token_ids``: one dict each, or ``None`` (the first prompt
     token with ``echo``, whose text then comes from ``decode_each``); offsets count from
     ``initial_offset`` characters (the text already sent before these tokens)."""

@@ -6,6 +6,7 @@ Values are range-checked by :class:`~pyxllm.sampling_params.SamplingParams` (400
 field). Logprobs in responses are clamped to -9999.0 where the token was ruled out (``-inf``
 is not JSON), as vLLM does.
 """
+
 from __future__ import annotations
 
 import time
@@ -284,4 +285,3 @@ class CompletionStreamResponse(StreamChunkModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
-

@@ -1,4 +1,5 @@
 """``POST /v1/chat/completions``: chat template -> engine -> JSON or SSE chunks."""
+
 from __future__ import annotations
 
 import time
@@ -48,8 +49,9 @@ class OpenAIServingChat(OpenAIServing):
         if reasoning_parser:
             self.reasoning_parser = get_reasoning_parser(reasoning_parser)(engine.tokenizer)
 
-    def request_reasoning_parser(self, request: ChatCompletionRequest, params: SamplingParams,
-                                 prompt_token_ids: list[int]) -> ReasoningParser | None:
+    def request_reasoning_parser(
+        self, request: ChatCompletionRequest, params: SamplingParams, prompt_token_ids: list[int]
+    ) -> ReasoningParser | None:
         """The parser splitting this request's text, ``None`` when nothing is to be split; keeps
         special tokens in the text when the parser's tags are special (and the request did not
         say otherwise)."""
@@ -60,8 +62,9 @@ class OpenAIServingChat(OpenAIServing):
             params.skip_special_tokens = False
         return parser
 
-    async def create_chat_completion(self, request: ChatCompletionRequest,
-                                     raw_request: Request) -> Response:
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
         """Answer one chat request (raises :class:`OpenAIError` for a bad request)."""
         self.check_model(request.model)
         self.check_health()
@@ -69,7 +72,11 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is None:
             max_tokens = request.max_tokens
         elif max_tokens < 1:
-            raise OpenAIError(f"max_completion_tokens: must be >= 1, got {max_tokens}", 400, "max_completion_tokens")
+            raise OpenAIError(
+                f"max_completion_tokens: must be >= 1, got {max_tokens}",
+                400,
+                "max_completion_tokens",
+            )
         params = self.sampling_params(request, max_tokens, logprobs=requested_logprobs(request))
         prompt_token_ids = self.render(request)
         self.fit_to_context(params, len(prompt_token_ids), "messages")
@@ -81,7 +88,12 @@ class OpenAIServingChat(OpenAIServing):
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return self.stream(
                 lambda mark_finished: self.chat_stream(
-                    request_id, created, prompt_token_ids, params, include_usage, mark_finished,
+                    request_id,
+                    created,
+                    prompt_token_ids,
+                    params,
+                    include_usage,
+                    mark_finished,
                     reasoning,
                 ),
                 request_id,
@@ -91,11 +103,19 @@ class OpenAIServingChat(OpenAIServing):
         except ClientDisconnected:
             return Response(status_code=499)
         response = ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name,
-            choices=[ChatCompletionResponseChoice(
-                index=c.index, message=chat_message(c.text, reasoning), logprobs=choice_logprobs(c, params),
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            ) for c in final.outputs],
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=[
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=chat_message(c.text, reasoning),
+                    logprobs=choice_logprobs(c, params),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for c in final.outputs
+            ],
             usage=usage_info(len(prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)),
         )
         return JSONResponse(response.model_dump(mode="json"))
@@ -114,7 +134,9 @@ class OpenAIServingChat(OpenAIServing):
                     if part.type != "text" or part.text is None:
                         raise OpenAIError(
                             f"messages[{i}].content: only text parts are supported, "
-                            f"got a part of type {part.type!r}", 400, "messages",
+                            f"got a part of type {part.type!r}",
+                            400,
+                            "messages",
                         )
                     texts.append(part.text)
                 content = "\n".join(texts)
@@ -127,24 +149,39 @@ class OpenAIServingChat(OpenAIServing):
         except (ValueError, TypeError) as exc:
             raise OpenAIError(str(exc), 400, "messages") from exc
         if not ids:
-            raise OpenAIError("messages: the chat template rendered an empty prompt", 400,
-                              "messages")
+            raise OpenAIError(
+                "messages: the chat template rendered an empty prompt", 400, "messages"
+            )
         return ids
 
-    async def chat_stream(self, request_id: str, created: int, prompt_token_ids: list[int],
-                          params: SamplingParams, include_usage: bool,
-                          mark_finished: Callable[[], None],
-                          reasoning: ReasoningParser | None = None) -> AsyncIterator[str]:
+    async def chat_stream(
+        self,
+        request_id: str,
+        created: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        include_usage: bool,
+        mark_finished: Callable[[], None],
+        reasoning: ReasoningParser | None = None,
+    ) -> AsyncIterator[str]:
         """SSE events: per choice index a role delta, content (and reasoning) deltas with their
         logprobs, one finish_reason; then usage (if asked) and ``[DONE]``."""
 
-        def chunk(index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None) -> str:
+        def chunk(
+            index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None
+        ) -> str:
             choice = ChatCompletionResponseStreamChoice(
-                index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason
+                index=index,
+                delta=delta,
+                logprobs=logprobs,
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
             )
-            return sse(ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=[choice]
-            ))
+            return sse(
+                ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[choice]
+                )
+            )
 
         n = params.n
         for index in range(n):
@@ -162,8 +199,12 @@ class OpenAIServingChat(OpenAIServing):
                     texts[i], num_sent[i] = completion.text, len(completion.token_ids)
                     if finished:
                         done[i] = True
-                        yield chunk(i, delta, logprobs, completion.finish_reason, completion.stop_reason)
-                    elif delta.content or delta.reasoning_content or (logprobs and logprobs.content):
+                        yield chunk(
+                            i, delta, logprobs, completion.finish_reason, completion.stop_reason
+                        )
+                    elif (
+                        delta.content or delta.reasoning_content or (logprobs and logprobs.content)
+                    ):
                         yield chunk(i, delta, logprobs)
                 if output.finished:
                     mark_finished()
@@ -173,12 +214,19 @@ class OpenAIServingChat(OpenAIServing):
             return
         for i in range(n):
             if not done[i]:  # the engine's iterator ended without a final output
-                yield chunk(i, delta_message(texts[i], texts[i], True, reasoning), finish_reason="abort")
+                yield chunk(
+                    i, delta_message(texts[i], texts[i], True, reasoning), finish_reason="abort"
+                )
         if include_usage:
-            yield sse(ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=[],
-                usage=usage_info(len(prompt_token_ids), sum(num_sent)),
-            ))
+            yield sse(
+                ChatCompletionStreamResponse(
+                    id=request_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[],
+                    usage=usage_info(len(prompt_token_ids), sum(num_sent)),
+                )
+            )
         yield SSE_DONE
 
 
@@ -190,7 +238,9 @@ def requested_logprobs(request: ChatCompletionRequest) -> int | None:
     """
     top = request.top_logprobs
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise OpenAIError(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {top}", 400, "top_logprobs")
+        raise OpenAIError(
+            f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {top}", 400, "top_logprobs"
+        )
     if top and not request.logprobs:
         raise OpenAIError("top_logprobs: requires logprobs to be true", 400, "top_logprobs")
     return (top or 0) if request.logprobs else None
@@ -210,16 +260,24 @@ def chat_message(text: str, reasoning: ReasoningParser | None) -> ChatMessage:
     if reasoning is None:
         return ChatMessage(role="assistant", content=text)
     reasoning_text, content = reasoning.extract_reasoning(text)
-    return ChatMessage(role="assistant", content=content, reasoning_content=reasoning_text,
-                       reasoning=reasoning_text)
+    return ChatMessage(
+        role="assistant",
+        content=content,
+        reasoning_content=reasoning_text,
+        reasoning=reasoning_text,
+    )
 
 
-def delta_message(previous_text: str, current_text: str, finished: bool,
-                  reasoning: ReasoningParser | None) -> DeltaMessage:
+def delta_message(
+    previous_text: str, current_text: str, finished: bool, reasoning: ReasoningParser | None
+) -> DeltaMessage:
     """What a stream chunk adds now that the text grew from ``previous_text`` to
     ``current_text``; empty parts are left out."""
     if reasoning is None:
-        return DeltaMessage(content=current_text[len(previous_text):] or None)
+        return DeltaMessage(content=current_text[len(previous_text) :] or None)
     delta = reasoning.extract_reasoning_streaming(previous_text, current_text, finished)
-    return DeltaMessage(content=delta.content or None, reasoning_content=delta.reasoning or None,
-                        reasoning=delta.reasoning or None)
+    return DeltaMessage(
+        content=delta.content or None,
+        reasoning_content=delta.reasoning or None,
+        reasoning=delta.reasoning or None,
+    )

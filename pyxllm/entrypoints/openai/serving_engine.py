@@ -1,5 +1,6 @@
 """What chat and completion serving share: checks, sampling parameters, and running a request
 so that a client that goes away aborts it (streaming or not)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,18 @@ logger = logging.getLogger(__name__)
 
 # Fields a model's generation_config.json may default (a request's own value wins).
 DEFAULTABLE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
-PASSTHROUGH_FIELDS = ("seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "presence_penalty",
-                      "frequency_penalty", "min_tokens", "logit_bias", "include_stop_str_in_output")
+PASSTHROUGH_FIELDS = (
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "logit_bias",
+    "include_stop_str_in_output",
+)
 
 
 def sse(payload) -> str:
@@ -34,8 +45,11 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     """The ``usage`` of a request from its token counts."""
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
 
 
 class AbortOnCloseStreamingResponse(StreamingResponse):
@@ -88,7 +102,8 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise OpenAIError(
                 f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                404, "model",
+                404,
+                "model",
             )
 
     def check_health(self) -> None:
@@ -105,7 +120,9 @@ class OpenAIServing:
             raise OpenAIError(
                 f"This model's maximum context length is {limit} tokens (max_model_len). "
                 f"However, your {what} has {num_prompt_tokens} tokens, which leaves no room "
-                f"for the completion. Please reduce the length of the {what}.", 400, what,
+                f"for the completion. Please reduce the length of the {what}.",
+                400,
+                what,
             )
         if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
             raise OpenAIError(
@@ -113,7 +130,8 @@ class OpenAIServing:
                 f"However, you requested {num_prompt_tokens + max_tokens} tokens "
                 f"({num_prompt_tokens} in the {what}, {max_tokens} for the completion). "
                 f"Please reduce the length of the {what} or the completion.",
-                400, "max_tokens" if num_prompt_tokens < limit else what,
+                400,
+                "max_tokens" if num_prompt_tokens < limit else what,
             )
 
     def fit_to_context(self, params: SamplingParams, num_prompt_tokens: int, what: str) -> None:
@@ -127,10 +145,13 @@ class OpenAIServing:
     def check_unsupported(self, request: SamplingFields) -> None:
         """400 for field combinations that make no sense, rather than ignoring them."""
         if request.stream_options is not None and not request.stream:
-            raise OpenAIError("stream_options: only allowed when stream is true", 400,
-                              "stream_options")
+            raise OpenAIError(
+                "stream_options: only allowed when stream is true", 400, "stream_options"
+            )
 
-    def sampling_params(self, request: SamplingFields, max_tokens: int | None, **extra) -> SamplingParams:
+    def sampling_params(
+        self, request: SamplingFields, max_tokens: int | None, **extra
+    ) -> SamplingParams:
         """The request's :class:`SamplingParams`; generation defaults fill unset fields.
 
         OpenAI's default temperature (1.0) applies when neither the request nor the model's
@@ -138,7 +159,11 @@ class OpenAIServing:
         ``extra`` fields (``logprobs``, ``prompt_logprobs``) are passed as given.
         """
         self.check_unsupported(request)
-        fields: dict = {"n": 1 if request.n is None else request.n, "max_tokens": max_tokens, **extra}
+        fields: dict = {
+            "n": 1 if request.n is None else request.n,
+            "max_tokens": max_tokens,
+            **extra,
+        }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(request, name)
             value = self.defaults.get(name) if value is None else value
@@ -155,10 +180,15 @@ class OpenAIServing:
         except ValueError as exc:
             raise OpenAIError(str(exc), 400, param_from_message(str(exc))) from exc
         vocab_size = getattr(self.engine.tokenizer, "vocab_size", None)
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or ()),
+        ):
             for token_id in ids:
                 if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-                    raise OpenAIError(f"{name}: token id {token_id} is out of range [0, {vocab_size})", 400, name)
+                    raise OpenAIError(
+                        f"{name}: token id {token_id} is out of range [0, {vocab_size})", 400, name
+                    )
         return params
 
     # --- running a request ----------------------------------------------------------------------
@@ -181,9 +211,14 @@ class OpenAIServing:
         except Exception:  # noqa: BLE001 - aborting is best effort during cleanup
             logger.debug("abort of %s failed", request_id, exc_info=True)
 
-    async def generate_full(self, prompt_token_ids: list[int], params: SamplingParams,
-                            request_id: str, raw_request: Request,
-                            prompt: str | None = None) -> RequestOutput:
+    async def generate_full(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        raw_request: Request,
+        prompt: str | None = None,
+    ) -> RequestOutput:
         """Run a request to its end; raises :class:`ClientDisconnected` (after aborting the
         request) if the client goes away first, :class:`OpenAIError` if the engine refuses it."""
         finished = False
@@ -191,8 +226,9 @@ class OpenAIServing:
         async def drain() -> RequestOutput:
             nonlocal finished
             final = None
-            async for output in self.engine.generate(prompt_token_ids, params, request_id,
-                                                     prompt=prompt):
+            async for output in self.engine.generate(
+                prompt_token_ids, params, request_id, prompt=prompt
+            ):
                 final = output
             finished = True
             return final
@@ -215,8 +251,9 @@ class OpenAIServing:
             if not finished:
                 self.abort(request_id)
 
-    def stream(self, events: Callable[[Callable[[], None]], AsyncIterator[str]],
-               request_id: str) -> AbortOnCloseStreamingResponse:
+    def stream(
+        self, events: Callable[[Callable[[], None]], AsyncIterator[str]], request_id: str
+    ) -> AbortOnCloseStreamingResponse:
         """An SSE response of ``events(mark_finished)``; the request is aborted when the
         response ends before ``mark_finished()`` was called (client gone, server error)."""
         state = {"finished": False}

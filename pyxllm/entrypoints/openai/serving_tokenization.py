@@ -6,12 +6,19 @@ rendered with the model's template (``add_generation_prompt`` defaults to true,
 ``token_strs`` with ``return_token_strs``); ``/detokenize`` takes ``{"tokens"}`` and returns
 ``{"prompt"}``.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 from pyxllm.entrypoints.openai.errors import OpenAIError
-from pyxllm.entrypoints.openai.protocol import ChatCompletionMessageParam, ChatCompletionRequest, OpenAIBaseModel
+from pyxllm.entrypoints.openai.protocol import (
+    ChatCompletionMessageParam,
+    ChatCompletionRequest,
+    OpenAIBaseModel,
+)
+
+
 class TokenizeRequest(OpenAIBaseModel):
     """``POST /tokenize``: a ``prompt``, or chat ``messages`` rendered with the chat template."""
 
@@ -68,14 +75,19 @@ class OpenAIServingTokenization:
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
             ids = list(tokenizer.encode(request.prompt, add_special_tokens=add_special))
         else:
-            chat = ChatCompletionRequest(messages=request.messages, add_generation_prompt=request.add_generation_prompt,
-                                         chat_template_kwargs=request.chat_template_kwargs)
+            chat = ChatCompletionRequest(
+                messages=request.messages,
+                add_generation_prompt=request.add_generation_prompt,
+                chat_template_kwargs=request.chat_template_kwargs,
+            )
             ids = self.chat.render(chat)
             if request.add_special_tokens:
                 bos = getattr(tokenizer.hf, "bos_token_id", None)
                 ids = ids if bos is None or ids[:1] == [bos] else [bos, *ids]
         strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs
+        )
 
     def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         """The text of ``request.tokens`` (special tokens kept).
@@ -87,5 +99,9 @@ class OpenAIServingTokenization:
         vocab_size = self.engine.tokenizer.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab_size]
         if bad:
-            raise OpenAIError(f"tokens: token id {bad[0]} is out of range [0, {vocab_size})", 400, "tokens")
-        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(request.tokens, skip_special_tokens=False))
+            raise OpenAIError(
+                f"tokens: token id {bad[0]} is out of range [0, {vocab_size})", 400, "tokens"
+            )
+        return DetokenizeResponse(
+            prompt=self.engine.tokenizer.decode(request.tokens, skip_special_tokens=False)
+        )

@@ -2,22 +2,44 @@
 (decode steps captured per batch-size bucket, prefill eager: device graphs on an accelerator,
 TorchScript traces on the CPU). Every runner gives the same greedy
 tokens as eager; the platform says which ones it supports, and any other is refused by name."""
+
 from __future__ import annotations
 
 from pyxllm.distributed.parallel_state import get_tp_size
 from pyxllm.executor.runners.base import Runner
 from pyxllm.executor.runners.compiled import CompileRunner
 from pyxllm.executor.runners.eager import EagerRunner
-from pyxllm.executor.runners.graph import DeviceGraphCapture, EagerCapture, GraphRunner, TraceCapture, capture_sizes
+from pyxllm.executor.runners.graph import (
+    DeviceGraphCapture,
+    EagerCapture,
+    GraphRunner,
+    TraceCapture,
+    capture_sizes,
+)
 
 __all__ = [
-    "CompileRunner", "DeviceGraphCapture", "EagerCapture", "EagerRunner", "GraphRunner", "Runner",
-    "TraceCapture", "build_runner", "capture_sizes",
+    "CompileRunner",
+    "DeviceGraphCapture",
+    "EagerCapture",
+    "EagerRunner",
+    "GraphRunner",
+    "Runner",
+    "TraceCapture",
+    "build_runner",
+    "capture_sizes",
 ]
 
 
-def build_runner(kind: str, model, platform, attn_backend=None, kv_caches=None, max_batch: int = 1,
-                 max_model_len: int = 1, block_size: int = 16) -> Runner:
+def build_runner(
+    kind: str,
+    model,
+    platform,
+    attn_backend=None,
+    kv_caches=None,
+    max_batch: int = 1,
+    max_model_len: int = 1,
+    block_size: int = 16,
+) -> Runner:
     """The runner of ``kind`` (``eager``, ``compile`` or ``graph``; aliases are normalized by
     ``EngineConfig``) for ``model`` on ``platform``; ``graph`` captures its buckets here.
 
@@ -31,9 +53,13 @@ def build_runner(kind: str, model, platform, attn_backend=None, kv_caches=None, 
         return CompileRunner(model)
     if platform.graph_class is None:  # the CPU: TorchScript records the step
         if get_tp_size() > 1:
-            raise ValueError(f"--graph-backend graph on device {platform.name} records decode steps with "
-                             "torch.jit.trace, which cannot record collectives: use it with --tp 1")
+            raise ValueError(
+                f"--graph-backend graph on device {platform.name} records decode steps with "
+                "torch.jit.trace, which cannot record collectives: use it with --tp 1"
+            )
         capture = TraceCapture()
     else:
         capture = DeviceGraphCapture(platform.device_module(), platform.graph_class)
-    return GraphRunner(model, attn_backend, kv_caches, max_batch, max_model_len, block_size, capture)
+    return GraphRunner(
+        model, attn_backend, kv_caches, max_batch, max_model_len, block_size, capture
+    )

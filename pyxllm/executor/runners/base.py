@@ -1,4 +1,5 @@
 """What every runner offers the executor."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

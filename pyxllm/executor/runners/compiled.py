@@ -7,6 +7,7 @@ the decoder layers compile into one graph with no graph break. The token dimensi
 C++ (gcc); SmolLM2-135M compiles in about 45 s on 2 cores with a cold cache (inductor's disk
 cache, ``/tmp/torchinductor_<user>``, makes later starts quicker).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,7 +27,9 @@ class CompileRunner(Runner):
     name = "compile"
 
     def __init__(self, model: nn.Module, backend: str = "inductor") -> None:
-        from torch._dynamo.decorators import mark_unbacked  # dynamo takes ~2 s to import: only when used
+        from torch._dynamo.decorators import (
+            mark_unbacked,
+        )  # dynamo takes ~2 s to import: only when used
 
         super().__init__(model)
         self.compiled = torch.compile(model, backend=backend, dynamic=True)

@@ -1,4 +1,5 @@
 """The eager runner: plain PyTorch, the reference every other runner must match."""
+
 from __future__ import annotations
 
 import torch

@@ -11,6 +11,7 @@ multiples of 16 up to ``--max-seqs-per-batch``). Rows ``n..b`` are padding: toke
 position 0, slot -1 (the cache write skips it), a context of 1 token in block 0 (finite,
 discarded output). Steps with a prefill, or more sequences than the largest bucket, run eagerly.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -28,7 +29,8 @@ from pyxllm.layers.forward_context import ForwardContext, set_forward_context
 def capture_sizes(max_batch: int) -> list[int]:
     """Bucket sizes: 1, 2, 4, 8, then multiples of 16, up to ``max_batch`` (which ends the list).
 
-    ``capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]``; ``capture_sizes(20) == [1, 2, 4, 8, 16, 20]``.
+    ``capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]``; ``capture_sizes(20) == [1, 2, 4, 8, 16,
+    20]``.
     """
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
     return [*sizes, max_batch]
@@ -65,7 +67,9 @@ class TraceCapture:
 
     def capture(self, fn: StepFn, args: tuple[torch.Tensor, ...]) -> Replay:
         fn(*args)  # warm-up: lazy initialisation must not be recorded
-        with warnings.catch_warnings():  # TracerWarnings about Python values: the step has none that vary
+        with (
+            warnings.catch_warnings()
+        ):  # TracerWarnings about Python values: the step has none that vary
             warnings.simplefilter("ignore")
             traced = torch.jit.trace(fn, args, check_trace=False)
         return lambda: traced(*args)
@@ -84,8 +88,14 @@ class DeviceGraphCapture:
     """
 
     def __init__(self, device_module: ModuleType, graph_class: str, warmup: int = 2) -> None:
-        self.device_module, self.graph_class, self.warmup = device_module, getattr(device_module, graph_class), warmup
-        self.pool = device_module.graph_pool_handle()  # shared by every bucket, largest captured first
+        self.device_module, self.graph_class, self.warmup = (
+            device_module,
+            getattr(device_module, graph_class),
+            warmup,
+        )
+        self.pool = (
+            device_module.graph_pool_handle()
+        )  # shared by every bucket, largest captured first
 
     def capture(self, fn: StepFn, args: tuple[torch.Tensor, ...]) -> Replay:
         for _ in range(self.warmup):
@@ -122,12 +132,24 @@ class GraphRunner(Runner):
 
     name = "graph"
 
-    def __init__(self, model: nn.Module, attn_backend, kv_caches, max_batch: int, max_model_len: int,
-                 block_size: int, capture) -> None:
-        uncapturable = sorted({type(m).__name__ for m in model.modules() if not getattr(m, "capturable", True)})
+    def __init__(
+        self,
+        model: nn.Module,
+        attn_backend,
+        kv_caches,
+        max_batch: int,
+        max_model_len: int,
+        block_size: int,
+        capture,
+    ) -> None:
+        uncapturable = sorted(
+            {type(m).__name__ for m in model.modules() if not getattr(m, "capturable", True)}
+        )
         if uncapturable:
-            raise ValueError(f"--graph-backend graph cannot capture {type(model).__name__}: its "
-                             f"{', '.join(uncapturable)} runs Python on the data; use --graph-backend eager")
+            raise ValueError(
+                f"--graph-backend graph cannot capture {type(model).__name__}: its "
+                f"{', '.join(uncapturable)} runs Python on the data; use --graph-backend eager"
+            )
         super().__init__(model)
         self.attn_backend, self.kv_caches = attn_backend, kv_caches
         self.sizes = capture_sizes(max_batch)
@@ -140,18 +162,31 @@ class GraphRunner(Runner):
         self.seq_lens = torch.ones(size, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(size, max_blocks, dtype=torch.long, device=device)
         with torch.inference_mode():
-            self.graphs = {s: capture.capture(self._decode_step, self._step_args(s)) for s in reversed(self.sizes)}
+            self.graphs = {
+                s: capture.capture(self._decode_step, self._step_args(s))
+                for s in reversed(self.sizes)
+            }
         self.replays = dict.fromkeys(self.sizes, 0)
 
     def _step_args(self, size: int) -> tuple[torch.Tensor, ...]:
         """The inputs of a ``size``-row decode step: views of the static buffers' first ``size``
         rows, then every layer's ``k_cache, v_cache``."""
-        return (self.input_ids[:size], self.positions[:size], self.slot_mapping[:size], self.block_tables[:size],
-                self.seq_lens[:size], *itertools.chain.from_iterable(self.kv_caches))
+        return (
+            self.input_ids[:size],
+            self.positions[:size],
+            self.slot_mapping[:size],
+            self.block_tables[:size],
+            self.seq_lens[:size],
+            *itertools.chain.from_iterable(self.kv_caches),
+        )
 
-    def _decode_step(self, input_ids, positions, slot_mapping, block_tables, seq_lens, *caches) -> torch.Tensor:
+    def _decode_step(
+        self, input_ids, positions, slot_mapping, block_tables, seq_lens, *caches
+    ) -> torch.Tensor:
         """The model forward of one decode step over :meth:`_step_args`."""
-        step = self.attn_backend.build_decode(slot_mapping, block_tables, seq_lens, self.max_seq_len)
+        step = self.attn_backend.build_decode(
+            slot_mapping, block_tables, seq_lens, self.max_seq_len
+        )
         with set_forward_context(ForwardContext(step, list(zip(caches[0::2], caches[1::2])))):
             return self.model(input_ids, positions)
 
@@ -159,7 +194,11 @@ class GraphRunner(Runner):
         """The bucket an ``InputBatch`` replays in; ``None`` when it must run eagerly (a prefill
         in it, too many sequences, or a context longer than the captured one)."""
         n = len(batch.query_lens)
-        if n > self.sizes[-1] or any(q != 1 for q in batch.query_lens) or max(batch.seq_lens_list) > self.max_seq_len:
+        if (
+            n > self.sizes[-1]
+            or any(q != 1 for q in batch.query_lens)
+            or max(batch.seq_lens_list) > self.max_seq_len
+        ):
             return None
         return next(s for s in self.sizes if s >= n)
 

@@ -5,10 +5,11 @@ ones stay where the build is not possible).
 
 A faster CPU kernel replaces its native counterpart here, under the same name and signature.
 """
+
+from pyxllm.kernels.cpu import fused as _fused
+from pyxllm.kernels.cpu.quantized import int4_linear, int8_linear, pack_int4_weight  # noqa: F401
 from pyxllm.kernels.native import *  # noqa: F401,F403
 from pyxllm.kernels.native import __all__  # noqa: F401
-from pyxllm.kernels.cpu.quantized import int4_linear, int8_linear, pack_int4_weight  # noqa: F401
-from pyxllm.kernels.cpu import fused as _fused
 
 if _fused.load() is not None:
     from pyxllm.kernels.cpu.fused import (  # noqa: F401

@@ -15,6 +15,7 @@ loads wait on torch's lock. Where it fails (no compiler), :func:`load` returns `
 warning, and with ``PYXLLM_CPU_KERNELS=native`` without trying; the CPU platform then keeps the
 native kernels.
 """
+
 from __future__ import annotations
 
 import functools
@@ -85,7 +86,9 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake(lib + "apply_rotary_emb")
     def _(q, k, cos, sin):
-        return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
+        return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
+            k, memory_format=torch.contiguous_format
+        )
 
     @torch.library.register_fake(lib + "paged_attention_decode")
     def _(query, k_cache, v_cache, block_tables, seq_lens, scale):
@@ -108,27 +111,40 @@ def load():
 
         cflags, ldflags, suffix = _compile_flags()
         _put_ninja_on_path()
-        logger.info("loading the fused CPU kernels (the first load in an environment builds them: 15-60 s)")
-        load_extension(name=f"pyxllm_cpu_kernels_{suffix}", sources=[str(_SOURCE)], extra_cflags=cflags,
-                       extra_ldflags=ldflags, is_python_module=False, verbose=False)
+        logger.info(
+            "loading the fused CPU kernels (the first load in an environment builds them: 15-60 s)"
+        )
+        load_extension(
+            name=f"pyxllm_cpu_kernels_{suffix}",
+            sources=[str(_SOURCE)],
+            extra_cflags=cflags,
+            extra_ldflags=ldflags,
+            is_python_module=False,
+            verbose=False,
+        )
         _register_fakes()
         return torch.ops.pyxllm_cpu
     except Exception as exc:  # noqa: BLE001 - any build failure means: fall back to native
-        logger.warning("fused CPU kernels unavailable (%s: %s); using the pure-PyTorch ones (slower)",
-                       type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        logger.warning(
+            "fused CPU kernels unavailable (%s: %s); using the pure-PyTorch ones (slower)",
+            type(exc).__name__,
+            str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
+        )
         return None
 
 
 # The kernels under ``pyxllm.kernels.native``'s names and signatures (bound by
 # ``pyxllm.kernels.cpu`` once :func:`load` succeeded).
 
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """See ``pyxllm.kernels.native.rms_norm`` (``x [..., hidden]``, float32 or bfloat16)."""
     return torch.ops.pyxllm_cpu.rms_norm.default(x, weight, eps)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """See ``pyxllm.kernels.native.fused_add_rms_norm``; both results are new tensors."""
     return torch.ops.pyxllm_cpu.fused_add_rms_norm.default(x, residual, weight, eps)
 
@@ -138,15 +154,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.pyxllm_cpu.silu_and_mul.default(x)
 
 
-def apply_rotary_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """See ``pyxllm.kernels.native.apply_rotary_emb``; ``q``/``k`` may be strided views (the
     split of a fused QKV output), the results are contiguous."""
     return torch.ops.pyxllm_cpu.apply_rotary_emb.default(q, k, cos, sin)
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """See ``pyxllm.kernels.native.reshape_and_cache``; K/V must already be in the cache's dtype.
 
     Raises:
@@ -155,17 +177,31 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     torch.ops.pyxllm_cpu.reshape_and_cache.default(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-                           attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """See ``pyxllm.kernels.native.paged_attention_decode``. Each row attends to exactly its
     ``seq_lens[b]`` tokens, so ``max_seq_len`` and ``attn_mask`` are not needed (a row of length
     0, graph padding, gets zeros)."""
-    return torch.ops.pyxllm_cpu.paged_attention_decode.default(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    return torch.ops.pyxllm_cpu.paged_attention_decode.default(
+        query, k_cache, v_cache, block_tables, seq_lens, scale
+    )
 
 
-def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scales: torch.Tensor,
-                bias: torch.Tensor | None = None, hadamard_block: int = 0) -> torch.Tensor:
+def w8a8_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    hadamard_block: int = 0,
+) -> torch.Tensor:
     """See ``pyxllm.kernels.native.w8a8_linear``: the same int8 activations and int32 sums
     (``torch._int_mm``, oneDNN's VNNI kernels), with the Hadamard transform, quantization and
     rescaling fused around it.

@@ -10,13 +10,15 @@ Both take 2-D activations in float32, bfloat16 or float16, with scales in the sa
 CPU with AVX-512 (bf16) they are several times faster than a bfloat16 ``F.linear`` at small
 batches (see shared PERF_NOTES and README, Performance).
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """See ``pyxllm.kernels.native.quantized.int8_linear``."""
     y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), qweight, scales)
     y = y.view(*x.shape[:-1], y.shape[-1])
@@ -30,13 +32,22 @@ def pack_int4_weight(q: torch.Tensor) -> torch.Tensor:
         ValueError: ``N`` is not a multiple of 16 (the kernel's tile).
     """
     if q.shape[0] % 16:
-        raise ValueError(f"int4 weights need a multiple of 16 output features on CPU, got {q.shape[0]}")
+        raise ValueError(
+            f"int4 weights need a multiple of 16 output features on CPU, got {q.shape[0]}"
+        )
     return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """See ``pyxllm.kernels.native.quantized.int4_linear``."""
-    y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), packed, group_size, scales_and_zeros)
+    y = torch._weight_int4pack_mm_for_cpu(
+        x.reshape(-1, x.shape[-1]), packed, group_size, scales_and_zeros
+    )
     y = y.view(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias

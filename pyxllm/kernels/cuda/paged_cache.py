@@ -6,6 +6,7 @@ redirected to the first real row's slot and carries that row's key and value, so
 the same bytes twice, whatever the order of the writes. When every row is padded, each one
 writes slot 0's own content back to slot 0. Either way, no slot but the real rows' changes.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """The pure-PyTorch kernels: the reference implementation and every platform's fallback."""
+
 from pyxllm.kernels.native.elementwise import (
     apply_rotary_emb,
     fused_add_rms_norm,

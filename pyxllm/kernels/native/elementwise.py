@@ -3,6 +3,7 @@
 The arithmetic order follows transformers' modeling_llama.py so that float32 results match it
 bit for bit where the operations are the same.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,13 +27,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual = x + residual`` then RMSNorm of it; returns ``(normed, residual)``, both ``[..., hidden]``."""
+    """``residual = x + residual`` then RMSNorm of it; returns ``(normed, residual)``, both ``[...,
+    hidden]``."""
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's gate: ``silu(x[..., :d]) * x[..., d:]`` for ``x`` of shape ``[..., 2d]``; returns ``[..., d]``."""
+    """SwiGLU's gate: ``silu(x[..., :d]) * x[..., d:]`` for ``x`` of shape ``[..., 2d]``; returns
+    ``[..., d]``."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
 
@@ -42,7 +45,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotary_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)``, each ``[num_tokens, 1, head_dim]`` in ``dtype``, for ``apply_rotary_emb``:
     the cache's ``head_dim // 2`` frequencies at ``positions``, repeated over both halves."""
     half = cos_sin_cache.shape[-1] // 2
@@ -52,8 +57,11 @@ def rotary_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: 
     return cos, sin
 
 
-def apply_rotary_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x * cos + rotate_half(x) * sin`` for ``q`` and ``k`` (transformers' ``apply_rotary_pos_emb``).
+def apply_rotary_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x * cos + rotate_half(x) * sin`` for ``q`` and ``k`` (transformers'
+    ``apply_rotary_pos_emb``).
 
     ``cos``/``sin`` from ``rotary_cos_sin`` (computed once per step and shared by every layer).
     """

@@ -4,13 +4,16 @@ Numerics follow transformers' ``modeling_qwen3_moe.py`` (``Qwen3MoeTopKRouter`` 
 ``Qwen3MoeExperts``): softmax over experts in float32, top-k, optional renormalisation, then per
 expert ``down(silu(gate(x)) * up(x)) * weight`` summed into the output in increasing expert order.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 
-def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick each token's ``top_k`` experts from the router's logits.
 
     Args:
@@ -18,7 +21,8 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
         top_k: experts per token (``num_experts_per_tok``).
         renormalize: divide the chosen probabilities by their sum (``norm_topk_prob``).
     Returns:
-        ``(topk_weights [num_tokens, top_k] in router_logits.dtype, topk_ids [num_tokens, top_k] int64)``;
+        ``(topk_weights [num_tokens, top_k] in router_logits.dtype, topk_ids [num_tokens, top_k]
+        int64)``;
         probabilities come from a float32 softmax over all experts.
     """
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)

@@ -6,6 +6,7 @@ Cache layout (as in vLLM and DESIGN.md): per layer, ``k_cache`` and ``v_cache`` 
 ``block * block_size + offset``. Grouped-query attention (num_heads a multiple of num_kv_heads)
 is handled by repeating each KV head for its query heads.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,7 +36,8 @@ def reshape_and_cache(
 
 
 def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
-    """``[..., kv_heads, L, D] -> [..., kv_heads * group, L, D]``: each KV head serves ``group`` query heads.
+    """``[..., kv_heads, L, D] -> [..., kv_heads * group, L, D]``: each KV head serves ``group``
+    query heads.
 
     Expanding the KV heads ourselves keeps SDPA on its fast CPU path (its ``enable_gqa`` path with
     a mask measured ~10-50x slower here).
@@ -58,8 +60,11 @@ def decode_attention_mask(seq_lens: torch.Tensor, max_seq_len: int) -> torch.Ten
     return (positions.unsqueeze(0) >= seq_lens.unsqueeze(1)).view(-1, 1, 1, max_seq_len)
 
 
-def _gather_heads_first(cache: torch.Tensor, block_ids: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-    """The cached K or V of ``batch`` sequences as ``[batch, kv_heads, length, head_dim]`` (contiguous).
+def _gather_heads_first(
+    cache: torch.Tensor, block_ids: torch.Tensor, batch: int, length: int
+) -> torch.Tensor:
+    """The cached K or V of ``batch`` sequences as ``[batch, kv_heads, length, head_dim]``
+    (contiguous).
 
     ``index_select`` over the flat block ids, then one transposing copy: ~5x and ~3x faster here
     than advanced indexing and than a matmul on the strided view.
@@ -124,12 +129,14 @@ def paged_attention_prefill(
     """Causal attention of one sequence's new tokens (a prompt or a chunk of it).
 
     The new tokens are the last ``query_len`` of the sequence's ``context_len`` tokens; token
-    ``i`` of the chunk attends to every context token at position ``<= context_len - query_len + i``.
+    ``i`` of the chunk attends to every context token at position ``<= context_len - query_len +
+    i``.
     When nothing was cached before (``context_len == query_len``) the step's own ``key``/``value``
     are used; otherwise the context is read from the cache (where this step's K/V already are).
 
     Args:
-        query: ``[query_len, num_heads, head_dim]``; key, value: ``[query_len, num_kv_heads, head_dim]``.
+        query: ``[query_len, num_heads, head_dim]``; key, value: ``[query_len, num_kv_heads,
+            head_dim]``.
         block_table: ``[max_blocks]`` int64 block ids of this sequence.
         context_len: tokens in the sequence after this chunk.
     Returns:
@@ -141,10 +148,18 @@ def paged_attention_prefill(
     q = query.transpose(0, 1).unsqueeze(0)
     if context_len == query_len:
         k, v = (_repeat_kv(x.transpose(0, 1), group).unsqueeze(0) for x in (key, value))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(0, 1)
-    k = _repeat_kv(_gather_context(k_cache, block_table, context_len).transpose(0, 1), group).to(query.dtype)
-    v = _repeat_kv(_gather_context(v_cache, block_table, context_len).transpose(0, 1), group).to(query.dtype)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(
+            0, 1
+        )
+    k = _repeat_kv(_gather_context(k_cache, block_table, context_len).transpose(0, 1), group).to(
+        query.dtype
+    )
+    v = _repeat_kv(_gather_context(v_cache, block_table, context_len).transpose(0, 1), group).to(
+        query.dtype
+    )
     pos = torch.arange(context_len, device=query.device)
     mask = pos.unsqueeze(0) <= pos[context_len - query_len :].unsqueeze(1)
-    out = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale
+    )
     return out[0].transpose(0, 1)

@@ -7,7 +7,8 @@ Formats (chosen so the CPU kernels of ATen take them as they are, see ``kernels.
 - int4, groups of ``group_size`` input features: ``W[n, k] ~= (q[n, k] - 8) * scale[g, n] +
   zero[g, n]`` with ``q`` in ``0..15`` and ``g = k // group_size``; ``scales_and_zeros`` is
   ``[K / group_size, N, 2]`` (scale, zero), in the activations' dtype. This is the layout and
-  formula of ``torch._weight_int4pack_mm_for_cpu`` (checked against it in tests/test_quantization.py).
+  formula of ``torch._weight_int4pack_mm_for_cpu`` (checked against it in
+  tests/test_quantization.py).
   The reference keeps ``q`` unpacked, one ``uint8`` per weight; a platform packs it its own way
   (``pack_int4_weight``), and only its own ``int4_linear`` reads the packed form.
 - w8a8 (int8 weights and int8 activations): the int8 weight format above with ``scales`` in
@@ -16,6 +17,7 @@ Formats (chosen so the CPU kernels of ATen take them as they are, see ``kernels.
   scheme of vLLM's dynamic per-token W8A8 int8 (``compressed-tensors``) and of SmoothQuant
   (Xiao et al., 2023) without its smoothing.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +28,9 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``y = x @ (qweight * scales[:, None]).T + bias``.
 
     Args:
@@ -45,7 +48,9 @@ def pack_int4_weight(q: torch.Tensor) -> torch.Tensor:
     return q.to(torch.uint8)
 
 
-def dequantize_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+def dequantize_int4(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """``[N, K]`` weights in ``scales_and_zeros.dtype`` from the reference's unpacked ``q``."""
     n, k = packed.shape
     scale = scales_and_zeros[..., 0].t().unsqueeze(-1)  # [N, K/G, 1]
@@ -54,8 +59,13 @@ def dequantize_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_
     return ((q - 8) * scale + zero).view(n, k)
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``y = x @ W.T + bias`` with ``W`` dequantized from ``pack_int4_weight``'s output.
 
     Args:
@@ -81,8 +91,13 @@ def hadamard_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(rows, k)
 
 
-def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scales: torch.Tensor,
-                bias: torch.Tensor | None = None, hadamard_block: int = 0) -> torch.Tensor:
+def w8a8_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    hadamard_block: int = 0,
+) -> torch.Tensor:
     """``x @ (qweight * weight_scales[:, None]).T + bias`` with ``x`` quantized to int8 per token.
 
     With ``hadamard_block`` > 0, ``x`` is first multiplied by the block-diagonal Hadamard matrix
@@ -95,7 +110,8 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scales: torch.Ten
 
     Args:
         x: ``[..., K]`` float activations.
-        qweight: ``[N, K]`` int8; weight_scales: ``[N]`` float32; bias: ``[N]`` in ``x.dtype`` or None.
+        qweight: ``[N, K]`` int8; weight_scales: ``[N]`` float32; bias: ``[N]`` in ``x.dtype`` or
+            None.
     Returns:
         ``[..., N]`` in ``x.dtype``.
     """
@@ -103,7 +119,9 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scales: torch.Ten
     if hadamard_block:
         x2 = hadamard_blocks(x2, hadamard_block)
     amax = x2.abs().amax(dim=1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # not 127.0 / amax: a reciprocal
+    inv = torch.where(
+        amax > 0, torch.full_like(amax, 127.0) / amax, 0.0
+    )  # not 127.0 / amax: a reciprocal
     q = torch.round(x2 * inv).clamp_(-127, 127)
     acc = (q.double() @ qweight.double().t()).float()
     y = (acc * (amax / 127.0) * weight_scales).to(x.dtype).view(*x.shape[:-1], qweight.shape[0])

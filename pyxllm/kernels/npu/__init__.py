@@ -3,6 +3,7 @@
 Untested here (no NPU on the development machines); ``pyxllm check-device --device npu`` checks
 them against the CPU on a card. Imported only when the NPU platform is bound.
 """
+
 from pyxllm.kernels.native import *  # noqa: F401,F403
 from pyxllm.kernels.native import __all__  # noqa: F401
 from pyxllm.kernels.npu.fused import (  # noqa: F401

@@ -2,6 +2,7 @@
 
 Untested here (no NPU on the development machines).
 """
+
 from __future__ import annotations
 
 import torch

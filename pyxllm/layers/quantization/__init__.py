@@ -1,16 +1,20 @@
-"""``--quantization``: int8/int4 weight-only or int8 W8A8 linear layers, chosen once the weights are loaded.
+"""``--quantization``: int8/int4 weight-only or int8 W8A8 linear layers, chosen once the weights are
+loaded.
 
 Layers with a ``quant_method`` attribute (the column/row-parallel linears and the LM head) and
 ``quantizable = True`` are converted by :func:`quantize_model`; the others (norms, the token
 embedding, a MoE router, stacked MoE experts) stay in the compute dtype. See
 ``weight_only.py`` and ``w8a8.py`` for the formats and README (Performance) for speed and accuracy.
 """
+
 from __future__ import annotations
 
 import logging
 
 from torch import nn
 
+from pyxllm.layers.quantization.rotation import rotate_for_int8_activations
+from pyxllm.layers.quantization.w8a8 import W8A8LinearMethod
 from pyxllm.layers.quantization.weight_only import (
     INT4_GROUP_SIZE,
     UNQUANTIZED,
@@ -20,8 +24,6 @@ from pyxllm.layers.quantization.weight_only import (
     quantize_int4_groups,
     quantize_int8_per_channel,
 )
-from pyxllm.layers.quantization.rotation import rotate_for_int8_activations
-from pyxllm.layers.quantization.w8a8 import W8A8LinearMethod
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +36,15 @@ _METHODS = {
 }
 
 __all__ = [
-    "INT4_GROUP_SIZE", "QUANTIZATION_METHODS", "UNQUANTIZED", "Int4LinearMethod", "Int8LinearMethod",
-    "UnquantizedLinearMethod", "W8A8LinearMethod", "quantize_int4_groups", "quantize_int8_per_channel",
+    "INT4_GROUP_SIZE",
+    "QUANTIZATION_METHODS",
+    "UNQUANTIZED",
+    "Int4LinearMethod",
+    "Int8LinearMethod",
+    "UnquantizedLinearMethod",
+    "W8A8LinearMethod",
+    "quantize_int4_groups",
+    "quantize_int8_per_channel",
     "quantize_model",
 ]
 
@@ -57,19 +66,26 @@ def quantize_model(model: nn.Module, quantization: str | None) -> int:
     if quantization is None:
         return 0
     if quantization not in _METHODS:
-        raise ValueError(f"--quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}")
+        raise ValueError(
+            f"--quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, got "
+            f"{quantization!r}"
+        )
     linear_cls, head_cls = _METHODS[quantization]
     if quantization == "w8a8":
         rotate_for_int8_activations(model)
     count = 0
     for name, module in model.named_modules():
-        if not getattr(module, "quantizable", False) or not isinstance(getattr(module, "weight", None), nn.Parameter):
+        if not getattr(module, "quantizable", False) or not isinstance(
+            getattr(module, "weight", None), nn.Parameter
+        ):
             continue
         method = head_cls() if hasattr(module, "compute_logits") else linear_cls()
         try:
             method.process_weights_after_loading(module)
         except (ValueError, RuntimeError) as e:
-            raise ValueError(f"--quantization {quantization}: layer {name} {tuple(module.weight.shape)}: {e}") from e
+            raise ValueError(
+                f"--quantization {quantization}: layer {name} {tuple(module.weight.shape)}: {e}"
+            ) from e
         count += 1
     logger.info("quantized %d layers to %s", count, quantization)
     return count

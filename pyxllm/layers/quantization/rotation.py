@@ -26,6 +26,7 @@ Measured on the default model (4 prompts, 57 positions, against float32 logits, 
 (a prototype) 6.5 / 0.77 / 0.93; both 2.6 / 0.33 / 0.93 (bfloat16 without quantization: 1.3 /
 0.16 / 0.95; int8 weight-only: 3.2 / 0.39 / 0.98).
 """
+
 from __future__ import annotations
 
 import logging
@@ -69,9 +70,14 @@ def _rotatable(model: nn.Module) -> bool:
         return False
     for layer in inner.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if not (hasattr(layer, "input_layernorm") and hasattr(layer, "post_attention_layernorm")
-                and hasattr(attn, "qkv_proj") and hasattr(attn, "o_proj")
-                and hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj")):
+        if not (
+            hasattr(layer, "input_layernorm")
+            and hasattr(layer, "post_attention_layernorm")
+            and hasattr(attn, "qkv_proj")
+            and hasattr(attn, "o_proj")
+            and hasattr(mlp, "gate_up_proj")
+            and hasattr(mlp, "down_proj")
+        ):
             return False
     return True
 
@@ -84,21 +90,32 @@ def rotate_for_int8_activations(model: nn.Module) -> bool:
     Sets ``hadamard_block`` on each ``down_proj``, which ``W8A8LinearMethod`` passes to its kernel.
     """
     if not _rotatable(model):
-        logger.info("w8a8: no rotation for %s (not a dense Llama-style layout)", type(model).__name__)
+        logger.info(
+            "w8a8: no rotation for %s (not a dense Llama-style layout)", type(model).__name__
+        )
         return False
     inner = model.model
     hidden = inner.embed_tokens.weight.shape[1]
     q = random_orthogonal(hidden)
-    head_weight = model.lm_head.weight.float() * inner.norm.weight.float()  # before the embedding changes
+    head_weight = (
+        model.lm_head.weight.float() * inner.norm.weight.float()
+    )  # before the embedding changes
     _set_weight(inner.embed_tokens, inner.embed_tokens.weight.float() @ q)
     _set_weight(model.lm_head, head_weight @ q)
     inner.norm.weight.fill_(1)
-    size = inner.layers[0].mlp.down_proj.weight.shape[1] if len(inner.layers) else 0  # this rank's share
-    signs = torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(_SEED + 1)).float() * 2 - 1
+    size = (
+        inner.layers[0].mlp.down_proj.weight.shape[1] if len(inner.layers) else 0
+    )  # this rank's share
+    signs = (
+        torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(_SEED + 1)).float() * 2
+        - 1
+    )
     block = hadamard_block_for(size)
     for layer in inner.layers:
-        for norm, reader in ((layer.input_layernorm, layer.self_attn.qkv_proj),
-                             (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+        for norm, reader in (
+            (layer.input_layernorm, layer.self_attn.qkv_proj),
+            (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
+        ):
             _set_weight(reader, (reader.weight.float() * norm.weight.float()) @ q)
             norm.weight.fill_(1)
         for writer in (layer.self_attn.o_proj, layer.mlp.down_proj):
@@ -107,12 +124,16 @@ def rotate_for_int8_activations(model: nn.Module) -> bool:
                 writer.bias.copy_(writer.bias.float() @ q)
         gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj  # gate_up: [gate; up] rows
         if down.weight.shape[1] != size:
-            raise ValueError(f"w8a8 rotation: layer intermediate sizes differ ({down.weight.shape[1]} vs {size})")
+            raise ValueError(
+                f"w8a8 rotation: layer intermediate sizes differ ({down.weight.shape[1]} vs {size})"
+            )
         weight = gate_up.weight.float()
         weight[size:] *= signs.unsqueeze(1)
         _set_weight(gate_up, weight)
         if gate_up.bias is not None:
             gate_up.bias[size:] *= signs.to(gate_up.bias.dtype)
-        _set_weight(down, hadamard_blocks(down.weight.float() * signs, block) / block)  # (W diag(s)) H / block
+        _set_weight(
+            down, hadamard_blocks(down.weight.float() * signs, block) / block
+        )  # (W diag(s)) H / block
         down.hadamard_block = block
     return True

@@ -10,13 +10,18 @@ per-token W8A8 int8 (its ``compressed-tensors`` scheme), quantized here from flo
 load time instead of read from a pre-quantized checkpoint, after the rotations of
 ``rotation.py`` (QuaRot), which keep the int8 activations accurate.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from pyxllm import kernels
-from pyxllm.layers.quantization.weight_only import UnquantizedLinearMethod, quantize_int8_per_channel, replace_weight
+from pyxllm.layers.quantization.weight_only import (
+    UnquantizedLinearMethod,
+    quantize_int8_per_channel,
+    replace_weight,
+)
 
 
 class W8A8LinearMethod(UnquantizedLinearMethod):
@@ -33,5 +38,9 @@ class W8A8LinearMethod(UnquantizedLinearMethod):
         self.hadamard_block = getattr(layer, "hadamard_block", 0)
         layer.quant_method = self
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return kernels.ops.w8a8_linear(x, layer.qweight, layer.weight_scales, bias, self.hadamard_block)
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return kernels.ops.w8a8_linear(
+            x, layer.qweight, layer.weight_scales, bias, self.hadamard_block
+        )

@@ -15,6 +15,7 @@ the dequantizing reference elsewhere), so layers hold no device branch.
   file's ``q``, ``d`` and ``m`` without loss (checked in tests/test_quantization.py); only the
   scale and zero are stored in the compute dtype (bfloat16 rounds them to 8 significant bits).
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,11 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, scales
 
 
-def quantize_int4_groups(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q [N, K] uint8 in 0..15, scales_and_zeros [K/G, N, 2] float32)``, see the module docstring.
+def quantize_int4_groups(
+    weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [N, K] uint8 in 0..15, scales_and_zeros [K/G, N, 2] float32)``, see the module
+    docstring.
 
     Raises:
         ValueError: ``K`` is not a multiple of ``group_size``.
@@ -61,7 +65,9 @@ class UnquantizedLinearMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Nothing to convert."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
 
 
@@ -73,7 +79,8 @@ def replace_weight(layer: nn.Module, **buffers: torch.Tensor) -> None:
 
 
 class Int8LinearMethod(UnquantizedLinearMethod):
-    """Weight-only int8, per output channel: buffers ``qweight [N, K]`` int8, ``weight_scales [N]``."""
+    """Weight-only int8, per output channel: buffers ``qweight [N, K]`` int8, ``weight_scales
+    [N]``."""
 
     name = "int8"
 
@@ -83,7 +90,9 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         replace_weight(layer, qweight=q, weight_scales=scales.to(weight.dtype))
         layer.quant_method = self
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return kernels.ops.int8_linear(x, layer.qweight, layer.weight_scales, bias)
 
 
@@ -101,8 +110,12 @@ class Int4LinearMethod(UnquantizedLinearMethod):
         replace_weight(layer, qweight=packed, scales_and_zeros=scales_and_zeros.to(weight.dtype))
         layer.quant_method = self
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return kernels.ops.int4_linear(x, layer.qweight, layer.scales_and_zeros, self.group_size, bias)
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return kernels.ops.int4_linear(
+            x, layer.qweight, layer.scales_and_zeros, self.group_size, bias
+        )
 
 
 UNQUANTIZED = UnquantizedLinearMethod()

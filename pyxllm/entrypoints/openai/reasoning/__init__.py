@@ -4,6 +4,7 @@
 ``(module, class)`` strings, so listing the names (for ``--help`` and flag checks) imports
 nothing.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -11,8 +12,12 @@ import importlib
 from pyxllm.entrypoints.openai.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningSpans
 
 __all__ = [
-    "REASONING_PARSERS", "ReasoningDelta", "ReasoningParser", "ReasoningSpans",
-    "get_reasoning_parser", "reasoning_parser_names",
+    "REASONING_PARSERS",
+    "ReasoningDelta",
+    "ReasoningParser",
+    "ReasoningSpans",
+    "get_reasoning_parser",
+    "reasoning_parser_names",
 ]
 
 # name -> (module, class). DeepSeek-R1 uses the same <think>...</think> convention as Qwen3.
@@ -36,6 +41,8 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     try:
         module_name, class_name = REASONING_PARSERS[name]
     except KeyError:
-        raise ValueError(f"--reasoning-parser: unknown parser {name!r}; known parsers: "
-                         f"{', '.join(reasoning_parser_names())}") from None
+        raise ValueError(
+            f"--reasoning-parser: unknown parser {name!r}; known parsers: "
+            f"{', '.join(reasoning_parser_names())}"
+        ) from None
     return getattr(importlib.import_module(module_name), class_name)

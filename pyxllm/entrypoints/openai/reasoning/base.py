@@ -1,4 +1,5 @@
 """The interface of a reasoning parser, and the streaming logic every parser shares."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -66,12 +67,13 @@ class ReasoningParser(ABC):
     def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
         """``(reasoning, content)`` of a whole generated text; an empty part is ``None``."""
         s = self.spans(text, final=True)
-        reasoning = text[s.reasoning_start:s.reasoning_end]
-        content = text[s.content_start:s.content_end]
+        reasoning = text[s.reasoning_start : s.reasoning_end]
+        content = text[s.content_start : s.content_end]
         return reasoning or None, content or None
 
-    def extract_reasoning_streaming(self, previous_text: str, current_text: str,
-                                    finished: bool = False) -> ReasoningDelta:
+    def extract_reasoning_streaming(
+        self, previous_text: str, current_text: str, finished: bool = False
+    ) -> ReasoningDelta:
         """What to stream now that the text grew from ``previous_text`` to ``current_text``.
 
         Args:
@@ -85,6 +87,6 @@ class ReasoningParser(ABC):
         shown_reasoning = before.reasoning_end - before.reasoning_start
         shown_content = before.content_end - before.content_start
         return ReasoningDelta(
-            current_text[now.reasoning_start + shown_reasoning:now.reasoning_end],
-            current_text[now.content_start + shown_content:now.content_end],
+            current_text[now.reasoning_start + shown_reasoning : now.reasoning_end],
+            current_text[now.content_start + shown_content : now.content_end],
         )

@@ -9,6 +9,7 @@ is reasoning. When the prompt already ends with a closed think block (Qwen3's te
 at all: everything is content. Text is kept verbatim: reasoning + ``</think>`` + content is the
 generated text (less a leading ``<think>``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -47,8 +48,9 @@ class ThinkTagReasoningParser(ReasoningParser):
 
     def is_reasoning_end(self, prompt_token_ids: Sequence[int]) -> bool:
         """True when the prompt ends with ``</think>`` (and whitespace)."""
-        tail = self.tokenizer.decode(list(prompt_token_ids[-PROMPT_TAIL_TOKENS:]),
-                                     skip_special_tokens=False)
+        tail = self.tokenizer.decode(
+            list(prompt_token_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False
+        )
         return tail.rstrip().endswith(self.end_tag)
 
     def spans(self, text: str, final: bool) -> ReasoningSpans:
