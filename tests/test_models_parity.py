@@ -90,7 +90,7 @@ def hf_generate(model, prompts: list[list[int]]) -> list[list[int]]:
 def pyxllm_last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Logits ``[vocab]`` float32 after the last token of ``ids``, one prefill step through the
     executor."""
-    executor = llm.llm_engine.executor
+    executor = llm.llm_engine.executor.driver
     block_size = executor.config.block_size
     seq = ScheduledSequence(
         "logits", list(ids), 0, list(range(-(-len(ids) // block_size))), True, GREEDY
@@ -192,7 +192,7 @@ def test_dtype_auto_follows_a_bfloat16_checkpoint(tmp_path, hf_gguf_tokenizer):
     )
     assert json.loads((directory / "config.json").read_text())["dtype"] == "bfloat16"
     llm = LLM(model=str(directory), **LLM_KWARGS)
-    executor = llm.llm_engine.executor
+    executor = llm.llm_engine.executor.driver
     assert executor.dtype == torch.bfloat16
     assert {p.dtype for p in executor.model.parameters()} == {torch.bfloat16}
     out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

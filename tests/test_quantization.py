@@ -149,7 +149,7 @@ def _logits(llm) -> torch.Tensor:
     from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
     from pyxllm.sampling_params import SamplingParams
 
-    executor, tokenizer, out = llm.llm_engine.executor, llm.get_tokenizer(), []
+    executor, tokenizer, out = llm.llm_engine.executor.driver, llm.get_tokenizer(), []
     block_size = llm.llm_engine.config.block_size
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
@@ -190,7 +190,7 @@ def test_accuracy_against_float32_logits(
     from pyxllm import LLM
 
     llm = LLM(dtype=dtype, quantization=quantization, max_model_len=128, kv_cache_memory=0.05)
-    model = llm.llm_engine.executor.model
+    model = llm.llm_engine.executor.driver.model
     layer = model.model.layers[0].mlp.down_proj
     assert layer.quant_method.name == quantization and not hasattr(layer, "weight")
     assert model.lm_head.quant_method.name == "w8a8"
@@ -233,7 +233,7 @@ def test_rotation_leaves_the_float_model_unchanged(kind, tmp_path, hf_gguf_token
 
     directory, _ = build_checkpoint(kind, tmp_path / kind, hf_gguf_tokenizer)
     llm = LLM(model=str(directory), max_model_len=96, kv_cache_memory=0.05)
-    model = llm.llm_engine.executor.model
+    model = llm.llm_engine.executor.driver.model
     ids = llm.get_tokenizer().encode(PROMPTS[2])
     before = pyxllm_last_logits(llm, ids)
     embedding = model.model.embed_tokens.weight.clone()

@@ -113,7 +113,7 @@ def fake_batch(query_lens, seq_len=10):
 
 
 def test_bucket_choice(eager_llm):
-    executor = eager_llm.llm_engine.executor
+    executor = eager_llm.llm_engine.executor.driver
     runner = GraphRunner(
         executor.model, executor.attn_backend, executor.kv_caches, 64, 128, 16, EagerCapture()
     )
@@ -171,7 +171,7 @@ def decode_batch(executor, lens: list[int]) -> InputBatch:
 
 
 def test_padding_through_the_eager_stand_in(eager_llm):
-    executor = eager_llm.llm_engine.executor
+    executor = eager_llm.llm_engine.executor.driver
     batch = decode_batch(executor, [5, 20, 9])
     runner = GraphRunner(
         executor.model, executor.attn_backend, executor.kv_caches, 8, 128, 16, EagerCapture()
@@ -211,7 +211,7 @@ def test_padding_through_the_eager_stand_in(eager_llm):
 
 
 def test_graph_stand_in_gives_eager_tokens(eager_llm, eager_tokens):
-    executor = eager_llm.llm_engine.executor
+    executor = eager_llm.llm_engine.executor.driver
     saved = executor.runner
     runner = GraphRunner(
         executor.model, executor.attn_backend, executor.kv_caches, 8, 128, 16, EagerCapture()
@@ -234,7 +234,7 @@ def test_cpu_graph_replays_traced_decode_steps_with_eager_tokens(eager_tokens):
     """On the CPU, ``--graph-backend graph`` records each bucket's decode step with TorchScript;
     its replays must write the real KV cache (checked by the tokens of later steps)."""
     llm = LLM(graph_backend="cudagraphs", **LLM_KWARGS)
-    runner = llm.llm_engine.executor.runner
+    runner = llm.llm_engine.executor.driver.runner
     assert isinstance(runner, GraphRunner) and runner.sizes == [1, 2, 4, 8]
     tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY)]
     single = llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
@@ -251,11 +251,11 @@ def test_cpu_graph_gives_eager_tokens_with_quantized_linears(quantization):
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
     llm = LLM(quantization=quantization, graph_backend="graph", **LLM_KWARGS)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
-    assert llm.llm_engine.executor.runner.replays[4] >= GREEDY.max_tokens - 1
+    assert llm.llm_engine.executor.driver.runner.replays[4] >= GREEDY.max_tokens - 1
 
 
 def test_graph_refuses_what_a_capture_cannot_record(eager_llm, monkeypatch):
-    executor = eager_llm.llm_engine.executor
+    executor = eager_llm.llm_engine.executor.driver
     monkeypatch.setattr(type(executor.model.model.norm), "capturable", False, raising=False)
     with pytest.raises(
         ValueError, match=r"cannot capture LlamaForCausalLM: its RMSNorm runs Python on the data"
@@ -283,7 +283,7 @@ def test_graph_refuses_what_a_capture_cannot_record(eager_llm, monkeypatch):
 
 def test_compile_gives_eager_tokens_on_smollm2(eager_tokens):
     llm = LLM(graph_backend="inductor", **LLM_KWARGS)
-    runner = llm.llm_engine.executor.runner
+    runner = llm.llm_engine.executor.driver.runner
     assert isinstance(runner, CompileRunner)
     tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY)]
     assert tokens == eager_tokens

@@ -31,6 +31,7 @@ from pyxllm.distributed.parallel_state import tp_state
 from pyxllm.executor.multiproc import MultiprocExecutor
 from pyxllm.executor.plan_codec import PlanDecoder, PlanEncoder
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
+from pyxllm.executor.uniproc import UniprocExecutor
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
 from pyxllm.weights import (
@@ -66,8 +67,8 @@ def greedy_tokens(model, tp: int) -> tuple[list[list[int]], int]:
     llm = LLM(model=model, tensor_parallel_size=tp, **ENGINE)
     engine = llm.llm_engine
     try:
+        assert isinstance(engine.executor, UniprocExecutor if tp == 1 else MultiprocExecutor)
         if tp > 1:
-            assert isinstance(engine.executor, MultiprocExecutor)
             assert sorted(engine.executor.procs) == list(range(1, tp))
             assert all(p.is_alive() for p in engine.executor.procs.values())
         outs = llm.generate(PROMPTS, GREEDY)

@@ -47,7 +47,7 @@ def _engine(config: EngineConfig, **changes):
 
 
 def _release(engine) -> None:
-    platform = engine.executor.platform
+    platform = engine.executor.driver.platform
     del engine
     gc.collect()
     platform.empty_cache()
@@ -57,7 +57,7 @@ def _release(engine) -> None:
 def prompt_logits(engine, token_ids: list[int]) -> torch.Tensor:
     """Float32 logits ``[vocab]`` (on the CPU) after the last of ``token_ids``: one prefill step
     through the engine's executor and runner, written to KV blocks 0.. (run it before requests)."""
-    executor = engine.executor
+    executor = engine.executor.driver
     block_size = executor.config.block_size
     blocks = list(range(-(-len(token_ids) // block_size)))
     seq = ScheduledSequence(
@@ -76,7 +76,7 @@ def _generate(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[l
     for i, ids in enumerate(prompts):
         engine.add_request(f"check-{i}", ids, params)
     tokens: dict[str, list[int]] = {}
-    platform, started = engine.executor.platform, None
+    platform, started = engine.executor.driver.platform, None
     while engine.has_unfinished_requests():
         for output in engine.step():
             tokens[output.request_id] = list(output.outputs[0].token_ids)

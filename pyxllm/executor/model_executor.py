@@ -91,9 +91,10 @@ class StepResult:
 class ModelExecutor:
     """Loads the model for ``model_config`` and runs steps on ``platform``'s device.
 
-    Under tensor parallelism there is one per rank, each holding its shard (rank 0's is driven
-    by ``multiproc.MultiprocExecutor``); only rank 0 samples. ``failure``, ``check_health`` and
-    ``shutdown`` exist for that executor's interface and do nothing here.
+    There is one per TP rank, each holding its shard; only rank 0 samples. The engine reaches
+    rank 0's through an :class:`~pyxllm.executor.abstract.Executor` (``UniprocExecutor`` in one
+    process, ``MultiprocExecutor`` driving the workers), a worker's runs in
+    :func:`~pyxllm.executor.worker.run_worker`.
 
     The device is the card at this rank's index (``platform.device_index``); the attention
     backend is the platform's choice for ``--block-size``; the runner is ``--graph-backend``'s.
@@ -154,14 +155,6 @@ class ModelExecutor:
             type(self.attn_backend).__name__,
             self.runner.name,
         )
-
-    failure: str | None = None  # a one-process executor has no worker to lose
-
-    def check_health(self) -> None:
-        """Nothing to check in one process."""
-
-    def shutdown(self) -> None:
-        """Nothing to stop in one process."""
 
     def make_context(self, batch: InputBatch) -> ForwardContext:
         """The forward context of one step: the backend's metadata for ``batch`` and the caches."""

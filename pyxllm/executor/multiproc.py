@@ -42,6 +42,10 @@ from pyxllm.distributed.parallel_state import (
     split_cpu_threads,
     tp_state,
 )
+from pyxllm.executor.abstract import (
+    Executor,
+    build_executor,  # noqa: F401 - until the engine imports it
+)
 from pyxllm.executor.model_executor import ModelExecutor, StepResult
 from pyxllm.executor.plan_codec import PlanEncoder
 from pyxllm.executor.scheduler_output import SchedulerOutput
@@ -73,13 +77,6 @@ def check_tp_fits(model_config, platform, tp_size: int) -> None:
         model_cls(model_config)
 
 
-def build_executor(config: EngineConfig, model_config, source, platform):
-    """A :class:`ModelExecutor` for one rank, else a :class:`MultiprocExecutor` for rank 0."""
-    if config.world_size == 1:
-        return ModelExecutor(config, model_config, source, platform)
-    return MultiprocExecutor(config, model_config, source, platform)
-
-
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return ""
@@ -91,14 +88,15 @@ def _describe_exit(code: int | None) -> str:
     return f" (exit code {code})"
 
 
-class MultiprocExecutor:
-    """Rank 0's executor under tensor parallelism; same interface as :class:`ModelExecutor`
-    (``execute``, ``num_kv_blocks``, ``dtype``, ``model_config``, ...: attributes it lacks are
-    those of its own rank's executor, :attr:`driver`).
+class MultiprocExecutor(Executor):
+    """Rank 0's :class:`~pyxllm.executor.abstract.Executor` under tensor parallelism (vLLM's
+    ``MultiprocExecutor``): runs each step on its own rank's :attr:`driver` after sending the
+    plan to the workers, and watches them.
 
     Attributes:
         failure: ``None`` while every worker lives, else the message naming the failed rank.
         procs: rank -> spawned ``multiprocessing.Process`` (empty when launched by hand).
+        driver: rank 0's :class:`ModelExecutor`; ``dtype``, ``num_kv_blocks`` are its.
 
     Raises:
         ValueError: the model does not split ``world_size`` ways (before any process starts).
@@ -133,6 +131,8 @@ class MultiprocExecutor:
             )
             self.channel.watch(self._on_worker_failure)
             self.driver = ModelExecutor(config, model_config, source, platform)
+            self.model_config, self.dtype = model_config, self.driver.dtype
+            self.num_kv_blocks = self.driver.num_kv_blocks
         except BaseException as e:
             collective_broke = isinstance(e, RuntimeError) and not isinstance(e, DistributedError)
             if collective_broke and self._wait_for_failure():
@@ -235,9 +235,3 @@ class MultiprocExecutor:
                 proc.kill()
         destroy_distributed()
         torch.set_num_threads(self._threads)
-
-    def __getattr__(self, name: str):
-        driver = self.__dict__.get("driver")
-        if driver is None:
-            raise AttributeError(name)
-        return getattr(driver, name)
