@@ -28,6 +28,7 @@ from model_fixtures import build_checkpoint
 from pyxllm import LLM, SamplingParams
 from pyxllm.distributed.control import encode
 from pyxllm.distributed.parallel_state import tp_state
+from pyxllm.executor.messages import StopMessage, from_wire, to_wire
 from pyxllm.executor.multiproc import MultiprocExecutor
 from pyxllm.executor.plan_codec import PlanDecoder, PlanEncoder
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -225,23 +226,27 @@ def test_plan_codec_sends_deltas_and_round_trips():
     ]
     sizes = []
     for plan in map(SchedulerOutput, steps):
-        wire = encode(encoder.encode(plan))  # what the control channel sends
+        wire = encode(to_wire(encoder.encode(plan)))  # what the control channel sends
         sizes.append(len(wire))
-        got = decoder.decode(json.loads(wire)[1])
+        got = decoder.decode(from_wire(json.loads(wire)))
         assert [
             (s.token_ids, s.num_computed_tokens, s.block_table, s.sample) for s in got.sequences
         ] == [(s.token_ids, s.num_computed_tokens, s.block_table, s.sample) for s in plan.sequences]
-    handles = [s[0] for s in encoder.encode(SchedulerOutput(steps[4]))[1]]
+    handles = [s[0] for s in encoder.encode(SchedulerOutput(steps[4])).sequences]
     assert len(set(handles)) == 2
     decode_step = encoder.encode(
         SchedulerOutput([_seq("b", [13], 6, [8, 2]), _seq("a", [46], 1, [3, 4, 9, 1])])
-    )[1]
+    ).sequences
     assert all(keep == 2 or keep == 4 for _, _, _, _, keep, _, _ in decode_step)
     assert all(new == [] and computed == -1 for _, _, computed, _, _, new, _ in decode_step)
     assert sizes[2] < 60 < sizes[0]  # a decode step: ~25 bytes per sequence
     table = list(range(100, 150))  # a long context: the decode step does not resend its table
     encoder.encode(SchedulerOutput([_seq("long", list(range(790)), 0, table)]))
-    assert len(encode(encoder.encode(SchedulerOutput([_seq("long", [5], 790, table)])))) < 40
+    long_decode = encoder.encode(SchedulerOutput([_seq("long", [5], 790, table)]))
+    assert len(encode(to_wire(long_decode))) < 40
+    assert from_wire(json.loads(encode(to_wire(StopMessage())))) == StopMessage()
+    with pytest.raises(ValueError, match="not a worker message"):
+        from_wire(["run", "os.system"])
 
 
 class _TwoNodes:

@@ -46,6 +46,7 @@ from pyxllm.executor.abstract import (
     Executor,
     build_executor,  # noqa: F401 - until the engine imports it
 )
+from pyxllm.executor.messages import StopMessage, to_wire
 from pyxllm.executor.model_executor import ModelExecutor, StepResult
 from pyxllm.executor.plan_codec import PlanEncoder
 from pyxllm.executor.scheduler_output import SchedulerOutput
@@ -203,7 +204,7 @@ class MultiprocExecutor(Executor):
         """
         self.check_health()
         try:
-            self.channel.broadcast(self.encoder.encode(plan))
+            self.channel.broadcast(to_wire(self.encoder.encode(plan)))
             return self.driver.execute(plan)
         except (ConnectionError, RuntimeError) as e:
             if self._wait_for_failure():
@@ -225,7 +226,7 @@ class MultiprocExecutor(Executor):
             return
         self._closed = True
         if self.channel is not None:
-            self.channel.close(("stop",))
+            self.channel.close(to_wire(StopMessage()))
         for proc in self.procs.values():
             proc.join(timeout=5.0)
             if proc.exitcode is None:

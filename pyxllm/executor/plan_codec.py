@@ -7,8 +7,8 @@ samples, so sampling parameters, generators, penalty history and logprob targets
 Both ends keep the state of the previous
 step's sequences, keyed by a small integer handle that rank 0 gives each request:
 
-``("step", [(handle, token_ids, num_computed, sample, keep, new_blocks, num_prompt_logprobs),
-...])``
+``StepMessage([(handle, token_ids, num_computed, sample, keep, new_blocks, num_prompt_logprobs),
+...])`` (:mod:`~pyxllm.executor.messages`)
 
 - ``num_computed`` is ``-1`` when it equals the last step's ``num_computed + len(token_ids)``
   (always, for a sequence that keeps running), else the value (a new or recomputed sequence);
@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from pyxllm.executor.messages import StepMessage
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 
 # (handle, token_ids, num_computed or -1, sample, keep, new_blocks, number of prompt logprob
@@ -45,7 +46,8 @@ class PlanEncoder:
         self._known: dict[str, _Known] = {}
         self._handles = itertools.count()
 
-    def encode(self, plan: SchedulerOutput) -> tuple[str, list[EncodedSequence]]:
+    def encode(self, plan: SchedulerOutput) -> StepMessage:
+        """The message of ``plan`` for the workers (see the module docstring)."""
         known, seqs = {}, []
         for s in plan.sequences:
             prev = self._known.get(s.request_id)
@@ -71,11 +73,12 @@ class PlanEncoder:
                 handle, list(table), s.num_computed_tokens + len(s.token_ids)
             )
         self._known = known
-        return ("step", seqs)
+        return StepMessage(seqs)
 
 
 class PlanDecoder:
-    """A worker's side: rebuilds the ``SchedulerOutput`` from the message and the last step.
+    """A worker's side: rebuilds the ``SchedulerOutput`` from a :class:`StepMessage` and the last
+    step.
 
     Request ids become ``str(handle)``; ``sampling_params`` is ``None`` (workers do not sample)
     and ``prompt_logprob_targets`` holds placeholders (only its length matters there).
@@ -87,9 +90,10 @@ class PlanDecoder:
     def __init__(self) -> None:
         self._known: dict[int, _Known] = {}
 
-    def decode(self, seqs: list[EncodedSequence]) -> SchedulerOutput:
+    def decode(self, message: StepMessage) -> SchedulerOutput:
+        """The plan ``message`` encodes (see the class docstring)."""
         known, out = {}, []
-        for handle, token_ids, computed, sample, keep, new_blocks, num_targets in seqs:
+        for handle, token_ids, computed, sample, keep, new_blocks, num_targets in message.sequences:
             prev = self._known.get(handle)
             if prev is None and (computed < 0 or keep):
                 raise ValueError(

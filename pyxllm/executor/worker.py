@@ -28,6 +28,7 @@ from pyxllm.distributed.parallel_state import (
     parse_master_addr,
     split_cpu_threads,
 )
+from pyxllm.executor.messages import StopMessage, from_wire
 
 logger = logging.getLogger("pyxllm.worker")
 
@@ -71,10 +72,11 @@ def run_worker(
                     rank,
                 )
                 return 1
-            if message[0] == "stop":
+            message = from_wire(message)
+            if isinstance(message, StopMessage):
                 return 0
             try:
-                executor.execute(decoder.decode(message[1]))
+                executor.execute(decoder.decode(message))
             except RuntimeError as e:  # a collective broke: a peer (rank 0, or another worker) died
                 raise DistributedError(
                     f"rank {rank}: a step's collective failed, another rank has probably "
