@@ -27,6 +27,14 @@ from collections.abc import Callable
 _PORT_KEY = "pyxllm/control"
 _HEADER = struct.Struct("<Q")
 
+# Waits, in seconds (idle connections themselves have no time-out):
+# rank 0's accept() wakes this often to check its deadline and that spawned workers still live
+ACCEPT_POLL_S = 0.2
+# the watcher's select() wakes this often to see that close() was called
+WATCH_POLL_S = 0.2
+# close() waits this long for the watcher thread to end
+WATCHER_JOIN_S = 1.0
+
 
 def encode(message: object) -> bytes:
     """One message as compact JSON bytes (tuples become lists)."""
@@ -89,7 +97,7 @@ class ControlServer:
         check_alive: Callable[[], None] | None = None,
     ) -> None:
         self._listener = socket.create_server((host, 0))
-        self._listener.settimeout(0.2)
+        self._listener.settimeout(ACCEPT_POLL_S)
         store.set(_PORT_KEY, str(self._listener.getsockname()[1]))
         self.conns: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
@@ -141,7 +149,7 @@ class ControlServer:
         def run() -> None:
             live = dict(self.conns)
             while live and not self._closing:
-                readable, _, _ = select.select(list(live.values()), [], [], 0.2)
+                readable, _, _ = select.select(list(live.values()), [], [], WATCH_POLL_S)
                 for conn in readable:
                     rank = next(r for r, c in live.items() if c is conn)
                     frame = recv_frame(conn)
@@ -165,7 +173,7 @@ class ControlServer:
                 except OSError:
                     pass
         if self._watcher is not None:
-            self._watcher.join(timeout=1.0)
+            self._watcher.join(timeout=WATCHER_JOIN_S)
         for conn in self.conns.values():
             conn.close()
 

@@ -52,6 +52,17 @@ __all__ = [
 
 _JOINED_KEY = "pyxllm/joined"
 
+# Waits, in seconds, within the --dist-init-timeout deadline:
+# a worker's attempt to reach the master address lasts at most this long (at least the second),
+# and it retries this often
+CONNECT_ATTEMPT_MAX_S = 2.0
+CONNECT_ATTEMPT_MIN_S = 0.1
+CONNECT_RETRY_S = 0.2
+# rank 0 counts the joined ranks this often
+JOIN_POLL_S = 0.05
+# a worker's store operations time out after what is left of the deadline, but never sooner
+STORE_TIMEOUT_MIN_S = 1.0
+
 
 @dataclass(slots=True)
 class _TPState:
@@ -142,13 +153,16 @@ def _wait_reachable(host: str, port: int, deadline: float) -> None:
     while True:
         try:
             with socket.create_connection(
-                (host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))
+                (host, port),
+                timeout=max(
+                    CONNECT_ATTEMPT_MIN_S, min(CONNECT_ATTEMPT_MAX_S, deadline - time.monotonic())
+                ),
             ):
                 return
         except OSError:
             if time.monotonic() >= deadline:
                 raise
-            time.sleep(0.2)
+            time.sleep(CONNECT_RETRY_S)
 
 
 def init_distributed(
@@ -204,7 +218,7 @@ def init_distributed(
                     f"{timeout_s:g} s; start them with --nnodes {world_size} --node-rank i "
                     f"--master-addr {where}"
                 )
-            time.sleep(0.05)
+            time.sleep(JOIN_POLL_S)
     else:
         try:
             _wait_reachable(host, port, deadline)
@@ -213,7 +227,7 @@ def init_distributed(
                 port,
                 world_size,
                 is_master=False,
-                timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
+                timeout=timedelta(seconds=max(STORE_TIMEOUT_MIN_S, deadline - time.monotonic())),
             )
         except (RuntimeError, OSError):
             raise DistributedError(

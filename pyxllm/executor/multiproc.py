@@ -54,6 +54,17 @@ from pyxllm.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
 
+# Waits, in seconds (the ranks' start-up is bounded by --dist-init-timeout instead):
+# the watcher waits this long for a dead worker's exit status, to say how it died
+EXIT_STATUS_WAIT_S = 1.0
+# a broken collective: this long for the watcher to name the rank that died, polling this often
+FAILURE_NAMING_WAIT_S = 2.0
+FAILURE_POLL_S = 0.05
+# shutdown: a spawned worker gets this long to exit after the stop message, then as long again
+# after SIGTERM before SIGKILL
+STOP_WAIT_S = 5.0
+TERMINATE_WAIT_S = 2.0
+
 
 class WorkerDiedError(DistributedError):
     """A TP worker died or failed; the message names its rank."""
@@ -175,7 +186,7 @@ class MultiprocExecutor(Executor):
         """Called by the control channel's watcher thread: record which rank failed and how."""
         proc = self.procs.get(rank)
         if proc is not None:
-            proc.join(timeout=1.0)
+            proc.join(timeout=EXIT_STATUS_WAIT_S)
         pid = f" (pid {proc.pid})" if proc is not None else ""
         how = (
             f"failed: {error}"
@@ -211,12 +222,13 @@ class MultiprocExecutor(Executor):
                 raise WorkerDiedError(self.failure) from e
             raise
 
-    def _wait_for_failure(self, timeout_s: float = 2.0) -> bool:
-        """Whether a worker failure is (or, within ``timeout_s``, gets) recorded: a peer's death
-        breaks a collective at once, and the watcher names the rank a moment later."""
-        deadline = time.monotonic() + timeout_s
+    def _wait_for_failure(self) -> bool:
+        """Whether a worker failure is (or, within ``FAILURE_NAMING_WAIT_S``, gets) recorded: a
+        peer's death breaks a collective at once, and the watcher names the rank a moment
+        later."""
+        deadline = time.monotonic() + FAILURE_NAMING_WAIT_S
         while self.failure is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(FAILURE_POLL_S)
         return self.failure is not None
 
     def shutdown(self) -> None:
@@ -228,10 +240,10 @@ class MultiprocExecutor(Executor):
         if self.channel is not None:
             self.channel.close(to_wire(StopMessage()))
         for proc in self.procs.values():
-            proc.join(timeout=5.0)
+            proc.join(timeout=STOP_WAIT_S)
             if proc.exitcode is None:
                 proc.terminate()
-                proc.join(timeout=2.0)
+                proc.join(timeout=TERMINATE_WAIT_S)
             if proc.exitcode is None:
                 proc.kill()
         destroy_distributed()
