@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pyxllm.attention.abstract import AttentionBackend
 from pyxllm.config import GRAPH_BACKEND_ALIASES, EngineConfig
 from pyxllm.entrypoints.args import parse_args
 from pyxllm.entrypoints.llm import LLM
@@ -23,6 +24,7 @@ from pyxllm.executor.runners import (
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 from pyxllm.kernels.cuda.paged_cache import reshape_and_cache as capturable_reshape_and_cache
 from pyxllm.kernels.native import reshape_and_cache
+from pyxllm.layers.forward_context import AttentionStep
 from pyxllm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -168,6 +170,15 @@ def decode_batch(executor, lens: list[int]) -> InputBatch:
         for i, s in enumerate(seqs)
     ]
     return InputBatch.build(SchedulerOutput(decodes), block_size, executor.device)
+
+
+def test_the_backend_and_its_steps_satisfy_the_attention_protocols(eager_llm):
+    executor = eager_llm.llm_engine.executor.driver
+    backend, batch = executor.attn_backend, decode_batch(executor, [5, 20])
+    assert isinstance(backend, AttentionBackend)
+    decode = backend.build_decode(batch.slot_mapping, batch.block_tables, batch.seq_lens, 32)
+    for step in (backend.build(batch), decode, executor.make_context(batch).attn):
+        assert isinstance(step, AttentionStep)
 
 
 def test_padding_through_the_eager_stand_in(eager_llm):

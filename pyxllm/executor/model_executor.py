@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from pyxllm.attention.abstract import AttentionBackend
 from pyxllm.config import EngineConfig
 from pyxllm.distributed.parallel_state import get_local_rank, get_tp_rank, tensor_model_parallel_min
 from pyxllm.executor.input_batch import InputBatch
@@ -134,7 +135,9 @@ class ModelExecutor:
         # every TP rank must hold the same blocks: take the smallest count any rank can afford
         self.num_kv_blocks = tensor_model_parallel_min(self.kv_spec.num_blocks_for(budget))
         self.kv_caches = allocate_kv_caches(self.kv_spec, self.num_kv_blocks, self.device)
-        self.attn_backend = load_class(platform.select_attention_backend(config.block_size))()
+        self.attn_backend: AttentionBackend = load_class(
+            platform.select_attention_backend(config.block_size)
+        )()
         max_model_len = (
             config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
         )

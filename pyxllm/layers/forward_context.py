@@ -10,9 +10,32 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 import torch
+
+
+@runtime_checkable
+class AttentionStep(Protocol):
+    """One step's attention state, as an attention backend builds it (for an ``InputBatch``, or
+    over a graph runner's static buffers); what :class:`~pyxllm.layers.attention.Attention`
+    calls. ``TorchPagedAttentionStep``, ``FlashAttnStep`` and ``NPUAttentionStep`` are ones
+    (:mod:`pyxllm.attention`)."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write the step's ``key``/``value [T, kv_heads, head_dim]`` at its slots of one
+        layer's ``k_cache``/``v_cache [num_blocks, block_size, kv_heads, head_dim]``, then
+        attend: ``query [T, heads, head_dim]`` (softmax scale ``scale``) -> ``[T, heads,
+        head_dim]``, each token over its sequence's context up to and including itself."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,15 +43,14 @@ class ForwardContext:
     """What attention layers need during one forward pass.
 
     Attributes:
-        attn: the attention backend's per-step state; ``attn.forward(query, key, value, k_cache,
-            v_cache, scale)`` computes attention for every token of the step.
+        attn: the step's :class:`AttentionStep`.
         kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
             head_dim]``.
         step_cache: what layers compute once per step and share (e.g. the rotary ``cos``/``sin``
             of the step's positions), keyed by the producer; dropped with the context.
     """
 
-    attn: Any
+    attn: AttentionStep
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     step_cache: dict = field(default_factory=dict)
 

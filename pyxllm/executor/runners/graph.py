@@ -22,6 +22,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from pyxllm.attention.abstract import AttentionBackend
 from pyxllm.executor.runners.base import Runner
 from pyxllm.layers.forward_context import ForwardContext, set_forward_context
 
@@ -135,7 +136,7 @@ class GraphRunner(Runner):
     def __init__(
         self,
         model: nn.Module,
-        attn_backend,
+        attn_backend: AttentionBackend,
         kv_caches,
         max_batch: int,
         max_model_len: int,
