@@ -3,6 +3,7 @@ the support matrix, runner refusal, memory sizing and device indices, and ``chec
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from types import SimpleNamespace
 
@@ -10,10 +11,13 @@ import pytest
 import torch
 
 from pyxllm import kernels, platforms
-from pyxllm.config import DEVICES, GRAPH_BACKENDS, EngineConfig
+from pyxllm.config import GRAPH_BACKENDS, EngineConfig
+from pyxllm.distributed.parallel_state import destroy_distributed, init_distributed, tp_state
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.entrypoints.cli import main
 from pyxllm.executor.model_executor import resolve_dtype
+from pyxllm.executor.multiproc import free_local_port
+from pyxllm.executor.runners import DeviceGraphCapture, TraceCapture, graph_capture_for
 from pyxllm.models import registry
 from pyxllm.platforms import PlatformUnavailableError, interface, resolve_platform
 from pyxllm.platforms.cpu import CPU_PLATFORM
@@ -125,21 +129,69 @@ def test_device_kernel_packages_import_only_with_their_library(no_device_package
         assert set(ops.__all__) == set(importlib.import_module("pyxllm.kernels.native").__all__)
 
 
-# --- the platforms as data -----------------------------------------------------------------
+# --- what each platform does ----------------------------------------------------------------
 
 
-def test_platform_table_is_consistent():
-    assert set(platforms.PLATFORM_MODULES) == set(DEVICES) - {"auto"} == set(ALL)
-    for name, platform in ALL.items():
-        assert platform.name == name
-        assert set(platform.runners) <= set(GRAPH_BACKENDS) and "eager" in platform.runners
-        # graph: a device graph class, or (on the CPU) TorchScript traces
-        assert ("graph" in platform.runners) == (platform.graph_class is not None or name == "cpu")
-        assert platform.is_accelerator == (name != "cpu")
-    assert CPU_PLATFORM.runners == ("eager", "compile", "graph")
-    assert CUDA_PLATFORM.graph_class == "CUDAGraph" and NPU_PLATFORM.graph_class == "NPUGraph"
-    assert [p.dist_backend for p in ALL.values()] == ["gloo", "nccl", "hccl", "cncl"]
-    assert NPU_PLATFORM.visible_devices_env == "ASCEND_RT_VISIBLE_DEVICES"
+@pytest.mark.parametrize(
+    "name, accepted",
+    [
+        ("cpu", {"eager", "compile", "graph"}),
+        ("cuda", {"eager", "compile", "graph"}),
+        ("npu", {"eager", "graph"}),
+        ("mlu", {"eager"}),
+    ],
+)
+def test_each_platform_runs_its_runners_and_refuses_the_others(name, accepted):
+    platform = ALL[name]
+    for kind in GRAPH_BACKENDS:
+        if kind in accepted:
+            platform.check_runner(kind)
+        else:
+            with pytest.raises(ValueError, match=f"{kind} is not supported on device {name}"):
+                platform.check_runner(kind)
+
+
+def test_the_graph_runner_gets_the_platforms_capture(monkeypatch):
+    assert isinstance(graph_capture_for(CPU_PLATFORM), TraceCapture)
+    with tp_state(0, 2), pytest.raises(ValueError, match="cannot record collectives"):
+        graph_capture_for(CPU_PLATFORM)  # a TorchScript trace cannot; a device graph can
+    for platform, graph_class in ((CUDA_PLATFORM, "CUDAGraph"), (NPU_PLATFORM, "NPUGraph")):
+        module = SimpleNamespace(graph_pool_handle=lambda: "pool", **{graph_class: type})
+        monkeypatch.setattr(Platform, "device_module", lambda self, module=module: module)
+        with tp_state(0, 2):
+            capture = graph_capture_for(platform)
+        assert isinstance(capture, DeviceGraphCapture)
+        assert capture.device_module is module and capture.pool == "pool"
+    with pytest.raises(ValueError, match="graph runner needs a graph_capture"):
+        dataclasses.replace(MLU_PLATFORM, runners=("eager", "graph"))
+
+
+@pytest.mark.parametrize(
+    "name, backend", [("cpu", "gloo"), ("cuda", "nccl"), ("npu", "hccl"), ("mlu", "cncl")]
+)
+def test_init_distributed_joins_with_the_platforms_backend(monkeypatch, name, backend):
+    joined = []
+    monkeypatch.setattr(
+        torch.distributed,
+        "init_process_group",
+        lambda backend, store, rank, world_size: joined.append((backend, rank, world_size)),
+    )
+    monkeypatch.setattr(Platform, "device_index", lambda self, local_rank: local_rank)
+    monkeypatch.setattr(Platform, "device", lambda self, index=0: torch.device("cpu"))
+    try:
+        init_distributed(ALL[name], 0, 1, f"127.0.0.1:{free_local_port()}", 5.0)
+    finally:
+        destroy_distributed()
+    assert joined == [(backend, 0, 1)]
+
+
+def test_the_cpu_splits_its_cores_between_ranks_an_accelerator_does_not(monkeypatch, fake_card):
+    monkeypatch.setattr(interface, "usable_cores", lambda: 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert [CPU_PLATFORM.threads_per_rank(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # e.g. OMP_NUM_THREADS=3
+    assert CPU_PLATFORM.threads_per_rank(2) == 3
+    assert fake_card.threads_per_rank(4) == 3
 
 
 def test_support_matrix_is_data_and_checked(monkeypatch):

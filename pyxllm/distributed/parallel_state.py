@@ -20,7 +20,6 @@ samples, so the other ranks need not receive the vocabulary-wide rows.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -42,7 +41,6 @@ __all__ = [
     "get_tp_size",
     "init_distributed",
     "parse_master_addr",
-    "split_cpu_threads",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
     "tensor_model_parallel_gather",
@@ -255,16 +253,3 @@ def destroy_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _TP = _TPState()
-
-
-def split_cpu_threads(platform, local_world_size: int) -> int:
-    """On the CPU, give this rank ``cores // local_world_size`` torch threads (never more than
-    it has now, so ``OMP_NUM_THREADS`` still caps it); returns the count. Accelerators: no-op."""
-    if platform.is_accelerator:
-        return torch.get_num_threads()
-    cores = (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    )
-    threads = max(1, min(torch.get_num_threads(), cores // max(1, local_world_size)))
-    torch.set_num_threads(threads)
-    return threads

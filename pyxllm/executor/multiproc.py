@@ -39,7 +39,6 @@ from pyxllm.distributed.parallel_state import (
     destroy_distributed,
     init_distributed,
     parse_master_addr,
-    split_cpu_threads,
     tp_state,
 )
 from pyxllm.executor.abstract import (
@@ -133,7 +132,7 @@ class MultiprocExecutor(Executor):
                 config.dist_init_timeout,
                 check_alive=self.check_health,
             )
-            split_cpu_threads(platform, self.world_size if spawn else 1)
+            torch.set_num_threads(platform.threads_per_rank(self.world_size if spawn else 1))
             self.channel = ControlServer(
                 parse_master_addr(master)[0],
                 store,

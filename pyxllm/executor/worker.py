@@ -18,6 +18,8 @@ import os
 import signal
 import sys
 
+import torch
+
 from pyxllm.config import EngineConfig
 from pyxllm.distributed.control import ControlClient
 from pyxllm.distributed.errors import DistributedError
@@ -26,7 +28,6 @@ from pyxllm.distributed.parallel_state import (
     get_store,
     init_distributed,
     parse_master_addr,
-    split_cpu_threads,
 )
 from pyxllm.executor.messages import StopMessage, from_wire
 
@@ -56,7 +57,7 @@ def run_worker(
     init_distributed(platform, rank, world_size, master_addr, config.dist_init_timeout, local_rank)
     channel = None
     try:
-        split_cpu_threads(platform, local_world_size)
+        torch.set_num_threads(platform.threads_per_rank(local_world_size))
         channel = ControlClient(
             parse_master_addr(master_addr)[0], get_store(), rank, config.dist_init_timeout
         )

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from pyxllm.platforms.interface import Platform
+from pyxllm.platforms.interface import Platform, TorchScriptTraces
 
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -61,6 +61,7 @@ CPU_PLATFORM = Platform(
     dist_backend="gloo",
     default_dtype=cpu_default_dtype(),
     float16_dtype=torch.bfloat16,
+    graph_capture=TorchScriptTraces(),
 )
 
 

@@ -8,7 +8,12 @@ Graphs are CUDA graphs; collectives use NCCL.
 import torch
 
 from pyxllm.platforms import interface
-from pyxllm.platforms.interface import FusedAttention, Platform, PlatformUnavailableError
+from pyxllm.platforms.interface import (
+    DeviceGraphs,
+    FusedAttention,
+    Platform,
+    PlatformUnavailableError,
+)
 
 CUDA_PLATFORM = Platform(
     name="cuda",
@@ -21,7 +26,7 @@ CUDA_PLATFORM = Platform(
     fused_attention=(
         FusedAttention("flash_attn", "pyxllm.attention.flash_attn:FlashAttnBackend", 256),
     ),
-    graph_class="CUDAGraph",
+    graph_capture=DeviceGraphs("CUDAGraph"),
     visible_devices_env="CUDA_VISIBLE_DEVICES",
 )
 

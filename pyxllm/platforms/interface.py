@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -51,6 +52,28 @@ class FusedAttention:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceGraphs:
+    """``--graph-backend graph`` records decode steps as device graphs and replays them with no
+    host work: ``torch.<device>.<graph_class>`` (``CUDAGraph``, ``NPUGraph``; one API)."""
+
+    graph_class: str
+
+
+@dataclass(frozen=True, slots=True)
+class TorchScriptTraces:
+    """``--graph-backend graph`` records decode steps with ``torch.jit.trace`` and replays them
+    from TorchScript's interpreter, without Python (the CPU, where there are no device graphs).
+    A trace cannot record collectives, so this capture runs on one TP rank only."""
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@dataclass(frozen=True, slots=True)
 class Platform:
     """A device platform: the one place that knows device-specific choices.
 
@@ -69,8 +92,9 @@ class Platform:
             slow and overflow-prone and the fused kernels take float32 and bfloat16 only).
         fused_attention: fused backends in order of preference, each used when its package is
             installed and the block size fits.
-        graph_class: name of the graph-capture class in ``torch.<torch_device>``
-            (``CUDAGraph``, ``NPUGraph``); ``None`` where graphs are not captured.
+        graph_capture: what records a decode step for the ``graph`` runner
+            (:class:`DeviceGraphs` or :class:`TorchScriptTraces`); ``None`` where ``runners``
+            has no ``graph``.
         visible_devices_env: the variable that lists the cards every rank sees
             (``CUDA_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``); ``None`` on CPU.
     """
@@ -84,8 +108,15 @@ class Platform:
     default_dtype: torch.dtype
     float16_dtype: torch.dtype = torch.float16
     fused_attention: tuple[FusedAttention, ...] = ()
-    graph_class: str | None = None
+    graph_capture: DeviceGraphs | TorchScriptTraces | None = None
     visible_devices_env: str | None = None
+
+    def __post_init__(self) -> None:
+        if ("graph" in self.runners) != (self.graph_capture is not None):
+            raise ValueError(
+                f"platform {self.name}: the graph runner needs a graph_capture, and a "
+                "graph_capture needs the graph runner"
+            )
 
     @property
     def is_accelerator(self) -> bool:
@@ -125,6 +156,19 @@ class Platform:
         if self.is_accelerator:
             self.device_module().set_device(index)
         return self.device(index)
+
+    def threads_per_rank(self, local_world_size: int) -> int:
+        """Torch threads for each of ``local_world_size`` TP ranks on this host.
+
+        On the CPU the ranks compute on the host's cores, so each gets
+        ``usable_cores() // local_world_size`` (at least 1, and never more than this process
+        has now, so ``OMP_NUM_THREADS`` still caps it); an accelerator's ranks keep the count
+        they have.
+        """
+        current = torch.get_num_threads()
+        if self.is_accelerator:
+            return current
+        return max(1, min(current, usable_cores() // max(1, local_world_size)))
 
     def check_runner(self, kind: str) -> None:
         """Refuse a ``--graph-backend`` this platform does not run (never replaced silently).

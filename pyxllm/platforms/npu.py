@@ -10,7 +10,12 @@ import importlib
 import torch
 
 from pyxllm.platforms import interface
-from pyxllm.platforms.interface import FusedAttention, Platform, PlatformUnavailableError
+from pyxllm.platforms.interface import (
+    DeviceGraphs,
+    FusedAttention,
+    Platform,
+    PlatformUnavailableError,
+)
 
 NPU_PLATFORM = Platform(
     name="npu",
@@ -21,7 +26,7 @@ NPU_PLATFORM = Platform(
     dist_backend="hccl",
     default_dtype=torch.bfloat16,
     fused_attention=(FusedAttention("torch_npu", "pyxllm.attention.npu:NPUAttentionBackend"),),
-    graph_class="NPUGraph",
+    graph_capture=DeviceGraphs("NPUGraph"),
     visible_devices_env="ASCEND_RT_VISIBLE_DEVICES",
 )
 

@@ -16,6 +16,7 @@ from pyxllm.executor.runners.graph import (
     TraceCapture,
     capture_sizes,
 )
+from pyxllm.platforms.interface import TorchScriptTraces
 
 __all__ = [
     "CompileRunner",
@@ -27,7 +28,25 @@ __all__ = [
     "TraceCapture",
     "build_runner",
     "capture_sizes",
+    "graph_capture_for",
 ]
+
+
+def graph_capture_for(platform) -> DeviceGraphCapture | TraceCapture:
+    """What records the graph runner's decode steps on ``platform`` (its ``graph_capture``).
+
+    Raises:
+        ValueError: TorchScript traces under tensor parallelism (they cannot record collectives).
+    """
+    kind = platform.graph_capture
+    if isinstance(kind, TorchScriptTraces):
+        if get_tp_size() > 1:
+            raise ValueError(
+                f"--graph-backend graph on device {platform.name} records decode steps with "
+                "torch.jit.trace, which cannot record collectives: use it with --tp 1"
+            )
+        return TraceCapture()
+    return DeviceGraphCapture(platform.device_module(), kind.graph_class)
 
 
 def build_runner(
@@ -51,15 +70,12 @@ def build_runner(
         return EagerRunner(model)
     if kind == "compile":
         return CompileRunner(model)
-    if platform.graph_class is None:  # the CPU: TorchScript records the step
-        if get_tp_size() > 1:
-            raise ValueError(
-                f"--graph-backend graph on device {platform.name} records decode steps with "
-                "torch.jit.trace, which cannot record collectives: use it with --tp 1"
-            )
-        capture = TraceCapture()
-    else:
-        capture = DeviceGraphCapture(platform.device_module(), platform.graph_class)
     return GraphRunner(
-        model, attn_backend, kv_caches, max_batch, max_model_len, block_size, capture
+        model,
+        attn_backend,
+        kv_caches,
+        max_batch,
+        max_model_len,
+        block_size,
+        graph_capture_for(platform),
     )
