@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4", "w8a8")  # see pyxllm.layers.quantization
-DEVICES = ("auto", "cpu", "cuda", "npu", "mlu")
+# The device platforms, each the module ``pyxllm.platforms.<name>``: the CPU first, then the
+# accelerators in the order ``--device auto`` tries them (see pyxllm.platforms).
+PLATFORMS = ("cpu", "cuda", "npu", "mlu")
+DEVICES = ("auto", *PLATFORMS)
 GRAPH_BACKENDS = ("eager", "compile", "graph")
 # xLLM's spellings of --graph-backend, and ours, -> the runner kind
 GRAPH_BACKEND_ALIASES = {

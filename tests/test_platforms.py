@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pyxllm import kernels, platforms
-from pyxllm.config import GRAPH_BACKENDS, EngineConfig
+from pyxllm.config import GRAPH_BACKENDS, PLATFORMS, EngineConfig
 from pyxllm.distributed.parallel_state import destroy_distributed, init_distributed, tp_state
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.entrypoints.cli import main
@@ -194,14 +194,28 @@ def test_the_cpu_splits_its_cores_between_ranks_an_accelerator_does_not(monkeypa
     assert fake_card.threads_per_rank(4) == 3
 
 
+@pytest.mark.parametrize("name", PLATFORMS)
+def test_every_device_resolves_to_its_platform_or_names_what_is_missing(no_device_packages, name):
+    if name == "cpu":
+        assert resolve_platform(name).name == name
+        return
+    with pytest.raises(PlatformUnavailableError, match=f"^device {name}"):
+        resolve_platform(name)
+
+
 def test_support_matrix_is_data_and_checked(monkeypatch):
-    for arch, (_module, _cls, supported) in registry.MODEL_REGISTRY.items():
-        assert supported <= set(ALL), arch
+    for arch, entry in registry.MODEL_REGISTRY.items():
+        assert entry.platforms is None or entry.platforms <= set(PLATFORMS), arch
+        for name in PLATFORMS:  # every platform runs every architecture today
+            assert (
+                registry.resolve_model_class(SimpleNamespace(architectures=[arch]), name).__name__
+                == entry.class_name
+            )
     config = SimpleNamespace(architectures=["LlamaForCausalLM"])
     monkeypatch.setitem(
         registry.MODEL_REGISTRY,
         "LlamaForCausalLM",
-        ("pyxllm.models.does_not_exist", "X", frozenset({"cuda"})),
+        registry.RegisteredModel("pyxllm.models.does_not_exist", "X", frozenset({"cuda"})),
     )
     with pytest.raises(ValueError, match="not supported on device cpu; it runs on cuda"):
         registry.resolve_model_class(config, "cpu")  # refused before the module is imported

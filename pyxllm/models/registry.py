@@ -6,15 +6,24 @@ The support matrix is data, checked before any model module is imported (xLLM's 
 from __future__ import annotations
 
 import importlib
+from typing import NamedTuple
 
-ALL_PLATFORMS = frozenset({"cpu", "cuda", "npu", "mlu"})
 
-# architecture (config.json "architectures"[0]) -> (module, class, platforms)
-MODEL_REGISTRY: dict[str, tuple[str, str, frozenset[str]]] = {
-    "LlamaForCausalLM": ("pyxllm.models.llama", "LlamaForCausalLM", ALL_PLATFORMS),
-    "Qwen2ForCausalLM": ("pyxllm.models.qwen2", "Qwen2ForCausalLM", ALL_PLATFORMS),
-    "Qwen3ForCausalLM": ("pyxllm.models.qwen3", "Qwen3ForCausalLM", ALL_PLATFORMS),
-    "Qwen3MoeForCausalLM": ("pyxllm.models.qwen3_moe", "Qwen3MoeForCausalLM", ALL_PLATFORMS),
+class RegisteredModel(NamedTuple):
+    """Where an architecture's class lives, and the platforms it runs on (by ``--device`` name;
+    ``None``: every platform)."""
+
+    module: str
+    class_name: str
+    platforms: frozenset[str] | None = None
+
+
+# architecture (config.json "architectures"[0]) -> its class
+MODEL_REGISTRY: dict[str, RegisteredModel] = {
+    "LlamaForCausalLM": RegisteredModel("pyxllm.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": RegisteredModel("pyxllm.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": RegisteredModel("pyxllm.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": RegisteredModel("pyxllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -34,7 +43,7 @@ def resolve_model_class(config, platform: str) -> type:
     for arch in archs:
         if arch in MODEL_REGISTRY:
             module, cls, platforms = MODEL_REGISTRY[arch]
-            if platform not in platforms:
+            if platforms is not None and platform not in platforms:
                 raise ValueError(
                     f"architecture {arch} is not supported on device {platform}; it runs on "
                     f"{', '.join(sorted(platforms))}"

@@ -11,25 +11,16 @@ from __future__ import annotations
 import importlib
 
 from pyxllm import kernels
+from pyxllm.config import DEVICES, PLATFORMS
 from pyxllm.platforms.cpu import CPU_PLATFORM
 from pyxllm.platforms.interface import Platform, PlatformUnavailableError
 
-# --device spelling -> module with ``is_available()`` and ``load() -> Platform``
-PLATFORM_MODULES: dict[str, str] = {
-    "cpu": "pyxllm.platforms.cpu",
-    "cuda": "pyxllm.platforms.cuda",
-    "npu": "pyxllm.platforms.npu",
-    "mlu": "pyxllm.platforms.mlu",
-}
-AUTO_ORDER = ("cuda", "npu", "mlu")
-DEVICES = ("auto", *PLATFORM_MODULES)  # the same as pyxllm.config.DEVICES
+AUTO_ORDER = PLATFORMS[1:]  # the accelerators (``PLATFORMS`` lists the CPU first)
 
 _current: Platform | None = None
 
 __all__ = [
     "AUTO_ORDER",
-    "DEVICES",
-    "PLATFORM_MODULES",
     "Platform",
     "PlatformUnavailableError",
     "current_platform",
@@ -41,9 +32,9 @@ __all__ = [
 
 
 def platform_module(device: str):
-    """The module of a device's platform (``is_available()``, ``load()``); imports no device
-    package."""
-    return importlib.import_module(PLATFORM_MODULES[device])
+    """The module of a platform named in ``pyxllm.config.PLATFORMS``: its ``is_available()``
+    and ``load() -> Platform``; imports no device package."""
+    return importlib.import_module(f"{__name__}.{device}")
 
 
 def detect_device() -> str:
@@ -51,7 +42,7 @@ def detect_device() -> str:
     for name in AUTO_ORDER:
         if platform_module(name).is_available():
             return name
-    return "cpu"
+    return CPU_PLATFORM.name
 
 
 def resolve_platform(device: str) -> Platform:
@@ -64,7 +55,7 @@ def resolve_platform(device: str) -> Platform:
     """
     if device == "auto":
         device = detect_device()
-    if device not in PLATFORM_MODULES:
+    if device not in PLATFORMS:
         raise ValueError(
             f"--device: unsupported device {device!r}; supported: {', '.join(DEVICES)}"
         )
