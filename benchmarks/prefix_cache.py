@@ -22,6 +22,7 @@ import statistics
 import time
 
 from pyxllm.config import EngineConfig
+from pyxllm.engine.input_processor import TokensPrompt
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.sampling_params import SamplingParams
 
@@ -55,7 +56,8 @@ def median_ttft(
     """Median seconds from submitting the burst to each request's first token, on a fresh engine."""
     engine = LLMEngine(config)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    engine.add_request("warmup", engine.tokenizer.encode("A short warm-up prompt."), params)
+    process = engine.input_processor.process
+    engine.add_request(process("warmup", "A short warm-up prompt.", params))
     while engine.has_unfinished_requests():
         engine.step()
     engine.kv_cache_manager.reset_prefix_cache()
@@ -63,7 +65,7 @@ def median_ttft(
     prompts = build_prompts(engine, num_requests, system_tokens)
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids, params)
+        engine.add_request(process(str(i), TokensPrompt(ids), params))
     ttft: dict[str, float] = {}
     while engine.has_unfinished_requests():
         for output in engine.step():

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 # Most top logprobs a request may ask for, per token (vLLM's default ``max_logprobs``; OpenAI's
 # ``top_logprobs`` limit).
 MAX_LOGPROBS = 20
 # Bounds of a ``logit_bias`` value, as OpenAI documents them.
 LOGIT_BIAS_LIMIT = 100.0
+# The fields a model's generation_config.json may default, with the values they take when
+# neither the request nor the model sets them (vLLM's, and so OpenAI's, defaults).
+MODEL_DEFAULTABLE = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 @dataclass(slots=True)
@@ -35,6 +46,13 @@ class SamplingParams:
     - ``stop`` strings are matched on the detokenized text (across token boundaries) and are not
       returned unless ``include_stop_str_in_output``; ``stop_token_ids`` stop on a token id.
     - ``ignore_eos`` keeps generating past EOS tokens.
+    - Left unset (or ``None``), ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
+      ``repetition_penalty`` take the model's ``generation_config.json`` value when the request
+      is processed (:meth:`with_model_defaults`, vLLM's ``generation_config="auto"``), else
+      :data:`MODEL_DEFAULTABLE`'s; until then they read as the latter and
+      ``unset_fields`` names them. vLLM applies the model's values only when ``LLM.generate``
+      gets no ``SamplingParams`` at all; here ``SamplingParams()`` and an HTTP request that
+      omits the fields behave the same.
     - ``logprobs``: return the log-probability of each sampled token and of the ``logprobs``
       most likely tokens (0: the sampled one only), up to :data:`MAX_LOGPROBS`;
       ``prompt_logprobs``: the same for each prompt token (the first gets ``None``).
@@ -44,13 +62,13 @@ class SamplingParams:
     """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
@@ -62,18 +80,37 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    unset_fields: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None:
-            self.top_k = -1
+        unset = [name for name in MODEL_DEFAULTABLE if getattr(self, name) is None]
+        for name in unset:
+            setattr(self, name, MODEL_DEFAULTABLE[name])
+        self.unset_fields = frozenset(unset)
         self.logit_bias = _int_keys(self.logit_bias) or None
         self._check()
 
+    def with_model_defaults(self, defaults: Mapping[str, float | int]) -> SamplingParams:
+        """A copy whose unset fields take ``defaults`` (a model's generation_config values, by
+        field name; other keys are ignored); ``self`` when none applies.
+
+        Raises:
+            ValueError: a model default out of range (the message names the field).
+        """
+        taken = {
+            name: defaults[name] for name in self.unset_fields if defaults.get(name) is not None
+        }
+        return replace(self, **taken) if taken else self
+
     def _check(self) -> None:
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name}: must be a finite number, got {value}")
         if self.n < 1:
             raise ValueError(f"n: must be >= 1, got {self.n}")
         if self.temperature < 0:
@@ -120,6 +157,16 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 def _int_keys(bias: dict | None) -> dict[int, float]:

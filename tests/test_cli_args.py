@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pyxllm.config import EngineConfig
+from pyxllm.engine.input_processor import InputProcessor
 from pyxllm.entrypoints import args as cli_args
 from pyxllm.entrypoints.args import config_from_args, flag_names, make_arg_parser, parse_args
 from pyxllm.entrypoints.cli import main
@@ -254,25 +255,34 @@ def test_model_load_error_prints_message_not_traceback(monkeypatch, capsys):
 
 
 class FakeEngine:
-    """Stands in for LLMEngine to check the CLI's streaming; yields text in three pieces."""
+    """Stands in for LLMEngine to check the CLI's streaming (a real input processor over a fake
+    tokenizer, a model whose generation_config sets three defaults); yields text in three
+    pieces."""
 
     pieces = ["The capital", " of France", " is Paris."]
     generation_defaults = {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1}
 
-    def __init__(self):
+    def __init__(self, config):
         self.requests, self.stepped = [], 0
-        self.tokenizer = types.SimpleNamespace(
+        tokenizer = types.SimpleNamespace(
             encode=lambda text, add_special_tokens=True: [1, 2, 3],
             apply_chat_template=lambda messages, add_generation_prompt=True: [9, 9, 9, 9],
         )
+        self.input_processor = InputProcessor(
+            tokenizer,
+            vocab_size=10,
+            max_model_len=512,
+            max_kv_blocks=32,
+            block_size=16,
+            generation_defaults=self.generation_defaults,
+        )
+        FakeEngine.last = self
 
-    @classmethod
-    def from_config(cls, config):
-        cls.last = cls()
-        return cls.last
+    def add_request(self, request):
+        self.requests.append(request)
 
-    def add_request(self, request_id, prompt_token_ids, sampling_params, prompt=None):
-        self.requests.append((request_id, prompt_token_ids, sampling_params, prompt))
+    def shutdown(self):
+        pass
 
     def has_unfinished_requests(self):
         return self.stepped < len(self.pieces)
@@ -282,7 +292,8 @@ class FakeEngine:
         text = "".join(self.pieces[: self.stepped])
         done = self.stepped == len(self.pieces)
         out = CompletionOutput(0, text, list(range(self.stepped)), "stop" if done else None)
-        return [RequestOutput(self.requests[0][0], self.requests[0][3], [], [out], done)]
+        request = self.requests[0]
+        return [RequestOutput(request.request_id, request.prompt, [], [out], done)]
 
 
 @pytest.mark.parametrize("chat, ids", [(True, [9, 9, 9, 9]), (False, [1, 2, 3])])
@@ -293,10 +304,12 @@ def test_generate_streams_cumulative_text_once(monkeypatch, capsys, chat, ids):
     flag = "--chat" if chat else "--no-chat"
     assert main(["generate", "Capital?", flag, "--temperature", "0", "--max-tokens", "7"]) == 0
     assert capsys.readouterr().out == "The capital of France is Paris.\n"
-    ((_, prompt_ids, params, prompt),) = FakeEngine.last.requests
-    assert prompt_ids == ids and prompt == "Capital?"
+    (request,) = FakeEngine.last.requests
+    assert request.prompt_token_ids == ids and request.prompt == (None if chat else "Capital?")
+    params = request.sampling_params
     assert (params.temperature, params.max_tokens) == (0.0, 7)
-    assert params.top_k == 20  # not given: the model's generation_config default
+    # not given: the model's generation_config defaults, all of them
+    assert (params.top_k, params.repetition_penalty) == (20, 1.1)
 
 
 def test_generate_takes_unset_sampling_flags_from_the_model(monkeypatch, capsys):
@@ -304,7 +317,7 @@ def test_generate_takes_unset_sampling_flags_from_the_model(monkeypatch, capsys)
     fake.LLMEngine = FakeEngine
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     assert main(["generate", "Capital?", "--top_p=0.5"]) == 0
-    params = FakeEngine.last.requests[0][2]
+    params = FakeEngine.last.requests[0].sampling_params
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.5, 20)
 
 

@@ -13,7 +13,8 @@ BS = 4  # tokens per block in these tests
 
 
 def make_request(rid: str, token_ids: list[int]) -> Request:
-    return Request(rid, None, list(token_ids), SamplingParams(temperature=0), 16, detokenizer=None)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    return Request(rid, None, list(token_ids), params, detokenizer=None)
 
 
 def admit(kv: KVCacheManager, request: Request) -> int:

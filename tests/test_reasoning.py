@@ -14,6 +14,7 @@ import torch
 from model_fixtures import build_hf_model, save_checkpoint, thinking_tokenizer, tiny_config
 
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
+from pyxllm.engine.input_processor import InputProcessor
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.entrypoints.args import parse_args
 from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest
@@ -175,21 +176,35 @@ def test_special_think_tags_keep_special_tokens(hf_gguf_tokenizer, think_tok):
     special_tok = thinking_tokenizer(hf_gguf_tokenizer, special=True)
     cases = [(think_tok, None, True), (special_tok, None, False), (special_tok, True, True)]
     for hf, requested, expected in cases:
-        engine = SimpleNamespace(model_name="m", max_model_len=64, tokenizer=Tokenizer(hf))
-        chat = OpenAIServingChat(engine, reasoning_parser="qwen3")
+        chat = OpenAIServingChat(fake_engine(Tokenizer(hf)), reasoning_parser="qwen3")
         assert chat.reasoning_parser.needs_special_tokens == (hf is special_tok)
         request = ChatCompletionRequest(
             messages=[{"role": "user", "content": "hi"}], skip_special_tokens=requested
         )
         params = SamplingParams(skip_special_tokens=True if requested is None else requested)
-        prompt_ids = chat.render(request)
+        prompt_ids = rendered(chat, request)
         assert chat.request_reasoning_parser(request, params, prompt_ids) is chat.reasoning_parser
         assert params.skip_special_tokens == expected
     off = ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi"}],
         chat_template_kwargs={"enable_thinking": False},
     )
-    assert chat.request_reasoning_parser(off, SamplingParams(), chat.render(off)) is None
+    assert chat.request_reasoning_parser(off, SamplingParams(), rendered(chat, off)) is None
+
+
+def fake_engine(tokenizer: Tokenizer) -> SimpleNamespace:
+    """What the chat handler reads of an engine, without a model."""
+    processor = InputProcessor(
+        tokenizer, vocab_size=tokenizer.vocab_size, max_model_len=64, max_kv_blocks=4, block_size=16
+    )
+    return SimpleNamespace(
+        model_name="m", max_model_len=64, tokenizer=tokenizer, input_processor=processor
+    )
+
+
+def rendered(chat: OpenAIServingChat, request: ChatCompletionRequest) -> list[int]:
+    """The prompt token ids the handler renders for ``request``."""
+    return list(chat.processor.tokenize(chat.chat_prompt(request)).token_ids)
 
 
 def test_registry_and_flag(capsys):

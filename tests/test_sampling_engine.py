@@ -73,11 +73,8 @@ def test_n_children_are_independent_and_seeded(llm):
 
 def test_aborting_a_parent_aborts_every_child(llm):
     engine = llm.llm_engine
-    engine.add_request(
-        "parent",
-        engine.tokenizer.encode(PROMPT),
-        SamplingParams(n=3, max_tokens=50, ignore_eos=True),
-    )
+    params = SamplingParams(n=3, max_tokens=50, ignore_eos=True)
+    engine.add_request(engine.input_processor.process("parent", PROMPT, params))
     engine.step()
     assert len(engine.requests) == 3
     engine.abort_request("parent")

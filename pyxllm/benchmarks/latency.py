@@ -19,11 +19,12 @@ def _timed_request(
     engine, token_ids: list[int], max_tokens: int, request_id: str
 ) -> tuple[float, float, int]:
     """``(time to first token s, end-to-end s, output tokens)`` of one request run alone."""
+    from pyxllm.engine.input_processor import TokensPrompt
     from pyxllm.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
-    engine.add_request(request_id, token_ids, params)
+    engine.add_request(engine.input_processor.process(request_id, TokensPrompt(token_ids), params))
     first, produced = None, 0
     while engine.has_unfinished_requests():
         for output in engine.step():

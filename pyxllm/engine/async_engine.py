@@ -16,13 +16,38 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pyxllm.config import EngineConfig
+from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.outputs import RequestOutput
-from pyxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 0.5
+# How long the idle engine loop waits for a command before it checks whether it was stopped.
+IDLE_POLL_S = 0.5
+# How long shutdown() waits for the engine loop to finish its step and exit.
+LOOP_JOIN_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Engine-loop command: queue ``request``."""
+
+    request: EngineRequest
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Engine-loop command: abort ``request_id`` (unknown ids are ignored)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StopLoop:
+    """Engine-loop command: leave the loop."""
+
+
+EngineCommand = AddRequest | AbortRequest | StopLoop
 
 
 @dataclass(slots=True)
@@ -41,18 +66,19 @@ class AsyncEngine:
     """Runs an ``LLMEngine`` in a background thread and streams its outputs to coroutines.
 
     Attributes:
-        tokenizer, model_name, max_model_len, generation_defaults: those of the engine.
+        input_processor, tokenizer, model_name, max_model_len: those of the engine (the
+            processor is thread-safe: callers process a request, then :meth:`generate` it).
         metrics: the engine's :class:`~pyxllm.engine.metrics.EngineMetrics` (thread-safe to scrape).
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.input_processor = engine.input_processor
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
-        self.generation_defaults = engine.generation_defaults
         self.metrics = engine.metrics
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._error: BaseException | None = None
         self._stopped = threading.Event()
@@ -64,29 +90,24 @@ class AsyncEngine:
         """Load the model (see ``LLMEngine``) and start the engine thread."""
         return cls(LLMEngine(config))
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        request_id: str,
-        prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its output after every step that changed it.
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Submit a processed request (see :attr:`input_processor`) and yield its output after
+        every step that changed it.
 
         The last output has ``finished=True``. Closing or cancelling the iterator early aborts
         the request, which frees its KV blocks at the engine's next step.
 
         Raises:
-            ValueError: the request is invalid (e.g. too long for ``max_model_len``).
+            ValueError: the ``request_id`` is already in use.
             RuntimeError: the engine loop has died.
         """
         self.check_health()
-        self.engine.validate_request(prompt_token_ids, sampling_params)
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._commands.put(("add", (request_id, prompt_token_ids, sampling_params, prompt)))
+        self._commands.put(AddRequest(request))
         finished = False
         try:
             while not finished:
@@ -102,7 +123,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe; takes effect before the engine's next step)."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortRequest(request_id))
 
     def stats(self) -> dict:
         """The engine's scheduler and KV cache counters."""
@@ -125,31 +146,30 @@ class AsyncEngine:
     def shutdown(self) -> None:
         """Stop the engine thread (pending requests get an error), then the TP workers, if any."""
         self._stopped.set()
-        self._commands.put(("stop", None))
-        self._thread.join(timeout=10)
+        self._commands.put(StopLoop())
+        self._thread.join(timeout=LOOP_JOIN_TIMEOUT_S)
         self.engine.shutdown()
 
-    def _handle(self, kind: str, payload) -> None:
-        if kind == "add":
-            request_id = payload[0]
+    def _handle(self, command: EngineCommand) -> None:
+        """Apply one command in the engine thread (a :class:`StopLoop` only wakes the loop)."""
+        if isinstance(command, AddRequest):
             try:
-                self.engine.add_request(*payload)
+                self.engine.add_request(command.request)
             except ValueError as e:
-                stream = self._streams.get(request_id)
+                stream = self._streams.get(command.request.request_id)
                 if stream is not None:
                     stream.put(e)
-        elif kind == "abort":
-            self.engine.abort_request(payload)
+        elif isinstance(command, AbortRequest):
+            self.engine.abort_request(command.request_id)
 
     def _drain(self, block: bool) -> None:
         try:
-            kind, payload = (
-                self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
+            command = (
+                self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
             )
-            self._handle(kind, payload)
+            self._handle(command)
             while True:
-                kind, payload = self._commands.get_nowait()
-                self._handle(kind, payload)
+                self._handle(self._commands.get_nowait())
         except queue.Empty:
             pass
 

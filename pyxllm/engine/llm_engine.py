@@ -7,6 +7,7 @@ import time
 
 from pyxllm.config import EngineConfig
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
+from pyxllm.engine.input_processor import EngineRequest, InputProcessor
 from pyxllm.engine.kv_cache_manager import KVCacheManager
 from pyxllm.engine.logprobs import record_logprobs
 from pyxllm.engine.metrics import EngineMetrics
@@ -65,7 +66,6 @@ class LLMEngine:
                 f"({self.max_model_len}); without chunked prefill a whole prompt must fit one step"
             )
         defaults = load_generation_defaults(source, model_config)
-        self.generation_defaults = dict(defaults.sampling)
         self.tokenizer = Tokenizer(load_hf_tokenizer(source), defaults.eos_token_ids)
         self.model_name = config.served_model_name or source.name
         set_current_platform(platform)
@@ -76,6 +76,14 @@ class LLMEngine:
             self.executor.num_kv_blocks,
             config.block_size,
             enable_prefix_cache=config.enable_prefix_cache,
+        )
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            vocab_size=model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            max_kv_blocks=self.executor.num_kv_blocks,
+            block_size=config.block_size,
+            generation_defaults=defaults.sampling,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.metrics = EngineMetrics(self.model_name, self.scheduler, self.kv_cache_manager)
@@ -95,94 +103,35 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        return cls(config)
-
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check a request against the limits; returns its resolved ``max_tokens``.
-
-        Thread-safe (reads configuration only).
-
-        Raises:
-            ValueError: an empty prompt, a token id outside the vocabulary, or prompt plus
-                max_tokens over ``max_model_len`` or over the whole KV cache (naming both numbers).
-        """
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("prompt: the prompt is empty")
-        vocab = self.executor.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-        for name, ids in (
-            ("logit_bias", params.logit_bias or ()),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name}: token id {bad[0]} is out of range [0, {vocab})")
-        max_tokens = (
-            self.max_model_len - num_prompt if params.max_tokens is None else params.max_tokens
-        )
-        if num_prompt + max(max_tokens, 1) > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length (max_model_len) is {self.max_model_len} "
-                "tokens, but "
-                f"{num_prompt} prompt tokens plus {max_tokens} max_tokens were requested "
-                f"({num_prompt + max_tokens} tokens). Shorten the prompt or lower max_tokens."
-            )
-        kv = self.kv_cache_manager
-        if kv.blocks_for_tokens(num_prompt + max_tokens) > kv.num_blocks:
-            raise ValueError(
-                f"prompt: {num_prompt} prompt tokens plus {max_tokens} max_tokens need "
-                f"{kv.blocks_for_tokens(num_prompt + max_tokens)} KV blocks but the cache has "
-                f"{kv.num_blocks}; "
-                "raise --kv-cache-memory or lower max_tokens"
-            )
-        return max_tokens
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        prompt: str | None = None,
-    ) -> None:
-        """Queue a request; it joins the batch at the next step.
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request processed by :attr:`input_processor` (trusted: nothing is checked
+        again); it joins the batch at the next step.
 
         With ``n > 1`` the request runs as ``n`` children (see
-        :mod:`pyxllm.engine.parallel_sampling`)
-        whose outputs come back as one ``RequestOutput`` under ``request_id``.
+        :mod:`pyxllm.engine.parallel_sampling`) whose outputs come back as one ``RequestOutput``
+        under ``request_id``.
 
         Raises:
-            ValueError: see ``validate_request``; or a ``request_id`` already in use.
+            ValueError: the ``request_id`` is already in use.
         """
+        request_id, params = request.request_id, request.sampling_params
         if request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        max_tokens = self.validate_request(prompt_token_ids, sampling_params)
-        if sampling_params.n == 1:
-            self._add_child(request_id, prompt, prompt_token_ids, sampling_params, max_tokens)
+        if params.n == 1:
+            self._add_child(request_id, request, params)
             return
-        parent = ParentRequest(request_id, prompt, list(prompt_token_ids), sampling_params)
+        parent = ParentRequest(request_id, request.prompt, request.prompt_token_ids, params)
         self.parents[request_id] = parent
         for index, child_id in enumerate(parent.child_ids):
             self._parent_of[child_id] = parent
-            self._add_child(
-                child_id, prompt, prompt_token_ids, parent.child_params(index), max_tokens, index
-            )
+            self._add_child(child_id, request, parent.child_params(index), index)
 
     def _add_child(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        max_tokens: int,
-        index: int = 0,
+        self, request_id: str, request: EngineRequest, params: SamplingParams, index: int = 0
     ) -> None:
         detokenizer = IncrementalDetokenizer(
             self.tokenizer,
-            prompt_token_ids,
+            request.prompt_token_ids,
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
@@ -192,18 +141,18 @@ class LLMEngine:
         if params.min_tokens > 0:
             eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
             min_tokens_stop_ids = tuple(sorted({*eos, *params.stop_token_ids}))
-        request = Request(
+        child = Request(
             request_id,
-            prompt,
-            list(prompt_token_ids),
+            request.prompt,
+            list(request.prompt_token_ids),
             params,
-            max_tokens,
             detokenizer,
+            arrival_time=request.arrival_time,
             index=index,
             min_tokens_stop_ids=min_tokens_stop_ids,
         )
-        self.requests[request_id] = request
-        self.scheduler.add_request(request)
+        self.requests[request_id] = child
+        self.scheduler.add_request(child)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (every child of an ``n > 1`` one) now and free its KV blocks (unknown

@@ -34,7 +34,6 @@ class Request:
     Attributes:
         token_ids: prompt followed by every generated token (the sequence the KV cache holds).
         num_computed_tokens: leading tokens of ``token_ids`` whose K/V are cached.
-        max_tokens: new tokens allowed (resolved from the params and the context limit).
         generator: the request's own random generator when its params carry a seed.
         block_hashes: prefix-cache hashes of its leading full blocks (kept across preemption).
         first_token_time / last_token_time: ``time.monotonic()`` seconds when it got its first
@@ -49,7 +48,6 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    max_tokens: int
     detokenizer: IncrementalDetokenizer
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
@@ -81,6 +79,11 @@ class Request:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
             self.prompt_token_ids
         )
+
+    @property
+    def max_tokens(self) -> int:
+        """New tokens allowed (the processed params' ``max_tokens``, always an int)."""
+        return self.sampling_params.max_tokens
 
     @property
     def num_tokens(self) -> int:

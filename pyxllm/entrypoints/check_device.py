@@ -26,6 +26,7 @@ import time
 import torch
 
 from pyxllm.config import EngineConfig
+from pyxllm.engine.input_processor import TokensPrompt
 from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 from pyxllm.sampling_params import SamplingParams
@@ -74,7 +75,7 @@ def _generate(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[l
     """Greedy tokens of every prompt (batched), and the decode-phase time in seconds."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, ids in enumerate(prompts):
-        engine.add_request(f"check-{i}", ids, params)
+        engine.add_request(engine.input_processor.process(f"check-{i}", TokensPrompt(ids), params))
     tokens: dict[str, list[int]] = {}
     platform, started = engine.executor.driver.platform, None
     while engine.has_unfinished_requests():

@@ -52,10 +52,6 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     return 0
 
 
-# sampling fields taken from the model's generation_config.json unless given as flags
-_MODEL_DEFAULTED = ("temperature", "top_p", "top_k")
-
-
 def _flag_error(message: str) -> str:
     """Turn a ``SamplingParams`` message (``"top_p: must be ..."``) into one naming the flag."""
     name, sep, rest = message.partition(":")
@@ -64,57 +60,41 @@ def _flag_error(message: str) -> str:
     return message
 
 
-def _prompt_token_ids(engine, prompt: str, chat: bool) -> list[int]:
-    if chat:
-        messages = [{"role": "user", "content": prompt}]
-        return list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    return list(engine.tokenizer.encode(prompt, add_special_tokens=True))
-
-
 def run_generate(args: argparse.Namespace, config: EngineConfig, out=None) -> int:
     """``pyxllm generate``: stream one prompt's completion to ``out`` (stdout), then a newline.
 
-    ``--temperature`` and ``--top-p`` not given fall back to the model's generation_config.json
-    (as the server does), then to ``SamplingParams``' defaults.
+    Sampling flags not given take the model's generation_config.json values (as the server's
+    unset fields do), then ``SamplingParams``' defaults.
     """
+    from pyxllm.engine.input_processor import ChatPrompt, TextPrompt
     from pyxllm.sampling_params import SamplingParams
 
     out = out if out is not None else sys.stdout
-    explicit = {
-        k: getattr(args, k)
-        for k in ("max_tokens", "temperature", "top_p")
-        if getattr(args, k) is not None
-    }
-    try:
-        SamplingParams(**explicit)  # bad flag values fail before the model loads
+    try:  # bad flag values fail before the model loads
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
+        )
     except ValueError as exc:
         make_arg_parser().command_parsers["generate"].error(_flag_error(str(exc)))
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = ChatPrompt([{"role": "user", "content": text}]) if args.chat else TextPrompt(text)
 
     from pyxllm.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_config(config)
-    model_defaults = getattr(engine, "generation_defaults", None) or {}
-    defaults = {k: v for k, v in model_defaults.items() if k in _MODEL_DEFAULTED}
-    params = SamplingParams(**{**defaults, **explicit})
-    request_id = "generate-0"
-    engine.add_request(
-        request_id, _prompt_token_ids(engine, prompt, args.chat), params, prompt=prompt
-    )
+    engine = LLMEngine(config)
     printed = 0
     try:
+        request = engine.input_processor.process("generate-0", prompt, params)
+        engine.add_request(request)
         while engine.has_unfinished_requests():
             for output in engine.step():
-                if output.request_id != request_id or not output.outputs:
-                    continue
                 text = output.outputs[0].text
                 if len(text) > printed:
                     out.write(text[printed:])
                     out.flush()
                     printed = len(text)
     finally:
-        if hasattr(engine, "shutdown"):  # stop the TP workers, if any
-            engine.shutdown()
+        engine.shutdown()  # stops the TP workers, if any
     out.write("\n")
     out.flush()
     return 0

@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pyxllm.config import EngineConfig
+from pyxllm.engine.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.outputs import RequestOutput
@@ -46,16 +47,16 @@ class LLM:
         """Generate for every prompt, batched; outputs come back in the order of ``prompts``.
 
         Args:
-            prompts: text, or ``{"prompt_token_ids": [...]}`` (vLLM's TokensPrompt), or a list of
-                them.
-            sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``).
+            prompts: text, or ``{"prompt_token_ids": [...]}`` (vLLM's TokensPrompt, optionally
+                with its ``"prompt"`` text), or ``{"prompt": text}``, or a list of them.
+            sampling_params: one for all prompts, or one per prompt (default:
+                ``SamplingParams()``); fields left unset take the model's generation_config.json
+                values, as in the server.
         Raises:
             ValueError: an invalid prompt or parameters (nothing is run then).
         """
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        token_ids = [self._tokenize(p) for p in prompts]
-        texts = [p if isinstance(p, str) else p.get("prompt") for p in prompts]
-        return self._run(token_ids, texts, sampling_params, use_tqdm)
+        return self._run([_as_prompt(p) for p in prompts], sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -71,36 +72,38 @@ class LLM:
             ValueError: malformed messages or a model without a chat template.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tokenizer = self.get_tokenizer()
-        token_ids = [
-            tokenizer.apply_chat_template(c, True, **(chat_template_kwargs or {}))
-            for c in conversations
-        ]
-        return self._run(token_ids, [None] * len(token_ids), sampling_params, use_tqdm)
+        kwargs = dict(chat_template_kwargs or {})
+        return self._run(
+            [ChatPrompt(c, True, kwargs) for c in conversations], sampling_params, use_tqdm
+        )
 
-    def _tokenize(self, prompt: PromptType) -> list[int]:
-        if isinstance(prompt, str):
-            return self.get_tokenizer().encode(prompt)
-        if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        return self.get_tokenizer().encode(prompt["prompt"])
-
-    def _run(self, token_ids, texts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
-        params = [params] * len(token_ids) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(token_ids):
-            raise ValueError(f"sampling_params: got {len(params)} for {len(token_ids)} prompts")
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         engine = self.llm_engine
-        for ids, p in zip(token_ids, params):
-            engine.validate_request(ids, p)
-        request_ids = [str(next(self._ids)) for _ in token_ids]
-        for rid, ids, text, p in zip(request_ids, token_ids, texts, params):
-            engine.add_request(rid, ids, p, text)
+        requests = [
+            engine.input_processor.process(str(next(self._ids)), prompt, p)
+            for prompt, p in zip(prompts, params)
+        ]
+        for request in requests:
+            engine.add_request(request)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as bar:
+        with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
-        return [finished[rid] for rid in request_ids]
+        return [finished[r.request_id] for r in requests]
+
+
+def _as_prompt(prompt: PromptType) -> Prompt:
+    """vLLM's prompt forms as an input-processor prompt: text, ``{"prompt": text}`` or
+    ``{"prompt_token_ids": ids}`` (with an optional ``"prompt"`` text)."""
+    if isinstance(prompt, str):
+        return TextPrompt(prompt)
+    if "prompt_token_ids" in prompt:
+        return TokensPrompt(prompt["prompt_token_ids"], prompt.get("prompt"))
+    return TextPrompt(prompt["prompt"])

@@ -2,7 +2,8 @@
 
 ``code`` is the HTTP status and ``type`` its OpenAI SDK class name (``BadRequestError``...).
 Request validation errors, which FastAPI answers with 422, are answered with 400 here, as
-OpenAI and vLLM do.
+OpenAI and vLLM do; so are the input processor's refusals (``InvalidRequestError``, naming the
+field).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pyxllm.engine.input_processor import InvalidRequestError
 from pyxllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,10 @@ async def _on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
     return error_response(exc.message, exc.status_code, exc.param)
 
 
+async def _on_invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
+    return error_response(str(exc), 400, exc.param)
+
+
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     message, param = _validation_message(exc)
     return error_response(message, 400, param)
@@ -137,6 +143,7 @@ async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse
 def install_exception_handlers(app: FastAPI) -> None:
     """Make ``app`` answer every error, including unexpected ones, in the one shape."""
     app.add_exception_handler(OpenAIError, _on_openai_error)
+    app.add_exception_handler(InvalidRequestError, _on_invalid_request)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected_error)

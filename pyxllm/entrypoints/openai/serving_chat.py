@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Iterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pyxllm.engine.input_processor import ChatPrompt, EngineRequest
 from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.logprobs import chat_logprobs
 from pyxllm.entrypoints.openai.protocol import (
@@ -19,16 +20,17 @@ from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     DeltaMessage,
+    UsageInfo,
 )
 from pyxllm.entrypoints.openai.reasoning import ReasoningParser, get_reasoning_parser
 from pyxllm.entrypoints.openai.serving_engine import (
-    SSE_DONE,
+    ChoiceEvents,
     ClientDisconnected,
     OpenAIServing,
     sse,
     usage_info,
 )
-from pyxllm.outputs import CompletionOutput
+from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -52,9 +54,9 @@ class OpenAIServingChat(OpenAIServing):
     def request_reasoning_parser(
         self, request: ChatCompletionRequest, params: SamplingParams, prompt_token_ids: list[int]
     ) -> ReasoningParser | None:
-        """The parser splitting this request's text, ``None`` when nothing is to be split; keeps
-        special tokens in the text when the parser's tags are special (and the request did not
-        say otherwise)."""
+        """The parser splitting this request's text, ``None`` when nothing is to be split
+        (no parser, or the prompt already closed the reasoning); keeps special tokens in
+        ``params`` when the parser's tags are special (and the request did not say otherwise)."""
         parser = self.reasoning_parser
         if parser is None or parser.is_reasoning_end(prompt_token_ids):
             return None
@@ -78,32 +80,21 @@ class OpenAIServingChat(OpenAIServing):
                 "max_completion_tokens",
             )
         params = self.sampling_params(request, max_tokens, logprobs=requested_logprobs(request))
-        prompt_token_ids = self.render(request)
-        self.fit_to_context(params, len(prompt_token_ids), "messages")
-        reasoning = self.request_reasoning_parser(request, params, prompt_token_ids)
-
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        tokens = self.processor.tokenize(self.chat_prompt(request))
+        reasoning = self.request_reasoning_parser(request, params, list(tokens.token_ids))
+        engine_request = self.processor.process(f"chatcmpl-{uuid.uuid4().hex}", tokens, params)
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self.stream(
-                lambda mark_finished: self.chat_stream(
-                    request_id,
-                    created,
-                    prompt_token_ids,
-                    params,
-                    include_usage,
-                    mark_finished,
-                    reasoning,
-                ),
-                request_id,
-            )
+            events = _ChatEvents(engine_request, created, self.model_name, reasoning)
+            return self.stream(engine_request, events, include_usage)
         try:
-            final = await self.generate_full(prompt_token_ids, params, request_id, raw_request)
+            final = await self.generate_full(engine_request, raw_request)
         except ClientDisconnected:
             return Response(status_code=499)
+        params = engine_request.sampling_params
         response = ChatCompletionResponse(
-            id=request_id,
+            id=engine_request.request_id,
             created=created,
             model=self.model_name,
             choices=[
@@ -116,12 +107,19 @@ class OpenAIServingChat(OpenAIServing):
                 )
                 for c in final.outputs
             ],
-            usage=usage_info(len(prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)),
+            usage=usage_info(
+                len(engine_request.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
+            ),
         )
         return JSONResponse(response.model_dump(mode="json"))
 
-    def render(self, request: ChatCompletionRequest) -> list[int]:
-        """Prompt token ids: the messages through the model's chat template."""
+    def chat_prompt(self, request: ChatCompletionRequest) -> ChatPrompt:
+        """The request's messages as plain dicts for the chat template (text parts joined by
+        newlines); ``chat_template_kwargs`` may override ``add_generation_prompt``.
+
+        Raises:
+            OpenAIError: no messages, or a content part other than text.
+        """
         if not request.messages:
             raise OpenAIError("messages: must contain at least one message", 400, "messages")
         messages = []
@@ -143,91 +141,72 @@ class OpenAIServingChat(OpenAIServing):
             entry["content"] = content
             messages.append(entry)
         kwargs = dict(request.chat_template_kwargs or {})
-        kwargs.setdefault("add_generation_prompt", request.add_generation_prompt)
-        try:
-            ids = list(self.engine.tokenizer.apply_chat_template(messages, **kwargs))
-        except (ValueError, TypeError) as exc:
-            raise OpenAIError(str(exc), 400, "messages") from exc
-        if not ids:
-            raise OpenAIError(
-                "messages: the chat template rendered an empty prompt", 400, "messages"
-            )
-        return ids
+        add_generation_prompt = kwargs.pop("add_generation_prompt", request.add_generation_prompt)
+        return ChatPrompt(messages, add_generation_prompt, kwargs)
 
-    async def chat_stream(
+
+class _ChatEvents(ChoiceEvents):
+    """A chat stream's events: per choice a role delta first, then content (and reasoning)
+    deltas with their logprobs, the last one with the finish reason."""
+
+    def __init__(
         self,
-        request_id: str,
+        request: EngineRequest,
         created: int,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        include_usage: bool,
-        mark_finished: Callable[[], None],
-        reasoning: ReasoningParser | None = None,
-    ) -> AsyncIterator[str]:
-        """SSE events: per choice index a role delta, content (and reasoning) deltas with their
-        logprobs, one finish_reason; then usage (if asked) and ``[DONE]``."""
+        model: str,
+        reasoning: ReasoningParser | None,
+    ) -> None:
+        self.request_id, self.created, self.model = request.request_id, created, model
+        self.params, self.reasoning = request.sampling_params, reasoning
+        n = self.params.n
+        self.texts, self.num_sent = [""] * n, [0] * n
 
-        def chunk(
-            index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None
-        ) -> str:
-            choice = ChatCompletionResponseStreamChoice(
-                index=index,
-                delta=delta,
-                logprobs=logprobs,
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
+    def chunk(
+        self, index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None
+    ) -> str:
+        choice = ChatCompletionResponseStreamChoice(
+            index=index,
+            delta=delta,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
+        return sse(
+            ChatCompletionStreamResponse(
+                id=self.request_id, created=self.created, model=self.model, choices=[choice]
             )
-            return sse(
-                ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[choice]
-                )
-            )
+        )
 
-        n = params.n
-        for index in range(n):
-            yield chunk(index, DeltaMessage(role="assistant", content=""))
-        texts, num_sent, done = [""] * n, [0] * n, [False] * n
-        try:
-            async for output in self.engine.generate(prompt_token_ids, params, request_id):
-                for completion in output.outputs:
-                    i = completion.index
-                    if done[i]:
-                        continue
-                    finished = completion.finish_reason is not None
-                    delta = delta_message(texts[i], completion.text, finished, reasoning)
-                    logprobs = choice_logprobs(completion, params, num_sent[i])
-                    texts[i], num_sent[i] = completion.text, len(completion.token_ids)
-                    if finished:
-                        done[i] = True
-                        yield chunk(
-                            i, delta, logprobs, completion.finish_reason, completion.stop_reason
-                        )
-                    elif (
-                        delta.content or delta.reasoning_content or (logprobs and logprobs.content)
-                    ):
-                        yield chunk(i, delta, logprobs)
-                if output.finished:
-                    mark_finished()
-        except Exception as exc:  # noqa: BLE001 - reported in the stream, the server lives on
-            yield self.stream_error(exc)
-            yield SSE_DONE
-            return
-        for i in range(n):
-            if not done[i]:  # the engine's iterator ended without a final output
-                yield chunk(
-                    i, delta_message(texts[i], texts[i], True, reasoning), finish_reason="abort"
-                )
-        if include_usage:
-            yield sse(
-                ChatCompletionStreamResponse(
-                    id=request_id,
-                    created=created,
-                    model=self.model_name,
-                    choices=[],
-                    usage=usage_info(len(prompt_token_ids), sum(num_sent)),
-                )
+    def opening(self) -> Iterator[str]:
+        for index in range(self.params.n):
+            yield self.chunk(index, DeltaMessage(role="assistant", content=""))
+
+    def update(self, completion: CompletionOutput, output: RequestOutput) -> str | None:
+        i, finished = completion.index, completion.finish_reason is not None
+        delta = delta_message(self.texts[i], completion.text, finished, self.reasoning)
+        logprobs = choice_logprobs(completion, self.params, self.num_sent[i])
+        self.texts[i], self.num_sent[i] = completion.text, len(completion.token_ids)
+        if finished:
+            return self.chunk(i, delta, logprobs, completion.finish_reason, completion.stop_reason)
+        if delta.content or delta.reasoning_content or (logprobs and logprobs.content):
+            return self.chunk(i, delta, logprobs)
+        return None
+
+    def aborted(self, index: int) -> str:
+        text = self.texts[index]
+        delta = delta_message(text, text, True, self.reasoning)
+        return self.chunk(index, delta, finish_reason="abort")
+
+    def usage(self, usage: UsageInfo) -> str:
+        return sse(
+            ChatCompletionStreamResponse(
+                id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage
             )
-        yield SSE_DONE
+        )
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.num_sent)
 
 
 def requested_logprobs(request: ChatCompletionRequest) -> int | None:

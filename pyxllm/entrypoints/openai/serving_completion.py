@@ -4,29 +4,30 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pyxllm.engine.input_processor import EngineRequest, TextPrompt, TokensPrompt
 from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.logprobs import completion_logprobs
 from pyxllm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    UsageInfo,
 )
 from pyxllm.entrypoints.openai.serving_engine import (
-    SSE_DONE,
+    ChoiceEvents,
     ClientDisconnected,
     OpenAIServing,
     sse,
     usage_info,
 )
 from pyxllm.outputs import CompletionOutput, RequestOutput
-from pyxllm.sampling_params import SamplingParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -49,189 +50,51 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None:
             extra["prompt_logprobs"] = request.logprobs
         params = self.sampling_params(request, 1 if echo_only else request.max_tokens, **extra)
-        prompt_token_ids, prompt = self.prompt_ids(request)
-        self.fit_to_context(params, len(prompt_token_ids), "prompt")
+        prompt = completion_prompt(request)
+        engine_request = self.processor.process(f"cmpl-{uuid.uuid4().hex}", prompt, params)
         echo = None
         if request.echo:
-            text = (
-                prompt
-                if prompt is not None
-                else self.engine.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
-            )
-            echo = _Echo(text, prompt_token_ids, echo_only)
-
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+            ids, text = engine_request.prompt_token_ids, engine_request.prompt
+            if text is None:
+                text = self.engine.tokenizer.decode(ids, skip_special_tokens=False)
+            echo = _Echo(text, ids, echo_only)
+        choices = _CompletionChoices(engine_request, echo, self.engine.tokenizer.decode_each)
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self.stream(
-                lambda mark_finished: self.completion_stream(
-                    request_id,
-                    created,
-                    prompt_token_ids,
-                    prompt,
-                    params,
-                    include_usage,
-                    mark_finished,
-                    echo,
-                ),
-                request_id,
-            )
+            events = _CompletionEvents(engine_request.request_id, choices, created, self.model_name)
+            return self.stream(engine_request, events, include_usage)
         try:
-            final = await self.generate_full(
-                prompt_token_ids, params, request_id, raw_request, prompt=prompt
-            )
+            final = await self.generate_full(engine_request, raw_request)
         except ClientDisconnected:
             return Response(status_code=499)
-        choices = []
-        for completion in final.outputs:
-            text, logprobs = self.choice_delta(completion, final, params, echo, 0, 0)
-            choices.append(
-                CompletionResponseChoice(
-                    index=completion.index,
-                    text=text,
-                    logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                )
-            )
-        num_generated = 0 if echo_only else sum(len(c.token_ids) for c in final.outputs)
         response = CompletionResponse(
-            id=request_id,
+            id=engine_request.request_id,
             created=created,
             model=self.model_name,
-            choices=choices,
-            usage=usage_info(len(prompt_token_ids), num_generated),
+            choices=[choices.full(completion, final) for completion in final.outputs],
+            usage=usage_info(len(engine_request.prompt_token_ids), choices.completion_tokens),
         )
         return JSONResponse(response.model_dump(mode="json"))
 
-    def choice_delta(
-        self,
-        completion: CompletionOutput,
-        output: RequestOutput,
-        params: SamplingParams,
-        echo: _Echo | None,
-        chars_sent: int,
-        tokens_sent: int,
-    ):
-        """``(text, logprobs)`` of a choice past what was sent (``chars_sent`` characters of
-        text, ``tokens_sent`` generated tokens); with ``echo``, nothing sent yet means the
-        prompt comes first. ``logprobs`` is ``None`` unless the request asked for them."""
-        first = chars_sent == 0 and tokens_sent == 0
-        text, ids, lps = "", [], []
-        if echo is not None and first:
-            text, ids = echo.text, list(echo.token_ids)
-            lps = list(output.prompt_logprobs or [None] * len(ids))
-        if echo is None or not echo.only:
-            text += completion.text[
-                chars_sent - (len(echo.text) if echo is not None and not first else 0) :
-            ]
-            ids += completion.token_ids[tokens_sent:]
-            lps += (completion.logprobs or [])[tokens_sent:]
-        if params.logprobs is None:
-            return text, None
-        return text, completion_logprobs(
-            ids, lps, params.logprobs, chars_sent, self.engine.tokenizer.decode_each
-        )
 
-    def prompt_ids(self, request: CompletionRequest) -> tuple[list[int], str | None]:
-        """``(prompt token ids, prompt text or None)``: one string, or one list of token ids."""
-        prompt = request.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise OpenAIError(
-                    f"prompt: only one prompt per request is supported for now, got {len(prompt)}",
-                    400,
-                    "prompt",
-                )
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise OpenAIError("prompt: must not be empty", 400, "prompt")
-            return list(self.engine.tokenizer.encode(prompt, add_special_tokens=True)), prompt
-        if not prompt:
-            raise OpenAIError("prompt: must not be empty", 400, "prompt")
-        vocab_size = self.engine.tokenizer.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
+def completion_prompt(request: CompletionRequest) -> TextPrompt | TokensPrompt:
+    """The request's one prompt: a string, or a list of token ids (a list of one of either);
+    the input processor checks it.
+
+    Raises:
+        OpenAIError: more than one prompt.
+    """
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
             raise OpenAIError(
-                f"prompt: token id {bad[0]} is out of range [0, {vocab_size})", 400, "prompt"
+                f"prompt: only one prompt per request is supported for now, got {len(prompt)}",
+                400,
+                "prompt",
             )
-        return list(prompt), None
-
-    async def completion_stream(
-        self,
-        request_id: str,
-        created: int,
-        prompt_token_ids: list[int],
-        prompt: str | None,
-        params: SamplingParams,
-        include_usage: bool,
-        mark_finished: Callable[[], None],
-        echo: _Echo | None = None,
-    ) -> AsyncIterator[str]:
-        """SSE events: per choice index text deltas (with logprobs if asked), one
-        finish_reason; then usage (if asked) and ``[DONE]``."""
-
-        def chunk(
-            index: int, text: str, logprobs=None, finish_reason=None, stop_reason=None
-        ) -> str:
-            choice = CompletionResponseChoice(
-                index=index,
-                text=text,
-                logprobs=logprobs,
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
-            )
-            return sse(
-                CompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[choice]
-                )
-            )
-
-        n = params.n
-        chars, tokens, done = [0] * n, [0] * n, [False] * n
-        try:
-            async for output in self.engine.generate(
-                prompt_token_ids, params, request_id, prompt=prompt
-            ):
-                for completion in output.outputs:
-                    i = completion.index
-                    if done[i]:
-                        continue
-                    text, logprobs = self.choice_delta(
-                        completion, output, params, echo, chars[i], tokens[i]
-                    )
-                    chars[i] += len(text)
-                    tokens[i] = len(completion.token_ids)
-                    if completion.finish_reason is not None:
-                        done[i] = True
-                        yield chunk(
-                            i, text, logprobs, completion.finish_reason, completion.stop_reason
-                        )
-                    elif text or (logprobs and logprobs.tokens):
-                        yield chunk(i, text, logprobs)
-                if output.finished:
-                    mark_finished()
-        except Exception as exc:  # noqa: BLE001 - reported in the stream, the server lives on
-            yield self.stream_error(exc)
-            yield SSE_DONE
-            return
-        for i in range(n):
-            if not done[i]:  # the engine's iterator ended without a final output
-                yield chunk(i, "", finish_reason="abort")
-        if include_usage:
-            num_generated = 0 if echo is not None and echo.only else sum(tokens)
-            yield sse(
-                CompletionStreamResponse(
-                    id=request_id,
-                    created=created,
-                    model=self.model_name,
-                    choices=[],
-                    usage=usage_info(len(prompt_token_ids), num_generated),
-                )
-            )
-        yield SSE_DONE
+        prompt = prompt[0]
+    return TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(prompt)
 
 
 @dataclass(slots=True)
@@ -242,3 +105,108 @@ class _Echo:
     text: str
     token_ids: list[int]
     only: bool
+
+
+class _CompletionChoices:
+    """Each choice's text and logprobs past what was sent, for the whole response or a stream.
+
+    Args:
+        request: the engine request (its params say whether logprobs were asked for).
+        echo: the prompt to put first, if the request asked for it.
+        decode_each: the tokenizer's per-token decoding (logprobs' token strings).
+    """
+
+    def __init__(self, request: EngineRequest, echo: _Echo | None, decode_each) -> None:
+        self.params, self.echo, self.decode_each = request.sampling_params, echo, decode_each
+        n = self.params.n
+        self.chars_sent, self.tokens_sent = [0] * n, [0] * n
+
+    def delta(
+        self, completion: CompletionOutput, output: RequestOutput
+    ) -> tuple[str, CompletionLogProbs | None]:
+        """``(text, logprobs)`` of a choice past what was sent, and mark it sent; with
+        ``echo``, nothing sent yet means the prompt comes first. ``logprobs`` is ``None``
+        unless the request asked for them."""
+        i, echo = completion.index, self.echo
+        chars_sent, tokens_sent = self.chars_sent[i], self.tokens_sent[i]
+        first = chars_sent == 0 and tokens_sent == 0
+        text, ids, lps = "", [], []
+        if echo is not None and first:
+            text, ids = echo.text, list(echo.token_ids)
+            lps = list(output.prompt_logprobs or [None] * len(ids))
+        if echo is None or not echo.only:
+            echoed = len(echo.text) if echo is not None and not first else 0
+            text += completion.text[chars_sent - echoed :]
+            ids += completion.token_ids[tokens_sent:]
+            lps += (completion.logprobs or [])[tokens_sent:]
+        self.chars_sent[i] += len(text)
+        self.tokens_sent[i] = len(completion.token_ids)
+        if self.params.logprobs is None:
+            return text, None
+        logprobs = completion_logprobs(ids, lps, self.params.logprobs, chars_sent, self.decode_each)
+        return text, logprobs
+
+    def full(self, completion: CompletionOutput, output: RequestOutput) -> CompletionResponseChoice:
+        """The whole choice of a finished request."""
+        text, logprobs = self.delta(completion, output)
+        return CompletionResponseChoice(
+            index=completion.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+
+    @property
+    def completion_tokens(self) -> int:
+        """Generated tokens sent (none when the choices are the echoed prompt alone)."""
+        return 0 if self.echo is not None and self.echo.only else sum(self.tokens_sent)
+
+
+class _CompletionEvents(ChoiceEvents):
+    """A completion stream's events: per choice text deltas (with logprobs if asked), the last
+    one with the finish reason."""
+
+    def __init__(
+        self, request_id: str, choices: _CompletionChoices, created: int, model: str
+    ) -> None:
+        self.request_id, self.choices, self.created, self.model = (
+            request_id,
+            choices,
+            created,
+            model,
+        )
+
+    def chunk(self, choices: list[CompletionResponseChoice], usage: UsageInfo | None = None) -> str:
+        return sse(
+            CompletionStreamResponse(
+                id=self.request_id,
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    def update(self, completion: CompletionOutput, output: RequestOutput) -> str | None:
+        text, logprobs = self.choices.delta(completion, output)
+        if completion.finish_reason is None and not text and not (logprobs and logprobs.tokens):
+            return None
+        choice = CompletionResponseChoice(
+            index=completion.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+        return self.chunk([choice])
+
+    def aborted(self, index: int) -> str:
+        return self.chunk([CompletionResponseChoice(index=index, text="", finish_reason="abort")])
+
+    def usage(self, usage: UsageInfo) -> str:
+        return self.chunk([], usage)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.choices.completion_tokens

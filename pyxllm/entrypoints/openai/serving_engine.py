@@ -1,27 +1,34 @@
-"""What chat and completion serving share: checks, sampling parameters, and running a request
-so that a client that goes away aborts it (streaming or not)."""
+"""What chat and completion serving share: checks, sampling parameters, processing a request
+through the engine's input processor, and running it so that a client that goes away aborts it
+(streamed or not); the SSE stream's skeleton is written once here."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
-import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.entrypoints.openai.errors import OpenAIError, error_body, param_from_message
 from pyxllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
-from pyxllm.outputs import RequestOutput
+from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Fields a model's generation_config.json may default (a request's own value wins).
-DEFAULTABLE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
-PASSTHROUGH_FIELDS = (
+# Request fields passed to SamplingParams as given (None: not given, SamplingParams' default;
+# for the model-defaultable ones, the model's generation_config value).
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
     "seed",
     "stop",
     "stop_token_ids",
@@ -83,17 +90,50 @@ async def _wait_for_disconnect(raw_request: Request) -> None:
             return
 
 
+class ChoiceEvents(abc.ABC):
+    """What one streamed endpoint sends about its choices (chat: message deltas; completions:
+    text), in the skeleton of :meth:`OpenAIServing.stream`.
+
+    The skeleton calls :meth:`opening` once, :meth:`update` for each new output of a choice
+    that has not finished, :meth:`aborted` for a choice the engine left unfinished, and
+    :meth:`usage` last when the request asked for it.
+    """
+
+    def opening(self) -> Iterator[str]:
+        """Events before the first output (none by default)."""
+        return iter(())
+
+    @abc.abstractmethod
+    def update(self, completion: CompletionOutput, output: RequestOutput) -> str | None:
+        """The event for a choice's new state (with its finish reason once ``completion``
+        finished), or ``None`` when there is nothing new to send."""
+
+    @abc.abstractmethod
+    def aborted(self, index: int) -> str:
+        """The closing event of choice ``index``, which ended without a finish reason."""
+
+    @abc.abstractmethod
+    def usage(self, usage: UsageInfo) -> str:
+        """The last event: the request's token counts, no choices."""
+
+    @property
+    @abc.abstractmethod
+    def completion_tokens(self) -> int:
+        """Generated tokens sent so far, over every choice (the usage's completion tokens)."""
+
+
 class OpenAIServing:
-    """Base of the chat and completion handlers, bound to one :class:`AsyncEngine`."""
+    """Base of the chat and completion handlers, bound to one :class:`AsyncEngine`.
+
+    A handler builds the request's prompt and :class:`SamplingParams`, then calls the engine's
+    input processor (:attr:`processor`) once; its ``InvalidRequestError`` becomes a 400 naming
+    the field (:mod:`.errors`)."""
 
     def __init__(self, engine):
         self.engine = engine
+        self.processor = engine.input_processor
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
-        defaults = dict(getattr(engine, "generation_defaults", None) or {})
-        if "max_new_tokens" in defaults:
-            defaults.setdefault("max_tokens", defaults.pop("max_new_tokens"))
-        self.defaults = {k: defaults[k] for k in DEFAULTABLE_FIELDS if defaults.get(k) is not None}
 
     # --- checks -------------------------------------------------------------------------------
 
@@ -113,35 +153,6 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 - any failure means the engine cannot serve
             raise OpenAIError(f"the engine is not healthy: {exc}", 503) from exc
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, what: str) -> None:
-        """400 when the prompt plus ``max_tokens`` do not fit ``max_model_len``."""
-        limit = self.max_model_len
-        if max_tokens is None and num_prompt_tokens >= limit:
-            raise OpenAIError(
-                f"This model's maximum context length is {limit} tokens (max_model_len). "
-                f"However, your {what} has {num_prompt_tokens} tokens, which leaves no room "
-                f"for the completion. Please reduce the length of the {what}.",
-                400,
-                what,
-            )
-        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            raise OpenAIError(
-                f"This model's maximum context length is {limit} tokens (max_model_len). "
-                f"However, you requested {num_prompt_tokens + max_tokens} tokens "
-                f"({num_prompt_tokens} in the {what}, {max_tokens} for the completion). "
-                f"Please reduce the length of the {what} or the completion.",
-                400,
-                "max_tokens" if num_prompt_tokens < limit else what,
-            )
-
-    def fit_to_context(self, params: SamplingParams, num_prompt_tokens: int, what: str) -> None:
-        """Check the length (see :meth:`check_length`); when the request left ``max_tokens``
-        unset, apply the model's default (``max_new_tokens``), capped to the room left."""
-        self.check_length(num_prompt_tokens, params.max_tokens, what)
-        default = self.defaults.get("max_tokens")
-        if params.max_tokens is None and default is not None:
-            params.max_tokens = min(default, self.max_model_len - num_prompt_tokens)
-
     def check_unsupported(self, request: SamplingFields) -> None:
         """400 for field combinations that make no sense, rather than ignoring them."""
         if request.stream_options is not None and not request.stream:
@@ -152,44 +163,21 @@ class OpenAIServing:
     def sampling_params(
         self, request: SamplingFields, max_tokens: int | None, **extra
     ) -> SamplingParams:
-        """The request's :class:`SamplingParams`; generation defaults fill unset fields.
+        """The request's :class:`SamplingParams` (a field it leaves unset stays unset: the input
+        processor gives it the model's generation_config value); ``extra`` fields
+        (``logprobs``, ``prompt_logprobs``) are passed as given.
 
-        OpenAI's default temperature (1.0) applies when neither the request nor the model's
-        generation config sets one; unset ``max_tokens`` means up to the context limit.
-        ``extra`` fields (``logprobs``, ``prompt_logprobs``) are passed as given.
+        Raises:
+            OpenAIError: 400 naming the field of a value out of range.
         """
         self.check_unsupported(request)
-        fields: dict = {
-            "n": 1 if request.n is None else request.n,
-            "max_tokens": max_tokens,
-            **extra,
-        }
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            value = getattr(request, name)
-            value = self.defaults.get(name) if value is None else value
-            if value is not None:
-                fields[name] = value
-        for name in PASSTHROUGH_FIELDS:
-            if getattr(request, name) is not None:
-                fields[name] = getattr(request, name)
-        for name, value in fields.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise OpenAIError(f"{name}: must be a finite number, got {value}", 400, name)
+        fields = {name: getattr(request, name) for name in SAMPLING_FIELDS}
+        fields = {name: value for name, value in fields.items() if value is not None}
+        fields.update(n=1 if request.n is None else request.n, max_tokens=max_tokens, **extra)
         try:
-            params = SamplingParams(**fields)
+            return SamplingParams(**fields)
         except ValueError as exc:
             raise OpenAIError(str(exc), 400, param_from_message(str(exc))) from exc
-        vocab_size = getattr(self.engine.tokenizer, "vocab_size", None)
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", params.logit_bias or ()),
-        ):
-            for token_id in ids:
-                if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-                    raise OpenAIError(
-                        f"{name}: token id {token_id} is out of range [0, {vocab_size})", 400, name
-                    )
-        return params
 
     # --- running a request ----------------------------------------------------------------------
 
@@ -211,14 +199,7 @@ class OpenAIServing:
         except Exception:  # noqa: BLE001 - aborting is best effort during cleanup
             logger.debug("abort of %s failed", request_id, exc_info=True)
 
-    async def generate_full(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        raw_request: Request,
-        prompt: str | None = None,
-    ) -> RequestOutput:
+    async def generate_full(self, request: EngineRequest, raw_request: Request) -> RequestOutput:
         """Run a request to its end; raises :class:`ClientDisconnected` (after aborting the
         request) if the client goes away first, :class:`OpenAIError` if the engine refuses it."""
         finished = False
@@ -226,9 +207,7 @@ class OpenAIServing:
         async def drain() -> RequestOutput:
             nonlocal finished
             final = None
-            async for output in self.engine.generate(
-                prompt_token_ids, params, request_id, prompt=prompt
-            ):
+            async for output in self.engine.generate(request):
                 final = output
             finished = True
             return final
@@ -238,8 +217,8 @@ class OpenAIServing:
         try:
             await asyncio.wait({drain_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
             if not drain_task.done():
-                logger.info("client disconnected; aborting %s", request_id)
-                raise ClientDisconnected(request_id)
+                logger.info("client disconnected; aborting %s", request.request_id)
+                raise ClientDisconnected(request.request_id)
             try:
                 return drain_task.result()
             except (ValueError, RuntimeError) as exc:
@@ -249,24 +228,51 @@ class OpenAIServing:
             if not drain_task.done():
                 drain_task.cancel()
             if not finished:
-                self.abort(request_id)
+                self.abort(request.request_id)
 
     def stream(
-        self, events: Callable[[Callable[[], None]], AsyncIterator[str]], request_id: str
+        self, request: EngineRequest, events: ChoiceEvents, include_usage: bool
     ) -> AbortOnCloseStreamingResponse:
-        """An SSE response of ``events(mark_finished)``; the request is aborted when the
-        response ends before ``mark_finished()`` was called (client gone, server error)."""
+        """The SSE response of ``request``: ``events``' opening, one event per choice update
+        (each choice ends with its finish reason, or an ``abort`` one if the engine's outputs
+        stop first), the usage when ``include_usage``, then ``[DONE]``. An error after the
+        stream started is sent as an error event before ``[DONE]``. The request is aborted
+        when the response ends before its last output (client gone, server error)."""
         state = {"finished": False}
 
-        def mark_finished() -> None:
-            state["finished"] = True
+        async def body() -> AsyncIterator[str]:
+            for event in events.opening():
+                yield event
+            done = [False] * request.sampling_params.n
+            try:
+                async for output in self.engine.generate(request):
+                    for completion in output.outputs:
+                        if done[completion.index]:
+                            continue
+                        done[completion.index] = completion.finish_reason is not None
+                        event = events.update(completion, output)
+                        if event is not None:
+                            yield event
+                    state["finished"] |= output.finished
+            except Exception as exc:  # noqa: BLE001 - reported in the stream, the server lives on
+                yield self.stream_error(exc)
+                yield SSE_DONE
+                return
+            for index, finished in enumerate(done):
+                if not finished:
+                    yield events.aborted(index)
+            if include_usage:
+                yield events.usage(
+                    usage_info(len(request.prompt_token_ids), events.completion_tokens)
+                )
+            yield SSE_DONE
 
         def on_close() -> None:
             if not state["finished"]:
-                logger.info("stream closed early; aborting %s", request_id)
-                self.abort(request_id)
+                logger.info("stream closed early; aborting %s", request.request_id)
+                self.abort(request.request_id)
 
-        return AbortOnCloseStreamingResponse(events(mark_finished), on_close)
+        return AbortOnCloseStreamingResponse(body(), on_close)
 
     def stream_error(self, exc: Exception) -> str:
         """The SSE event reporting an error that happened after the stream started."""

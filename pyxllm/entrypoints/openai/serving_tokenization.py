@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pyxllm.engine.input_processor import TextPrompt
 from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionMessageParam,
@@ -58,6 +59,7 @@ class OpenAIServingTokenization:
 
     def __init__(self, engine, chat_handler) -> None:
         self.engine = engine
+        self.processor = engine.input_processor
         self.chat = chat_handler
 
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
@@ -73,17 +75,18 @@ class OpenAIServingTokenization:
             raise OpenAIError("prompt: give either prompt or messages", 400, "prompt")
         if request.prompt is not None:
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
-            ids = list(tokenizer.encode(request.prompt, add_special_tokens=add_special))
+            prompt = TextPrompt(request.prompt, add_special)
         else:
             chat = ChatCompletionRequest(
                 messages=request.messages,
                 add_generation_prompt=request.add_generation_prompt,
                 chat_template_kwargs=request.chat_template_kwargs,
             )
-            ids = self.chat.render(chat)
-            if request.add_special_tokens:
-                bos = getattr(tokenizer.hf, "bos_token_id", None)
-                ids = ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+            prompt = self.chat.chat_prompt(chat)
+        ids = list(self.processor.tokenize(prompt).token_ids)
+        if request.messages is not None and request.add_special_tokens:
+            bos = getattr(tokenizer.hf, "bos_token_id", None)
+            ids = ids if bos is None or ids[:1] == [bos] else [bos, *ids]
         strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(
             count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs
@@ -96,12 +99,7 @@ class OpenAIServingTokenization:
             OpenAIError: another model's name (404) or a token id out of the vocabulary (400).
         """
         self.chat.check_model(request.model)
-        vocab_size = self.engine.tokenizer.vocab_size
-        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise OpenAIError(
-                f"tokens: token id {bad[0]} is out of range [0, {vocab_size})", 400, "tokens"
-            )
+        self.processor.check_token_ids(request.tokens, "tokens")
         return DetokenizeResponse(
             prompt=self.engine.tokenizer.decode(request.tokens, skip_special_tokens=False)
         )

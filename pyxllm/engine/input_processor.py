@@ -1,0 +1,239 @@
+"""The front door of every request: prompt and sampling fields in, one validated request out.
+
+vLLM's ``InputProcessor`` -> ``EngineCoreRequest`` is the model. The OpenAI server,
+``pyxllm generate`` and :class:`~pyxllm.entrypoints.llm.LLM` each call
+:meth:`InputProcessor.process` once per request; the engine queues the :class:`EngineRequest`
+it returns and checks nothing again. Every rule a request must satisfy lives here, once:
+
+- the prompt: text (tokenized with the model's tokenizer), chat messages (rendered with the
+  model's chat template) or token ids; never empty; every token id ``0 <= id < vocab_size``, the
+  model's embedding rows (a tokenizer may have fewer tokens than the embedding has rows: Qwen's
+  151,669 against 151,936; ids in between are valid model inputs);
+- the token ids of ``stop_token_ids`` and ``logit_bias``, by the same vocabulary rule;
+- the model's generation defaults (``generation_config.json``) for the sampling fields the
+  request left unset (:meth:`SamplingParams.with_model_defaults`);
+- ``max_tokens``: ``None`` becomes the model's ``max_new_tokens`` capped to the room the context
+  leaves, else that room; the prompt plus ``max_tokens`` must fit ``max_model_len`` and the KV
+  cache (one message, naming the numbers).
+
+A new per-request option (a structured-output spec, a tool parser, speculative settings) becomes
+a field of :class:`EngineRequest`, checked here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyxllm.engine.tokenizer import Tokenizer
+from pyxllm.sampling_params import SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """A request that breaks a rule; ``param`` names the request field at fault (the HTTP
+    server answers 400 with it)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class TextPrompt:
+    """A prompt as text; ``add_special_tokens`` lets the tokenizer add its BOS token (if any)."""
+
+    text: str
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Chat messages (OpenAI-style dicts) to render with the model's chat template.
+
+    ``chat_template_kwargs`` reach the template (``enable_thinking=False``, ``tools=[...]``).
+    """
+
+    messages: Sequence[Mapping[str, Any]]
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TokensPrompt:
+    """A prompt as token ids (vLLM's ``TokensPrompt``).
+
+    ``text`` is the prompt's text where there is one (it is returned in the request's output);
+    ``param`` is the request field the ids came from, named in errors (``"messages"`` for a
+    rendered chat).
+    """
+
+    token_ids: Sequence[int]
+    text: str | None = None
+    param: str = "prompt"
+
+
+Prompt = str | TextPrompt | ChatPrompt | TokensPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One validated request, as the engine queues it.
+
+    Attributes:
+        request_id: unique among the engine's live requests.
+        prompt_token_ids: the prompt's token ids, each in ``[0, vocab_size)``.
+        prompt: the prompt's text, ``None`` for token ids and chats.
+        sampling_params: the request's :class:`SamplingParams` with the model's generation
+            defaults applied and ``max_tokens`` an int: prompt plus ``max_tokens`` fit
+            ``max_model_len`` and the KV cache.
+        arrival_time: ``time.monotonic()`` seconds when the request was processed (TTFT and
+            end-to-end latency count from here).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None
+    sampling_params: SamplingParams
+    arrival_time: float
+
+
+class InputProcessor:
+    """Turns a prompt and its sampling parameters into an :class:`EngineRequest`.
+
+    Thread-safe: it reads its configuration and calls the tokenizer only.
+
+    Args:
+        tokenizer: the engine's tokenizer (and chat template).
+        vocab_size: the model's vocabulary size (its embedding's rows).
+        max_model_len: the context limit in tokens.
+        max_kv_blocks: blocks in the KV cache; a request must fit it alone.
+        block_size: tokens per KV block.
+        generation_defaults: the model's request defaults by field name
+            (:class:`~pyxllm.weights.GenerationDefaults.sampling`: ``temperature``, ``top_p``,
+            ``top_k``, ``min_p``, ``repetition_penalty``, ``max_tokens``; those present).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        max_kv_blocks: int,
+        block_size: int,
+        generation_defaults: Mapping[str, float | int] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_kv_blocks = max_kv_blocks
+        self.block_size = block_size
+        self.generation_defaults = dict(generation_defaults or {})
+
+    def process(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> EngineRequest:
+        """The validated request for ``prompt`` with ``params`` (default ``SamplingParams()``).
+
+        Raises:
+            InvalidRequestError: (a ``ValueError``) the prompt is empty, cannot be tokenized or
+                rendered, holds a token id outside the vocabulary; a ``stop_token_ids`` or
+                ``logit_bias`` id is outside it; a model default is out of range; or the prompt
+                plus ``max_tokens`` do not fit the context or the KV cache.
+        """
+        tokens = prompt if isinstance(prompt, TokensPrompt) else self.tokenize(prompt)
+        ids = [int(t) for t in tokens.token_ids]
+        if not ids or tokens.text == "":
+            raise InvalidRequestError(f"{tokens.param}: must not be empty", tokens.param)
+        self.check_token_ids(ids, tokens.param)
+        params = SamplingParams() if params is None else params
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self.check_token_ids(params.logit_bias or (), "logit_bias")
+        try:
+            params = params.with_model_defaults(self.generation_defaults)
+        except ValueError as exc:
+            raise InvalidRequestError(f"the model's generation_config.json: {exc}", None) from exc
+        max_tokens = self.resolve_max_tokens(len(ids), params.max_tokens, tokens.param)
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        return EngineRequest(request_id, ids, tokens.text, params, now)
+
+    def tokenize(self, prompt: str | TextPrompt | ChatPrompt) -> TokensPrompt:
+        """The token ids of a text or chat prompt (a ``str`` is a :class:`TextPrompt`).
+
+        Raises:
+            InvalidRequestError: text the tokenizer refuses (a lone surrogate), messages the
+                chat template cannot render, or a chat rendered to nothing.
+        """
+        if isinstance(prompt, str):
+            prompt = TextPrompt(prompt)
+        if isinstance(prompt, TextPrompt):
+            try:
+                ids = self.tokenizer.encode(prompt.text, prompt.add_special_tokens)
+            except (TypeError, ValueError) as exc:  # e.g. a lone surrogate in the text
+                raise InvalidRequestError(f"prompt: cannot be tokenized ({exc})", "prompt") from exc
+            return TokensPrompt(ids, prompt.text)
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                list(prompt.messages), prompt.add_generation_prompt, **prompt.chat_template_kwargs
+            )
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(str(exc), "messages") from exc
+        if not ids:
+            raise InvalidRequestError(
+                "messages: the chat template rendered an empty prompt", "messages"
+            )
+        return TokensPrompt(ids, None, "messages")
+
+    def check_token_ids(self, token_ids: Iterable[int], param: str) -> None:
+        """The one vocabulary rule: every id is in ``[0, vocab_size)``.
+
+        Raises:
+            InvalidRequestError: naming ``param`` and the first id out of range.
+        """
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequestError(
+                    f"{param}: token id {token_id} is out of range [0, {self.vocab_size})", param
+                )
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+        """The new tokens a request may generate: ``max_tokens``, or when ``None`` the model's
+        default capped to the room the context leaves, else that room.
+
+        Raises:
+            InvalidRequestError: the prompt plus the completion (at least 1 token) do not fit
+                ``max_model_len`` (``param`` is ``max_tokens`` when the prompt alone fits, else
+                the prompt's field), or the KV cache.
+        """
+        limit, room = self.max_model_len, self.max_model_len - num_prompt_tokens
+        requested = 1 if max_tokens is None else max_tokens
+        if num_prompt_tokens + requested > limit:
+            completion = "at least 1" if max_tokens is None else str(max_tokens)
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens (max_model_len), but "
+                f"{num_prompt_tokens} prompt tokens plus {completion} completion tokens were "
+                f"requested ({num_prompt_tokens + requested} tokens). Shorten the prompt or "
+                "lower max_tokens.",
+                "max_tokens" if num_prompt_tokens < limit else param,
+            )
+        if max_tokens is None:
+            default = self.generation_defaults.get("max_tokens")
+            max_tokens = room if default is None else min(int(default), room)
+        needed = -(-(num_prompt_tokens + max_tokens) // self.block_size)
+        if needed > self.max_kv_blocks:
+            raise InvalidRequestError(
+                f"{param}: {num_prompt_tokens} prompt tokens plus {max_tokens} max_tokens need "
+                f"{needed} KV blocks but the cache has {self.max_kv_blocks}; raise "
+                "--kv-cache-memory or lower max_tokens",
+                param,
+            )
+        return max_tokens
