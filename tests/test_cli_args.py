@@ -15,8 +15,9 @@ import pytest
 from pyxllm.config import EngineConfig
 from pyxllm.engine.input_processor import InputProcessor
 from pyxllm.entrypoints import args as cli_args
-from pyxllm.entrypoints.args import config_from_args, flag_names, make_arg_parser, parse_args
+from pyxllm.entrypoints.args import config_from_args, make_arg_parser, parse_args
 from pyxllm.entrypoints.cli import main
+from pyxllm.entrypoints.flags import flag_names
 from pyxllm.outputs import CompletionOutput, RequestOutput
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,6 +20,7 @@ from pathlib import Path
 from pyxllm.benchmarks.metrics import RequestRecord, compute_metrics
 from pyxllm.benchmarks.prompts import DATASETS, load_tokenizer, make_prompts
 from pyxllm.benchmarks.report import format_table, plot_png, write_json
+from pyxllm.entrypoints.flags import parse_bool
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +57,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ignore-eos",
-        type=_bool,
+        type=parse_bool,
         default=True,
         metavar="BOOL",
         help="ask the server to generate exactly --output-len tokens",
@@ -75,12 +76,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="write the PNG plot here (default: the result file with .png)",
     )
     parser.add_argument("--label", default="pyxllm bench serve", help="title of the table and plot")
-
-
-def _bool(text: str) -> bool:
-    from pyxllm.entrypoints.args import parse_bool
-
-    return parse_bool(text)
 
 
 async def _one_request(client, url: str, body: dict, record: RequestRecord) -> None:

@@ -4,8 +4,9 @@ Every ``EngineConfig`` field becomes a flag (``max_seqs_per_batch`` -> ``--max-s
 also spelled ``--max_seqs_per_batch``); its type and default come from the dataclass, so a field
 added later is a flag without another edit. Only help strings and choices live here.
 
-Booleans take ``--x``, ``--no-x``, ``--x=false`` or ``--x false`` (also true/false, 1/0, yes/no,
-on/off); any other value is an error naming the flag, never a silent ``True``.
+Booleans take ``--x``, ``--no-x``, ``--x=false`` or ``--x false`` (see
+:mod:`pyxllm.entrypoints.flags`); any other value is an error naming the flag, never a silent
+``True``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ import types
 import typing
 
 from pyxllm.config import DEVICES, DTYPES, QUANTIZATIONS, EngineConfig
+from pyxllm.entrypoints.flags import HelpFormatter, add_bool_flag, flag_names
 from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
-
-TRUE_WORDS = ("true", "1", "yes", "on", "t", "y")
-FALSE_WORDS = ("false", "0", "no", "off", "f", "n")
 
 # Help per EngineConfig field; a field missing here still becomes a flag, with generic help.
 ENGINE_HELP = {
@@ -76,26 +75,6 @@ ENGINE_METAVARS = {
 }
 
 
-def flag_names(name: str) -> list[str]:
-    """Both spellings of a flag: ``flag_names("top_p") == ["--top-p", "--top_p"]``."""
-    dashed, underscored = "--" + name.replace("_", "-"), "--" + name.replace("-", "_")
-    return [dashed] if dashed == underscored else [dashed, underscored]
-
-
-def parse_bool(text: str) -> bool:
-    """Read a boolean flag value; raises ``argparse.ArgumentTypeError`` listing accepted words."""
-    word = text.strip().lower()
-    if word in TRUE_WORDS:
-        return True
-    if word in FALSE_WORDS:
-        return False
-    raise argparse.ArgumentTypeError(
-        f"invalid boolean value {text!r}: expected one of {'/'.join(TRUE_WORDS)} or "
-        f"{'/'.join(FALSE_WORDS)} (a bare flag means true; arguments that are not "
-        "booleans go before it or after --)"
-    )
-
-
 def _int(text: str) -> int:
     return int(text)
 
@@ -135,42 +114,11 @@ def _field_type(hint) -> tuple[type, bool]:
     raise TypeError(f"config field of type {hint!r} has no command-line form; add one in args.py")
 
 
-def add_bool_flag(parser, name: str, default: bool, help: str) -> None:
-    """Add ``--name [BOOL]`` and ``--no-name`` (both spellings each) storing into ``name``."""
-    parser.add_argument(
-        *flag_names(name),
-        dest=name,
-        type=parse_bool,
-        nargs="?",
-        const=True,
-        default=default,
-        metavar="BOOL",
-        help=help,
-    )
-    parser.add_argument(
-        *flag_names("no_" + name),
-        dest=name,
-        action="store_false",
-        default=argparse.SUPPRESS,
-        help=f"same as {flag_names(name)[0]}=false",
-    )
-
-
 def _metavar(name: str, base: type) -> str | None:
     if name in ENGINE_CHOICES:
         return None  # argparse shows {a,b,c}
     default = {str: name.upper(), int: "N", float: "X"}[base]
     return ENGINE_METAVARS.get(name, default)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default unless it is ``None`` or the help already says it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default is None or "(default" in text:
-            return text
-        return super()._get_help_string(action)
 
 
 def add_engine_args(parser, config_cls: type = EngineConfig) -> None:
