@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyxllm.platforms.cpu import CPU_PLATFORM, cpu_default_dtype, cpu_flags
+from pyxllm.kernels.cpu.features import cpu_flags
+from pyxllm.platforms import cpu
+from pyxllm.platforms.cpu import cpu_default_dtype
 
 
 def test_bfloat16_only_with_native_bf16_flags():
@@ -24,7 +26,7 @@ def test_override_wins_and_is_checked():
 
 
 def test_the_suite_runs_in_float32_and_flags_are_read(tmp_path):
-    assert CPU_PLATFORM.default_dtype == torch.float32  # pinned by tests/conftest.py
+    assert cpu.load().default_dtype == torch.float32  # pinned by tests/conftest.py
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu sse avx512_bf16\n")
     assert cpu_flags(str(info)) == {"fpu", "sse", "avx512_bf16"}

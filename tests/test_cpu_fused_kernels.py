@@ -157,15 +157,60 @@ def test_bad_inputs_raise_clear_errors():
         )
 
 
+# In a fresh interpreter: count the Python-level reads of /proc/cpuinfo.
+_COUNT_CPUINFO_READS = (
+    "import builtins; reads = []; real_open = builtins.open;"
+    "builtins.open = lambda f, *a, **k: (reads.append(f) if 'cpuinfo' in str(f) else None)"
+    " or real_open(f, *a, **k);"
+)
+
+
+def _run(code: str, **env: str) -> None:
+    environ = {k: v for k, v in os.environ.items() if k != "PYXLLM_CPU_DEFAULT_DTYPE"}
+    subprocess.run(
+        [sys.executable, "-c", _COUNT_CPUINFO_READS + code],
+        env={**environ, **env},
+        check=True,
+        timeout=300,
+    )
+
+
+def test_binding_builds_the_kernels_importing_does_not():
+    """Importing the CPU kernels and platforms builds nothing and reads no /proc/cpuinfo; binding
+    the platform's kernels loads the fused ones in place of the native ones, and the platform's
+    default dtype and the build share one read of the CPU's features."""
+    _run(
+        "import pyxllm.platforms as platforms, pyxllm.kernels.cpu as cpu;"
+        "from pyxllm.kernels import native; from pyxllm.kernels.cpu import fused;"
+        "assert fused.load.cache_info().currsize == 0 and reads == [], reads;"
+        "assert cpu.rms_norm is native.rms_norm;"
+        "platforms.set_current_platform(platforms.resolve_platform('cpu'));"
+        "assert fused.load.cache_info().currsize == 1 and len(reads) == 1, reads;"
+        "assert cpu.rms_norm is fused.rms_norm and cpu.w8a8_linear is fused.w8a8_linear;"
+        "from pyxllm import kernels; assert kernels.ops is cpu"
+    )
+
+
 def test_native_kernels_when_asked():
     """``PYXLLM_CPU_KERNELS=native`` keeps the pure-PyTorch kernels (the fallback of a failed
-    build)."""
-    code = (
-        "from pyxllm.kernels.cpu import fused; assert fused.load() is None;"
-        "import pyxllm.kernels.cpu as cpu; from pyxllm.kernels import native;"
+    build) when the CPU's kernels are bound."""
+    _run(
+        "from pyxllm import kernels; from pyxllm.kernels import native;"
+        "from pyxllm.kernels.cpu import fused;"
+        "cpu = kernels.bind('pyxllm.kernels.cpu'); assert fused.load() is None;"
         "assert cpu.rms_norm is native.rms_norm and cpu.paged_attention_decode is "
         "native.paged_attention_decode;"
-        "assert cpu.w8a8_linear is native.w8a8_linear"
+        "assert cpu.w8a8_linear is native.w8a8_linear",
+        PYXLLM_CPU_KERNELS="native",
     )
-    env = {**os.environ, "PYXLLM_CPU_KERNELS": "native"}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+def test_a_failed_build_falls_back_to_the_native_kernels():
+    _run(
+        "import torch.utils.cpp_extension as ext;"
+        "ext.load = lambda **kw: (_ for _ in ()).throw(RuntimeError('no compiler'));"
+        "from pyxllm import kernels; from pyxllm.kernels import native;"
+        "cpu = kernels.bind('pyxllm.kernels.cpu');"
+        "assert cpu.rms_norm is native.rms_norm and cpu.reshape_and_cache is "
+        "native.reshape_and_cache"
+    )

@@ -24,7 +24,7 @@ from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.model_executor import resolve_dtype
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 from pyxllm.layers.forward_context import ForwardContext, set_forward_context
-from pyxllm.platforms.cpu import CPU_PLATFORM
+from pyxllm.platforms import cpu
 
 KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 NEW_TOKENS = 16
@@ -214,10 +214,10 @@ def test_dtype_auto_follows_a_bfloat16_checkpoint(tmp_path, hf_gguf_tokenizer):
     ],
 )
 def test_resolve_dtype_auto_on_cpu(declared, expected):
-    assert resolve_dtype("auto", CPU_PLATFORM, SimpleNamespace(dtype=declared)) == expected
-    assert resolve_dtype("float32", CPU_PLATFORM, SimpleNamespace(dtype=declared)) == torch.float32
+    assert resolve_dtype("auto", cpu.load(), SimpleNamespace(dtype=declared)) == expected
+    assert resolve_dtype("float32", cpu.load(), SimpleNamespace(dtype=declared)) == torch.float32
     assert (
-        resolve_dtype("float16", CPU_PLATFORM, SimpleNamespace(dtype=declared)) == torch.bfloat16
+        resolve_dtype("float16", cpu.load(), SimpleNamespace(dtype=declared)) == torch.bfloat16
     )  # as vLLM
 
 

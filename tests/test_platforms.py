@@ -19,13 +19,13 @@ from pyxllm.executor.model_executor import resolve_dtype
 from pyxllm.executor.multiproc import free_local_port
 from pyxllm.executor.runners import DeviceGraphCapture, TraceCapture, graph_capture_for
 from pyxllm.models import registry
-from pyxllm.platforms import PlatformUnavailableError, interface, resolve_platform
-from pyxllm.platforms.cpu import CPU_PLATFORM
+from pyxllm.platforms import PlatformUnavailableError, cpu, interface, resolve_platform
 from pyxllm.platforms.cuda import CUDA_PLATFORM
 from pyxllm.platforms.interface import GIB, Platform
 from pyxllm.platforms.mlu import MLU_PLATFORM
 from pyxllm.platforms.npu import NPU_PLATFORM
 
+CPU_PLATFORM = cpu.load()
 ALL = {"cpu": CPU_PLATFORM, "cuda": CUDA_PLATFORM, "npu": NPU_PLATFORM, "mlu": MLU_PLATFORM}
 
 

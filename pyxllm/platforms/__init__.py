@@ -12,10 +12,11 @@ import importlib
 
 from pyxllm import kernels
 from pyxllm.config import DEVICES, PLATFORMS
-from pyxllm.platforms.cpu import CPU_PLATFORM
+from pyxllm.platforms import cpu
 from pyxllm.platforms.interface import Platform, PlatformUnavailableError
 
-AUTO_ORDER = PLATFORMS[1:]  # the accelerators (``PLATFORMS`` lists the CPU first)
+# ``PLATFORMS`` lists the CPU first: ``auto``'s fallback, after the accelerators
+FALLBACK, AUTO_ORDER = PLATFORMS[0], PLATFORMS[1:]
 
 _current: Platform | None = None
 
@@ -42,7 +43,7 @@ def detect_device() -> str:
     for name in AUTO_ORDER:
         if platform_module(name).is_available():
             return name
-    return CPU_PLATFORM.name
+    return FALLBACK
 
 
 def resolve_platform(device: str) -> Platform:
@@ -72,4 +73,4 @@ def set_current_platform(platform: Platform) -> Platform:
 
 def current_platform() -> Platform:
     """The active platform (CPU until another one is set)."""
-    return _current or set_current_platform(CPU_PLATFORM)
+    return _current or set_current_platform(cpu.load())

@@ -7,32 +7,25 @@ Why bfloat16: decoding is bound by reading the weights, and bf16 halves them; on
 and batched (README, Performance). Without native bf16 (no ``avx512_bf16``/``amx_bf16``) bf16
 matmuls are converted on the fly and may be slower than float32, so float32 stays the default.
 ``PYXLLM_CPU_DEFAULT_DTYPE=float32|bfloat16`` overrides the choice (the test suite pins float32
-so its exact-parity checks against transformers' float32 hold on any machine).
+so its exact-parity checks against transformers' float32 hold on any machine). Both are read
+when the platform is loaded (:func:`load`), not when this module is imported.
 """
 
+import functools
 import os
 
 import torch
 
+from pyxllm.kernels.cpu.features import cpu_flags
 from pyxllm.platforms.interface import Platform, TorchScriptTraces
 
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> set[str]:
-    """The feature flags of the first CPU in ``/proc/cpuinfo`` (empty where it cannot be read)."""
-    try:
-        with open(cpuinfo_path) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()
-
-
-def cpu_default_dtype(flags: set[str] | None = None, override: str | None = None) -> torch.dtype:
+def cpu_default_dtype(
+    flags: frozenset[str] | None = None, override: str | None = None
+) -> torch.dtype:
     """What ``--dtype auto`` means on this CPU when the checkpoint declares no dtype (GGUF).
 
     Args:
@@ -52,24 +45,23 @@ def cpu_default_dtype(flags: set[str] | None = None, override: str | None = None
     return torch.bfloat16 if any(f in flags for f in _BF16_FLAGS) else torch.float32
 
 
-CPU_PLATFORM = Platform(
-    name="cpu",
-    torch_device="cpu",
-    kernels_module="pyxllm.kernels.cpu",
-    attention_backend="pyxllm.attention.torch_paged:TorchPagedAttentionBackend",
-    runners=("eager", "compile", "graph"),
-    dist_backend="gloo",
-    default_dtype=cpu_default_dtype(),
-    float16_dtype=torch.bfloat16,
-    graph_capture=TorchScriptTraces(),
-)
-
-
 def is_available() -> bool:
     """The CPU is always there."""
     return True
 
 
+@functools.cache
 def load() -> Platform:
-    """The CPU platform (never fails)."""
-    return CPU_PLATFORM
+    """The CPU platform (never fails); its ``default_dtype`` is :func:`cpu_default_dtype`'s,
+    decided on the first call."""
+    return Platform(
+        name="cpu",
+        torch_device="cpu",
+        kernels_module="pyxllm.kernels.cpu",
+        attention_backend="pyxllm.attention.torch_paged:TorchPagedAttentionBackend",
+        runners=("eager", "compile", "graph"),
+        dist_backend="gloo",
+        default_dtype=cpu_default_dtype(),
+        float16_dtype=torch.bfloat16,
+        graph_capture=TorchScriptTraces(),
+    )

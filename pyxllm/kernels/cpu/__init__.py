@@ -1,7 +1,10 @@
 """CPU kernels: the pure-PyTorch implementations (ATen's CPU SDPA, BLAS matmuls), ATen's CPU
 weight-only int8/int4 matmuls (``kernels.cpu.quantized``), and fused C++ kernels for the ops
-that run in every layer of a decode step (``kernels.cpu.fused``, built on first use; the native
-ones stay where the build is not possible).
+that run in every layer of a decode step (``kernels.cpu.fused``).
+
+Importing the package builds nothing: the fused kernels are built (or loaded from the build
+cache) when the platform binds the package, by :func:`on_bind`; where the build is not possible
+the native ones stay.
 
 A faster CPU kernel replaces its native counterpart here, under the same name and signature.
 """
@@ -11,13 +14,10 @@ from pyxllm.kernels.cpu.quantized import int4_linear, int8_linear, pack_int4_wei
 from pyxllm.kernels.native import *  # noqa: F401,F403
 from pyxllm.kernels.native import __all__  # noqa: F401
 
-if _fused.load() is not None:
-    from pyxllm.kernels.cpu.fused import (  # noqa: F401
-        apply_rotary_emb,
-        fused_add_rms_norm,
-        paged_attention_decode,
-        reshape_and_cache,
-        rms_norm,
-        silu_and_mul,
-        w8a8_linear,
-    )
+
+def on_bind() -> None:
+    """Called by :func:`pyxllm.kernels.bind`: build and load the fused kernels (at most once per
+    process, see ``fused.load``) and put them in place of the native ones, under the same names;
+    where they do not load (or ``PYXLLM_CPU_KERNELS=native``) the native ones stay."""
+    if _fused.load() is not None:
+        globals().update({name: getattr(_fused, name) for name in _fused.KERNELS})

@@ -1,5 +1,6 @@
-"""Fused CPU kernels (``csrc/cpu_kernels.cpp``), built on first use with PyTorch's C++ extension
-loader, behind the signatures of ``pyxllm.kernels.native``.
+"""Fused CPU kernels (``csrc/cpu_kernels.cpp``), built by :func:`load` (when the CPU platform
+binds ``pyxllm.kernels.cpu``) with PyTorch's C++ extension loader, behind the signatures of
+``pyxllm.kernels.native``.
 
 Why: on a CPU, a batch-1 decode step is mostly per-op overhead, not arithmetic. Each native
 RMSNorm, rotary embedding or decode attention is a chain of 5-15 small ATen ops (a few
@@ -28,10 +29,22 @@ from pathlib import Path
 
 import torch
 
+from pyxllm.kernels.cpu.features import cpu_feature_line
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _ENV = "PYXLLM_CPU_KERNELS"
+# the kernels below, bound in place of the native ones of the same names
+KERNELS = (
+    "apply_rotary_emb",
+    "fused_add_rms_norm",
+    "paged_attention_decode",
+    "reshape_and_cache",
+    "rms_norm",
+    "silu_and_mul",
+    "w8a8_linear",
+)
 
 
 def _compile_flags() -> tuple[list[str], list[str], str]:
@@ -45,12 +58,7 @@ def _compile_flags() -> tuple[list[str], list[str], str]:
     """
     flags = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
     if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64"):
-        try:
-            with open("/proc/cpuinfo") as f:
-                features = next((line for line in f if line.startswith(("flags", "Features"))), "")
-        except OSError:
-            features = ""
-        suffix = hashlib.sha1(features.encode()).hexdigest()[:8]
+        suffix = hashlib.sha1(cpu_feature_line().encode()).hexdigest()[:8]
         return [*flags, "-march=native", "-fopenmp"], ["-fopenmp"], suffix
     return flags, [], "generic"
 
@@ -133,8 +141,8 @@ def load():
         return None
 
 
-# The kernels under ``pyxllm.kernels.native``'s names and signatures (bound by
-# ``pyxllm.kernels.cpu`` once :func:`load` succeeded).
+# The kernels under ``pyxllm.kernels.native``'s names and signatures (:data:`KERNELS`, bound by
+# ``pyxllm.kernels.cpu.on_bind`` once :func:`load` succeeded).
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
