@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+# the dtypes pyxllm computes in, by torch's names (``platforms.interface.TORCH_DTYPES``)
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", *COMPUTE_DTYPES)
 QUANTIZATIONS = ("int8", "int4", "w8a8")  # see pyxllm.layers.quantization
 # The device platforms, each the module ``pyxllm.platforms.<name>``: the CPU first, then the
 # accelerators in the order ``--device auto`` tries them (see pyxllm.platforms).
 PLATFORMS = ("cpu", "cuda", "npu", "mlu")
 DEVICES = ("auto", *PLATFORMS)
 GRAPH_BACKENDS = ("eager", "compile", "graph")
+# the KV cache's size on the CPU when --kv-cache-memory is not given (no free-memory figure
+# bounds it there, as on an accelerator)
+CPU_KV_CACHE_GIB = 2.0
 # xLLM's spellings of --graph-backend, and ours, -> the runner kind
 GRAPH_BACKEND_ALIASES = {
     "eager": "eager",
@@ -48,7 +53,7 @@ class EngineConfig:
       layers, activations staying in ``dtype``; or ``w8a8``: int8 weights per channel and int8
       activations per token (int8 matmuls). The LM head is W8A8 with each of them.
     - ``kv_cache_memory``: ``None`` sizes the cache from ``gpu_memory_utilization`` on an
-      accelerator and takes 2 GiB on the CPU.
+      accelerator and takes ``CPU_KV_CACHE_GIB`` on the CPU.
     - Tensor parallelism (see ``pyxllm.executor.multiproc``): ``tensor_parallel_size`` N > 1 on
       one node spawns N-1 worker processes here. ``nnodes`` N > 1 runs one rank per node, started
       by hand with ``node_rank`` 0..N-1 and the same ``master_addr`` (``host:port`` of node 0,

@@ -23,12 +23,10 @@ from pyxllm.layers.quantization import quantize_model
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
 from pyxllm.platforms import Platform
-from pyxllm.platforms.interface import load_class
+from pyxllm.platforms.interface import TORCH_DTYPES, load_class
 from pyxllm.weights import ModelSource, iter_weight_slices
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def checkpoint_dtype(model_config) -> torch.dtype | None:
@@ -41,8 +39,8 @@ def checkpoint_dtype(model_config) -> torch.dtype | None:
     name = "dtype" if hasattr(model_config, "dtype") else "torch_dtype"
     value = getattr(model_config, name, None)
     if isinstance(value, str):
-        return _DTYPES.get(value.removeprefix("torch."))
-    return value if value in _DTYPES.values() else None
+        return TORCH_DTYPES.get(value.removeprefix("torch."))
+    return value if value in TORCH_DTYPES.values() else None
 
 
 def resolve_dtype(dtype: str, platform: Platform, model_config=None) -> torch.dtype:
@@ -63,7 +61,7 @@ def resolve_dtype(dtype: str, platform: Platform, model_config=None) -> torch.dt
         )
         return platform.float16_dtype
     if dtype != "auto":
-        return _DTYPES[dtype]
+        return TORCH_DTYPES[dtype]
     declared = checkpoint_dtype(model_config)
     if declared is None:
         return platform.default_dtype

@@ -17,10 +17,11 @@ import os
 import torch
 
 from pyxllm.kernels.cpu.features import cpu_flags
-from pyxllm.platforms.interface import Platform, TorchScriptTraces
+from pyxllm.platforms.interface import TORCH_DTYPES, Platform, TorchScriptTraces
 
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# what the CPU computes in (its fused kernels take these two); float16 becomes bfloat16
+_CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def cpu_default_dtype(
@@ -36,11 +37,11 @@ def cpu_default_dtype(
     """
     override = override if override is not None else os.environ.get("PYXLLM_CPU_DEFAULT_DTYPE")
     if override:
-        if override not in _DTYPE_NAMES:
-            raise ValueError(
-                f"PYXLLM_CPU_DEFAULT_DTYPE must be float32 or bfloat16, got {override!r}"
-            )
-        return _DTYPE_NAMES[override]
+        dtype = TORCH_DTYPES.get(override)
+        if dtype not in _CPU_DTYPES:
+            names = " or ".join(str(d).removeprefix("torch.") for d in _CPU_DTYPES)
+            raise ValueError(f"PYXLLM_CPU_DEFAULT_DTYPE must be {names}, got {override!r}")
+        return dtype
     flags = cpu_flags() if flags is None else flags
     return torch.bfloat16 if any(f in flags for f in _BF16_FLAGS) else torch.float32
 

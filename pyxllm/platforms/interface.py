@@ -17,9 +17,13 @@ from types import ModuleType
 
 import torch
 
+from pyxllm.config import COMPUTE_DTYPES, CPU_KV_CACHE_GIB
+
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
+# ``--dtype`` name -> torch dtype
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in COMPUTE_DTYPES}
 
 
 class PlatformUnavailableError(ValueError):
@@ -187,13 +191,12 @@ class Platform:
         kv_cache_memory: float | None,
         gpu_memory_utilization: float,
         device: torch.device,
-        cpu_default_gib: float = 2.0,
     ) -> float:
         """Bytes the KV cache may take, measured after the weights are loaded.
 
         ``kv_cache_memory`` (GiB) wins when given. Otherwise an accelerator takes
         ``gpu_memory_utilization`` of the card's total memory less what is in use now
-        (weights, other processes); the CPU takes ``cpu_default_gib``.
+        (weights, other processes); the CPU takes ``pyxllm.config.CPU_KV_CACHE_GIB``.
 
         Raises:
             ValueError: the fraction leaves nothing for the cache (naming the flag and figures).
@@ -201,7 +204,7 @@ class Platform:
         if kv_cache_memory is not None:
             return kv_cache_memory * GIB
         if not self.is_accelerator:
-            return cpu_default_gib * GIB
+            return CPU_KV_CACHE_GIB * GIB
         free, total = self.device_module().mem_get_info(device)
         budget = total * gpu_memory_utilization - (total - free)
         if budget <= 0:
