@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -94,6 +95,25 @@ def test_cuda_built_but_no_gpu(no_device_packages, monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     with pytest.raises(PlatformUnavailableError, match="sees no GPU.*CUDA_VISIBLE_DEVICES"):
         resolve_platform("cuda")
+
+
+@pytest.mark.parametrize(
+    "device, checks",
+    [
+        ("npu", "check ASCEND_RT_VISIBLE_DEVICES, the driver (npu-smi info) and that the CANN"),
+        ("mlu", "check MLU_VISIBLE_DEVICES and the driver (cnmon)"),
+    ],
+)
+def test_an_adapter_that_sees_no_card_names_what_to_check(monkeypatch, device, checks):
+    package = f"torch_{device}"
+    monkeypatch.setattr(interface, "package_installed", lambda name: name == package)
+    monkeypatch.setitem(sys.modules, package, SimpleNamespace())
+    monkeypatch.setattr(Platform, "device_module", lambda self: SimpleNamespace(is_available=bool))
+    assert not platforms.platform_module(device).is_available()
+    with pytest.raises(PlatformUnavailableError) as exc:
+        resolve_platform(device)
+    assert str(exc.value).startswith(f"device {device}: {package} sees no {device.upper()}; ")
+    assert checks in str(exc.value)
 
 
 def test_the_engine_fails_at_start_up_before_loading_anything(no_device_packages, monkeypatch):
@@ -268,14 +288,10 @@ def fake_card(monkeypatch):
         set_device=lambda index: None,
     )
     monkeypatch.setattr(torch, "fakedev", module, raising=False)
-    return Platform(
+    return dataclasses.replace(
+        MLU_PLATFORM,
         name="fake",
         torch_device="fakedev",
-        kernels_module="pyxllm.kernels.cpu",
-        attention_backend="x:Y",
-        runners=("eager",),
-        dist_backend="gloo",
-        default_dtype=torch.float32,
         visible_devices_env="FAKE_VISIBLE_DEVICES",
     )
 

@@ -59,7 +59,6 @@ def load() -> Platform:
         name="cpu",
         torch_device="cpu",
         kernels_module="pyxllm.kernels.cpu",
-        attention_backend="pyxllm.attention.torch_paged:TorchPagedAttentionBackend",
         runners=("eager", "compile", "graph"),
         dist_backend="gloo",
         default_dtype=cpu_default_dtype(),

@@ -19,7 +19,6 @@ CUDA_PLATFORM = Platform(
     name="cuda",
     torch_device="cuda",
     kernels_module="pyxllm.kernels.cuda",
-    attention_backend="pyxllm.attention.torch_paged:TorchPagedAttentionBackend",
     runners=("eager", "compile", "graph"),
     dist_backend="nccl",
     default_dtype=torch.bfloat16,

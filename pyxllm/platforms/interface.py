@@ -85,12 +85,12 @@ class Platform:
         name: the ``--device`` spelling (``cpu``, ``cuda``, ``npu``, ``mlu``).
         torch_device: the ``torch.device`` type string.
         kernels_module: the kernel package bound to ``pyxllm.kernels.ops``.
-        attention_backend: ``"module:Class"`` of the pure-PyTorch attention backend, used when
-            no entry of ``fused_attention`` applies.
         runners: the ``--graph-backend`` kinds this platform supports (``eager``, ``compile``,
             ``graph``).
         dist_backend: the ``torch.distributed`` backend for tensor parallelism.
         default_dtype: what ``--dtype auto`` means here when the checkpoint declares no dtype.
+        attention_backend: ``"module:Class"`` of the attention backend used when no entry of
+            ``fused_attention`` applies (the pure-PyTorch one, which every platform runs).
         float16_dtype: what float16 computes in: a checkpoint declared float16 under ``--dtype
             auto``, and ``--dtype float16`` itself (bfloat16 on CPU, where float16 matmuls are
             slow and overflow-prone and the fused kernels take float32 and bfloat16 only).
@@ -106,10 +106,10 @@ class Platform:
     name: str
     torch_device: str
     kernels_module: str
-    attention_backend: str
     runners: tuple[str, ...]
     dist_backend: str
     default_dtype: torch.dtype
+    attention_backend: str = "pyxllm.attention.torch_paged:TorchPagedAttentionBackend"
     float16_dtype: torch.dtype = torch.float16
     fused_attention: tuple[FusedAttention, ...] = ()
     graph_capture: DeviceGraphs | TorchScriptTraces | None = None
