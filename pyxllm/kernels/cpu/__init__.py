@@ -6,13 +6,18 @@ Importing the package builds nothing: the fused kernels are built (or loaded fro
 cache) when the platform binds the package, by :func:`on_bind`; where the build is not possible
 the native ones stay.
 
-A faster CPU kernel replaces its native counterpart here, under the same name and signature.
+A faster CPU kernel replaces its native counterpart here, under the same name and signature
+(assigned after the star import, so that no import order can undo it).
 """
 
 from pyxllm.kernels.cpu import fused as _fused
-from pyxllm.kernels.cpu.quantized import int4_linear, int8_linear, pack_int4_weight  # noqa: F401
+from pyxllm.kernels.cpu import quantized as _quantized
 from pyxllm.kernels.native import *  # noqa: F401,F403
 from pyxllm.kernels.native import __all__  # noqa: F401
+
+int4_linear = _quantized.int4_linear
+int8_linear = _quantized.int8_linear
+pack_int4_weight = _quantized.pack_int4_weight
 
 
 def on_bind() -> None:
