@@ -24,6 +24,7 @@ from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.model_executor import resolve_dtype
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 from pyxllm.layers.forward_context import ForwardContext, set_forward_context
+from pyxllm.models.registry import resolve_model_class
 from pyxllm.platforms import cpu
 
 KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -153,6 +154,15 @@ def test_unsupported_architecture_is_named_with_the_supported_ones(checkpoints, 
     assert "FooBarForCausalLM" in message
     for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         assert arch in message
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_sliding_window_layers_are_refused(arch):
+    config = SimpleNamespace(
+        architectures=[arch], layer_types=["full_attention"] + 5 * ["sliding_attention"]
+    )
+    with pytest.raises(ValueError, match=r"sliding-window attention \(layers \[1, 2, 3, 4\]…\)"):
+        resolve_model_class(config, "cpu")(config)  # before any layer is built
 
 
 @pytest.mark.parametrize(

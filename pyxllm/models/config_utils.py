@@ -1,4 +1,5 @@
-"""Reading Hugging Face config fields that changed spelling between transformers versions."""
+"""Reading Hugging Face config fields that changed spelling between transformers versions, and
+refusing the ones pyxllm does not implement."""
 
 from __future__ import annotations
 
@@ -24,3 +25,22 @@ def rope_parameters(config) -> tuple[float, dict[str, Any] | None]:
         scaling = getattr(config, "rope_scaling", None)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     return float(theta), None if kind == "default" else dict(scaling)
+
+
+def check_full_attention(config) -> None:
+    """Reject configs whose layers use sliding-window attention (not implemented yet).
+
+    Raises:
+        ValueError: some ``config.layer_types`` entry is ``"sliding_attention"``.
+    """
+    sliding = [
+        i
+        for i, kind in enumerate(getattr(config, "layer_types", None) or [])
+        if kind == "sliding_attention"
+    ]
+    if sliding:
+        raise ValueError(
+            f"sliding-window attention (layers {sliding[:4]}{'…' if len(sliding) > 4 else ''}) is "
+            "not supported; "
+            "use a checkpoint with use_sliding_window false"
+        )

@@ -1,22 +1,30 @@
-"""Llama (and SmolLM2, Mistral-style dense decoders) for the paged executor.
+"""Llama (and SmolLM2, Mistral-style dense decoders) for the paged executor, and the decoder the
+Qwen models share.
 
 Structure and weight names follow transformers' ``modeling_llama.py``; the checkpoint's separate
 ``q/k/v_proj`` and ``gate/up_proj`` load into fused parameters through ``packed_modules_mapping``.
+A model that differs only in its attention or feed-forward block passes builders for them to
+:class:`LlamaForCausalLM` (``attention=``, ``mlp=``), which keeps every weight name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
-from pyxllm.distributed.parallel_state import get_tp_size
 from pyxllm.layers.activation import SiluAndMul
 from pyxllm.layers.attention import Attention
 from pyxllm.layers.layernorm import RMSNorm
 from pyxllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pyxllm.layers.rotary_embedding import RotaryEmbedding
 from pyxllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pyxllm.models.config_utils import head_dim_of, rope_parameters
+from pyxllm.models.config_utils import check_full_attention, head_dim_of, rope_parameters
+
+# ``(config, layer index) -> module``: a decoder layer's ``self_attn`` or ``mlp``
+ModuleBuilder = Callable[[Any, int], nn.Module]
 
 
 class LlamaAttention(nn.Module):
@@ -80,22 +88,30 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+def llama_mlp(config, layer_idx: int) -> LlamaMLP:
+    """Every layer's feed-forward block: a SwiGLU MLP of ``config.intermediate_size``."""
+    return LlamaMLP(config.hidden_size, config.intermediate_size)
+
+
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder block; the residual stream is carried beside the hidden states."""
+    """Pre-norm decoder block; the residual stream is carried beside the hidden states.
 
-    attention_cls = LlamaAttention
+    ``attention`` and ``mlp`` build the layer's ``self_attn`` and ``mlp`` from ``(config,
+    layer_idx)``.
+    """
 
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        attention: ModuleBuilder = LlamaAttention,
+        mlp: ModuleBuilder = llama_mlp,
+    ) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, layer_idx)
-        self.mlp = self.build_mlp(config, layer_idx)
+        self.self_attn = attention(config, layer_idx)
+        self.mlp = mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def build_mlp(self, config, layer_idx: int) -> nn.Module:
-        """The feed-forward block of layer ``layer_idx`` (a mixture of experts in MoE
-        subclasses)."""
-        return LlamaMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, positions, hidden_states, residual):
         if residual is None:
@@ -109,16 +125,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm: ``(input_ids [T], positions [T]) -> [T,
-    hidden]``."""
+    """Embedding, decoder layers (see :class:`LlamaDecoderLayer` for ``attention`` and ``mlp``)
+    and final norm: ``(input_ids [T], positions [T]) -> [T, hidden]``."""
 
-    decoder_layer_cls = LlamaDecoderLayer
-
-    def __init__(self, config) -> None:
+    def __init__(
+        self, config, attention: ModuleBuilder = LlamaAttention, mlp: ModuleBuilder = llama_mlp
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, attention, mlp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -136,9 +152,12 @@ class LlamaForCausalLM(nn.Module):
 
     ``forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden]``;
     ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32, called on sampled positions only.
+    ``attention`` and ``mlp`` build each decoder layer's blocks (see :class:`LlamaDecoderLayer`).
+
+    Raises:
+        ValueError: a config with sliding-window layers (not implemented).
     """
 
-    model_cls = LlamaModel
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -147,11 +166,13 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config) -> None:
+    def __init__(
+        self, config, attention: ModuleBuilder = LlamaAttention, mlp: ModuleBuilder = llama_mlp
+    ) -> None:
+        check_full_attention(config)
         super().__init__()
         self.config = config
-        self.tp_size = get_tp_size()
-        self.model = self.model_cls(config)
+        self.model = LlamaModel(config, attention, mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from pyxllm.layers.layernorm import RMSNorm
-from pyxllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from pyxllm.models.qwen2 import check_full_attention
+from pyxllm.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
@@ -34,28 +33,13 @@ class Qwen3Attention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v))
 
 
-class Qwen3DecoderLayer(LlamaDecoderLayer):
-    """Pre-norm decoder block with ``Qwen3Attention`` and a SwiGLU MLP."""
-
-    attention_cls = Qwen3Attention
-
-
-class Qwen3Model(LlamaModel):
-    """Embedding, Qwen3 decoder layers, final norm: ``(input_ids [T], positions [T]) -> [T,
-    hidden]``."""
-
-    decoder_layer_cls = Qwen3DecoderLayer
-
-
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    """Qwen3 causal LM (``Qwen3ForCausalLM`` in config.json), tied or untied LM head.
+    """Qwen3 causal LM (``Qwen3ForCausalLM`` in config.json): ``Qwen3Attention`` and SwiGLU
+    MLPs, tied or untied LM head.
 
     Raises:
         ValueError: a config with sliding-window layers.
     """
 
-    model_cls = Qwen3Model
-
     def __init__(self, config) -> None:
-        check_full_attention(config)
-        super().__init__(config)
+        super().__init__(config, attention=Qwen3Attention)

@@ -14,8 +14,8 @@ from torch import nn
 
 from pyxllm.layers.fused_moe import FusedMoE, make_expert_params_mapping
 from pyxllm.layers.linear import ReplicatedLinear
-from pyxllm.models.llama import LlamaDecoderLayer, LlamaMLP
-from pyxllm.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3Model
+from pyxllm.models.llama import LlamaForCausalLM, llama_mlp
+from pyxllm.models.qwen3 import Qwen3Attention
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
@@ -50,32 +50,24 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
     )
 
 
-class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
-    """Qwen3 attention, then a sparse MoE block or a dense MLP depending on the layer index."""
-
-    attention_cls = Qwen3Attention
-
-    def build_mlp(self, config, layer_idx: int) -> nn.Module:
-        if is_sparse_layer(config, layer_idx):
-            return Qwen3MoeSparseMoeBlock(config)
-        return LlamaMLP(config.hidden_size, config.intermediate_size)
+def qwen3_moe_mlp(config, layer_idx: int) -> nn.Module:
+    """Layer ``layer_idx``'s feed-forward block: a :class:`Qwen3MoeSparseMoeBlock` where
+    :func:`is_sparse_layer`, else a dense SwiGLU MLP."""
+    if is_sparse_layer(config, layer_idx):
+        return Qwen3MoeSparseMoeBlock(config)
+    return llama_mlp(config, layer_idx)
 
 
-class Qwen3MoeModel(Qwen3Model):
-    """Embedding, Qwen3-MoE decoder layers, final norm: ``(input_ids [T], positions [T]) -> [T,
-    hidden]``."""
-
-    decoder_layer_cls = Qwen3MoeDecoderLayer
-
-
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    """Qwen3-MoE causal LM (``Qwen3MoeForCausalLM`` in config.json); same interface as
-    ``LlamaForCausalLM``.
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3-MoE causal LM (``Qwen3MoeForCausalLM`` in config.json): Qwen3 attention and
+    :func:`qwen3_moe_mlp` blocks; same interface as ``LlamaForCausalLM``.
 
     Raises:
         ValueError: a config with sliding-window layers, or ``moe_intermediate_size`` not divisible
             by the TP size.
     """
 
-    model_cls = Qwen3MoeModel
     expert_params_mapping = make_expert_params_mapping()
+
+    def __init__(self, config) -> None:
+        super().__init__(config, attention=Qwen3Attention, mlp=qwen3_moe_mlp)
