@@ -93,23 +93,14 @@ class TorchPagedAttentionStep:
 
 
 class TorchPagedAttentionBackend:
-    """Builds a ``TorchPagedAttentionStep`` from each step's input batch."""
+    """Builds a ``TorchPagedAttentionStep`` from each step's input batch (an
+    :class:`~pyxllm.attention.abstract.AttentionBackend`)."""
 
     def build_decode(
-        self,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        max_seq_len: int,
+        self, slot_mapping, block_tables, seq_lens, max_seq_len: int
     ) -> TorchPagedAttentionStep:
-        """A decode-only step over given tensors, with no host-side reads, so a graph can
-        capture it (the graph runner's static buffers).
-
-        Args:
-            slot_mapping: ``[B]`` int64 (-1: padding); block_tables: ``[B, max_blocks]`` int64;
-            seq_lens: ``[B]`` int64; max_seq_len: the context span attended, a fixed bound on
-                ``seq_lens`` (``max_blocks * block_size`` for a captured step).
-        """
+        """See ``AttentionBackend.build_decode``; the step's decode mask is built here, once
+        for every layer (a device op over ``seq_lens``, which a graph captures)."""
         return TorchPagedAttentionStep(
             slot_mapping=slot_mapping,
             num_decodes=slot_mapping.shape[0],

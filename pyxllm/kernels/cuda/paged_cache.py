@@ -19,13 +19,8 @@ def reshape_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write this step's keys and values into the cache; a negative slot (padding) writes nothing.
-
-    Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
-        slot_mapping: ``[num_tokens]`` int64 flat slots (``block * block_size + offset``).
-    """
+    """``pyxllm.kernels.native.reshape_and_cache`` (same shapes; a negative slot, padding,
+    writes nothing) with no host read, as the module docstring says."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     real = slot_mapping >= 0
     any_real = real.any()
