@@ -238,7 +238,6 @@ def test_every_device_resolves_to_its_platform_or_names_what_is_missing(no_devic
 
 def test_support_matrix_is_data_and_checked(monkeypatch):
     for arch, entry in registry.MODEL_REGISTRY.items():
-        assert entry.platforms is None or entry.platforms <= set(PLATFORMS), arch
         for name in PLATFORMS:  # every platform runs every architecture today
             assert (
                 registry.resolve_model_class(SimpleNamespace(architectures=[arch]), name).__name__
