@@ -15,7 +15,7 @@ from pyxllm.engine.parallel_sampling import ParentRequest, fold_children
 from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
 from pyxllm.engine.tokenizer import Tokenizer
-from pyxllm.executor.multiproc import build_executor
+from pyxllm.executor.abstract import Executor, build_executor
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.platforms import resolve_platform, set_current_platform
 from pyxllm.sampling_params import SamplingParams
@@ -69,9 +69,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer(load_hf_tokenizer(source), defaults.eos_token_ids)
         self.model_name = config.served_model_name or source.name
         set_current_platform(platform)
-        # one ModelExecutor, or under tensor parallelism rank 0's MultiprocExecutor driving the
-        # workers
-        self.executor = build_executor(config, model_config, source, platform)
+        # one process's UniprocExecutor, or under tensor parallelism rank 0's MultiprocExecutor
+        self.executor: Executor = build_executor(config, model_config, source, platform)
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_kv_blocks,
             config.block_size,

@@ -41,10 +41,7 @@ from pyxllm.distributed.parallel_state import (
     parse_master_addr,
     tp_state,
 )
-from pyxllm.executor.abstract import (
-    Executor,
-    build_executor,  # noqa: F401 - until the engine imports it
-)
+from pyxllm.executor.abstract import Executor
 from pyxllm.executor.messages import StopMessage, to_wire
 from pyxllm.executor.model_executor import ModelExecutor, StepResult
 from pyxllm.executor.plan_codec import PlanEncoder
