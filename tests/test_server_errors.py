@@ -168,3 +168,44 @@ def test_invalid_sampling_with_sdk(server):
 def test_invalid_in_stream_request(server):
     body = {"model": MODEL_NAME, "messages": HELLO, "top_p": 0, "stream": True}
     assert_error(post(server, "chat/completions", json=body), 400, "top_p")
+
+
+@pytest.mark.parametrize(
+    "path, field, value",
+    [
+        ("chat/completions", "response_format", {"type": "json_object"}),
+        ("completions", "response_format", {"type": "sound"}),
+        ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("chat/completions", "tool_choice", "required"),
+        ("completions", "best_of", 3),
+        ("chat/completions", "use_beam_search", True),
+        ("completions", "prompt_logprobs", 1),
+        ("chat/completions", "guided_json", {"type": "object"}),
+        ("completions", "structured_outputs", {"regex": "a+"}),
+    ],
+)
+def test_a_field_pyxllm_cannot_honour_is_refused_by_name(server, path, field, value):
+    body = {"model": MODEL_NAME, "max_tokens": 2, field: value}
+    body.update({"messages": HELLO} if path == "chat/completions" else {"prompt": "Hi"})
+    assert field in assert_error(post(server, path, json=body), 400, field)["message"]
+
+
+def test_fields_left_at_their_neutral_value_are_accepted(server):
+    body = {"model": MODEL_NAME, "messages": HELLO, "max_tokens": 2, "n": 2, "best_of": 2}
+    body.update(response_format={"type": "text"}, tool_choice="none", tools=[])
+    response = post(server, "chat/completions", json=body)
+    assert response.status_code == 200, response.text
+
+
+def test_continuous_usage_stats_is_refused(server):
+    body = {"model": MODEL_NAME, "messages": HELLO, "max_tokens": 2, "stream": True}
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    assert_error(post(server, "chat/completions", json=body), 400, "stream_options")
+
+
+def test_a_chat_too_long_for_max_completion_tokens_names_that_field(server):
+    body = {"model": MODEL_NAME, "messages": HELLO, "max_completion_tokens": MAX_MODEL_LEN}
+    message = assert_error(
+        post(server, "chat/completions", json=body), 400, "max_completion_tokens"
+    )["message"]
+    assert "lower max_completion_tokens" in message

@@ -139,8 +139,11 @@ class InputProcessor:
         prompt: Prompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        max_tokens_param: str = "max_tokens",
     ) -> EngineRequest:
-        """The validated request for ``prompt`` with ``params`` (default ``SamplingParams()``).
+        """The validated request for ``prompt`` with ``params`` (default ``SamplingParams()``);
+        errors about the completion's length name ``max_tokens_param`` (the chat API's
+        ``max_completion_tokens`` when the request used it).
 
         Raises:
             InvalidRequestError: (a ``ValueError``) the prompt is empty, cannot be tokenized or
@@ -160,7 +163,9 @@ class InputProcessor:
             params = params.with_model_defaults(self.generation_defaults)
         except ValueError as exc:
             raise InvalidRequestError(f"the model's generation_config.json: {exc}", None) from exc
-        max_tokens = self.resolve_max_tokens(len(ids), params.max_tokens, tokens.param)
+        max_tokens = self.resolve_max_tokens(
+            len(ids), params.max_tokens, tokens.param, max_tokens_param
+        )
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
         now = time.monotonic() if arrival_time is None else arrival_time
@@ -205,14 +210,20 @@ class InputProcessor:
                     f"{param}: token id {token_id} is out of range [0, {self.vocab_size})", param
                 )
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+    def resolve_max_tokens(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        param: str,
+        max_tokens_param: str = "max_tokens",
+    ) -> int:
         """The new tokens a request may generate: ``max_tokens``, or when ``None`` the model's
         default capped to the room the context leaves, else that room.
 
         Raises:
             InvalidRequestError: the prompt plus the completion (at least 1 token) do not fit
-                ``max_model_len`` (``param`` is ``max_tokens`` when the prompt alone fits, else
-                the prompt's field), or the KV cache.
+                ``max_model_len`` (naming ``max_tokens_param`` when the prompt alone fits, else
+                the prompt's field ``param``), or the KV cache.
         """
         limit, room = self.max_model_len, self.max_model_len - num_prompt_tokens
         requested = 1 if max_tokens is None else max_tokens
@@ -222,8 +233,8 @@ class InputProcessor:
                 f"This model's maximum context length is {limit} tokens (max_model_len), but "
                 f"{num_prompt_tokens} prompt tokens plus {completion} completion tokens were "
                 f"requested ({num_prompt_tokens + requested} tokens). Shorten the prompt or "
-                "lower max_tokens.",
-                "max_tokens" if num_prompt_tokens < limit else param,
+                f"lower {max_tokens_param}.",
+                max_tokens_param if num_prompt_tokens < limit else param,
             )
         if max_tokens is None:
             default = self.generation_defaults.get("max_tokens")
@@ -231,9 +242,9 @@ class InputProcessor:
         needed = -(-(num_prompt_tokens + max_tokens) // self.block_size)
         if needed > self.max_kv_blocks:
             raise InvalidRequestError(
-                f"{param}: {num_prompt_tokens} prompt tokens plus {max_tokens} max_tokens need "
+                f"{param}: {num_prompt_tokens} prompt tokens plus {max_tokens} completion tokens need "
                 f"{needed} KV blocks but the cache has {self.max_kv_blocks}; raise "
-                "--kv-cache-memory or lower max_tokens",
+                f"--kv-cache-memory or lower {max_tokens_param}",
                 param,
             )
         return max_tokens

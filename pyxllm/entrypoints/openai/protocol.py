@@ -1,7 +1,8 @@
 """Pydantic models of the OpenAI HTTP API, field for field, with vLLM's extensions marked.
 
 Requests ignore fields they do not know (as OpenAI's SDK may send newer ones); fields we know
-but cannot honour (``suffix``) are rejected by the serving layer rather than silently dropped.
+but cannot honour (``suffix``, ``tools``, a ``response_format`` other than text, ``best_of``...)
+are rejected by the serving layer rather than silently dropped.
 Values are range-checked by :class:`~pyxllm.sampling_params.SamplingParams` (400 naming the
 field). Logprobs in responses are clamped to -9999.0 where the token was ruled out (``-inf``
 is not JSON), as vLLM does.
@@ -83,6 +84,7 @@ class StreamOptions(OpenAIBaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
 
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's; refused (see check_unsupported)
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -109,6 +111,17 @@ class SamplingFields(OpenAIBaseModel):
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # Declared so that a request using them is refused with a 400 naming the field
+    # (``OpenAIServing.check_unsupported``) instead of being answered as if they were absent.
+    response_format: dict[str, Any] | None = None
+    best_of: int | None = None
+    use_beam_search: bool | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 # --- chat -----------------------------------------------------------------------------------
@@ -140,6 +153,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     # vLLM extensions
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

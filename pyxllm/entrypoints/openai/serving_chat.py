@@ -82,7 +82,14 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, logprobs=requested_logprobs(request))
         tokens = self.processor.tokenize(self.chat_prompt(request))
         reasoning = self.request_reasoning_parser(request, params, list(tokens.token_ids))
-        engine_request = self.processor.process(f"chatcmpl-{uuid.uuid4().hex}", tokens, params)
+        engine_request = self.processor.process(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            tokens,
+            params,
+            max_tokens_param="max_tokens"
+            if request.max_completion_tokens is None
+            else "max_completion_tokens",
+        )
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)

@@ -90,6 +90,41 @@ async def _wait_for_disconnect(raw_request: Request) -> None:
             return
 
 
+# Fields pyxllm declares but does not honour, with the values that are the same as leaving
+# them out (anything else is refused).
+_NOT_HONOURED = {
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "prompt_logprobs": (None,),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+}
+
+
+def unsupported_fields(request: SamplingFields) -> Iterator[tuple[str, str]]:
+    """``(field, its value as text)`` for each field of ``request`` pyxllm cannot honour: the
+    :data:`_NOT_HONOURED` ones set to anything but what leaving them out means, a
+    ``response_format`` other than ``{"type": "text"}`` and ``stream_options
+    .continuous_usage_stats``."""
+    for name, neutral in _NOT_HONOURED.items():
+        value = getattr(request, name, None)
+        if name == "best_of" and value == request.n:
+            continue  # best_of n of n samples is n samples
+        if value not in neutral:
+            shown = repr(value)
+            yield name, shown if len(shown) <= 60 else shown[:57] + "..."
+    response_format = request.response_format
+    if response_format is not None and response_format.get("type") != "text":
+        yield "response_format", f"type {response_format.get('type')!r}"
+    if request.stream_options is not None and request.stream_options.continuous_usage_stats:
+        yield "stream_options.continuous_usage_stats", "true"
+
+
 class ChoiceEvents(abc.ABC):
     """What one streamed endpoint sends about its choices (chat: message deltas; completions:
     text), in the skeleton of :meth:`OpenAIServing.stream`.
@@ -154,11 +189,14 @@ class OpenAIServing:
             raise OpenAIError(f"the engine is not healthy: {exc}", 503) from exc
 
     def check_unsupported(self, request: SamplingFields) -> None:
-        """400 for field combinations that make no sense, rather than ignoring them."""
+        """400 for a field pyxllm cannot honour in the form given, or a combination that makes
+        no sense, rather than answering as if it were absent."""
         if request.stream_options is not None and not request.stream:
             raise OpenAIError(
                 "stream_options: only allowed when stream is true", 400, "stream_options"
             )
+        for name, value in unsupported_fields(request):
+            raise OpenAIError(f"{name}: {value} is not supported", 400, name.split(".")[0])
 
     def sampling_params(
         self, request: SamplingFields, max_tokens: int | None, **extra
