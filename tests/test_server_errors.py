@@ -209,3 +209,11 @@ def test_a_chat_too_long_for_max_completion_tokens_names_that_field(server):
         post(server, "chat/completions", json=body), 400, "max_completion_tokens"
     )["message"]
     assert "lower max_completion_tokens" in message
+
+
+def test_a_completion_without_max_tokens_stops_at_16_as_in_openai(server):
+    body = {"model": MODEL_NAME, "prompt": "Count:", "ignore_eos": True}
+    response = post(server, "completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 16
+    assert response.json()["choices"][0]["finish_reason"] == "length"

@@ -242,8 +242,8 @@ class InputProcessor:
         needed = -(-(num_prompt_tokens + max_tokens) // self.block_size)
         if needed > self.max_kv_blocks:
             raise InvalidRequestError(
-                f"{param}: {num_prompt_tokens} prompt tokens plus {max_tokens} completion tokens need "
-                f"{needed} KV blocks but the cache has {self.max_kv_blocks}; raise "
+                f"{param}: {num_prompt_tokens} prompt tokens plus {max_tokens} completion tokens "
+                f"need {needed} KV blocks but the cache has {self.max_kv_blocks}; raise "
                 f"--kv-cache-memory or lower {max_tokens_param}",
                 param,
             )

@@ -250,10 +250,13 @@ class ChatCompletionStreamResponse(StreamChunkModel):
 
 
 class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``; ``prompt`` is text or token ids (one prompt for now)."""
+    """``POST /v1/completions``; ``prompt`` is text or token ids (one prompt for now);
+    ``max_tokens`` left out is 16 (OpenAI's and vLLM's default), ``null`` up to the context
+    limit."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = None
+    # OpenAI's and vLLM's default; an explicit null means up to the context limit
+    max_tokens: int | None = 16
     echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
