@@ -16,6 +16,8 @@ GRAPH_BACKENDS = ("eager", "compile", "graph")
 # the KV cache's size on the CPU when --kv-cache-memory is not given (no free-memory figure
 # bounds it there, as on an accelerator)
 CPU_KV_CACHE_GIB = 2.0
+# grammar libraries for structured outputs (pyxllm.engine.structured_output), the default first
+STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 # xLLM's spellings of --graph-backend, and ours, -> the runner kind
 GRAPH_BACKEND_ALIASES = {
     "eager": "eager",
@@ -85,6 +87,7 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str | None = None
     dist_init_timeout: float = 120.0
+    structured_outputs_backend: str = "llguidance"
 
     @property
     def world_size(self) -> int:
@@ -123,6 +126,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._check_parallel()
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(
+                "--structured-outputs-backend: must be one of "
+                f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, got {self.structured_outputs_backend!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

@@ -22,6 +22,64 @@ MODEL_DEFAULTABLE = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    - ``json``: a JSON Schema (a dict, or its JSON text) the output must validate against;
+    - ``regex``: a regular expression the whole output must match (Rust ``regex`` syntax);
+    - ``choice``: the output is one of these strings;
+    - ``grammar``: a context-free grammar in Lark syntax (llguidance's) or GBNF;
+    - ``json_object``: ``True`` for any JSON object.
+
+    ``field`` names the request field the constraint came from, for error messages (the server
+    sets ``response_format.json_schema.schema`` and the like; default
+    ``structured_outputs.<kind>``).
+    JSON is generated with at most :data:`JSON_WHITESPACE_LIMIT` whitespace characters between
+    two JSON tokens, so a model cannot spend its tokens on whitespace.
+
+    Raises:
+        ValueError: none or several kinds given, or an empty choice list (the message names the
+            field).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    field: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            given = ", ".join(kinds) or "none"
+            raise ValueError(
+                f"structured_outputs: give exactly one of {', '.join(_STRUCTURED_KINDS)} "
+                f"(got {given})"
+            )
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"{self.source}: must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: ``json``, ``regex``, ``choice``, ``grammar`` or
+        ``json_object``."""
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def source(self) -> str:
+        """The request field to name in errors about this constraint."""
+        return self.field or f"structured_outputs.{self.kind}"
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# Whitespace characters allowed between two JSON tokens of a constrained output.
+JSON_WHITESPACE_LIMIT = 8
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -53,6 +111,9 @@ class SamplingParams:
       ``unset_fields`` names them. vLLM applies the model's values only when ``LLM.generate``
       gets no ``SamplingParams`` at all; here ``SamplingParams()`` and an HTTP request that
       omits the fields behave the same.
+    - ``structured_outputs``: a :class:`StructuredOutputsParams` constraint on the output
+      (EOS is allowed only where the constraint is satisfied; ``max_tokens`` may still cut it
+      short, with ``finish_reason`` ``length``).
     - ``logprobs``: return the log-probability of each sampled token and of the ``logprobs``
       most likely tokens (0: the sampled one only), up to :data:`MAX_LOGPROBS`;
       ``prompt_logprobs``: the same for each prompt token (the first gets ``None``).
@@ -80,6 +141,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     unset_fields: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -14,7 +14,10 @@ it returns and checks nothing again. Every rule a request must satisfy lives her
   request left unset (:meth:`SamplingParams.with_model_defaults`);
 - ``max_tokens``: ``None`` becomes the model's ``max_new_tokens`` capped to the room the context
   leaves, else that room; the prompt plus ``max_tokens`` must fit ``max_model_len`` and the KV
-  cache (one message, naming the numbers).
+  cache (one message, naming the numbers);
+- a structured-output constraint starts compiling (off the caller's thread): the request's
+  ``grammar`` handle, which the caller waits on before running the request (see
+  :mod:`pyxllm.engine.structured_output`).
 
 A new per-request option (a structured-output spec, a tool parser, speculative settings) becomes
 a field of :class:`EngineRequest`, checked here.
@@ -28,17 +31,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyxllm.engine.errors import InvalidRequestError
+from pyxllm.engine.structured_output import GrammarHandle, StructuredOutputManager
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.sampling_params import SamplingParams
-
-
-class InvalidRequestError(ValueError):
-    """A request that breaks a rule; ``param`` names the request field at fault (the HTTP
-    server answers 400 with it)."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +87,10 @@ class EngineRequest:
             ``max_model_len`` and the KV cache.
         arrival_time: ``time.monotonic()`` seconds when the request was processed (TTFT and
             end-to-end latency count from here).
+        grammar: the compiling or compiled constraint of ``sampling_params.structured_outputs``
+            (``None`` without one); wait for it (``grammar.compiled()`` or
+            ``await grammar.wait()``, which raise ``InvalidRequestError`` when it does not
+            compile) before the engine gets the request.
     """
 
     request_id: str
@@ -98,6 +98,7 @@ class EngineRequest:
     prompt: str | None
     sampling_params: SamplingParams
     arrival_time: float
+    grammar: GrammarHandle | None = None
 
 
 class InputProcessor:
@@ -114,6 +115,7 @@ class InputProcessor:
         generation_defaults: the model's request defaults by field name
             (:class:`~pyxllm.weights.GenerationDefaults.sampling`: ``temperature``, ``top_p``,
             ``top_k``, ``min_p``, ``repetition_penalty``, ``max_tokens``; those present).
+        structured_outputs: compiles constraints; ``None`` refuses them.
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class InputProcessor:
         max_kv_blocks: int,
         block_size: int,
         generation_defaults: Mapping[str, float | int] | None = None,
+        structured_outputs: StructuredOutputManager | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -132,6 +135,7 @@ class InputProcessor:
         self.max_kv_blocks = max_kv_blocks
         self.block_size = block_size
         self.generation_defaults = dict(generation_defaults or {})
+        self.structured_outputs = structured_outputs
 
     def process(
         self,
@@ -168,8 +172,15 @@ class InputProcessor:
         )
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.structured_outputs is None:
+                raise InvalidRequestError(
+                    "structured_outputs: this engine has no grammar backend", "structured_outputs"
+                )
+            grammar = self.structured_outputs.submit(params.structured_outputs)
         now = time.monotonic() if arrival_time is None else arrival_time
-        return EngineRequest(request_id, ids, tokens.text, params, now)
+        return EngineRequest(request_id, ids, tokens.text, params, now, grammar)
 
     def tokenize(self, prompt: str | TextPrompt | ChatPrompt) -> TokensPrompt:
         """The token ids of a text or chat prompt (a ``str`` is a :class:`TextPrompt`).

@@ -14,8 +14,10 @@ from pyxllm.engine.metrics import EngineMetrics
 from pyxllm.engine.parallel_sampling import ParentRequest, fold_children
 from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
+from pyxllm.engine.structured_output import StructuredOutputManager
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.executor.abstract import Executor, build_executor
+from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.platforms import resolve_platform, set_current_platform
 from pyxllm.sampling_params import SamplingParams
@@ -76,6 +78,12 @@ class LLMEngine:
             config.block_size,
             enable_prefix_cache=config.enable_prefix_cache,
         )
+        self.structured_outputs = StructuredOutputManager(
+            config.structured_outputs_backend,
+            self.tokenizer.hf,
+            model_config.vocab_size,
+            self.tokenizer.eos_token_ids,
+        )
         self.input_processor = InputProcessor(
             self.tokenizer,
             vocab_size=model_config.vocab_size,
@@ -83,6 +91,7 @@ class LLMEngine:
             max_kv_blocks=self.executor.num_kv_blocks,
             block_size=config.block_size,
             generation_defaults=defaults.sampling,
+            structured_outputs=self.structured_outputs,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.metrics = EngineMetrics(self.model_name, self.scheduler, self.kv_cache_manager)
@@ -110,12 +119,18 @@ class LLMEngine:
         :mod:`pyxllm.engine.parallel_sampling`) whose outputs come back as one ``RequestOutput``
         under ``request_id``.
 
+        A request with a constraint (``request.grammar``) waits here for it to compile if it
+        has not yet; the server and ``LLM`` wait before, so the engine loop never does.
+
         Raises:
             ValueError: the ``request_id`` is already in use.
+            InvalidRequestError: the request's constraint does not compile.
         """
         request_id, params = request.request_id, request.sampling_params
         if request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if request.grammar is not None:
+            request.grammar.compiled()
         if params.n == 1:
             self._add_child(request_id, request, params)
             return
@@ -150,6 +165,8 @@ class LLMEngine:
             index=index,
             min_tokens_stop_ids=min_tokens_stop_ids,
         )
+        if request.grammar is not None:
+            child.matcher = request.grammar.new_matcher()
         self.requests[request_id] = child
         self.scheduler.add_request(child)
 
@@ -166,7 +183,8 @@ class LLMEngine:
             self.metrics.record_finished(request, time.monotonic())
 
     def shutdown(self) -> None:
-        """Stop the executor's TP workers, if any (a no-op on one process); idempotent."""
+        """Stop the executor's TP workers, if any, and the grammar compile threads; idempotent."""
+        self.structured_outputs.shutdown()
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
@@ -177,6 +195,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.sequences:
             return []
+        self._constrain(plan)
         result = self.executor.execute(plan)
         outputs, now = [], time.monotonic()
         if result.logprobs is not None or result.prompt_logprobs is not None:
@@ -184,6 +203,10 @@ class LLMEngine:
         new_tokens = self.scheduler.update_from_output(result.sampled_token_ids)
         self.metrics.record_tokens((request for request, _ in new_tokens), now)
         for request, token in new_tokens:
+            if request.matcher is not None and not request.matcher.accept_token(token):
+                logger.warning(
+                    "request %s: token %d broke its constraint", request.request_id, token
+                )
             status = self._check_stop(request, token)
             if status is not None:
                 self.scheduler.finish_request(request, status)
@@ -191,6 +214,18 @@ class LLMEngine:
                 del self.requests[request.request_id]
             outputs.append(self._make_output(request))
         return fold_children(outputs, self.parents, self._parent_of) if self.parents else outputs
+
+    def _constrain(self, plan: SchedulerOutput) -> None:
+        """Give each sampling sequence with a constraint the bitmask of its allowed tokens."""
+        rows = []
+        for seq in plan.sequences:
+            matcher = self.requests[seq.request_id].matcher if seq.sample else None
+            if matcher is not None:
+                rows.append((seq, matcher))
+        if rows:
+            bitmask = self.structured_outputs.fill_bitmask([matcher for _, matcher in rows])
+            for (seq, _), row in zip(rows, bitmask):
+                seq.allowed_token_bitmask = row
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         """Apply the stop rules to a request's new token, in vLLM's order."""

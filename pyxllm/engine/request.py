@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
+from pyxllm.engine.structured_output import GrammarMatcher
 from pyxllm.outputs import PromptLogprobs, SampleLogprobs
 from pyxllm.sampling_params import SamplingParams
 
@@ -42,6 +43,8 @@ class Request:
         min_tokens_stop_ids: token ids forbidden until ``min_tokens`` tokens were generated
             (EOS unless ``ignore_eos``, and ``stop_token_ids``); empty without ``min_tokens``.
         logprobs / prompt_logprobs: collected per generated / prompt token when asked for.
+        matcher: the request's structured-output matcher (advanced by each generated token),
+            ``None`` without a constraint.
     """
 
     request_id: str
@@ -61,6 +64,7 @@ class Request:
     min_tokens_stop_ids: tuple[int, ...] = ()
     logprobs: SampleLogprobs | None = field(default=None, repr=False)
     prompt_logprobs: PromptLogprobs | None = field(default=None, repr=False)
+    matcher: GrammarMatcher | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

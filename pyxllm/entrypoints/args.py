@@ -17,7 +17,13 @@ import math
 import types
 import typing
 
-from pyxllm.config import DEVICES, DTYPES, QUANTIZATIONS, EngineConfig
+from pyxllm.config import (
+    DEVICES,
+    DTYPES,
+    QUANTIZATIONS,
+    STRUCTURED_OUTPUTS_BACKENDS,
+    EngineConfig,
+)
 from pyxllm.entrypoints.flags import HelpFormatter, add_bool_flag, flag_names
 from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
 
@@ -57,8 +63,15 @@ ENGINE_HELP = {
     "default with one node: 127.0.0.1 and a free port",
     "dist_init_timeout": "seconds a rank waits at start-up for the master address and the "
     "other ranks before giving up",
+    "structured_outputs_backend": "grammar library enforcing response_format, structured_outputs "
+    "and required tool calls",
 }
-ENGINE_CHOICES = {"dtype": DTYPES, "device": DEVICES, "quantization": QUANTIZATIONS}
+ENGINE_CHOICES = {
+    "dtype": DTYPES,
+    "device": DEVICES,
+    "quantization": QUANTIZATIONS,
+    "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS,
+}
 # extra spellings of a flag (xLLM's names, short forms)
 ENGINE_ALIASES = {
     "tensor_parallel_size": ["--tp"],

@@ -87,6 +87,9 @@ class LLM:
             engine.input_processor.process(str(next(self._ids)), prompt, p)
             for prompt, p in zip(prompts, params)
         ]
+        for request in requests:  # every constraint compiles before anything runs
+            if request.grammar is not None:
+                request.grammar.compiled()
         for request in requests:
             engine.add_request(request)
         finished: dict[str, RequestOutput] = {}

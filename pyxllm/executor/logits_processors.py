@@ -1,8 +1,9 @@
 """Batched logits transforms of the sampler, each a plain function over ``[N, vocab]`` float32.
 
-The sampler applies them in vLLM's order: logit bias and the ``min_tokens`` mask, then the
-penalties, then temperature, then min-p, top-k and top-p. Each takes only the rows (or token
-entries) that use it, so a batch that does not use a feature pays nothing for it.
+The sampler applies them in vLLM's order: the structured-output bitmask, logit bias and the
+``min_tokens`` mask, then the penalties, then temperature, then min-p, top-k and top-p. Each takes
+only the rows (or token entries) that use it, so a batch that does not use a feature pays nothing
+for it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ class TokenEntries:
     rows: torch.Tensor
     token_ids: torch.Tensor
     values: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class TokenBitmask:
+    """The allowed tokens of ``C`` constrained rows, packed 32 to an int32 word.
+
+    Attributes:
+        rows: ``[C]`` int64 rows of the batch.
+        bitmask: ``[C, ceil(vocab / 32)]`` int32; bit ``t % 32`` of word ``t // 32`` is set when
+            token ``t`` is allowed (the layout of llguidance, xgrammar and vLLM).
+    """
+
+    rows: torch.Tensor
+    bitmask: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -55,6 +70,20 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenEntries) -> torch.Tensor:
     return logits.index_put_(
         (mask.rows, mask.token_ids), torch.tensor(float("-inf"), device=logits.device)
     )
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[C, ceil(V / 32)]`` int32 words -> ``[C, V]`` bool, True where a token is allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
+    """Set to ``-inf`` the logits of the tokens ``mask`` does not allow in its rows, in place."""
+    allowed = unpack_bitmask(mask.bitmask.to(logits.device, non_blocking=True), logits.shape[1])
+    rows = logits.index_select(0, mask.rows).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy_(0, mask.rows, rows)
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:

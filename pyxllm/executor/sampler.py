@@ -1,10 +1,12 @@
 """Batched sampling: logits of every sampled sequence in, one token id per sequence out.
 
-Order of operations, as vLLM's: logit bias and the ``min_tokens`` mask, repetition / presence /
-frequency penalties, temperature, min-p, top-k and top-p, then the draw (or argmax for greedy
-rows). Random draws use the exponential-race form of categorical sampling (``argmax(p / q)``
-with ``q ~ Exp(1)``, as vLLM's sampler does), so a seeded request draws its ``q`` row from its
-own generator and gets the same tokens whatever else is in the batch.
+Order of operations, as vLLM's: the structured-output bitmask, logit bias and the ``min_tokens``
+mask, repetition / presence / frequency penalties, temperature, min-p, top-k and top-p, then the
+draw (or argmax for greedy rows). Where ``min_tokens`` would forbid every token a constraint
+allows (the constraint is complete but the output is still short), the constraint wins: the row
+keeps its constrained logits. Random draws use the exponential-race form of categorical sampling
+(``argmax(p / q)`` with ``q ~ Exp(1)``, as vLLM's sampler does), so a seeded request draws its
+``q`` row from its own generator and gets the same tokens whatever else is in the batch.
 
 Logprobs are those of the distribution actually sampled from: the softmax of the logits after
 every step above (bias, penalties, temperature, min-p, top-k, top-p), so a token the settings
@@ -24,6 +26,7 @@ from pyxllm.executor.logits_processors import (
     apply_logit_bias,
     apply_min_p,
     apply_penalties,
+    apply_token_bitmask,
     apply_token_mask,
     apply_top_k_top_p,
     compute_logprobs,
@@ -63,10 +66,12 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of ``logits [N, vocab]`` (float32, modified in place)."""
+        if meta.allowed_tokens is not None:
+            apply_token_bitmask(logits, meta.allowed_tokens)
         if meta.logit_bias is not None:
             apply_logit_bias(logits, meta.logit_bias)
         if meta.min_tokens_mask is not None:
-            apply_token_mask(logits, meta.min_tokens_mask)
+            self._apply_min_tokens(logits, meta)
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
         greedy_ids = logits.argmax(dim=-1)
@@ -94,6 +99,18 @@ class Sampler:
                 meta.max_num_logprobs,
             ),
         )
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        """The ``min_tokens`` mask, except on constrained rows it would leave without any
+        token."""
+        constrained = meta.allowed_tokens.rows if meta.allowed_tokens is not None else None
+        before = None if constrained is None else logits.index_select(0, constrained)
+        apply_token_mask(logits, meta.min_tokens_mask)
+        if before is not None:
+            dead = logits.index_select(0, constrained).isneginf().all(dim=-1)
+            if dead.any():
+                logits.index_copy_(0, constrained[dead], before[dead])
 
     @staticmethod
     def _seeded_draws(q: torch.Tensor, generators: dict[int, torch.Generator]) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pyxllm.executor.logits_processors import Penalties, TokenEntries
+from pyxllm.executor.logits_processors import Penalties, TokenBitmask, TokenEntries
 from pyxllm.executor.scheduler_output import ScheduledSequence
 
 
@@ -26,6 +26,7 @@ class SamplingMetadata:
             off) or None; min_p: ``[N]`` float32 or None. Greedy rows have them off, so their
             logprobs are of the whole (biased, penalized) distribution.
         generators: row -> the request's own generator.
+        allowed_tokens: the structured-output rows' bitmasks, or None.
         logit_bias: the bias entries of every row, or None.
         min_tokens_mask: the (row, token) entries forbidden by ``min_tokens``, or None.
         penalties: the rows with penalties and their token counts, or None.
@@ -40,6 +41,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None
     generators: dict[int, torch.Generator]
     min_p: torch.Tensor | None = None
+    allowed_tokens: TokenBitmask | None = None
     logit_bias: TokenEntries | None = None
     min_tokens_mask: TokenEntries | None = None
     penalties: Penalties | None = None
@@ -79,6 +81,10 @@ class SamplingMetadata:
             else torch.tensor(min_p, dtype=torch.float32, device=device),
             generators={i: s.generator for i, s in enumerate(seqs) if s.generator is not None},
         )
+        constrained = [i for i, s in enumerate(seqs) if s.allowed_token_bitmask is not None]
+        if constrained:
+            bitmask = torch.stack([seqs[i].allowed_token_bitmask for i in constrained])
+            meta.allowed_tokens = TokenBitmask(torch.tensor(constrained, device=device), bitmask)
         if any(p.logit_bias for p in params):
             meta.logit_bias = _bias_entries(params, device)
         if any(s.min_tokens_stop_ids for s in seqs):

@@ -34,6 +34,9 @@ class ScheduledSequence:
         prompt_logprob_targets: for prompt logprobs, the prompt tokens that follow this step's
             positions: ``targets[j]`` is scored by the logits at ``token_ids[j]`` (it may be one
             shorter than ``token_ids``, at the prompt's end); ``None`` when not wanted.
+        allowed_token_bitmask: for a structured-output request that samples this step, the
+            tokens its constraint allows: ``int32 [ceil(vocab_size / 32)]`` on the CPU, bit
+            ``t % 32`` of word ``t // 32`` for token ``t``; ``None`` when unconstrained.
     """
 
     request_id: str
@@ -48,6 +51,7 @@ class ScheduledSequence:
     penalty_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
     prompt_logprob_targets: list[int] | None = None
+    allowed_token_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -1,0 +1,175 @@
+"""Structured outputs in the engine: compiling constraints off the engine loop, caching them,
+and each step's bitmask for the constrained rows (vLLM's ``StructuredOutputManager``).
+
+- :meth:`StructuredOutputManager.submit` starts compiling a request's constraint on a small
+  thread pool and returns a :class:`GrammarHandle` at once; the same spec (kind and text) is
+  compiled once and shared (an LRU cache of :data:`GRAMMAR_CACHE_SIZE` specs). The HTTP server
+  awaits the handle before the response starts (so a constraint that does not compile is a 400
+  before any token), ``LLM`` waits for it before running anything; the engine loop never does.
+- Each request gets its own matcher (:meth:`GrammarHandle.new_matcher`), which lives on the
+  engine's ``Request``: it survives preemption (the output tokens it has consumed stay) and
+  ``n > 1`` children have one each.
+- :meth:`StructuredOutputManager.fill_bitmask` computes the step's ``int32 [rows, words]``
+  bitmask for the matchers of the rows that sample (see :mod:`.backend` for the layout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import torch
+
+from pyxllm.config import STRUCTURED_OUTPUTS_BACKENDS
+from pyxllm.engine.errors import InvalidRequestError
+from pyxllm.engine.structured_output.backend import GrammarError, GrammarMatcher, bitmask_width
+from pyxllm.sampling_params import StructuredOutputsParams
+
+# Threads compiling grammars (a compile drops the GIL in the library).
+COMPILE_THREADS = 2
+# Compiled specs kept for reuse.
+GRAMMAR_CACHE_SIZE = 128
+# Longest a request waits for its constraint to compile before it is refused (seconds); the
+# libraries' own parser limits usually stop a pathological one first.
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+
+
+def _backend_class(name: str):
+    if name == "llguidance":
+        from pyxllm.engine.structured_output.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend
+    from pyxllm.engine.structured_output.xgrammar_backend import XGrammarBackend
+
+    return XGrammarBackend
+
+
+def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
+    """The cache key of a spec: its kind and canonical text (a JSON schema with sorted keys)."""
+    value = getattr(spec, spec.kind)
+    if spec.kind == "json":
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+            return spec.kind, json.dumps(schema, sort_keys=True)
+        except ValueError:  # not JSON: the backend will refuse it
+            return spec.kind, str(value)
+    if spec.kind == "choice":
+        return spec.kind, json.dumps(list(value))
+    return spec.kind, str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarHandle:
+    """A request's constraint, compiling or compiled.
+
+    Attributes:
+        spec: the constraint as the request gave it.
+        future: resolves to the backend's compiled grammar, or to its ``GrammarError``.
+        backend: the backend that compiles it (resolved with the compiled grammar).
+    """
+
+    spec: StructuredOutputsParams
+    future: Future
+    backend: Future
+
+    def done(self) -> bool:
+        """Whether compiling has finished (well or not)."""
+        return self.future.done()
+
+    def compiled(self, timeout: float | None = GRAMMAR_COMPILE_TIMEOUT_S) -> object:
+        """The compiled grammar, waiting up to ``timeout`` seconds.
+
+        Raises:
+            InvalidRequestError: the constraint does not compile (the library's message, naming
+                the request field), or took longer than ``timeout``.
+        """
+        try:
+            return self.future.result(timeout)
+        except FutureTimeout:
+            raise self._timed_out(timeout) from None
+        except GrammarError as exc:
+            raise self._refused(exc) from None
+
+    async def wait(self, timeout: float = GRAMMAR_COMPILE_TIMEOUT_S) -> None:
+        """Wait (without blocking the event loop) until the constraint is compiled.
+
+        Raises:
+            InvalidRequestError: see :meth:`compiled`.
+        """
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.future)), timeout)
+        except asyncio.TimeoutError:
+            raise self._timed_out(timeout) from None
+        except GrammarError as exc:
+            raise self._refused(exc) from None
+
+    def _refused(self, exc: GrammarError) -> InvalidRequestError:
+        return InvalidRequestError(f"{self.spec.source}: {exc}", self.spec.source)
+
+    def _timed_out(self, timeout: float) -> InvalidRequestError:
+        source = self.spec.source
+        return InvalidRequestError(f"{source}: took longer than {timeout:g} s to compile", source)
+
+    def new_matcher(self) -> GrammarMatcher:
+        """A matcher at the start of the compiled constraint (call once compiled)."""
+        return self.backend.result().new_matcher(self.compiled(timeout=0))
+
+
+class StructuredOutputManager:
+    """Compiles constraints for one model and fills the constrained rows' bitmasks.
+
+    Args:
+        backend: ``llguidance`` or ``xgrammar`` (``--structured-outputs-backend``).
+        hf_tokenizer: the model's ``transformers`` fast tokenizer.
+        vocab_size: the model's vocabulary size (the logits' columns).
+        eos_token_ids: the ids that end generation.
+
+    The backend itself (the library's view of the vocabulary, ~0.5 s) is built on the pool with
+    the first constraint, so a server that never sees one never pays for it.
+    """
+
+    def __init__(self, backend: str, hf_tokenizer, vocab_size: int, eos_token_ids) -> None:
+        if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured outputs backend {backend!r} is unknown")
+        self.backend_name, self.vocab_size = backend, vocab_size
+        self._args = (hf_tokenizer, vocab_size, sorted(eos_token_ids))
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pyxllm-grammar")
+        self._lock = threading.Lock()
+        self._backend: Future | None = None
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+
+    def _get_backend(self) -> Future:
+        with self._lock:
+            if self._backend is None:
+                self._backend = self._pool.submit(_backend_class(self.backend_name), *self._args)
+            return self._backend
+
+    def submit(self, spec: StructuredOutputsParams) -> GrammarHandle:
+        """Start compiling ``spec`` (or reuse its compiled grammar); returns at once."""
+        backend, key = self._get_backend(), spec_key(spec)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._pool.submit(lambda: backend.result().compile(spec))
+                self._cache[key] = future
+                if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        return GrammarHandle(spec, future, backend)
+
+    def fill_bitmask(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """The bitmask ``int32 [len(matchers), ceil(vocab_size / 32)]`` of the matchers' next
+        allowed tokens (row ``i`` for ``matchers[i]``)."""
+        bitmask = torch.empty(len(matchers), bitmask_width(self.vocab_size), dtype=torch.int32)
+        self._get_backend().result().fill_bitmasks(matchers, bitmask)
+        return bitmask
+
+    def shutdown(self) -> None:
+        """Stop the compile threads (compiles in flight finish first)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
