@@ -173,15 +173,11 @@ def test_invalid_in_stream_request(server):
 @pytest.mark.parametrize(
     "path, field, value",
     [
-        ("chat/completions", "response_format", {"type": "json_object"}),
-        ("completions", "response_format", {"type": "sound"}),
         ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("chat/completions", "tool_choice", "required"),
         ("completions", "best_of", 3),
         ("chat/completions", "use_beam_search", True),
         ("completions", "prompt_logprobs", 1),
-        ("chat/completions", "guided_json", {"type": "object"}),
-        ("completions", "structured_outputs", {"regex": "a+"}),
     ],
 )
 def test_a_field_pyxllm_cannot_honour_is_refused_by_name(server, path, field, value):

@@ -1,8 +1,8 @@
 """Pydantic models of the OpenAI HTTP API, field for field, with vLLM's extensions marked.
 
 Requests ignore fields they do not know (as OpenAI's SDK may send newer ones); fields we know
-but cannot honour (``suffix``, ``tools``, a ``response_format`` other than text, ``best_of``...)
-are rejected by the serving layer rather than silently dropped.
+but cannot honour (``suffix``, ``best_of``...) are rejected by the serving layer rather than
+silently dropped.
 Values are range-checked by :class:`~pyxllm.sampling_params.SamplingParams` (400 naming the
 field). Logprobs in responses are clamped to -9999.0 where the token was ruled out (``-inf``
 is not JSON), as vLLM does.
@@ -87,6 +87,40 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False  # vLLM's; refused (see check_unsupported)
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    """``response_format.json_schema``: the schema the output must validate against (always
+    enforced, whatever ``strict`` says)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """``response_format``: free ``text``, any ``json_object``, or ``json_schema``; another
+    ``type`` is a 400 (as llama.cpp's server answers)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema, or its JSON text),
+    ``regex``, ``choice``, ``grammar`` (Lark or GBNF) and ``json_object``. Options pyxllm does not
+    know are refused (400 naming them), not ignored."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(OpenAIBaseModel):
     """Sampling fields shared by chat and completion requests (``None``: not given)."""
 
@@ -111,17 +145,19 @@ class SamplingFields(OpenAIBaseModel):
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # structured outputs: at most one of these (see structured_outputs.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older spellings of structured_outputs' keys
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Declared so that a request using them is refused with a 400 naming the field
     # (``OpenAIServing.check_unsupported``) instead of being answered as if they were absent.
-    response_format: dict[str, Any] | None = None
     best_of: int | None = None
     use_beam_search: bool | None = None
     prompt_logprobs: int | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
 
 
 # --- chat -----------------------------------------------------------------------------------

@@ -90,6 +90,7 @@ class OpenAIServingChat(OpenAIServing):
             if request.max_completion_tokens is None
             else "max_completion_tokens",
         )
+        await self.prepare(engine_request)
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)

@@ -52,6 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(request, 1 if echo_only else request.max_tokens, **extra)
         prompt = completion_prompt(request)
         engine_request = self.processor.process(f"cmpl-{uuid.uuid4().hex}", prompt, params)
+        await self.prepare(engine_request)
         echo = None
         if request.echo:
             ids, text = engine_request.prompt_token_ids, engine_request.prompt

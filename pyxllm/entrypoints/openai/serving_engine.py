@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.entrypoints.openai.errors import OpenAIError, error_body, param_from_message
 from pyxllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from pyxllm.entrypoints.openai.structured_outputs import requested_constraint
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.sampling_params import SamplingParams
 
@@ -96,11 +97,6 @@ _NOT_HONOURED = {
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "prompt_logprobs": (None,),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none"),
 }
@@ -108,9 +104,8 @@ _NOT_HONOURED = {
 
 def unsupported_fields(request: SamplingFields) -> Iterator[tuple[str, str]]:
     """``(field, its value as text)`` for each field of ``request`` pyxllm cannot honour: the
-    :data:`_NOT_HONOURED` ones set to anything but what leaving them out means, a
-    ``response_format`` other than ``{"type": "text"}`` and ``stream_options
-    .continuous_usage_stats``."""
+    :data:`_NOT_HONOURED` ones set to anything but what leaving them out means, and
+    ``stream_options.continuous_usage_stats``."""
     for name, neutral in _NOT_HONOURED.items():
         value = getattr(request, name, None)
         if name == "best_of" and value == request.n:
@@ -118,9 +113,6 @@ def unsupported_fields(request: SamplingFields) -> Iterator[tuple[str, str]]:
         if value not in neutral:
             shown = repr(value)
             yield name, shown if len(shown) <= 60 else shown[:57] + "..."
-    response_format = request.response_format
-    if response_format is not None and response_format.get("type") != "text":
-        yield "response_format", f"type {response_format.get('type')!r}"
     if request.stream_options is not None and request.stream_options.continuous_usage_stats:
         yield "stream_options.continuous_usage_stats", "true"
 
@@ -212,6 +204,7 @@ class OpenAIServing:
         fields = {name: getattr(request, name) for name in SAMPLING_FIELDS}
         fields = {name: value for name, value in fields.items() if value is not None}
         fields.update(n=1 if request.n is None else request.n, max_tokens=max_tokens, **extra)
+        fields["structured_outputs"] = requested_constraint(request)
         try:
             return SamplingParams(**fields)
         except ValueError as exc:
@@ -236,6 +229,13 @@ class OpenAIServing:
             self.engine.abort(request_id)
         except Exception:  # noqa: BLE001 - aborting is best effort during cleanup
             logger.debug("abort of %s failed", request_id, exc_info=True)
+
+    async def prepare(self, request: EngineRequest) -> EngineRequest:
+        """Wait, off the event loop, for the request's constraint to compile, so that one that
+        does not is a 400 before the response starts (``InvalidRequestError``)."""
+        if request.grammar is not None:
+            await request.grammar.wait()
+        return request
 
     async def generate_full(self, request: EngineRequest, raw_request: Request) -> RequestOutput:
         """Run a request to its end; raises :class:`ClientDisconnected` (after aborting the
