@@ -36,7 +36,8 @@ class StructuredOutputsParams:
     sets ``response_format.json_schema.schema`` and the like; default
     ``structured_outputs.<kind>``).
     JSON is generated with at most :data:`JSON_WHITESPACE_LIMIT` whitespace characters between
-    two JSON tokens, so a model cannot spend its tokens on whitespace.
+    two JSON tokens, so a model cannot spend its tokens on whitespace; with
+    ``disable_any_whitespace`` (vLLM's option) with none at all (compact JSON).
 
     Raises:
         ValueError: none or several kinds given, or an empty choice list (the message names the
@@ -48,6 +49,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
     field: str | None = None
 
     def __post_init__(self) -> None:

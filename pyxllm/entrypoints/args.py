@@ -26,6 +26,7 @@ from pyxllm.config import (
 )
 from pyxllm.entrypoints.flags import HelpFormatter, add_bool_flag, flag_names
 from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
+from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
 
 # Help per EngineConfig field; a field missing here still becomes a flag, with generic help.
 ENGINE_HELP = {
@@ -226,6 +227,21 @@ def make_arg_parser() -> argparse.ArgumentParser:
         choices=reasoning_parser_names(),
         help="split chat output into reasoning_content and content",
     )
+    add_bool_flag(
+        server,
+        "enable_auto_tool_choice",
+        False,
+        'let the model decide whether to call tools (tool_choice "auto", the default with '
+        "tools); needs --tool-call-parser",
+    )
+    server.add_argument(
+        *flag_names("tool_call_parser"),
+        dest="tool_call_parser",
+        default=None,
+        choices=tool_parser_names(),
+        help="the format of the model's own tool calls: hermes (Qwen2.5/Qwen3's <tool_call> "
+        "tags; also what the default model is asked to write) or llama3_json",
+    )
     add_engine_args(serve.add_argument_group("engine flags"))
 
     generate = commands.add_parser(
@@ -353,6 +369,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
     """Parse ``argv`` and build the config; a bad value exits with the subcommand's usage error."""
     parser = make_arg_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        parser.command_parsers["serve"].error("--enable-auto-tool-choice: needs --tool-call-parser")
     try:
         config = config_from_args(args)
     except ValueError as exc:

@@ -48,7 +48,13 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     """``pyxllm serve``: run the OpenAI-compatible server until interrupted."""
     from pyxllm.entrypoints.openai.api_server import run_server
 
-    run_server(config, args.host, args.port, reasoning_parser=args.reasoning_parser)
+    run_server(
+        config,
+        args.host,
+        args.port,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+    )
     return 0
 
 

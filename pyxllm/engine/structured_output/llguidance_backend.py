@@ -16,8 +16,9 @@ import torch
 from pyxllm.engine.structured_output.backend import GrammarError
 from pyxllm.sampling_params import JSON_WHITESPACE_LIMIT, StructuredOutputsParams
 
-# At most JSON_WHITESPACE_LIMIT spaces, newlines or tabs between two JSON tokens.
+# At most JSON_WHITESPACE_LIMIT spaces, newlines or tabs between two JSON tokens (or none).
 _JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{JSON_WHITESPACE_LIMIT}}}"}
+_COMPACT_JSON = {"whitespace_flexible": False}
 
 
 class LLGuidanceMatcher:
@@ -74,12 +75,13 @@ class LLGuidanceBackend:
         from llguidance import grammar_from
 
         matcher = self._llguidance.LLMatcher
+        options = _COMPACT_JSON if spec.disable_any_whitespace else _JSON_OPTIONS
         try:
             if spec.kind == "json":
                 schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-                return matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+                return matcher.grammar_from_json_schema(schema, defaults=options)
             if spec.kind == "json_object":
-                return matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+                return matcher.grammar_from_json_schema({"type": "object"}, defaults=options)
             if spec.kind == "regex":
                 return matcher.grammar_from_regex(spec.regex)
             if spec.kind == "choice":

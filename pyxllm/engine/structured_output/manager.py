@@ -49,18 +49,19 @@ def _backend_class(name: str):
     return XGrammarBackend
 
 
-def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
-    """The cache key of a spec: its kind and canonical text (a JSON schema with sorted keys)."""
-    value = getattr(spec, spec.kind)
+def spec_key(spec: StructuredOutputsParams) -> tuple[str, str, bool]:
+    """The cache key of a spec: its kind, its canonical text (a JSON schema with sorted keys)
+    and its whitespace option."""
+    value, text = getattr(spec, spec.kind), None
     if spec.kind == "json":
         try:
             schema = json.loads(value) if isinstance(value, str) else value
-            return spec.kind, json.dumps(schema, sort_keys=True)
+            text = json.dumps(schema, sort_keys=True)
         except ValueError:  # not JSON: the backend will refuse it
-            return spec.kind, str(value)
-    if spec.kind == "choice":
-        return spec.kind, json.dumps(list(value))
-    return spec.kind, str(value)
+            pass
+    elif spec.kind == "choice":
+        text = json.dumps(list(value))
+    return spec.kind, str(value) if text is None else text, spec.disable_any_whitespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +142,7 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pyxllm-grammar")
         self._lock = threading.Lock()
         self._backend: Future | None = None
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, bool], Future] = OrderedDict()
 
     def _get_backend(self) -> Future:
         with self._lock:

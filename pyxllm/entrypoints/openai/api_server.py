@@ -132,17 +132,21 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> JSONRe
     return JSONResponse(handler.detokenize(request).model_dump(mode="json"))
 
 
-def build_app(engine, reasoning_parser: str | None = None) -> FastAPI:
+def build_app(
+    engine, reasoning_parser: str | None = None, tool_call_parser: str | None = None
+) -> FastAPI:
     """The FastAPI app serving ``engine`` (an :class:`~pyxllm.engine.async_engine.AsyncEngine`).
 
     ``reasoning_parser`` names the parser splitting chat text into ``reasoning_content`` and
     ``content`` (see :mod:`pyxllm.entrypoints.openai.reasoning`); ``None`` splits nothing.
+    ``tool_call_parser`` names the parser of the model's own tool calls for ``tool_choice:
+    "auto"`` (see :mod:`pyxllm.entrypoints.openai.tool_parsers`); ``None`` refuses ``auto``.
     The app does not own the engine: whoever built the engine shuts it down.
     """
     app = FastAPI(title="pyxllm", summary="OpenAI-compatible API of a pyxllm engine")
     app.include_router(router)
     app.state.engine = engine
-    app.state.openai_serving_chat = OpenAIServingChat(engine, reasoning_parser)
+    app.state.openai_serving_chat = OpenAIServingChat(engine, reasoning_parser, tool_call_parser)
     app.state.openai_serving_completion = OpenAIServingCompletion(engine)
     app.state.openai_serving_tokenization = OpenAIServingTokenization(
         engine, app.state.openai_serving_chat
@@ -217,11 +221,13 @@ def run_server(
     port: int = 8000,
     log_level: str = "warning",
     reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
     """Load the engine, serve it over HTTP until SIGINT/SIGTERM, then shut the engine down.
 
     ``log_level`` is uvicorn's (its access log is off); pyxllm logs one line with the URL.
-    ``reasoning_parser``: see :func:`build_app` (an unknown name fails before the model loads).
+    ``reasoning_parser``, ``tool_call_parser`` (the parser of ``tool_choice: "auto"``, ``None``
+    refuses auto): see :func:`build_app` (an unknown name fails before the model loads).
 
     Raises:
         DistributedError: the server stopped because a tensor-parallel worker died (naming it).
@@ -229,14 +235,17 @@ def run_server(
     from pyxllm.distributed.errors import DistributedError
     from pyxllm.engine.async_engine import AsyncEngine
     from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
+    from pyxllm.entrypoints.openai.tool_parsers import get_tool_parser
 
     if reasoning_parser:
         get_reasoning_parser(reasoning_parser)
+    if tool_call_parser:
+        get_tool_parser(tool_call_parser)
     _ensure_logging()
     engine = AsyncEngine.from_config(config)
     server = None
     try:
-        app = build_app(engine, reasoning_parser)
+        app = build_app(engine, reasoning_parser, tool_call_parser)
         shown_host = f"[{host}]" if ":" in host else host
         banner = (
             f"serving {engine.model_name} (max_model_len={engine.max_model_len}) "

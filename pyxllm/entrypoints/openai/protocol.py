@@ -119,6 +119,7 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -172,13 +173,75 @@ class ChatContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    """A tool's function: ``parameters`` is the JSON Schema of its arguments (none: no
+    arguments)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolParam(OpenAIBaseModel):
+    """One entry of a chat request's ``tools``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """``tool_choice`` naming the one function the model must call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(OpenAIBaseModel):
+    """A call's function: its name and its arguments as a JSON string."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    """One tool call of an assistant message (response, or an earlier turn in a request)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A stream chunk's part of a tool call: ``id``, ``type`` and the name come once, in the
+    call's first chunk; then argument fragments whose concatenation is the call's arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatCompletionMessageParam(OpenAIBaseModel):
-    """A message in a chat request; extra keys (``name``, ``tool_calls``...) go to the template."""
+    """A message in a chat request; extra keys (``name`` ...) go to the template. An assistant
+    turn may hold ``tool_calls`` (then ``content`` may be null), a ``tool`` turn answers one by
+    its ``tool_call_id``."""
 
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[ChatContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -189,8 +252,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     # vLLM extensions
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -204,6 +268,7 @@ class ChatMessage(OpenAIBaseModel):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -255,6 +320,7 @@ class DeltaMessage(OpenAIBaseModel):
     # vLLM extensions, with --reasoning-parser: the same text under both names
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -30,6 +30,13 @@ from pyxllm.entrypoints.openai.serving_engine import (
     sse,
     usage_info,
 )
+from pyxllm.entrypoints.openai.tool_parsers import (
+    ToolCallStream,
+    ToolParser,
+    get_tool_parser,
+    split_tool_calls,
+)
+from pyxllm.entrypoints.openai.tools import ToolPlan, plan_tools, template_messages, tool_specs
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -45,11 +52,18 @@ class OpenAIServingChat(OpenAIServing):
         ValueError: an unknown ``reasoning_parser``.
     """
 
-    def __init__(self, engine, reasoning_parser: str | None = None):
+    def __init__(
+        self, engine, reasoning_parser: str | None = None, tool_call_parser: str | None = None
+    ):
         super().__init__(engine)
         self.reasoning_parser: ReasoningParser | None = None
         if reasoning_parser:
             self.reasoning_parser = get_reasoning_parser(reasoning_parser)(engine.tokenizer)
+        self.tool_parser: ToolParser | None = None
+        if tool_call_parser:
+            self.tool_parser = get_tool_parser(tool_call_parser)(engine.tokenizer)
+        template = getattr(engine.tokenizer.hf, "chat_template", None)
+        self.template_renders_tools = isinstance(template, str) and "tools" in template
 
     def request_reasoning_parser(
         self, request: ChatCompletionRequest, params: SamplingParams, prompt_token_ids: list[int]
@@ -80,7 +94,21 @@ class OpenAIServingChat(OpenAIServing):
                 "max_completion_tokens",
             )
         params = self.sampling_params(request, max_tokens, logprobs=requested_logprobs(request))
-        tokens = self.processor.tokenize(self.chat_prompt(request))
+        tools = plan_tools(request, self.tool_parser)
+        if tools.mode != "none":
+            await self.check_tools(request)
+        if tools.constraint is not None:
+            if params.structured_outputs is not None:
+                field = params.structured_outputs.source.split(".")[0]
+                raise OpenAIError(
+                    f"{field}: cannot be combined with tool_choice {request.tool_choice!r}"
+                    if isinstance(request.tool_choice, str)
+                    else f"{field}: cannot be combined with a named tool_choice",
+                    400,
+                    field,
+                )
+            params.structured_outputs = tools.constraint
+        tokens = self.processor.tokenize(self.chat_prompt(request, tools.mode != "none"))
         reasoning = self.request_reasoning_parser(request, params, list(tokens.token_ids))
         engine_request = self.processor.process(
             f"chatcmpl-{uuid.uuid4().hex}",
@@ -94,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            events = _ChatEvents(engine_request, created, self.model_name, reasoning)
+            events = _ChatEvents(engine_request, created, self.model_name, reasoning, tools)
             return self.stream(engine_request, events, include_usage)
         try:
             final = await self.generate_full(engine_request, raw_request)
@@ -105,28 +133,52 @@ class OpenAIServingChat(OpenAIServing):
             id=engine_request.request_id,
             created=created,
             model=self.model_name,
-            choices=[
-                ChatCompletionResponseChoice(
-                    index=c.index,
-                    message=chat_message(c.text, reasoning),
-                    logprobs=choice_logprobs(c, params),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-                for c in final.outputs
-            ],
+            choices=[self.full_choice(c, params, reasoning, tools) for c in final.outputs],
             usage=usage_info(
                 len(engine_request.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
             ),
         )
         return JSONResponse(response.model_dump(mode="json"))
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> ChatPrompt:
+    def full_choice(
+        self,
+        completion: CompletionOutput,
+        params: SamplingParams,
+        reasoning: ReasoningParser | None,
+        tools: ToolPlan,
+    ) -> ChatCompletionResponseChoice:
+        """The choice of a finished completion: its message (reasoning split off, tool calls
+        found in the rest) and finish reason (``tool_calls`` when calls came back)."""
+        message, finish_reason = chat_message(completion.text, reasoning), completion.finish_reason
+        if tools.parser is not None:
+            message.content, message.tool_calls = split_tool_calls(
+                tools.parser, message.content or "", tools.limit
+            )
+            if message.tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return ChatCompletionResponseChoice(
+            index=completion.index,
+            message=message,
+            logprobs=choice_logprobs(completion, params),
+            finish_reason=finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+
+    async def check_tools(self, request: ChatCompletionRequest) -> None:
+        """400 naming ``tools[i].function.parameters`` for a schema the grammar backend cannot
+        compile (compiled off the event loop, and cached for the calls that need them)."""
+        for spec in tool_specs(request):
+            await self.processor.structured_outputs.submit(spec).wait()
+
+    def chat_prompt(self, request: ChatCompletionRequest, offer_tools: bool = True) -> ChatPrompt:
         """The request's messages as plain dicts for the chat template (text parts joined by
-        newlines); ``chat_template_kwargs`` may override ``add_generation_prompt``.
+        newlines, tool calls and results as :func:`~.tools.template_messages` writes them);
+        ``chat_template_kwargs`` may override ``add_generation_prompt``. The tools reach the
+        template (or a system message) when ``offer_tools``.
 
         Raises:
-            OpenAIError: no messages, or a content part other than text.
+            OpenAIError: no messages, a content part other than text, or a tool message
+                without ``tool_call_id``.
         """
         if not request.messages:
             raise OpenAIError("messages: must contain at least one message", 400, "messages")
@@ -148,14 +200,19 @@ class OpenAIServingChat(OpenAIServing):
                 content = "\n".join(texts)
             entry["content"] = content
             messages.append(entry)
+        tools = (request.tools or []) if offer_tools else []
+        messages = template_messages(messages, tools, self.template_renders_tools)
         kwargs = dict(request.chat_template_kwargs or {})
+        if tools and self.template_renders_tools:
+            kwargs.setdefault("tools", [t.model_dump(exclude_none=True) for t in tools])
         add_generation_prompt = kwargs.pop("add_generation_prompt", request.add_generation_prompt)
         return ChatPrompt(messages, add_generation_prompt, kwargs)
 
 
 class _ChatEvents(ChoiceEvents):
     """A chat stream's events: per choice a role delta first, then content (and reasoning)
-    deltas with their logprobs, the last one with the finish reason."""
+    deltas with their logprobs, and tool call deltas when the request's tools are parsed; the
+    last one with the finish reason."""
 
     def __init__(
         self,
@@ -163,11 +220,17 @@ class _ChatEvents(ChoiceEvents):
         created: int,
         model: str,
         reasoning: ReasoningParser | None,
+        tools: ToolPlan,
     ) -> None:
         self.request_id, self.created, self.model = request.request_id, created, model
         self.params, self.reasoning = request.sampling_params, reasoning
         n = self.params.n
         self.texts, self.num_sent = [""] * n, [0] * n
+        self.contents = [""] * n  # the content so far (the text after any reasoning)
+        self.calls = [
+            None if tools.parser is None else ToolCallStream(tools.parser, tools.limit)
+            for _ in range(n)
+        ]
 
     def chunk(
         self, index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None
@@ -194,9 +257,19 @@ class _ChatEvents(ChoiceEvents):
         delta = delta_message(self.texts[i], completion.text, finished, self.reasoning)
         logprobs = choice_logprobs(completion, self.params, self.num_sent[i])
         self.texts[i], self.num_sent[i] = completion.text, len(completion.token_ids)
+        finish_reason = completion.finish_reason
+        calls = self.calls[i]
+        if calls is not None:
+            self.contents[i] += delta.content or ""
+            content, tool_calls = calls.update(self.contents[i], finished)
+            delta.content, delta.tool_calls = content or None, tool_calls or None
+            if finish_reason == "stop" and calls.num_calls:
+                finish_reason = "tool_calls"
         if finished:
-            return self.chunk(i, delta, logprobs, completion.finish_reason, completion.stop_reason)
-        if delta.content or delta.reasoning_content or (logprobs and logprobs.content):
+            return self.chunk(i, delta, logprobs, finish_reason, completion.stop_reason)
+        if delta.content or delta.reasoning_content or delta.tool_calls:
+            return self.chunk(i, delta, logprobs)
+        if logprobs and logprobs.content:
             return self.chunk(i, delta, logprobs)
         return None
 

@@ -97,8 +97,6 @@ _NOT_HONOURED = {
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "prompt_logprobs": (None,),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
 }
 
 

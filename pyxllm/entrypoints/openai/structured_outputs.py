@@ -58,9 +58,10 @@ def _structured(request: SamplingFields) -> StructuredOutputsParams | None:
     if spec is None:
         return None
     fields = spec.model_dump(by_alias=True, exclude_none=True)
+    compact = fields.pop("disable_any_whitespace")
     field = f"structured_outputs.{next(iter(fields))}" if len(fields) == 1 else None
     try:
-        return StructuredOutputsParams(**fields, field=field)
+        return StructuredOutputsParams(**fields, disable_any_whitespace=compact, field=field)
     except ValueError as exc:
         raise OpenAIError(str(exc), 400, "structured_outputs") from exc
 

@@ -1,0 +1,204 @@
+"""What every tool parser shares: the parsed state of a text, a call's JSON, and the stream.
+
+A parser is a pure function of the text generated so far, ``parse(text, final)`` ->
+:class:`ParsedToolOutput` (the content, and every call with its name and its arguments' JSON
+text). Streaming calls it again after each new piece and sends what grew
+(:class:`ToolCallStream`), so feeding a text whole, token by token or character by character
+gives the same calls and content. For that, each field of a non-final parse is a prefix of the
+same field in every later parse:
+
+- content holds back a trailing piece that may begin a call's tag (and, before a call, trailing
+  whitespace);
+- a call's name appears once its JSON string is complete;
+- a call's arguments are the raw JSON text the model wrote (OpenAI: "arguments" is a JSON
+  string, possibly invalid, that the client validates). While the value is incomplete, its
+  trailing whitespace is held back and a fragment is sent only while the text so far is a
+  valid JSON prefix (``partial-json-parser``), so a malformed tail arrives in the last chunk.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+import partial_json_parser
+
+from pyxllm.entrypoints.openai.protocol import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+
+_NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(slots=True)
+class ToolCallState:
+    """One call as parsed so far: ``name`` once known, ``arguments`` the JSON text so far."""
+
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(slots=True)
+class ParsedToolOutput:
+    """A text split into ``content`` and ``calls``."""
+
+    content: str = ""
+    calls: list[ToolCallState] = field(default_factory=list)
+
+
+def json_value_span(text: str, start: int) -> int | None:
+    """The end of the complete JSON value at ``text[start]``, ``None`` if it is incomplete or
+    malformed."""
+    try:
+        return _DECODER.raw_decode(text, start)[1]
+    except ValueError:
+        return None
+
+
+def call_from_json(text: str, final: bool, name: str | None = None) -> ToolCallState:
+    """The call written as a JSON object ``{"name": ..., "arguments": {...}}`` (``parameters``
+    for ``arguments`` also, as Llama 3 writes it), complete or not; ``name`` given when the text
+    holds the arguments alone (a named ``tool_choice``: the whole text is the arguments)."""
+    call = ToolCallState(name=name)
+    if name is not None:
+        call.arguments = arguments_text(text, len(text) - len(text.lstrip()), final)
+        return call
+    match = _ARGUMENTS.search(text)
+    if match is None:
+        call.name = _name_in(text)
+        call.arguments = "{}" if final else ""
+        return call
+    call.arguments = arguments_text(text, match.end(), final)
+    end = json_value_span(text, match.end())
+    # the call's own "name", not one inside its arguments
+    call.name = _name_in(text[: match.start()]) or (None if end is None else _name_in(text[end:]))
+    return call
+
+
+def _name_in(text: str) -> str | None:
+    match = _NAME.search(text)
+    return None if match is None else json.loads(match.group(1))
+
+
+def arguments_text(text: str, start: int, final: bool) -> str:
+    """The arguments' JSON text beginning at ``text[start]`` (see the module docstring)."""
+    end = json_value_span(text, start)
+    if end is not None:
+        return text[start:end]
+    if final:
+        return text[start:].rstrip() or "{}"
+    so_far = text[start:].rstrip()
+    while so_far:
+        try:
+            partial_json_parser.loads(so_far)
+            return so_far
+        except Exception:  # noqa: BLE001 - not a valid JSON prefix (yet): hold the tail back
+            so_far = so_far[:-1].rstrip()
+    return ""
+
+
+def held_back(text: str, tag: str) -> int:
+    """How many trailing characters of ``text`` could begin ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolParser(abc.ABC):
+    """Splits a chat completion's text into content and tool calls (see the module docstring).
+
+    Args:
+        tokenizer: the engine's tokenizer (parsers that look at token ids may need it).
+    """
+
+    def __init__(self, tokenizer=None) -> None:
+        self.tokenizer = tokenizer
+
+    @abc.abstractmethod
+    def parse(self, text: str, final: bool) -> ParsedToolOutput:
+        """The content and calls of ``text``; ``final`` when the text is complete."""
+
+
+def new_call_id() -> str:
+    """A tool call id in OpenAI's style (``call_`` and 24 hex digits)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_calls_of(parsed: ParsedToolOutput, limit: int | None = None) -> list[ToolCall]:
+    """The response's ``tool_calls``: every parsed call with a name (the first ``limit``)."""
+    calls = [c for c in parsed.calls if c.name is not None][:limit]
+    return [
+        ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+
+
+def split_tool_calls(
+    parser: ToolParser, text: str, limit: int | None = None
+) -> tuple[str | None, list[ToolCall]]:
+    """``(content, tool_calls)`` of a whole reply: the content is ``None`` when empty, and the
+    whole text when no call is found."""
+    parsed = parser.parse(text, final=True)
+    calls = tool_calls_of(parsed, limit)
+    if not calls:
+        return text or None, []
+    return parsed.content or None, calls
+
+
+class ToolCallStream:
+    """Turns the successive parses of a growing text into stream deltas.
+
+    Args:
+        parser: the parser of this request's text.
+        limit: the most calls to send (1 when ``parallel_tool_calls`` is false).
+    """
+
+    def __init__(self, parser: ToolParser, limit: int | None = None) -> None:
+        self.parser, self.limit = parser, limit
+        self.content_sent = 0
+        self.ids: list[str] = []
+        self.arguments_sent: list[int] = []
+
+    @property
+    def num_calls(self) -> int:
+        """Calls whose first delta was sent."""
+        return len(self.ids)
+
+    def update(self, text: str, final: bool) -> tuple[str, list[DeltaToolCall]]:
+        """``(content delta, tool call deltas)`` now that the text is ``text``; a final text
+        in which no call was found is content as a whole (see :func:`split_tool_calls`)."""
+        parsed = self.parser.parse(text, final)
+        if final and not self.ids and not any(c.name for c in parsed.calls):
+            parsed = ParsedToolOutput(text)
+        content = parsed.content[self.content_sent :]
+        self.content_sent = len(parsed.content)
+        deltas = []
+        calls = [c for c in parsed.calls if c.name is not None][: self.limit]
+        for index, call in enumerate(calls):
+            if index == len(self.ids):
+                self.ids.append(new_call_id())
+                self.arguments_sent.append(0)
+                deltas.append(
+                    DeltaToolCall(
+                        index=index,
+                        id=self.ids[index],
+                        type="function",
+                        function=DeltaFunctionCall(name=call.name, arguments=""),
+                    )
+                )
+            fragment = call.arguments[self.arguments_sent[index] :]
+            if fragment:
+                self.arguments_sent[index] = len(call.arguments)
+                deltas.append(
+                    DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=fragment))
+                )
+        return content, deltas

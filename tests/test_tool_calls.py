@@ -1,0 +1,311 @@
+"""Tool calling: the parsers on recorded model texts (fed whole, token by token and character
+by character, with the same calls and content each way), then the real ``openai`` SDK against
+``pyxllm serve`` on the default model: ``required``, a named function, parallel calls, streamed
+and not, a two-turn exchange, and the 400s."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+from pyxllm.entrypoints.openai.errors import OpenAIError
+from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pyxllm.entrypoints.openai.tool_parsers import ToolCallStream, split_tool_calls
+from pyxllm.entrypoints.openai.tool_parsers.constrained import NamedCallParser, RequiredCallsParser
+from pyxllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from pyxllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from pyxllm.entrypoints.openai.tools import plan_tools
+from tests.utils import RemoteServer
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": WEATHER,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The time in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 30}},
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "ping", "description": "Check the service"}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris and in London?"}]
+
+# --- the parsers, on recorded texts ----------------------------------------------------------
+
+HERMES = HermesToolParser()
+RECORDED = [
+    (
+        HERMES,
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments":'
+        ' {"city": "London", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "ping",'
+        ' "arguments": {}}\n</tool_call>',
+        (
+            "Let me check.",
+            [
+                ("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+                ("get_weather", '{"city": "London", "unit": "celsius"}'),
+                ("ping", "{}"),
+            ],
+        ),
+    ),
+    (
+        HERMES,
+        '<tool_call>{"name": "say", "arguments": {"text": "a \\"quoted\\" {brace} ]"}}</tool_call>',
+        (None, [("say", '{"text": "a \\"quoted\\" {brace} ]"}')]),
+    ),
+    (
+        HERMES,
+        '<tool_call>\n{"name": "say", "arguments": {"text": "Zürich, 東京 🙂"}}\n</tool_call>',
+        (None, [("say", '{"text": "Zürich, 東京 🙂"}')]),
+    ),
+    (
+        HERMES,
+        "The answer is 42 and no tool is needed <tool is a word>.",
+        ("The answer is 42 and no tool is needed <tool is a word>.", []),
+    ),
+    (
+        HERMES,
+        '<tool_call>\n{"name": "say", "arguments": {"text": }\n</tool_call>',
+        (None, [("say", '{"text": }')]),
+    ),  # malformed: the raw text, as OpenAI's arguments may be
+    (
+        HERMES,
+        "<tool_call>\nnot json at all\n</tool_call>",
+        ("<tool_call>\nnot json at all\n</tool_call>", []),
+    ),
+    (
+        Llama3JsonToolParser(),
+        '{"name": "get_time", "parameters": {"city": "Oslo"}}; {"name": "ping", "parameters": {}}',
+        (None, [("get_time", '{"city": "Oslo"}'), ("ping", "{}")]),
+    ),
+    (Llama3JsonToolParser(), "Oslo is in Norway.", ("Oslo is in Norway.", [])),
+    (
+        RequiredCallsParser(),
+        '[{"name": "ping", "arguments": {}}, {"name": "get_time", "arguments": {"city": "Rome"}}]',
+        (None, [("ping", "{}"), ("get_time", '{"city": "Rome"}')]),
+    ),
+    (
+        NamedCallParser("get_time"),
+        '{\n  "city": "Lima"\n}',
+        (None, [("get_time", '{\n  "city": "Lima"\n}')]),
+    ),
+]
+
+
+def streamed(parser, pieces: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    """The content and calls a client assembles from the stream of ``pieces`` (cumulative)."""
+    stream, content, calls = ToolCallStream(parser), "", {}
+    for k, text in enumerate(pieces):
+        delta, tool_calls = stream.update(text, k == len(pieces) - 1)
+        content += delta
+        for d in tool_calls:
+            entry = calls.setdefault(d.index, ["", ""])
+            if d.function.name:
+                assert not entry[0] and d.id, "the name and id come once, first"
+                entry[0] = d.function.name
+            entry[1] += d.function.arguments or ""
+    return content or None, [tuple(v) for _, v in sorted(calls.items())]
+
+
+def token_pieces(tokenizer, text: str) -> list[str]:
+    """The cumulative texts a stream shows token by token (a split UTF-8 character held)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.decode(ids[: k + 1]).rstrip("\ufffd") for k in range(len(ids))]
+    assert pieces[-1] == text
+    return pieces
+
+
+@pytest.mark.parametrize("parser, text, expected", RECORDED)
+def test_parsers_give_the_same_calls_however_the_text_arrives(
+    hf_gguf_tokenizer, parser, text, expected
+):
+    content, calls = split_tool_calls(parser, text)
+    assert (content, [(c.function.name, c.function.arguments) for c in calls]) == expected
+    assert streamed(parser, [text]) == expected
+    assert streamed(parser, [text[: k + 1] for k in range(len(text))]) == expected
+    assert streamed(parser, token_pieces(hf_gguf_tokenizer, text)) == expected
+
+
+def test_tool_choice_rules_without_a_server():
+    def plan(**body):
+        return plan_tools(ChatCompletionRequest(messages=ASK, **body), auto_parser=None)
+
+    assert plan().mode == "none" and plan(tools=TOOLS, tool_choice="none").mode == "none"
+    required = plan(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert required.limit == 1 and required.constraint.json["maxItems"] == 1
+    for body, message in [
+        ({"tool_choice": "required"}, "tool_choice: requires tools"),
+        ({"tools": TOOLS}, '"auto" (the default with tools) needs a server'),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "no tool is named 'nope'",
+        ),
+        ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "same function name"),
+    ]:
+        with pytest.raises(OpenAIError, match=re.escape(message)):
+            plan(**body)
+
+
+# --- over HTTP, on the default model ---------------------------------------------------------
+
+MODEL = "smollm2-tools"
+
+
+@pytest.fixture(scope="module")
+def server():
+    args = [
+        "--served-model-name",
+        MODEL,
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory",
+        "0.25",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ]
+    with RemoteServer(args) as remote:
+        yield remote
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai_client()
+
+
+def ask(client, stream: bool = False, **kwargs):
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 160}
+    return client.chat.completions.create(**{**body, **kwargs}, stream=stream)
+
+
+def assemble(chunks) -> tuple[str | None, list[tuple[str, str]], str]:
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            entry = calls.setdefault(d.index, ["", ""])
+            entry[0] = d.function.name or entry[0]
+            entry[1] += d.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content or None, [tuple(v) for _, v in sorted(calls.items())], finish
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_required_and_named_calls_validate_streamed_or_not(client, tool_choice):
+    choice = ask(client, tool_choice=tool_choice).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls and all(c.id.startswith("call_") and c.type == "function" for c in calls)
+    for call in calls:
+        schema = {t["function"]["name"]: t["function"].get("parameters") for t in TOOLS}
+        jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name] or {})
+    content, streamed_calls, finish = assemble(ask(client, stream=True, tool_choice=tool_choice))
+    assert (content, finish) == (None, "tool_calls")
+    assert streamed_calls == [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_two_parallel_calls_and_only_one_when_not_parallel(client):
+    calls = ask(client, tools=TOOLS[:2], tool_choice="required").choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather"] * 2  # recorded for this prompt
+    assert [json.loads(c.function.arguments)["city"] for c in calls] == ["Paris", "London"]
+    _, streamed_calls, _ = assemble(
+        ask(client, stream=True, tools=TOOLS[:2], tool_choice="required")
+    )
+    assert streamed_calls == [(c.function.name, c.function.arguments) for c in calls]
+    single = ask(client, tool_choice="required", parallel_tool_calls=False).choices[0]
+    assert len(single.message.tool_calls) == 1
+
+
+def test_a_parameterless_tool_gets_empty_arguments(client):
+    named = {"type": "function", "function": {"name": "ping"}}
+    call = ask(client, tool_choice=named).choices[0].message.tool_calls[0]
+    assert call.function.name == "ping" and json.loads(call.function.arguments) == {}
+    streamed_call = assemble(ask(client, stream=True, tool_choice=named))[1]
+    assert streamed_call == [("ping", call.function.arguments)]
+
+
+def test_a_two_turn_exchange(client):
+    call = ask(client, tool_choice="required").choices[0].message.tool_calls[0]
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 18, "unit": "celsius"}'},
+    ]
+    answer = ask(client, messages=messages, tool_choice="none", max_tokens=40).choices[0]
+    assert answer.message.content and not answer.message.tool_calls
+    assert answer.finish_reason in ("stop", "length")
+    auto = ask(client, messages=messages, max_tokens=40).choices[0]  # auto: text or calls
+    assert auto.message.content or auto.message.tool_calls
+
+
+def post(server, body: dict) -> httpx.Response:
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 8, **body}
+    return httpx.post(server.url_for("v1", "chat", "completions"), json=body, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}},
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"messages": ASK + [{"role": "tool", "content": "18 C"}]}, "messages[1].tool_call_id"),
+        ({"tools": TOOLS, "tool_choice": "maybe"}, "tool_choice"),
+    ],
+)
+def test_tool_requests_that_cannot_work_are_400s(server, body, param):
+    response = post(server, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    stats = httpx.get(server.url_for("debug", "stats")).json()
+    assert stats["num_running"] == 0 and stats["num_kv_blocks_used"] == 0
