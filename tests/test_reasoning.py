@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from types import SimpleNamespace
 
 import httpx
@@ -390,3 +391,21 @@ def test_server_openai_sdk_sees_reasoning(server, thinking_checkpoint):
     message = response.choices[0].message
     assert message.reasoning_content and message.content is None
     assert message.reasoning_content == raw_text(server, thinking_checkpoint.prompt, 3)
+
+
+def test_a_constraint_applies_to_the_answer_not_the_reasoning(server, thinking_checkpoint):
+    """With --reasoning-parser the model thinks freely (the same reasoning as unconstrained),
+    and the constraint holds from ``</think>`` on; with thinking off, from the first token."""
+    text = raw_text(server, thinking_checkpoint.prompt, NEW_TOKENS)
+    reasoning = text.split("</think>")[0]
+    regex = {"structured_outputs": {"regex": "[a-z]{3}"}}
+    message = chat(server, NEW_TOKENS, stream=False, **regex)["choices"][0]["message"]
+    assert message["reasoning_content"] == reasoning
+    assert re.fullmatch("[a-z]{3}", message["content"]), message
+    assert streamed(chat(server, NEW_TOKENS, stream=True, **regex))[:2] == (
+        reasoning,
+        message["content"],
+    )
+    off = {"chat_template_kwargs": {"enable_thinking": False}, **regex}
+    message = chat(server, NEW_TOKENS, stream=False, **off)["choices"][0]["message"]
+    assert re.fullmatch("[a-z]{3}", message["content"]) and message["reasoning_content"] is None

@@ -91,6 +91,9 @@ class EngineRequest:
             (``None`` without one); wait for it (``grammar.compiled()`` or
             ``await grammar.wait()``, which raise ``InvalidRequestError`` when it does not
             compile) before the engine gets the request.
+        constrain_after: token ids that end the model's reasoning (``</think>``): the
+            constraint applies to what follows them in the output, not to the reasoning
+            (vLLM's behaviour); empty: from the first token.
     """
 
     request_id: str
@@ -99,6 +102,7 @@ class EngineRequest:
     sampling_params: SamplingParams
     arrival_time: float
     grammar: GrammarHandle | None = None
+    constrain_after: tuple[int, ...] = ()
 
 
 class InputProcessor:
@@ -144,10 +148,12 @@ class InputProcessor:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         max_tokens_param: str = "max_tokens",
+        constrain_after: tuple[int, ...] = (),
     ) -> EngineRequest:
         """The validated request for ``prompt`` with ``params`` (default ``SamplingParams()``);
         errors about the completion's length name ``max_tokens_param`` (the chat API's
-        ``max_completion_tokens`` when the request used it).
+        ``max_completion_tokens`` when the request used it); ``constrain_after``: see
+        :class:`EngineRequest`.
 
         Raises:
             InvalidRequestError: (a ``ValueError``) the prompt is empty, cannot be tokenized or
@@ -180,7 +186,9 @@ class InputProcessor:
                 )
             grammar = self.structured_outputs.submit(params.structured_outputs)
         now = time.monotonic() if arrival_time is None else arrival_time
-        return EngineRequest(request_id, ids, tokens.text, params, now, grammar)
+        return EngineRequest(
+            request_id, ids, tokens.text, params, now, grammar, constrain_after if grammar else ()
+        )
 
     def tokenize(self, prompt: str | TextPrompt | ChatPrompt) -> TokensPrompt:
         """The token ids of a text or chat prompt (a ``str`` is a :class:`TextPrompt`).

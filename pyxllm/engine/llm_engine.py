@@ -167,6 +167,7 @@ class LLMEngine:
         )
         if request.grammar is not None:
             child.matcher = request.grammar.new_matcher()
+            child.constrain_after = request.constrain_after
         self.requests[request_id] = child
         self.scheduler.add_request(child)
 
@@ -203,7 +204,7 @@ class LLMEngine:
         new_tokens = self.scheduler.update_from_output(result.sampled_token_ids)
         self.metrics.record_tokens((request for request, _ in new_tokens), now)
         for request, token in new_tokens:
-            if request.matcher is not None and not request.matcher.accept_token(token):
+            if not request.accept_token(token):
                 logger.warning(
                     "request %s: token %d broke its constraint", request.request_id, token
                 )
@@ -219,9 +220,9 @@ class LLMEngine:
         """Give each sampling sequence with a constraint the bitmask of its allowed tokens."""
         rows = []
         for seq in plan.sequences:
-            matcher = self.requests[seq.request_id].matcher if seq.sample else None
-            if matcher is not None:
-                rows.append((seq, matcher))
+            request = self.requests[seq.request_id] if seq.sample else None
+            if request is not None and request.constrained:
+                rows.append((seq, request.matcher))
         if rows:
             bitmask = self.structured_outputs.fill_bitmask([matcher for _, matcher in rows])
             for (seq, _), row in zip(rows, bitmask):

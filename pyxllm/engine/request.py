@@ -45,6 +45,8 @@ class Request:
         logprobs / prompt_logprobs: collected per generated / prompt token when asked for.
         matcher: the request's structured-output matcher (advanced by each generated token),
             ``None`` without a constraint.
+        constrain_after: while the output has not yet ended with these token ids (the end of
+            the reasoning), the matcher waits: no mask, no tokens fed; then it is emptied.
     """
 
     request_id: str
@@ -65,6 +67,7 @@ class Request:
     logprobs: SampleLogprobs | None = field(default=None, repr=False)
     prompt_logprobs: PromptLogprobs | None = field(default=None, repr=False)
     matcher: GrammarMatcher | None = field(default=None, repr=False)
+    constrain_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -83,6 +86,25 @@ class Request:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
             self.prompt_token_ids
         )
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the request's constraint applies to its next token."""
+        return self.matcher is not None and not self.constrain_after
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance the constraint past a generated token (or, before it applies, watch for the
+        end of the reasoning); ``False`` when the token broke the constraint."""
+        if self.matcher is None:
+            return True
+        if self.constrain_after:
+            n = len(self.constrain_after)
+            if tuple(self.token_ids[-n:]) == self.constrain_after:
+                self.constrain_after = ()
+            return True
+        if self.matcher.is_terminated():  # complete: only EOS follows (kept with ignore_eos)
+            return True
+        return self.matcher.accept_token(token_id)
 
     @property
     def max_tokens(self) -> int:

@@ -117,6 +117,7 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens_param="max_tokens"
             if request.max_completion_tokens is None
             else "max_completion_tokens",
+            constrain_after=() if reasoning is None else reasoning.end_token_ids(),
         )
         await self.prepare(engine_request)
         created = int(time.time())

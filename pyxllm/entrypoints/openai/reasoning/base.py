@@ -50,6 +50,11 @@ class ReasoningParser(ABC):
         reasoning request must keep special tokens in its text."""
         return False
 
+    def end_token_ids(self) -> tuple[int, ...]:
+        """The token ids that end the reasoning in generated text (a structured-output
+        constraint applies after them); empty when the parser cannot say."""
+        return ()
+
     def is_reasoning_end(self, prompt_token_ids: Sequence[int]) -> bool:
         """True when the prompt itself closed the reasoning (e.g. a chat template rendered an
         empty think block for ``enable_thinking=False``): everything generated is content."""

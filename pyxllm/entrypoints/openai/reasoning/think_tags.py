@@ -46,6 +46,10 @@ class ThinkTagReasoningParser(ReasoningParser):
         """True when this tokenizer marks ``</think>`` special, so that decoding drops it."""
         return self._needs_special_tokens
 
+    def end_token_ids(self) -> tuple[int, ...]:
+        """``</think>`` as the tokenizer writes it alone (one id for Qwen3's added token)."""
+        return tuple(self.tokenizer.encode(self.end_tag, add_special_tokens=False))
+
     def is_reasoning_end(self, prompt_token_ids: Sequence[int]) -> bool:
         """True when the prompt ends with ``</think>`` (and whitespace)."""
         tail = self.tokenizer.decode(
