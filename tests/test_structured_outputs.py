@@ -167,3 +167,36 @@ def test_exactly_one_kind():
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams()
+
+
+@pytest.fixture(scope="module")
+def xgrammar_llm():
+    pytest.importorskip("xgrammar", reason="make installs xgrammar (--no-deps)")
+    return LLM(
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_memory=0.1,
+        structured_outputs_backend="xgrammar",
+    )
+
+
+def test_the_xgrammar_backend_keeps_every_kind_of_constraint(xgrammar_llm):
+    (person,) = constrained(xgrammar_llm, ASK, StructuredOutputsParams(json=PERSON))
+    jsonschema.validate(json.loads(person.text), PERSON)
+    (phone,) = constrained(
+        xgrammar_llm,
+        "Call ",
+        StructuredOutputsParams(regex=r"\d{3}-\d{4}"),
+        temperature=1.0,
+        seed=2,
+    )
+    assert re.fullmatch(r"\d{3}-\d{4}", phone.text)
+    (pick,) = constrained(xgrammar_llm, "Pick: ", StructuredOutputsParams(choice=["yes", "no"]))
+    assert pick.text in ("yes", "no")
+    ebnf = 'root ::= "The answer is " [0-9]+ "."'
+    (answer,) = constrained(xgrammar_llm, "Q: 2+3? ", StructuredOutputsParams(grammar=ebnf))
+    assert re.fullmatch(r"The answer is [0-9]+\.", answer.text)
+    with pytest.raises(ValueError, match="structured_outputs.regex"):
+        xgrammar_llm.generate(
+            "x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a"))
+        )
