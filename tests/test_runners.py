@@ -25,7 +25,7 @@ from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 from pyxllm.kernels.cuda.paged_cache import reshape_and_cache as capturable_reshape_and_cache
 from pyxllm.kernels.native import reshape_and_cache
 from pyxllm.layers.forward_context import AttentionStep
-from pyxllm.sampling_params import SamplingParams
+from pyxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 PROMPTS = [
@@ -250,6 +250,10 @@ def test_cpu_graph_replays_traced_decode_steps_with_eager_tokens(eager_tokens):
     tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY)]
     single = llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
     assert tokens == eager_tokens and single == eager_tokens[0]
+    # a constrained row's mask applies to the replayed step's logits as to eager ones
+    choice = StructuredOutputsParams(choice=["alpha beta", "gamma"])
+    constrained = SamplingParams(temperature=0, max_tokens=5, structured_outputs=choice)
+    assert llm.generate(PROMPTS[0], constrained)[0].outputs[0].text in ("alpha beta", "gamma")
     assert runner.replays[4] >= GREEDY.max_tokens - 1 and runner.replays[1] >= GREEDY.max_tokens - 1
 
 

@@ -106,12 +106,12 @@ def test_vllm_structured_outputs_regex_and_choice(server, path):
             "max_tokens": 30,
             "temperature": 1.0,
             "seed": 4,
-            "structured_outputs": {"regex": r"[A-Z][a-z]{2,8} \d{2}"},
+            "structured_outputs": {"regex": r"[A-Z][a-z]{2,8} [0-9]{2}"},
         },
     )
     text = regex.json()["choices"][0]
     text = text["message"]["content"] if "message" in text else text["text"]
-    assert re.fullmatch(r"[A-Z][a-z]{2,8} \d{2}", text), text
+    assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", text), text
     choice = post(
         server,
         path,

@@ -66,9 +66,13 @@ def test_sampled_json_validates_for_every_seed(llm):
 
 def test_regex_choice_and_json_object(llm):
     (phone,) = constrained(
-        llm, "Call me at ", StructuredOutputsParams(regex=r"\d{3}-\d{4}"), temperature=1.0, seed=3
+        llm,
+        "Call me at ",
+        StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}"),
+        temperature=1.0,
+        seed=3,
     )
-    assert re.fullmatch(r"\d{3}-\d{4}", phone.text), phone.text
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone.text), phone.text
     (answer,) = constrained(
         llm,
         [{"role": "user", "content": "Is water wet?"}],
@@ -186,11 +190,11 @@ def test_the_xgrammar_backend_keeps_every_kind_of_constraint(xgrammar_llm):
     (phone,) = constrained(
         xgrammar_llm,
         "Call ",
-        StructuredOutputsParams(regex=r"\d{3}-\d{4}"),
+        StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}"),
         temperature=1.0,
         seed=2,
     )
-    assert re.fullmatch(r"\d{3}-\d{4}", phone.text)
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone.text)
     (pick,) = constrained(xgrammar_llm, "Pick: ", StructuredOutputsParams(choice=["yes", "no"]))
     assert pick.text in ("yes", "no")
     ebnf = 'root ::= "The answer is " [0-9]+ "."'
@@ -200,3 +204,20 @@ def test_the_xgrammar_backend_keeps_every_kind_of_constraint(xgrammar_llm):
         xgrammar_llm.generate(
             "x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a"))
         )
+
+
+def test_preempted_and_recomputed_requests_keep_their_constraint(llm):
+    """A KV cache too small for the batch preempts requests mid-way; recomputed, their matchers
+    go on where they were, so the outputs equal those of an unhurried engine."""
+    prompts = [f"Describe user number {i} as JSON." for i in range(6)]
+    params = SamplingParams(
+        temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(json=PERSON)
+    )
+    calm = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    tight = LLM(dtype="float32", max_model_len=256, kv_cache_memory=0.012, max_seqs_per_batch=6)
+    outs = tight.generate(prompts, params)
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].text for o in outs] == calm
+    for out in outs:
+        if out.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.outputs[0].text), PERSON)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 from pyxllm.executor.uniproc import UniprocExecutor
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
+from pyxllm.sampling_params import StructuredOutputsParams
 from pyxllm.weights import (
     LazyWeight,
     iter_weight_slices,
@@ -46,7 +48,17 @@ from pyxllm.weights import (
 from tests.utils import RemoteServer, free_port
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "My phone number is"]
+# the last prompt is constrained: the bitmask is rank 0's alone, the workers never see it
+PARAMS = [
+    GREEDY,
+    GREEDY,
+    SamplingParams(
+        temperature=0,
+        max_tokens=8,
+        structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3} [0-9]{4}"),
+    ),
+]
 ENGINE = dict(dtype="float32", max_model_len=96, kv_cache_memory=0.05)
 
 
@@ -73,7 +85,8 @@ def greedy_tokens(model, tp: int) -> tuple[list[list[int]], int]:
         if tp > 1:
             assert sorted(engine.executor.procs) == list(range(1, tp))
             assert all(p.is_alive() for p in engine.executor.procs.values())
-        outs = llm.generate(PROMPTS, GREEDY)
+        outs = llm.generate(PROMPTS, PARAMS)
+        assert re.fullmatch(r"[0-9]{3} [0-9]{4}", outs[-1].outputs[0].text)
         return [list(o.outputs[0].token_ids) for o in outs], engine.executor.num_kv_blocks
     finally:
         engine.shutdown()
