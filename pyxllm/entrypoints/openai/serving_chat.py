@@ -4,40 +4,35 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pyxllm.engine.input_processor import ChatPrompt, EngineRequest
+from pyxllm.engine.input_processor import ChatPrompt
+from pyxllm.entrypoints.openai.chat_choices import (
+    ChatEvents,
+    chat_message,
+    choice_logprobs,
+)
 from pyxllm.entrypoints.openai.errors import OpenAIError
-from pyxllm.entrypoints.openai.logprobs import chat_logprobs
 from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
-    ChatCompletionResponseStreamChoice,
-    ChatCompletionStreamResponse,
-    ChatMessage,
-    DeltaMessage,
-    UsageInfo,
 )
 from pyxllm.entrypoints.openai.reasoning import ReasoningParser, get_reasoning_parser
 from pyxllm.entrypoints.openai.serving_engine import (
-    ChoiceEvents,
     ClientDisconnected,
     OpenAIServing,
-    sse,
     usage_info,
 )
 from pyxllm.entrypoints.openai.tool_parsers import (
-    ToolCallStream,
     ToolParser,
     get_tool_parser,
     split_tool_calls,
 )
 from pyxllm.entrypoints.openai.tools import ToolPlan, plan_tools, template_messages, tool_specs
-from pyxllm.outputs import CompletionOutput, RequestOutput
+from pyxllm.outputs import CompletionOutput
 from pyxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -123,7 +118,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            events = _ChatEvents(engine_request, created, self.model_name, reasoning, tools)
+            events = ChatEvents(engine_request, created, self.model_name, reasoning, tools)
             return self.stream(engine_request, events, include_usage)
         try:
             final = await self.generate_full(engine_request, raw_request)
@@ -210,87 +205,6 @@ class OpenAIServingChat(OpenAIServing):
         return ChatPrompt(messages, add_generation_prompt, kwargs)
 
 
-class _ChatEvents(ChoiceEvents):
-    """A chat stream's events: per choice a role delta first, then content (and reasoning)
-    deltas with their logprobs, and tool call deltas when the request's tools are parsed; the
-    last one with the finish reason."""
-
-    def __init__(
-        self,
-        request: EngineRequest,
-        created: int,
-        model: str,
-        reasoning: ReasoningParser | None,
-        tools: ToolPlan,
-    ) -> None:
-        self.request_id, self.created, self.model = request.request_id, created, model
-        self.params, self.reasoning = request.sampling_params, reasoning
-        n = self.params.n
-        self.texts, self.num_sent = [""] * n, [0] * n
-        self.contents = [""] * n  # the content so far (the text after any reasoning)
-        self.calls = [
-            None if tools.parser is None else ToolCallStream(tools.parser, tools.limit)
-            for _ in range(n)
-        ]
-
-    def chunk(
-        self, index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None
-    ) -> str:
-        choice = ChatCompletionResponseStreamChoice(
-            index=index,
-            delta=delta,
-            logprobs=logprobs,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-        )
-        return sse(
-            ChatCompletionStreamResponse(
-                id=self.request_id, created=self.created, model=self.model, choices=[choice]
-            )
-        )
-
-    def opening(self) -> Iterator[str]:
-        for index in range(self.params.n):
-            yield self.chunk(index, DeltaMessage(role="assistant", content=""))
-
-    def update(self, completion: CompletionOutput, output: RequestOutput) -> str | None:
-        i, finished = completion.index, completion.finish_reason is not None
-        delta = delta_message(self.texts[i], completion.text, finished, self.reasoning)
-        logprobs = choice_logprobs(completion, self.params, self.num_sent[i])
-        self.texts[i], self.num_sent[i] = completion.text, len(completion.token_ids)
-        finish_reason = completion.finish_reason
-        calls = self.calls[i]
-        if calls is not None:
-            self.contents[i] += delta.content or ""
-            content, tool_calls = calls.update(self.contents[i], finished)
-            delta.content, delta.tool_calls = content or None, tool_calls or None
-            if finish_reason == "stop" and calls.num_calls:
-                finish_reason = "tool_calls"
-        if finished:
-            return self.chunk(i, delta, logprobs, finish_reason, completion.stop_reason)
-        if delta.content or delta.reasoning_content or delta.tool_calls:
-            return self.chunk(i, delta, logprobs)
-        if logprobs and logprobs.content:
-            return self.chunk(i, delta, logprobs)
-        return None
-
-    def aborted(self, index: int) -> str:
-        text = self.texts[index]
-        delta = delta_message(text, text, True, self.reasoning)
-        return self.chunk(index, delta, finish_reason="abort")
-
-    def usage(self, usage: UsageInfo) -> str:
-        return sse(
-            ChatCompletionStreamResponse(
-                id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage
-            )
-        )
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(self.num_sent)
-
-
 def requested_logprobs(request: ChatCompletionRequest) -> int | None:
     """The number of top logprobs per token the request asks for, ``None`` without ``logprobs``.
 
@@ -305,40 +219,3 @@ def requested_logprobs(request: ChatCompletionRequest) -> int | None:
     if top and not request.logprobs:
         raise OpenAIError("top_logprobs: requires logprobs to be true", 400, "top_logprobs")
     return (top or 0) if request.logprobs else None
-
-
-def choice_logprobs(completion: CompletionOutput, params: SamplingParams, start: int = 0):
-    """The chat ``logprobs`` of the completion's tokens from ``start`` on (``None`` when the
-    request did not ask)."""
-    if params.logprobs is None or completion.logprobs is None:
-        return None
-    return chat_logprobs(completion.token_ids[start:], completion.logprobs[start:], params.logprobs)
-
-
-def chat_message(text: str, reasoning: ReasoningParser | None) -> ChatMessage:
-    """The assistant message of a whole generated text, split by ``reasoning`` if given
-    (then an empty part is ``None``)."""
-    if reasoning is None:
-        return ChatMessage(role="assistant", content=text)
-    reasoning_text, content = reasoning.extract_reasoning(text)
-    return ChatMessage(
-        role="assistant",
-        content=content,
-        reasoning_content=reasoning_text,
-        reasoning=reasoning_text,
-    )
-
-
-def delta_message(
-    previous_text: str, current_text: str, finished: bool, reasoning: ReasoningParser | None
-) -> DeltaMessage:
-    """What a stream chunk adds now that the text grew from ``previous_text`` to
-    ``current_text``; empty parts are left out."""
-    if reasoning is None:
-        return DeltaMessage(content=current_text[len(previous_text) :] or None)
-    delta = reasoning.extract_reasoning_streaming(previous_text, current_text, finished)
-    return DeltaMessage(
-        content=delta.content or None,
-        reasoning_content=delta.reasoning or None,
-        reasoning=delta.reasoning or None,
-    )
