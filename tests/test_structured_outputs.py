@@ -197,6 +197,7 @@ def test_the_xgrammar_backend_keeps_every_kind_of_constraint(xgrammar_llm):
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone.text)
     (pick,) = constrained(xgrammar_llm, "Pick: ", StructuredOutputsParams(choice=["yes", "no"]))
     assert pick.text in ("yes", "no")
+    assert_eos_only_after_a_complete_constraint(xgrammar_llm)
     ebnf = 'root ::= "The answer is " [0-9]+ "."'
     (answer,) = constrained(xgrammar_llm, "Q: 2+3? ", StructuredOutputsParams(grammar=ebnf))
     assert re.fullmatch(r"The answer is [0-9]+\.", answer.text)
@@ -221,3 +222,17 @@ def test_preempted_and_recomputed_requests_keep_their_constraint(llm):
     for out in outs:
         if out.outputs[0].finish_reason == "stop":
             jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+
+
+def assert_eos_only_after_a_complete_constraint(llm):
+    """With ``ignore_eos`` the output runs on past the constraint's end: only EOS follows (and
+    the engine lives on; xgrammar raises when asked for the mask of a terminated matcher)."""
+    (out,) = constrained(
+        llm, "Pick: ", StructuredOutputsParams(choice=["yes", "no"]), ignore_eos=True, max_tokens=6
+    )
+    assert out.text in ("yes", "no") and len(out.token_ids) == 6
+    assert set(out.token_ids[-3:]) <= llm.get_tokenizer().eos_token_ids
+
+
+def test_only_eos_follows_a_complete_constraint(llm):
+    assert_eos_only_after_a_complete_constraint(llm)

@@ -76,6 +76,42 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="write the PNG plot here (default: the result file with .png)",
     )
     parser.add_argument("--label", default="pyxllm bench serve", help="title of the table and plot")
+    parser.add_argument(
+        "--structured-output",
+        choices=("none", "json"),
+        default="none",
+        help="json: every request carries response_format json_schema (BENCH_SCHEMA, the same for "
+        "all, so the server compiles it once); the payload reports the first request's TTFT",
+    )
+
+
+# The schema of --structured-output json: nested objects, an array, an enum and bounded numbers.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        "genre": {"enum": ["drama", "comedy", "thriller", "documentary"]},
+        "cast": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "role": {"type": "string"}},
+                "required": ["name", "role"],
+            },
+        },
+        "rating": {"type": "number", "minimum": 0, "maximum": 10},
+    },
+    "required": ["title", "year", "genre", "cast", "rating"],
+}
+
+
+def structured_output_fields(kind: str) -> dict:
+    """The request fields of ``--structured-output``."""
+    if kind == "none":
+        return {}
+    schema = {"name": "bench", "schema": BENCH_SCHEMA}
+    return {"response_format": {"type": "json_schema", "json_schema": schema}}
 
 
 async def _one_request(client, url: str, body: dict, record: RequestRecord) -> None:
@@ -129,8 +165,10 @@ async def run_benchmark(
     ignore_eos: bool = True,
     seed: int = 0,
     timeout: float = 600.0,
+    extra_fields: dict | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Send every prompt; returns the per-request records and the wall duration in seconds."""
+    """Send every prompt (each request's body also gets ``extra_fields``); returns the
+    per-request records, in the order sent, and the wall duration in seconds."""
     import httpx
 
     base_url = base_url.rstrip("/")
@@ -151,6 +189,7 @@ async def run_benchmark(
                 "temperature": 0.0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
+                **(extra_fields or {}),
             }
             if ignore_eos:
                 body["ignore_eos"] = True
@@ -183,6 +222,7 @@ def bench_serve(args: argparse.Namespace) -> dict:
             args.ignore_eos,
             args.seed,
             args.timeout,
+            structured_output_fields(args.structured_output),
         )
     )
     metrics = compute_metrics(records, duration)
@@ -199,6 +239,8 @@ def bench_serve(args: argparse.Namespace) -> dict:
         "output_len": args.output_len,
         "max_concurrency": args.max_concurrency,
         "request_rate": None if args.request_rate == float("inf") else args.request_rate,
+        "structured_output": args.structured_output,
+        "first_ttft_ms": None if records[0].ttft is None else 1000 * records[0].ttft,
         **metrics.to_dict(),
         "errors": errors[:5],
     }
