@@ -6,7 +6,14 @@ OpenAI-compatible server.
 
 from pyxllm.entrypoints.llm import LLM
 from pyxllm.outputs import CompletionOutput, RequestOutput
-from pyxllm.sampling_params import SamplingParams
+from pyxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]

@@ -176,6 +176,8 @@ def test_invalid_in_stream_request(server):
         ("completions", "best_of", 3),
         ("chat/completions", "use_beam_search", True),
         ("completions", "prompt_logprobs", 1),
+        ("chat/completions", "guided_decoding_backend", "outlines"),
+        ("completions", "guided_whitespace_pattern", " *"),
     ],
 )
 def test_a_field_pyxllm_cannot_honour_is_refused_by_name(server, path, field, value):

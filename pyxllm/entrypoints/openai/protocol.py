@@ -154,6 +154,8 @@ class SamplingFields(OpenAIBaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     # Declared so that a request using them is refused with a 400 naming the field
     # (``OpenAIServing.check_unsupported``) instead of being answered as if they were absent.
     best_of: int | None = None

@@ -97,6 +97,10 @@ _NOT_HONOURED = {
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "prompt_logprobs": (None,),
+    # The grammar backend is the server's (--structured-outputs-backend), as in vLLM v1, which
+    # dropped per-request selection; the JSON whitespace bound is JSON_WHITESPACE_LIMIT.
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
 }
 
 
