@@ -228,8 +228,8 @@ def test_help_lists_flags(capsys, argv):
 def test_serve_calls_run_server(monkeypatch):
     calls = []
     fake = types.ModuleType("pyxllm.entrypoints.openai.api_server")
-    fake.run_server = lambda config, host, port, reasoning_parser=None, tool_call_parser=None: (
-        calls.append((config, host, port, reasoning_parser))
+    fake.run_server = lambda config, options: calls.append(
+        (config, options.host, options.port, options.reasoning_parser)
     )
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     assert main(["serve", "--port", "9001", "--host=0.0.0.0", "--max_seqs_per_batch", "4"]) == 0
@@ -243,7 +243,7 @@ def test_serve_calls_run_server(monkeypatch):
 def test_model_load_error_prints_message_not_traceback(monkeypatch, capsys):
     fake = types.ModuleType("pyxllm.entrypoints.openai.api_server")
 
-    def run_server(config, host, port, reasoning_parser=None, tool_call_parser=None):
+    def run_server(config, options):
         raise ValueError(f"model {config.model!r}: not a .gguf file or model directory")
 
     fake.run_server = run_server

@@ -210,12 +210,12 @@ def test_the_xgrammar_backend_keeps_every_kind_of_constraint(xgrammar_llm):
 def test_preempted_and_recomputed_requests_keep_their_constraint(llm):
     """A KV cache too small for the batch preempts requests mid-way; recomputed, their matchers
     go on where they were, so the outputs equal those of an unhurried engine."""
-    prompts = [f"Describe user number {i} as JSON." for i in range(6)]
+    prompts = [f"Describe user number {i} as JSON." for i in range(4)]
     params = SamplingParams(
-        temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(json=PERSON)
+        temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=PERSON)
     )
     calm = [o.outputs[0].text for o in llm.generate(prompts, params)]
-    tight = LLM(dtype="float32", max_model_len=256, kv_cache_memory=0.012, max_seqs_per_batch=6)
+    tight = LLM(dtype="float32", max_model_len=128, kv_cache_memory=0.006, max_seqs_per_batch=4)
     outs = tight.generate(prompts, params)
     assert tight.llm_engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].text for o in outs] == calm

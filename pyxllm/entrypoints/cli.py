@@ -47,14 +47,15 @@ def run_worker_rank(config: EngineConfig) -> int:
 def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     """``pyxllm serve``: run the OpenAI-compatible server until interrupted."""
     from pyxllm.entrypoints.openai.api_server import run_server
+    from pyxllm.entrypoints.openai.server_options import ServerOptions
 
-    run_server(
-        config,
-        args.host,
-        args.port,
+    options = ServerOptions(
+        host=args.host,
+        port=args.port,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
+    run_server(config, options)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: ``build_app(engine)`` and ``run_server(config, host, port)``.
+"""The OpenAI-compatible HTTP server: ``build_app(engine, options)`` and
+``run_server(config, options)`` (see :class:`~.server_options.ServerOptions`).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health`` (200, or 503 when the engine loop died),
@@ -32,6 +33,7 @@ from pyxllm.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pyxllm.entrypoints.openai.serving_tokenization import (
@@ -132,21 +134,23 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> JSONRe
     return JSONResponse(handler.detokenize(request).model_dump(mode="json"))
 
 
-def build_app(
-    engine, reasoning_parser: str | None = None, tool_call_parser: str | None = None
-) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an :class:`~pyxllm.engine.async_engine.AsyncEngine`).
+def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an :class:`~pyxllm.engine.async_engine.AsyncEngine`)
+    with ``options`` (the defaults when ``None``; see :class:`ServerOptions`).
 
-    ``reasoning_parser`` names the parser splitting chat text into ``reasoning_content`` and
-    ``content`` (see :mod:`pyxllm.entrypoints.openai.reasoning`); ``None`` splits nothing.
-    ``tool_call_parser`` names the parser of the model's own tool calls for ``tool_choice:
-    "auto"`` (see :mod:`pyxllm.entrypoints.openai.tool_parsers`); ``None`` refuses ``auto``.
     The app does not own the engine: whoever built the engine shuts it down.
+
+    Raises:
+        ValueError: an unknown reasoning or tool-call parser name.
     """
+    options = options or ServerOptions()
     app = FastAPI(title="pyxllm", summary="OpenAI-compatible API of a pyxllm engine")
     app.include_router(router)
     app.state.engine = engine
-    app.state.openai_serving_chat = OpenAIServingChat(engine, reasoning_parser, tool_call_parser)
+    app.state.options = options
+    app.state.openai_serving_chat = OpenAIServingChat(
+        engine, options.reasoning_parser, options.tool_call_parser
+    )
     app.state.openai_serving_completion = OpenAIServingCompletion(engine)
     app.state.openai_serving_tokenization = OpenAIServingTokenization(
         engine, app.state.openai_serving_chat
@@ -215,21 +219,12 @@ def _ensure_logging() -> None:
         ours.setLevel(logging.INFO)
 
 
-def run_server(
-    config: EngineConfig,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    log_level: str = "warning",
-    reasoning_parser: str | None = None,
-    tool_call_parser: str | None = None,
-) -> None:
-    """Load the engine, serve it over HTTP until SIGINT/SIGTERM, then shut the engine down.
-
-    ``log_level`` is uvicorn's (its access log is off); pyxllm logs one line with the URL.
-    ``reasoning_parser``, ``tool_call_parser`` (the parser of ``tool_choice: "auto"``, ``None``
-    refuses auto): see :func:`build_app` (an unknown name fails before the model loads).
+def run_server(config: EngineConfig, options: ServerOptions | None = None) -> None:
+    """Load the engine, serve it over HTTP as ``options`` say until SIGINT/SIGTERM, then shut
+    the engine down. pyxllm logs one line with the URL once it listens.
 
     Raises:
+        ValueError: an unknown reasoning or tool-call parser name (before the model loads).
         DistributedError: the server stopped because a tensor-parallel worker died (naming it).
     """
     from pyxllm.distributed.errors import DistributedError
@@ -237,15 +232,17 @@ def run_server(
     from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
     from pyxllm.entrypoints.openai.tool_parsers import get_tool_parser
 
-    if reasoning_parser:
-        get_reasoning_parser(reasoning_parser)
-    if tool_call_parser:
-        get_tool_parser(tool_call_parser)
+    options = options or ServerOptions()
+    if options.reasoning_parser:
+        get_reasoning_parser(options.reasoning_parser)
+    if options.tool_call_parser:
+        get_tool_parser(options.tool_call_parser)
     _ensure_logging()
     engine = AsyncEngine.from_config(config)
     server = None
     try:
-        app = build_app(engine, reasoning_parser, tool_call_parser)
+        app = build_app(engine, options)
+        host, port = options.host, options.port
         shown_host = f"[{host}]" if ":" in host else host
         banner = (
             f"serving {engine.model_name} (max_model_len={engine.max_model_len}) "
@@ -255,7 +252,7 @@ def run_server(
             app,
             host=host,
             port=port,
-            log_level=log_level,
+            log_level=options.log_level,
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=5,
