@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import os
+import ssl
 import types
 import typing
 
@@ -181,6 +184,148 @@ def _port(text: str) -> int:
     return port
 
 
+API_KEY_ENV = "PYXLLM_API_KEY"
+
+
+def _string_list(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's form, ``'["a", "b"]'``) or comma-separated words."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            items = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"invalid JSON list {text!r}: {exc}") from None
+        if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings")
+    else:
+        items = stripped.split(",")
+    return [item.strip() for item in items if item.strip()]
+
+
+def _api_keys(text: str) -> list[str]:
+    """Comma-separated API keys; an error never echoes them."""
+    keys = [key.strip() for key in text.split(",")]
+    if not all(keys):
+        raise argparse.ArgumentTypeError("an API key cannot be empty")
+    return keys
+
+
+def _add_security_args(group) -> None:
+    """``serve``'s API key, TLS and CORS flags (see :mod:`pyxllm.entrypoints.openai.security`)."""
+    group.add_argument(
+        *flag_names("api_key"),
+        dest="api_key",
+        type=_api_keys,
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on every route but /health, /version, the "
+        "API docs and /metrics; repeat it or separate keys by commas for several (default: "
+        f"${API_KEY_ENV}, comma-separated, else no key; the variable keeps keys out of ps)",
+    )
+    add_bool_flag(group, "protect_metrics", False, "require the API key on /metrics too")
+    group.add_argument(
+        *flag_names("ssl_keyfile"),
+        dest="ssl_keyfile",
+        default=None,
+        metavar="PATH",
+        help="the server's TLS private key (PEM); needs --ssl-certfile",
+    )
+    group.add_argument(
+        *flag_names("ssl_certfile"),
+        dest="ssl_certfile",
+        default=None,
+        metavar="PATH",
+        help="the server's TLS certificate chain (PEM): serve HTTPS",
+    )
+    group.add_argument(
+        *flag_names("ssl_ca_certs"),
+        dest="ssl_ca_certs",
+        default=None,
+        metavar="PATH",
+        help="CA certificates (PEM) to check client certificates against",
+    )
+    group.add_argument(
+        *flag_names("ssl_cert_reqs"),
+        dest="ssl_cert_reqs",
+        type=_int,
+        default=None,
+        choices=(0, 1, 2),
+        help="client certificates: 0 not asked for, 1 optional, 2 required (Python's "
+        "ssl.CERT_*; default: 2 with --ssl-ca-certs, else 0)",
+    )
+    group.add_argument(
+        *flag_names("allowed_origins"),
+        dest="allowed_origins",
+        type=_string_list,
+        default=[],
+        metavar="LIST",
+        help="CORS: origins browsers may call from, a JSON list ('[\"https://a.example\"]', "
+        '["*"] for any) or comma-separated (default: none, no CORS)',
+    )
+    group.add_argument(
+        *flag_names("allowed_methods"),
+        dest="allowed_methods",
+        type=_string_list,
+        default=["*"],
+        metavar="LIST",
+        help="CORS: allowed methods, a JSON list or comma-separated",
+    )
+    group.add_argument(
+        *flag_names("allowed_headers"),
+        dest="allowed_headers",
+        type=_string_list,
+        default=["*"],
+        metavar="LIST",
+        help="CORS: allowed request headers, a JSON list or comma-separated",
+    )
+    add_bool_flag(group, "allow_credentials", False, "CORS: allow credentials (cookies)")
+
+
+def _no_password() -> bytes:
+    raise ValueError("the key is encrypted; give an unencrypted one")
+
+
+def _check_security_args(args: argparse.Namespace, parser, environ=os.environ) -> None:
+    """Resolve ``args.api_keys`` (the flags, else ``$PYXLLM_API_KEY``) and ``ssl_cert_reqs``,
+    and check the TLS files load, all before the model does; a bad value is a usage error."""
+    keys = [key for group in args.api_key or () for key in group]
+    if not keys:
+        keys = [key.strip() for key in environ.get(API_KEY_ENV, "").split(",") if key.strip()]
+    args.api_keys = tuple(dict.fromkeys(keys))
+    if args.protect_metrics and not args.api_keys:
+        parser.error(f"--protect-metrics: needs --api-key (or ${API_KEY_ENV})")
+    for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, name)
+        if path is None:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            parser.error(f"{flag_names(name)[0]}: cannot read {path!r}: {exc.strerror or exc}")
+    if not args.ssl_certfile:
+        for name in ("ssl_keyfile", "ssl_ca_certs"):
+            if getattr(args, name):
+                parser.error(f"{flag_names(name)[0]}: needs --ssl-certfile")
+    if args.ssl_cert_reqs is None:
+        args.ssl_cert_reqs = ssl.CERT_REQUIRED if args.ssl_ca_certs else ssl.CERT_NONE
+    elif args.ssl_cert_reqs and not args.ssl_ca_certs:
+        parser.error("--ssl-cert-reqs: needs --ssl-ca-certs, the CAs of client certificates")
+    if args.ssl_certfile:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=_no_password)
+        except (ssl.SSLError, ValueError) as exc:
+            which = "--ssl-certfile" + (" and --ssl-keyfile" if args.ssl_keyfile else "")
+            parser.error(f"{which}: not a PEM certificate and its private key: {exc}")
+        if args.ssl_ca_certs:
+            try:
+                context.load_verify_locations(cafile=args.ssl_ca_certs)
+            except (ssl.SSLError, ValueError) as exc:
+                parser.error(f"--ssl-ca-certs: not PEM CA certificates: {exc}")
+
+
 def _engine_flags_help() -> str:
     """The engine flags section, for the top-level ``pyxllm --help``."""
     parser = argparse.ArgumentParser(
@@ -242,6 +387,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="the format of the model's own tool calls: hermes (Qwen2.5/Qwen3's <tool_call> "
         "tags; also what the default model is asked to write) or llama3_json",
     )
+    _add_security_args(serve.add_argument_group("security flags"))
     add_engine_args(serve.add_argument_group("engine flags"))
 
     generate = commands.add_parser(
@@ -371,6 +517,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
     args = parser.parse_args(argv)
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         parser.command_parsers["serve"].error("--enable-auto-tool-choice: needs --tool-call-parser")
+    if args.command == "serve":
+        _check_security_args(args, parser.command_parsers["serve"])
     try:
         config = config_from_args(args)
     except ValueError as exc:

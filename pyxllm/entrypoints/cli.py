@@ -54,6 +54,16 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         port=args.port,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        api_keys=args.api_keys,
+        protect_metrics=args.protect_metrics,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
     )
     run_server(config, options)
     return 0

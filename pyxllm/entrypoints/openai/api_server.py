@@ -6,6 +6,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET /debug/stats`` (``engine.stats()``: running/waiting requests, KV blocks in use),
 ``GET /metrics`` (Prometheus text format, see :mod:`pyxllm.engine.metrics`), ``GET /version``,
 and vLLM's ``POST /tokenize`` and ``POST /detokenize`` (see :mod:`.serving_tokenization`).
+Who may call them (``--api-key``, CORS) is :mod:`.security`'s; TLS is uvicorn's.
 
 When the engine reports a fatal error (a tensor-parallel worker died), ``/health`` answers 503,
 the server stops about a second later and :func:`run_server` raises ``DistributedError`` naming
@@ -33,6 +34,7 @@ from pyxllm.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from pyxllm.entrypoints.openai.security import install_security
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -156,6 +158,7 @@ def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
         engine, app.state.openai_serving_chat
     )
     install_exception_handlers(app)
+    install_security(app, options)
     return app
 
 
@@ -244,9 +247,11 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
         app = build_app(engine, options)
         host, port = options.host, options.port
         shown_host = f"[{host}]" if ":" in host else host
+        scheme = "https" if options.ssl_certfile else "http"
         banner = (
             f"serving {engine.model_name} (max_model_len={engine.max_model_len}) "
-            f"at http://{shown_host}:{port}/v1"
+            f"at {scheme}://{shown_host}:{port}/v1"
+            + ("; an API key is required" if options.api_keys else "")
         )
         uv_config = uvicorn.Config(
             app,
@@ -256,6 +261,10 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=5,
+            ssl_keyfile=options.ssl_keyfile,
+            ssl_certfile=options.ssl_certfile,
+            ssl_ca_certs=options.ssl_ca_certs,
+            ssl_cert_reqs=options.ssl_cert_reqs,
         )
         server = _Server(uv_config, banner, engine)
         with _signals_handled_by_uvicorn():
