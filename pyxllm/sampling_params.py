@@ -11,6 +11,12 @@ from dataclasses import dataclass, field, replace
 MAX_LOGPROBS = 20
 # Bounds of a ``logit_bias`` value, as OpenAI documents them.
 LOGIT_BIAS_LIMIT = 100.0
+# Bounds that keep float32 sampling arithmetic finite: logits (|x| < ~1e3) divided by a
+# temperature >= 1e-5 (below, a request is greedy) or scaled by a penalty in this range stay far
+# below float32's largest value (3.4e38); a penalty of 1e-45 (a float32 denormal) made +inf, then
+# NaN logprobs. vLLM only asks for > 0.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+MAX_TEMPERATURE = 1e6
 # The fields a model's generation_config.json may default, with the values they take when
 # neither the request nor the model sets them (vLLM's, and so OpenAI's, defaults).
 MODEL_DEFAULTABLE = {
@@ -90,17 +96,20 @@ class SamplingParams:
 
     - ``n`` independent samples of the same prompt (with a ``seed``, sample ``i`` uses
       ``seed + i``, so sample 0 is what ``n=1`` with that seed gives).
-    - ``temperature`` 0 means greedy (argmax); otherwise logits are divided by it.
+    - ``temperature`` 0 (or below 1e-5) means greedy (argmax); otherwise logits are divided by
+      it (at most :data:`MAX_TEMPERATURE`).
     - ``top_p`` in (0, 1] keeps the smallest set of tokens whose probability sums to ``top_p``;
       ``top_k`` <= 0 (vLLM uses -1) disables top-k; ``min_p`` in [0, 1] drops tokens less
       likely than ``min_p`` times the most likely one.
-    - ``repetition_penalty`` > 0 (1 = off) divides positive logits and multiplies negative ones
-      of every token seen in the prompt or the output; ``presence_penalty`` and
-      ``frequency_penalty`` in [-2, 2] subtract a constant, and a constant per occurrence, from
-      the logits of tokens already generated (the prompt does not count).
+    - ``repetition_penalty`` in :data:`REPETITION_PENALTY_RANGE` (1 = off) divides positive
+      logits and multiplies negative ones of every token seen in the prompt or the output;
+      ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] subtract a constant, and a
+      constant per occurrence, from the logits of tokens already generated (the prompt does
+      not count).
     - ``logit_bias`` maps token id -> a value in [-100, 100] added to its logit (string keys,
       as in OpenAI's JSON, are converted).
-    - ``seed`` makes this request's random draws independent of the rest of the batch.
+    - ``seed`` (in [-2**63, 2**64), torch's range; taken modulo 2**64) makes this request's
+      random draws independent of the rest of the batch.
     - ``max_tokens`` is the number of new tokens (``None``: up to the model's context limit);
       ``min_tokens`` new tokens come before any EOS or ``stop_token_ids`` token may be sampled.
     - ``stop`` strings are matched on the detokenized text (across token boundaries) and are not
@@ -177,8 +186,12 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be a finite number, got {value}")
         if self.n < 1:
             raise ValueError(f"n: must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed: must be in [-2**63, 2**64), got {self.seed}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature: must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -188,8 +201,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(
+                f"repetition_penalty: must be in [{low:g}, {high:g}], got {self.repetition_penalty}"
+            )
         for token_id, bias in (self.logit_bias or {}).items():
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                 raise ValueError(

@@ -21,6 +21,7 @@ from pyxllm.entrypoints.args import parse_args
 from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser, reasoning_parser_names
 from pyxllm.entrypoints.openai.reasoning.think_tags import ThinkTagReasoningParser, partial_tag_len
+from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.sampling_params import SamplingParams
 from tests.utils import RemoteServer
@@ -177,7 +178,9 @@ def test_special_think_tags_keep_special_tokens(hf_gguf_tokenizer, think_tok):
     special_tok = thinking_tokenizer(hf_gguf_tokenizer, special=True)
     cases = [(think_tok, None, True), (special_tok, None, False), (special_tok, True, True)]
     for hf, requested, expected in cases:
-        chat = OpenAIServingChat(fake_engine(Tokenizer(hf)), reasoning_parser="qwen3")
+        chat = OpenAIServingChat(
+            fake_engine(Tokenizer(hf)), ServerOptions(reasoning_parser="qwen3")
+        )
         assert chat.reasoning_parser.needs_special_tokens == (hf is special_tok)
         request = ChatCompletionRequest(
             messages=[{"role": "user", "content": "hi"}], skip_special_tokens=requested
@@ -199,7 +202,11 @@ def fake_engine(tokenizer: Tokenizer) -> SimpleNamespace:
         tokenizer, vocab_size=tokenizer.vocab_size, max_model_len=64, max_kv_blocks=4, block_size=16
     )
     return SimpleNamespace(
-        model_name="m", max_model_len=64, tokenizer=tokenizer, input_processor=processor
+        model_name="m",
+        max_model_len=64,
+        max_num_seqs=4,
+        tokenizer=tokenizer,
+        input_processor=processor,
     )
 
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pyxllm.config import EngineConfig
+from pyxllm.engine.errors import RequestFailedError
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.outputs import RequestOutput
@@ -68,6 +69,7 @@ class AsyncEngine:
     Attributes:
         input_processor, tokenizer, model_name, max_model_len: those of the engine (the
             processor is thread-safe: callers process a request, then :meth:`generate` it).
+        max_num_seqs: the most requests the engine runs at once (``--max-seqs-per-batch``).
         metrics: the engine's :class:`~pyxllm.engine.metrics.EngineMetrics` (thread-safe to scrape).
     """
 
@@ -77,6 +79,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.max_num_seqs = engine.config.max_seqs_per_batch
         self.metrics = engine.metrics
         self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -99,7 +102,8 @@ class AsyncEngine:
 
         Raises:
             ValueError: the ``request_id`` is already in use.
-            RuntimeError: the engine loop has died.
+            RuntimeError: the engine loop has died, or (``RequestFailedError``) this request
+                failed in the engine and was aborted.
         """
         self.check_health()
         request_id = request.request_id
@@ -120,6 +124,11 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests submitted with :meth:`generate` whose output is still awaited."""
+        return len(self._streams)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe; takes effect before the engine's next step)."""
@@ -183,6 +192,10 @@ class AsyncEngine:
                     stream = self._streams.get(output.request_id)
                     if stream is not None:
                         stream.put(output)
+                for request_id, exc in self.engine.pop_failures().items():
+                    stream = self._streams.get(request_id)
+                    if stream is not None:
+                        stream.put(RequestFailedError(f"request {request_id} failed: {exc!r}"))
         except BaseException as e:  # the loop must report any failure to every waiting request
             logger.exception("engine loop died")
             self._error = e

@@ -1,4 +1,4 @@
-"""The error every request check raises."""
+"""The errors a request can end with: refused at the front door, or failed in the engine."""
 
 from __future__ import annotations
 
@@ -10,3 +10,8 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class RequestFailedError(RuntimeError):
+    """One request's own processing failed in the engine (its detokenizer, its constraint
+    ...); the request was aborted, the engine serves on (the HTTP server answers 500 for it)."""

@@ -97,6 +97,7 @@ class LLMEngine:
         self.metrics = EngineMetrics(self.model_name, self.scheduler, self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, ParentRequest] = {}  # n > 1: parent id -> its children's outputs
+        self.failed: dict[str, Exception] = {}  # see _fail
         self._parent_of: dict[str, ParentRequest] = {}  # child id -> parent
         max_concurrency = self.executor.num_kv_blocks * config.block_size / self.max_model_len
         logger.info(
@@ -204,17 +205,35 @@ class LLMEngine:
         new_tokens = self.scheduler.update_from_output(result.sampled_token_ids)
         self.metrics.record_tokens((request for request, _ in new_tokens), now)
         for request, token in new_tokens:
-            if not request.accept_token(token):
-                logger.warning(
-                    "request %s: token %d broke its constraint", request.request_id, token
-                )
-            status = self._check_stop(request, token)
-            if status is not None:
-                self.scheduler.finish_request(request, status)
-                self.metrics.record_finished(request, now)
-                del self.requests[request.request_id]
-            outputs.append(self._make_output(request))
+            try:
+                if not request.accept_token(token):
+                    logger.warning(
+                        "request %s: token %d broke its constraint", request.request_id, token
+                    )
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self.scheduler.finish_request(request, status)
+                    self.metrics.record_finished(request, now)
+                    del self.requests[request.request_id]
+                outputs.append(self._make_output(request))
+            except Exception as exc:  # noqa: BLE001 - one request's failure is its own
+                self._fail(request, exc)
         return fold_children(outputs, self.parents, self._parent_of) if self.parents else outputs
+
+    def _fail(self, request: Request, exc: Exception) -> None:
+        """End a request whose own processing raised (its detokenizer, matcher ...): abort it
+        (all of an ``n > 1`` request's children), free its blocks, and keep ``exc`` in
+        :attr:`failed` under the id its caller knows, for :meth:`pop_failures`."""
+        request_id = self._parent_of.get(request.request_id, request.request_id)
+        logger.error("request %s failed", request_id, exc_info=exc)
+        self.abort_request(request_id)
+        self.failed[request_id] = exc
+
+    def pop_failures(self) -> dict[str, Exception]:
+        """The requests that failed since the last call (request id -> the exception); they
+        are no longer in the engine and get no further output."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def _constrain(self, plan: SchedulerOutput) -> None:
         """Give each sampling sequence with a constraint the bitmask of its allowed tokens."""

@@ -47,7 +47,7 @@ class ParentRequest:
         return dataclasses.replace(
             params,
             n=1,
-            seed=None if params.seed is None else params.seed + index,
+            seed=None if params.seed is None else (params.seed + index) % 2**64,
             prompt_logprobs=params.prompt_logprobs if index == 0 else None,
         )
 

@@ -73,7 +73,7 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         params = self.sampling_params
         if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+            self.generator = torch.Generator().manual_seed(params.seed % 2**64)
         if params.logprobs is not None:
             self.logprobs = []
         if params.prompt_logprobs is not None:

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
+
+# Longest a chat template may render, seconds: a template is a program (a request-supplied one
+# with nested loops could run for ever), and the rendering thread has other requests to serve.
+CHAT_TEMPLATE_TIMEOUT_S = 2.0
 
 # Names of ``transformers`` ``apply_chat_template`` arguments that would change what it returns.
 _RESERVED_TEMPLATE_KWARGS = (
@@ -112,12 +119,13 @@ class Tokenizer:
                 raise ValueError(f"apply_chat_template: argument {name!r} is not supported")
         _check_messages(messages)
         try:
-            text = self.hf.apply_chat_template(
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                **template_kwargs,
-            )
+            with _time_limit(CHAT_TEMPLATE_TIMEOUT_S):
+                text = self.hf.apply_chat_template(
+                    messages,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                    **template_kwargs,
+                )
         except ValueError:
             raise
         except Exception as e:  # jinja2.TemplateError, TypeError from the template, ...
@@ -125,6 +133,40 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ValueError(f"chat template rendered {type(text).__name__}, expected a string")
         return self.encode(text, add_special_tokens=False)
+
+
+class TemplateTimeoutError(ValueError):
+    """A chat template ran past :data:`CHAT_TEMPLATE_TIMEOUT_S`."""
+
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`TemplateTimeoutError` inside the jinja template code this thread runs once
+    ``seconds`` have passed.
+
+    transformers renders templates in jinja's ``ImmutableSandboxedEnvironment`` (no attribute
+    access to internals, no mutation of the inputs, ``range`` capped), which bounds what a
+    template can reach but not how long it runs. Compiled jinja templates are Python code whose
+    file name is ``<template>``; a trace function on this thread checks the clock at each of
+    their lines (other frames are not traced) and raises there, which unwinds the render. A
+    single huge string operation (``'x' * 10**9``) is one line and is not interrupted.
+    """
+    deadline = time.monotonic() + seconds
+
+    def on_line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise TemplateTimeoutError(f"chat template: rendering took more than {seconds:g} s")
+        return on_line
+
+    def on_call(frame, event, arg):
+        return on_line if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
 
 
 def _check_messages(messages: Any) -> None:

@@ -29,6 +29,7 @@ from pyxllm.config import (
 )
 from pyxllm.entrypoints.flags import HelpFormatter, add_bool_flag, flag_names
 from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
+from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
 
 # Help per EngineConfig field; a field missing here still becomes a flag, with generic help.
@@ -326,6 +327,65 @@ def _check_security_args(args: argparse.Namespace, parser, environ=os.environ) -
                 parser.error(f"--ssl-ca-certs: not PEM CA certificates: {exc}")
 
 
+def _positive(convert):
+    """``convert`` (``_int`` or ``_float``) refusing values <= 0."""
+
+    def positive(text: str):
+        value = convert(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return value
+
+    positive.__name__ = convert.__name__
+    return positive
+
+
+def _add_limit_args(group) -> None:
+    """``serve``'s request limits, admission control and shutdown flags (see
+    :class:`~pyxllm.entrypoints.openai.server_options.ServerOptions`)."""
+    defaults = ServerOptions()
+    group.add_argument(
+        *flag_names("max_n"),
+        dest="max_n",
+        type=_positive(_int),
+        default=None,
+        metavar="N",
+        help="most samples per request (n); above it a 400 (default: --max-seqs-per-batch)",
+    )
+    group.add_argument(
+        *flag_names("max_request_body_bytes"),
+        dest="max_request_body_bytes",
+        type=_positive(_int),
+        default=defaults.limits.max_request_body_bytes,
+        metavar="BYTES",
+        help="largest request body; above it a 413",
+    )
+    group.add_argument(
+        *flag_names("max_waiting_requests"),
+        dest="max_waiting_requests",
+        type=_int,
+        default=defaults.max_waiting_requests,
+        metavar="N",
+        help="requests that may wait beyond the --max-seqs-per-batch running ones; more get a "
+        "503 with Retry-After",
+    )
+    group.add_argument(
+        *flag_names("shutdown_timeout"),
+        dest="shutdown_timeout",
+        type=_float,
+        default=defaults.shutdown_timeout,
+        metavar="SECONDS",
+        help="on SIGTERM, how long running requests may finish before they are aborted",
+    )
+    add_bool_flag(
+        group,
+        "trust_request_chat_template",
+        False,
+        "let a request bring its own chat template (chat_template, or chat_template_kwargs' "
+        "chat_template); otherwise a 400",
+    )
+
+
 def _engine_flags_help() -> str:
     """The engine flags section, for the top-level ``pyxllm --help``."""
     parser = argparse.ArgumentParser(
@@ -388,6 +448,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "tags; also what the default model is asked to write) or llama3_json",
     )
     _add_security_args(serve.add_argument_group("security flags"))
+    _add_limit_args(serve.add_argument_group("limits and shutdown flags"))
     add_engine_args(serve.add_argument_group("engine flags"))
 
     generate = commands.add_parser(
@@ -519,6 +580,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
         parser.command_parsers["serve"].error("--enable-auto-tool-choice: needs --tool-call-parser")
     if args.command == "serve":
         _check_security_args(args, parser.command_parsers["serve"])
+        if args.max_waiting_requests < 0:
+            parser.command_parsers["serve"].error("--max-waiting-requests: must be >= 0")
+        if args.shutdown_timeout < 0:
+            parser.command_parsers["serve"].error("--shutdown-timeout: must be >= 0")
     try:
         config = config_from_args(args)
     except ValueError as exc:

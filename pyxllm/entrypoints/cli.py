@@ -47,7 +47,7 @@ def run_worker_rank(config: EngineConfig) -> int:
 def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     """``pyxllm serve``: run the OpenAI-compatible server until interrupted."""
     from pyxllm.entrypoints.openai.api_server import run_server
-    from pyxllm.entrypoints.openai.server_options import ServerOptions
+    from pyxllm.entrypoints.openai.server_options import RequestLimits, ServerOptions
 
     options = ServerOptions(
         host=args.host,
@@ -64,6 +64,10 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers),
         allow_credentials=args.allow_credentials,
+        limits=RequestLimits(max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes),
+        max_waiting_requests=args.max_waiting_requests,
+        shutdown_timeout=args.shutdown_timeout,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     run_server(config, options)
     return 0

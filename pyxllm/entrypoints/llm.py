@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pyxllm.config import EngineConfig
+from pyxllm.engine.errors import RequestFailedError
 from pyxllm.engine.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.engine.tokenizer import Tokenizer
@@ -99,6 +100,10 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
+                for request_id, exc in engine.pop_failures().items():
+                    for other in requests:
+                        engine.abort_request(other.request_id)
+                    raise RequestFailedError(f"request {request_id} failed: {exc!r}") from exc
         return [finished[r.request_id] for r in requests]
 
 

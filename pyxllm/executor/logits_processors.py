@@ -133,7 +133,9 @@ def apply_top_k_top_p(
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+        outside = mass_before >= top_p.unsqueeze(1)
+        outside[:, 0] = False  # a top_p that rounds to 0 in float32 still keeps the top token
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
 
 

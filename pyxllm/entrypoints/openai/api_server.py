@@ -27,7 +27,13 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pyxllm.config import EngineConfig
-from pyxllm.entrypoints.openai.errors import OpenAIError, error_response, install_exception_handlers
+from pyxllm.entrypoints.openai.errors import (
+    OpenAIError,
+    OpenAIRoute,
+    error_response,
+    install_exception_handlers,
+)
+from pyxllm.entrypoints.openai.limits import BodySizeLimit
 from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,7 +52,7 @@ from pyxllm.entrypoints.openai.serving_tokenization import (
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter()
+router = APIRouter(route_class=OpenAIRoute)
 
 
 def _model_card(raw_request: Request) -> ModelCard:
@@ -126,7 +132,8 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> JSONResponse:
     """Token ids of a prompt or of chat messages: ``{"count", "max_model_len", "tokens"}``."""
     handler: OpenAIServingTokenization = raw_request.app.state.openai_serving_tokenization
-    return JSONResponse(handler.tokenize(request).model_dump(mode="json", exclude_none=True))
+    response = await handler.tokenize(request)
+    return JSONResponse(response.model_dump(mode="json", exclude_none=True))
 
 
 @router.post("/detokenize")
@@ -150,14 +157,14 @@ def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
     app.include_router(router)
     app.state.engine = engine
     app.state.options = options
-    app.state.openai_serving_chat = OpenAIServingChat(
-        engine, options.reasoning_parser, options.tool_call_parser
-    )
-    app.state.openai_serving_completion = OpenAIServingCompletion(engine)
+    app.state.openai_serving_chat = OpenAIServingChat(engine, options)
+    app.state.openai_serving_completion = OpenAIServingCompletion(engine, options)
     app.state.openai_serving_tokenization = OpenAIServingTokenization(
         engine, app.state.openai_serving_chat
     )
     install_exception_handlers(app)
+    # added first, so inside the key check and CORS (a 413 carries CORS headers too)
+    app.add_middleware(BodySizeLimit, max_bytes=options.limits.max_request_body_bytes)
     install_security(app, options)
     return app
 
@@ -168,7 +175,19 @@ _FATAL_HARD_EXIT_S = 20.0
 
 class _Server(uvicorn.Server):
     """A uvicorn server that logs one line with the URL once it is listening, and stops when
-    ``engine.fatal_error()`` says the engine is lost (``fatal`` then holds the reason)."""
+    ``engine.fatal_error()`` says the engine is lost (``fatal`` then holds the reason).
+
+    On SIGTERM/SIGINT uvicorn stops listening (new connections are refused, as a load balancer
+    expects), closes idle keep-alive connections, and waits up to ``--shutdown-timeout``
+    seconds for running requests; a request that still reaches a handler gets a 503. Past the
+    timeout the remaining requests are cancelled, which aborts them in the engine.
+    """
+
+    def handle_exit(self, sig: int, frame) -> None:
+        app = self.config.app
+        for handler in (app.state.openai_serving_chat, app.state.openai_serving_completion):
+            handler.draining = True
+        super().handle_exit(sig, frame)
 
     def __init__(self, config: uvicorn.Config, banner: str, engine=None):
         super().__init__(config)
@@ -260,7 +279,7 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
             log_level=options.log_level,
             access_log=False,
             lifespan="off",
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=options.shutdown_timeout,
             ssl_keyfile=options.ssl_keyfile,
             ssl_certfile=options.ssl_certfile,
             ssl_ca_certs=options.ssl_ca_certs,

@@ -9,11 +9,14 @@ field).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Coroutine
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pyxllm.engine.errors import InvalidRequestError
@@ -37,13 +40,29 @@ ERROR_TYPES = {
 
 
 class OpenAIError(Exception):
-    """An error to answer with ``status_code``; ``param`` names the request field at fault."""
+    """An error to answer with ``status_code``; ``param`` names the request field at fault;
+    ``headers`` go on the response (``Retry-After`` of a 503)."""
 
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.param = param
+        self.headers = headers
+
+
+def _encodable(text: str | None) -> str | None:
+    """``text`` with anything UTF-8 cannot encode (a lone surrogate echoed from a request)
+    written as a ``\\udfff`` escape, so that an error message always encodes."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_body(message: str, status_code: int = 400, param: str | None = None) -> ErrorResponse:
@@ -55,14 +74,21 @@ def error_body(message: str, status_code: int = 400, param: str | None = None) -
         except ValueError:
             err_type = "APIError"
     return ErrorResponse(
-        error=ErrorInfo(message=message, type=err_type, param=param, code=status_code)
+        error=ErrorInfo(
+            message=_encodable(message), type=err_type, param=_encodable(param), code=status_code
+        )
     )
 
 
-def error_response(message: str, status_code: int = 400, param: str | None = None) -> JSONResponse:
+def error_response(
+    message: str,
+    status_code: int = 400,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """A JSON error response in the one shape."""
     body = error_body(message, status_code, param)
-    return JSONResponse(body.model_dump(mode="json"), status_code=status_code)
+    return JSONResponse(body.model_dump(mode="json"), status_code=status_code, headers=headers)
 
 
 def param_from_message(message: str) -> str | None:
@@ -111,7 +137,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 async def _on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    return error_response(exc.message, exc.status_code, exc.param)
+    return error_response(exc.message, exc.status_code, exc.param, exc.headers)
 
 
 async def _on_invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
@@ -134,10 +160,41 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
     return response
 
 
-async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    # Starlette re-raises after this response is sent, so uvicorn logs the traceback.
-    logger.error("unexpected error serving %s %s: %r", request.method, request.url.path, exc)
+def unexpected_error_response(request: Request, exc: Exception) -> JSONResponse:
+    """The 500 of an exception nothing expected (logged with its traceback)."""
+    logger.error("unexpected error serving %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500)
+
+
+_ANSWERED = (OpenAIError, InvalidRequestError, RequestValidationError, StarletteHTTPException)
+
+
+class OpenAIRoute(APIRoute):
+    """A route whose unexpected exceptions become the 500 response right there.
+
+    Starlette answers an exception that reaches its outermost middleware and then re-raises it,
+    so uvicorn drops the connection without ``Connection: close`` and a client's next request
+    on it fails; answered here, the connection stays usable. Expected errors go on to their
+    handlers (:func:`install_exception_handlers`).
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def answer(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except _ANSWERED:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any other failure is this request's 500
+                return unexpected_error_response(request, exc)
+
+        return answer
+
+
+async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    # Outside a route (a middleware): Starlette re-raises after this response is sent.
+    return unexpected_error_response(request, exc)
 
 
 def install_exception_handlers(app: FastAPI) -> None:

@@ -21,7 +21,8 @@ MIN_LOGPROB = -9999.0
 
 
 def _value(logprob: float) -> float:
-    return max(logprob, MIN_LOGPROB)
+    """The logprob as sent: at least MIN_LOGPROB (NaN, which cannot be in JSON, too)."""
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
 
 
 def _text(entry: Logprob) -> str:

@@ -13,13 +13,72 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_serializer,
+    model_serializer,
+    model_validator,
+)
 
 
 class OpenAIBaseModel(BaseModel):
     """Base of every request and response model: unknown request fields are ignored."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+# Deepest nesting of objects and arrays a request body may have (a tool's JSON Schema needs a
+# few levels; thousands would make every recursive walk of the request a stack hazard).
+MAX_JSON_DEPTH = 64
+
+
+class RequestModel(OpenAIBaseModel):
+    """Base of the top-level request bodies: before any field is validated, the whole body is
+    walked once and refused with a 400 naming the field (``OpenAIError``, which pydantic lets
+    through) if a string holds a lone surrogate (``"\\udfff"`` is valid JSON but not Unicode
+    text: no tokenizer or JSON encoder takes it) or objects nest deeper than
+    :data:`MAX_JSON_DEPTH`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text_and_depth(cls, data: Any) -> Any:
+        from pyxllm.entrypoints.openai.errors import OpenAIError  # errors imports this module
+
+        fault = _body_fault(data, "", 0)
+        if fault is not None:
+            path, problem = fault
+            param = path.split(".")[0].split("[")[0] or None
+            raise OpenAIError(f"{path or 'body'}: {problem}", 400, param)
+        return data
+
+
+def _body_fault(value: Any, path: str, depth: int) -> tuple[str, str] | None:
+    """``(field path, problem)`` of the first lone surrogate or too deep nesting in a parsed
+    JSON ``value``, else ``None``."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                code = ord(value[exc.start])
+                return path, f"invalid Unicode: a lone surrogate U+{code:04X} at {exc.start}"
+        return None
+    if isinstance(value, (dict, list)):
+        if depth >= MAX_JSON_DEPTH:
+            return path, f"nested more than {MAX_JSON_DEPTH} levels deep"
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                where = f"{path}.{key}" if path else key
+                if (fault := _body_fault(key, where, depth)) is not None:
+                    return where, f"{fault[1]} (in the key)"
+            else:
+                where = f"{path}[{key}]"
+            if (fault := _body_fault(item, where, depth + 1)) is not None:
+                return fault
+    return None
 
 
 class StreamChunkModel(OpenAIBaseModel):
@@ -122,7 +181,7 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     disable_any_whitespace: bool = False
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(RequestModel):
     """Sampling fields shared by chat and completion requests (``None``: not given)."""
 
     model: str | None = None
@@ -259,6 +318,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = True
     # vLLM extensions
     add_generation_prompt: bool = True
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

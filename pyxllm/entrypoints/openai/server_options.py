@@ -12,6 +12,28 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """How much one request may ask for; beyond a limit it gets a 400 naming the field (a
+    413 for the body), before any work is done for it.
+
+    Attributes:
+        max_n: samples per request (``n``); ``None`` means the engine's
+            ``max_seqs_per_batch`` (``--max-n``).
+        max_request_body_bytes: the request body, bytes (``--max-request-body-bytes``).
+        max_messages: chat messages per request.
+        max_stop: ``stop`` strings per request; max_stop_length: characters in each.
+        max_logit_bias: ``logit_bias`` entries.
+    """
+
+    max_n: int | None = None
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_messages: int = 2048
+    max_stop: int = 64
+    max_stop_length: int = 1024
+    max_logit_bias: int = 1024
+
+
+@dataclass(frozen=True, slots=True)
 class ServerOptions:
     """The HTTP server's settings (the engine's are :class:`~pyxllm.config.EngineConfig`).
 
@@ -33,6 +55,11 @@ class ServerOptions:
         allowed_origins: the origins CORS allows (``"*"`` for any); empty: no CORS at all.
         allowed_methods, allowed_headers: the methods and request headers CORS allows.
         allow_credentials: whether CORS allows credentials (cookies, ``Authorization``).
+        limits: what one request may ask for (:class:`RequestLimits`).
+        max_waiting_requests: requests admitted beyond the engine's ``max_seqs_per_batch``
+            running ones; more get a 503 with ``Retry-After``.
+        shutdown_timeout: seconds SIGTERM waits for running requests before aborting them.
+        trust_request_chat_template: whether a request may bring its own chat template.
     """
 
     host: str = "127.0.0.1"
@@ -50,3 +77,7 @@ class ServerOptions:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    max_waiting_requests: int = 256
+    shutdown_timeout: float = 10.0
+    trust_request_chat_template: bool = False

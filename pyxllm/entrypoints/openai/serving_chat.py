@@ -21,6 +21,7 @@ from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionResponseChoice,
 )
 from pyxllm.entrypoints.openai.reasoning import ReasoningParser, get_reasoning_parser
+from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.serving_engine import (
     ClientDisconnected,
     OpenAIServing,
@@ -39,7 +40,8 @@ from pyxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 class OpenAIServingChat(OpenAIServing):
     """Serves chat completions from one engine, streamed or not.
 
-    With ``reasoning_parser`` (a registered name, e.g. ``"qwen3"``) the generated text is split
+    With ``options.reasoning_parser`` (a registered name, e.g. ``"qwen3"``) the generated text is
+    split
     into ``reasoning_content`` (also sent as ``reasoning``) and ``content``, unless the prompt
     already closed the reasoning (then all of it is content).
 
@@ -47,10 +49,10 @@ class OpenAIServingChat(OpenAIServing):
         ValueError: an unknown ``reasoning_parser``.
     """
 
-    def __init__(
-        self, engine, reasoning_parser: str | None = None, tool_call_parser: str | None = None
-    ):
-        super().__init__(engine)
+    def __init__(self, engine, options: ServerOptions | None = None):
+        super().__init__(engine, options)
+        reasoning_parser = self.options.reasoning_parser
+        tool_call_parser = self.options.tool_call_parser
         self.reasoning_parser: ReasoningParser | None = None
         if reasoning_parser:
             self.reasoning_parser = get_reasoning_parser(reasoning_parser)(engine.tokenizer)
@@ -79,6 +81,7 @@ class OpenAIServingChat(OpenAIServing):
         """Answer one chat request (raises :class:`OpenAIError` for a bad request)."""
         self.check_model(request.model)
         self.check_health()
+        self.check_admission()
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
@@ -103,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
                     field,
                 )
             params.structured_outputs = tools.constraint
-        tokens = self.processor.tokenize(self.chat_prompt(request, tools.mode != "none"))
+        tokens = await self.tokenize(self.chat_prompt(request, tools.mode != "none"))
         reasoning = self.request_reasoning_parser(request, params, list(tokens.token_ids))
         engine_request = self.processor.process(
             f"chatcmpl-{uuid.uuid4().hex}",
@@ -178,6 +181,13 @@ class OpenAIServingChat(OpenAIServing):
         """
         if not request.messages:
             raise OpenAIError("messages: must contain at least one message", 400, "messages")
+        if len(request.messages) > self.limits.max_messages:
+            raise OpenAIError(
+                f"messages: at most {self.limits.max_messages} messages, "
+                f"got {len(request.messages)}",
+                400,
+                "messages",
+            )
         messages = []
         for i, message in enumerate(request.messages):
             entry = message.model_dump(exclude_none=True)
@@ -199,10 +209,37 @@ class OpenAIServingChat(OpenAIServing):
         tools = (request.tools or []) if offer_tools else []
         messages = template_messages(messages, tools, self.template_renders_tools)
         kwargs = dict(request.chat_template_kwargs or {})
+        self.check_request_template(request, kwargs)
         if tools and self.template_renders_tools:
             kwargs.setdefault("tools", [t.model_dump(exclude_none=True) for t in tools])
         add_generation_prompt = kwargs.pop("add_generation_prompt", request.add_generation_prompt)
         return ChatPrompt(messages, add_generation_prompt, kwargs)
+
+    def check_request_template(self, request: ChatCompletionRequest, kwargs: dict) -> None:
+        """Put a request's own ``chat_template`` into the template ``kwargs``, if the server
+        trusts request templates (``--trust-request-chat-template``, as vLLM's flag).
+
+        Raises:
+            OpenAIError: a template given to a server that does not trust them (400 naming
+                ``chat_template`` or ``chat_template_kwargs``).
+        """
+        given = [
+            name
+            for name, present in (
+                ("chat_template", request.chat_template is not None),
+                ("chat_template_kwargs", "chat_template" in kwargs),
+            )
+            if present
+        ]
+        if given and not self.options.trust_request_chat_template:
+            raise OpenAIError(
+                f"{given[0]}: this server does not render chat templates sent with a request "
+                "(start it with --trust-request-chat-template to allow them)",
+                400,
+                given[0],
+            )
+        if request.chat_template is not None:
+            kwargs["chat_template"] = request.chat_template
 
 
 def requested_logprobs(request: ChatCompletionRequest) -> int | None:

@@ -43,6 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """Answer one completion request (raises :class:`OpenAIError` for a bad request)."""
         self.check_model(request.model)
         self.check_health()
+        self.check_admission()
         if request.suffix:
             raise OpenAIError("suffix: not supported", 400, "suffix")
         echo_only = bool(request.echo) and request.max_tokens == 0
@@ -51,6 +52,8 @@ class OpenAIServingCompletion(OpenAIServing):
             extra["prompt_logprobs"] = request.logprobs
         params = self.sampling_params(request, 1 if echo_only else request.max_tokens, **extra)
         prompt = completion_prompt(request)
+        if isinstance(prompt, str):
+            prompt = await self.tokenize(prompt)
         engine_request = self.processor.process(f"cmpl-{uuid.uuid4().hex}", prompt, params)
         await self.prepare(engine_request)
         echo = None

@@ -8,14 +8,16 @@ import abc
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pyxllm.engine.input_processor import EngineRequest
+from pyxllm.engine.input_processor import ChatPrompt, EngineRequest, TextPrompt, TokensPrompt
 from pyxllm.entrypoints.openai.errors import OpenAIError, error_body, param_from_message
 from pyxllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.structured_outputs import requested_constraint
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.sampling_params import SamplingParams
@@ -93,6 +95,8 @@ async def _wait_for_disconnect(raw_request: Request) -> None:
 
 # Fields pyxllm declares but does not honour, with the values that are the same as leaving
 # them out (anything else is refused).
+_TOKENIZER_THREAD = ThreadPoolExecutor(1, thread_name_prefix="pyxllm-tokenizer")
+
 _NOT_HONOURED = {
     "best_of": (None, 1),
     "use_beam_search": (None, False),
@@ -158,11 +162,29 @@ class OpenAIServing:
     input processor (:attr:`processor`) once; its ``InvalidRequestError`` becomes a 400 naming
     the field (:mod:`.errors`)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, options: ServerOptions | None = None):
         self.engine = engine
         self.processor = engine.input_processor
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
+        self.options = options or ServerOptions()
+        self.limits = self.options.limits
+        max_running = engine.max_num_seqs
+        self.max_n = self.limits.max_n or max_running
+        # requests in the engine (running or waiting) beyond which new ones get a 503
+        self.max_admitted = max_running + self.options.max_waiting_requests
+        self.draining = False
+
+    async def tokenize(self, prompt: str | TextPrompt | ChatPrompt) -> TokensPrompt:
+        """``processor.tokenize(prompt)`` on the tokenizer thread, off the event loop (a chat
+        template or a long prompt takes a while; one thread, as transformers' tokenizers are
+        not safe to call from several at once).
+
+        Raises:
+            InvalidRequestError: see :meth:`InputProcessor.tokenize`.
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_TOKENIZER_THREAD, self.processor.tokenize, prompt)
 
     # --- checks -------------------------------------------------------------------------------
 
@@ -181,6 +203,46 @@ class OpenAIServing:
             self.engine.check_health()
         except Exception as exc:  # noqa: BLE001 - any failure means the engine cannot serve
             raise OpenAIError(f"the engine is not healthy: {exc}", 503) from exc
+
+    def check_admission(self) -> None:
+        """503 with ``Retry-After`` while the server drains for shutdown or the engine holds
+        as many requests as it admits (``--max-waiting-requests`` beyond the running ones)."""
+        if self.draining:
+            raise OpenAIError("the server is shutting down", 503, headers={"Retry-After": "5"})
+        if self.engine.num_unfinished_requests >= self.max_admitted:
+            raise OpenAIError(
+                f"the server is busy ({self.max_admitted} requests in progress or waiting, "
+                "--max-waiting-requests); retry later",
+                503,
+                headers={"Retry-After": "1"},
+            )
+
+    def check_limits(self, request: SamplingFields) -> None:
+        """400 naming the field of a request that asks for more than :class:`RequestLimits`
+        allows (``n``, ``stop``, ``logit_bias``)."""
+        limits = self.limits
+        if request.n is not None and request.n > self.max_n:
+            raise OpenAIError(
+                f"n: must be at most {self.max_n} (--max-n), got {request.n}", 400, "n"
+            )
+        stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
+        if len(stop) > limits.max_stop:
+            raise OpenAIError(
+                f"stop: at most {limits.max_stop} stop strings, got {len(stop)}", 400, "stop"
+            )
+        if any(len(s) > limits.max_stop_length for s in stop):
+            raise OpenAIError(
+                f"stop: a stop string may have at most {limits.max_stop_length} characters",
+                400,
+                "stop",
+            )
+        if request.logit_bias and len(request.logit_bias) > limits.max_logit_bias:
+            raise OpenAIError(
+                f"logit_bias: at most {limits.max_logit_bias} entries, "
+                f"got {len(request.logit_bias)}",
+                400,
+                "logit_bias",
+            )
 
     def check_unsupported(self, request: SamplingFields) -> None:
         """400 for a field pyxllm cannot honour in the form given, or a combination that makes
@@ -203,6 +265,7 @@ class OpenAIServing:
             OpenAIError: 400 naming the field of a value out of range.
         """
         self.check_unsupported(request)
+        self.check_limits(request)
         fields = {name: getattr(request, name) for name in SAMPLING_FIELDS}
         fields = {name: value for name, value in fields.items() if value is not None}
         fields.update(n=1 if request.n is None else request.n, max_tokens=max_tokens, **extra)

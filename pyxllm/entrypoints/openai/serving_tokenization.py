@@ -17,10 +17,11 @@ from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionMessageParam,
     ChatCompletionRequest,
     OpenAIBaseModel,
+    RequestModel,
 )
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     """``POST /tokenize``: a ``prompt``, or chat ``messages`` rendered with the chat template."""
 
     model: str | None = None
@@ -28,6 +29,7 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatCompletionMessageParam] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
 
@@ -41,7 +43,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     """``POST /detokenize``: token ids to text."""
 
     model: str | None = None
@@ -62,7 +64,7 @@ class OpenAIServingTokenization:
         self.processor = engine.input_processor
         self.chat = chat_handler
 
-    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """The token ids of ``request.prompt`` or of its rendered ``messages``.
 
         Raises:
@@ -80,10 +82,11 @@ class OpenAIServingTokenization:
             chat = ChatCompletionRequest(
                 messages=request.messages,
                 add_generation_prompt=request.add_generation_prompt,
+                chat_template=request.chat_template,
                 chat_template_kwargs=request.chat_template_kwargs,
             )
             prompt = self.chat.chat_prompt(chat)
-        ids = list(self.processor.tokenize(prompt).token_ids)
+        ids = list((await self.chat.tokenize(prompt)).token_ids)
         if request.messages is not None and request.add_special_tokens:
             bos = getattr(tokenizer.hf, "bos_token_id", None)
             ids = ids if bos is None or ids[:1] == [bos] else [bos, *ids]
