@@ -23,7 +23,7 @@ serve: $(STAMP)
 	$(VENV)/bin/pyxllm serve $(ARGS)
 
 test: lint
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=20 $(ARGS)
 
 # ruff's linter and formatter check (configuration in pyproject.toml; also a pre-commit hook)
 lint: $(STAMP)

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.utils import RemoteServer
+from tests.utils import RemoteServer, run_together
 
 MODEL = "smollm2-structured"
 ASK = [{"role": "user", "content": "Tell me about a city as JSON."}]
@@ -63,21 +63,16 @@ def test_parse_returns_the_pydantic_object(client):
 
 def test_json_schema_output_validates_streamed_or_not(client):
     response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
-    full = client.chat.completions.create(
-        model=MODEL, messages=ASK, response_format=response_format, temperature=0, max_tokens=200
+    body = dict(model=MODEL, messages=ASK, response_format=response_format, temperature=0)
+    body["max_tokens"] = 200
+    full, chunks = run_together(
+        lambda: client.chat.completions.create(**body),
+        lambda: list(client.chat.completions.create(**body, stream=True)),
     )
     text = full.choices[0].message.content
     assert full.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(text), CITY)
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=ASK,
-        response_format=response_format,
-        temperature=0,
-        max_tokens=200,
-        stream=True,
-    )
-    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text
 
 

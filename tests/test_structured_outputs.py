@@ -57,11 +57,14 @@ def test_json_schema_output_validates(llm):
 
 
 def test_sampled_json_validates_for_every_seed(llm):
-    for seed in range(3):
-        (out,) = constrained(
-            llm, ASK, StructuredOutputsParams(json=json.dumps(PERSON)), temperature=1.0, seed=seed
-        )
-        jsonschema.validate(json.loads(out.text), PERSON)
+    spec = StructuredOutputsParams(json=json.dumps(PERSON))
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=200, structured_outputs=spec)
+        for seed in range(3)
+    ]
+    outs = llm.chat([ASK] * 3, params)  # one batch
+    for out in outs:
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
 
 
 def test_regex_choice_and_json_object(llm):

@@ -19,7 +19,7 @@ from pyxllm.entrypoints.openai.tool_parsers.constrained import NamedCallParser, 
 from pyxllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pyxllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pyxllm.entrypoints.openai.tools import plan_tools
-from tests.utils import RemoteServer
+from tests.utils import RemoteServer, run_together
 
 WEATHER = {
     "type": "object",
@@ -219,52 +219,76 @@ def assemble(chunks) -> tuple[str | None, list[tuple[str, str]], str]:
     return content or None, [tuple(v) for _, v in sorted(calls.items())], finish
 
 
+def ask_both(client, **kwargs) -> tuple:
+    """The same request unstreamed and streamed (its chunks), at the same time."""
+    return tuple(
+        run_together(
+            lambda: ask(client, **kwargs), lambda: list(ask(client, stream=True, **kwargs))
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def required_calls(client):
+    """``tool_choice: "required"`` on :data:`ASK`, unstreamed and streamed."""
+    return ask_both(client, tool_choice="required")
+
+
 @pytest.mark.parametrize(
     "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
 )
-def test_required_and_named_calls_validate_streamed_or_not(client, tool_choice):
-    choice = ask(client, tool_choice=tool_choice).choices[0]
+def test_required_and_named_calls_validate_streamed_or_not(client, required_calls, tool_choice):
+    if tool_choice == "required":
+        full, chunks = required_calls
+    else:
+        full, chunks = ask_both(client, tool_choice=tool_choice)
+    choice = full.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     calls = choice.message.tool_calls
     assert calls and all(c.id.startswith("call_") and c.type == "function" for c in calls)
     for call in calls:
         schema = {t["function"]["name"]: t["function"].get("parameters") for t in TOOLS}
         jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name] or {})
-    content, streamed_calls, finish = assemble(ask(client, stream=True, tool_choice=tool_choice))
+    content, streamed_calls, finish = assemble(chunks)
     assert (content, finish) == (None, "tool_calls")
     assert streamed_calls == [(c.function.name, c.function.arguments) for c in calls]
 
 
 def test_two_parallel_calls_and_only_one_when_not_parallel(client):
-    calls = ask(client, tools=TOOLS[:2], tool_choice="required").choices[0].message.tool_calls
+    full, chunks, single = run_together(
+        lambda: ask(client, tools=TOOLS[:2], tool_choice="required"),
+        lambda: list(ask(client, stream=True, tools=TOOLS[:2], tool_choice="required")),
+        lambda: ask(client, tool_choice="required", parallel_tool_calls=False),
+    )
+    calls = full.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["get_weather"] * 2  # recorded for this prompt
     assert [json.loads(c.function.arguments)["city"] for c in calls] == ["Paris", "London"]
-    _, streamed_calls, _ = assemble(
-        ask(client, stream=True, tools=TOOLS[:2], tool_choice="required")
-    )
-    assert streamed_calls == [(c.function.name, c.function.arguments) for c in calls]
-    single = ask(client, tool_choice="required", parallel_tool_calls=False).choices[0]
-    assert len(single.message.tool_calls) == 1
+    assert assemble(chunks)[1] == [(c.function.name, c.function.arguments) for c in calls]
+    assert len(single.choices[0].message.tool_calls) == 1
 
 
 def test_a_parameterless_tool_gets_empty_arguments(client):
     named = {"type": "function", "function": {"name": "ping"}}
-    call = ask(client, tool_choice=named).choices[0].message.tool_calls[0]
+    full, chunks = ask_both(client, tool_choice=named)
+    call = full.choices[0].message.tool_calls[0]
     assert call.function.name == "ping" and json.loads(call.function.arguments) == {}
-    streamed_call = assemble(ask(client, stream=True, tool_choice=named))[1]
+    streamed_call = assemble(chunks)[1]
     assert streamed_call == [("ping", call.function.arguments)]
 
 
-def test_a_two_turn_exchange(client):
-    call = ask(client, tool_choice="required").choices[0].message.tool_calls[0]
+def test_a_two_turn_exchange(client, required_calls):
+    call = required_calls[0].choices[0].message.tool_calls[0]
     messages = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 18, "unit": "celsius"}'},
     ]
-    answer = ask(client, messages=messages, tool_choice="none", max_tokens=40).choices[0]
+    answer, auto = run_together(
+        lambda: ask(client, messages=messages, tool_choice="none", max_tokens=40),
+        lambda: ask(client, messages=messages, max_tokens=40),  # auto: text or calls
+    )
+    answer, auto = answer.choices[0], auto.choices[0]
     assert answer.message.content and not answer.message.tool_calls
     assert answer.finish_reason in ("stop", "length")
-    auto = ask(client, messages=messages, max_tokens=40).choices[0]  # auto: text or calls
     assert auto.message.content or auto.message.tool_calls
 
 
