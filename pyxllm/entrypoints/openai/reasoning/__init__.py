@@ -1,15 +1,13 @@
 """Reasoning parsers: split a chat completion's text into ``reasoning_content`` and ``content``.
 
-``pyxllm serve --reasoning-parser NAME`` picks one by name. The registry maps names to
-``(module, class)`` strings, so listing the names (for ``--help`` and flag checks) imports
-nothing.
+``pyxllm serve --reasoning-parser NAME`` picks one by name; the registry (a
+:class:`~..registry.LazyRegistry`) imports a parser only when it is chosen.
 """
 
 from __future__ import annotations
 
-import importlib
-
 from pyxllm.entrypoints.openai.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningSpans
+from pyxllm.entrypoints.openai.registry import LazyRegistry
 
 __all__ = [
     "REASONING_PARSERS",
@@ -20,29 +18,24 @@ __all__ = [
     "reasoning_parser_names",
 ]
 
-# name -> (module, class). DeepSeek-R1 uses the same <think>...</think> convention as Qwen3.
-REASONING_PARSERS: dict[str, tuple[str, str]] = {
-    "qwen3": ("pyxllm.entrypoints.openai.reasoning.think_tags", "ThinkTagReasoningParser"),
-    "deepseek_r1": ("pyxllm.entrypoints.openai.reasoning.think_tags", "ThinkTagReasoningParser"),
-}
+# DeepSeek-R1 uses the same <think>...</think> convention as Qwen3.
+REASONING_PARSERS = LazyRegistry(
+    "--reasoning-parser",
+    {
+        "qwen3": ("pyxllm.entrypoints.openai.reasoning.think_tags", "ThinkTagReasoningParser"),
+        "deepseek_r1": (
+            "pyxllm.entrypoints.openai.reasoning.think_tags",
+            "ThinkTagReasoningParser",
+        ),
+    },
+)
 
 
 def reasoning_parser_names() -> list[str]:
     """The registered parser names, sorted."""
-    return sorted(REASONING_PARSERS)
+    return REASONING_PARSERS.names()
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    """The parser class registered as ``name``.
-
-    Raises:
-        ValueError: an unknown name; the message lists the known ones.
-    """
-    try:
-        module_name, class_name = REASONING_PARSERS[name]
-    except KeyError:
-        raise ValueError(
-            f"--reasoning-parser: unknown parser {name!r}; known parsers: "
-            f"{', '.join(reasoning_parser_names())}"
-        ) from None
-    return getattr(importlib.import_module(module_name), class_name)
+    """The parser class registered as ``name`` (ValueError for an unknown one, listing them)."""
+    return REASONING_PARSERS.get(name)
