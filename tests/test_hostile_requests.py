@@ -7,6 +7,7 @@ serves most tests; the shutdown test starts its own, since it ends it.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import signal
@@ -254,6 +255,41 @@ def test_beyond_the_waiting_room_new_requests_get_a_503(server):
     assert (
         post(server, "completions", {**body, "stream": False, "max_tokens": 1}).status_code == 200
     )
+
+
+def test_a_flood_of_2000_requests_leaves_health_answering(server):
+    """2,000 concurrent requests: those beyond the admitted ones get a 503 at once, none a
+    5xx of another kind, and /health (probed from another thread) answers within a second
+    throughout."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+
+    async def flood() -> list[int]:
+        limits = httpx.Limits(max_connections=2100, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            url = server.url_for("v1", "completions")
+            responses = await asyncio.gather(*(client.post(url, json=body) for _ in range(2000)))
+        return [response.status_code for response in responses]
+
+    done, latencies = threading.Event(), []
+
+    def probe() -> None:
+        with httpx.Client(timeout=10) as prober:
+            while not done.is_set():
+                start = time.monotonic()
+                assert prober.get(server.url_for("health")).status_code == 200
+                latencies.append(time.monotonic() - start)
+                time.sleep(0.1)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        statuses = asyncio.run(flood())
+    finally:
+        done.set()
+        prober.join(timeout=20)
+    assert set(statuses) <= {200, 503} and statuses.count(200) >= 6, sorted(set(statuses))
+    assert len(latencies) > 3 and max(latencies) < 1.0, latencies
+    assert_idle(server)
 
 
 # --- failure isolation and shutdown -----------------------------------------------------------

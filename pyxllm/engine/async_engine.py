@@ -125,11 +125,6 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        """Requests submitted with :meth:`generate` whose output is still awaited."""
-        return len(self._streams)
-
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe; takes effect before the engine's next step)."""
         self._commands.put(AbortRequest(request_id))

@@ -195,7 +195,8 @@ class InputProcessor:
 
         Raises:
             InvalidRequestError: text the tokenizer refuses (a lone surrogate), messages the
-                chat template cannot render, or a chat rendered to nothing.
+                chat template cannot render (naming ``chat_template_kwargs`` when those are at
+                fault), or a chat rendered to nothing.
         """
         if isinstance(prompt, str):
             prompt = TextPrompt(prompt)
@@ -210,12 +211,24 @@ class InputProcessor:
                 list(prompt.messages), prompt.add_generation_prompt, **prompt.chat_template_kwargs
             )
         except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(str(exc), "messages") from exc
+            raise InvalidRequestError(str(exc), self._template_fault(prompt)) from exc
         if not ids:
             raise InvalidRequestError(
                 "messages: the chat template rendered an empty prompt", "messages"
             )
         return TokensPrompt(ids, None, "messages")
+
+    def _template_fault(self, prompt: ChatPrompt) -> str:
+        """The field at fault when ``prompt`` does not render: ``chat_template_kwargs`` when
+        the messages render without them (a reserved name, a clashing or ill-typed value),
+        else ``messages``."""
+        if not prompt.chat_template_kwargs:
+            return "messages"
+        try:
+            self.tokenizer.apply_chat_template(list(prompt.messages), prompt.add_generation_prompt)
+        except (TypeError, ValueError):
+            return "messages"
+        return "chat_template_kwargs"
 
     def check_token_ids(self, token_ids: Iterable[int], param: str) -> None:
         """The one vocabulary rule: every id is in ``[0, vocab_size)``.

@@ -14,10 +14,17 @@ CHAT_TEMPLATE_TIMEOUT_S = 2.0
 
 # Names of ``transformers`` ``apply_chat_template`` arguments that would change what it returns.
 _RESERVED_TEMPLATE_KWARGS = (
+    "conversation",
+    "messages",
+    "self",
     "tokenize",
     "return_dict",
     "return_tensors",
     "return_assistant_tokens_mask",
+    "padding",
+    "truncation",
+    "max_length",
+    "tokenizer_kwargs",
 )
 
 

@@ -33,7 +33,7 @@ from pyxllm.entrypoints.openai.errors import (
     error_response,
     install_exception_handlers,
 )
-from pyxllm.entrypoints.openai.limits import BodySizeLimit
+from pyxllm.entrypoints.openai.limits import AdmissionControl, BodySizeLimit
 from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -114,6 +114,10 @@ async def retrieve_model(model_id: str, raw_request: Request) -> JSONResponse:
     return JSONResponse(card.model_dump(mode="json"))
 
 
+# the routes that run the engine, admitted by AdmissionControl
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     """OpenAI chat completions, streamed (SSE) or not."""
@@ -163,8 +167,13 @@ def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
         engine, app.state.openai_serving_chat
     )
     install_exception_handlers(app)
-    # added first, so inside the key check and CORS (a 413 carries CORS headers too)
+    # added first, so inside the key check and CORS (a 413 or 503 carries CORS headers too)
     app.add_middleware(BodySizeLimit, max_bytes=options.limits.max_request_body_bytes)
+    app.add_middleware(
+        AdmissionControl,
+        max_requests=engine.max_num_seqs + options.max_waiting_requests,
+        paths=GENERATION_PATHS,
+    )
     install_security(app, options)
     return app
 

@@ -47,3 +47,35 @@ class BodySizeLimit:
             f"the request body has {size} bytes, more than the {self.max_bytes} this server "
             "takes (--max-request-body-bytes)"
         )
+
+
+class AdmissionControl:
+    """Answers 503 with ``Retry-After`` for a generation request (``POST`` to a path in
+    ``paths``) while ``max_requests`` of them are in progress, before its body is read.
+
+    A request counts from its arrival until its response (a stream included) has ended, so
+    the work before the engine (parsing, templates, grammars) counts too; refusing here costs
+    next to nothing, so a flood cannot delay ``/health`` or the requests admitted.
+    """
+
+    def __init__(self, app: ASGIApp, max_requests: int, paths: tuple[str, ...]) -> None:
+        self.app, self.max_requests, self.paths = app, max_requests, paths
+        self.in_progress = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        if self.in_progress >= self.max_requests:
+            message = (
+                f"the server is busy ({self.max_requests} requests in progress, "
+                "--max-seqs-per-batch plus --max-waiting-requests); retry later"
+            )
+            response = error_response(message, 503, headers={"Retry-After": "1"})
+            await response(scope, receive, send)
+            return
+        self.in_progress += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_progress -= 1

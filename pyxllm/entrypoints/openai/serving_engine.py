@@ -169,10 +169,7 @@ class OpenAIServing:
         self.max_model_len: int = engine.max_model_len
         self.options = options or ServerOptions()
         self.limits = self.options.limits
-        max_running = engine.max_num_seqs
-        self.max_n = self.limits.max_n or max_running
-        # requests in the engine (running or waiting) beyond which new ones get a 503
-        self.max_admitted = max_running + self.options.max_waiting_requests
+        self.max_n = self.limits.max_n or engine.max_num_seqs
         self.draining = False
 
     async def tokenize(self, prompt: str | TextPrompt | ChatPrompt) -> TokensPrompt:
@@ -205,17 +202,10 @@ class OpenAIServing:
             raise OpenAIError(f"the engine is not healthy: {exc}", 503) from exc
 
     def check_admission(self) -> None:
-        """503 with ``Retry-After`` while the server drains for shutdown or the engine holds
-        as many requests as it admits (``--max-waiting-requests`` beyond the running ones)."""
+        """503 with ``Retry-After`` while the server drains for shutdown (the number of
+        requests in progress is bounded before, by ``limits.AdmissionControl``)."""
         if self.draining:
             raise OpenAIError("the server is shutting down", 503, headers={"Retry-After": "5"})
-        if self.engine.num_unfinished_requests >= self.max_admitted:
-            raise OpenAIError(
-                f"the server is busy ({self.max_admitted} requests in progress or waiting, "
-                "--max-waiting-requests); retry later",
-                503,
-                headers={"Retry-After": "1"},
-            )
 
     def check_limits(self, request: SamplingFields) -> None:
         """400 naming the field of a request that asks for more than :class:`RequestLimits`

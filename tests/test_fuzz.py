@@ -1,0 +1,135 @@
+"""A seeded fuzz of ``pyxllm serve`` (issue 15, section 4): 1,200 generated requests over every
+route and field, then ``n`` far above its bound, asserting that the server never fails.
+
+The corpus (:mod:`tests.fuzz_requests`, which says which fault must get which answer) holds
+valid requests in random combinations (``n`` with ``stream``, ``logprobs`` with ``echo``, stop
+lists, ``logit_bias``, seeds, structured outputs and tools) and faulty ones: wrong types,
+out-of-range and extreme numbers (``1e308``, ``-0``, ``2**64``, 5000-digit integers, NaN),
+lone surrogates as JSON escapes and as raw invalid UTF-8, empty and huge strings, deep nesting,
+too many messages, stop strings or ``logit_bias`` entries, request chat templates, bodies over the
+size limit, wrong content types, invalid JSON, unknown routes and wrong methods. Every request is
+cheap (``max_tokens`` 1-4, ``n`` at most 3, short prompts); they go 12 at a time over keep-alive
+connections, then the ``n`` far above the bound one at a time (a server without the bound may
+hang on them, so they come last).
+
+Asserted for every answer: no 5xx and no dropped connection; the status the corpus expects;
+every 4xx in OpenAI's error shape, naming the ``param`` the corpus expects; a 200 well formed
+(strict JSON without NaN or Infinity, a stream ending with ``data: [DONE]`` and no error event,
+one finish reason per choice, finite logprobs; the greedy text where the request keeps only the
+top token). At the end ``/health`` is 200 and ``/debug/stats`` shows nothing running or waiting
+and no KV block used.
+
+Reproducing: the seed is printed (``PYXLLM_FUZZ_SEED`` overrides the default); a failure lists
+each failed case's id, request and a Python line resending it; ``PYXLLM_FUZZ_CASES=3,17`` runs only
+those cases of that seed. ``PYXLLM_FUZZ_COUNT`` changes the corpus size and
+``PYXLLM_FUZZ_REPORT=path.json`` writes every failure there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import httpx
+
+from tests.fuzz_requests import (
+    bound_cases,
+    compute_references,
+    generate_cases,
+    is_idle,
+    run_cases,
+    select_cases,
+    server_tracebacks,
+    summarize,
+    wait_idle,
+)
+from tests.utils import RemoteServer
+
+SEED = int(os.environ.get("PYXLLM_FUZZ_SEED", "15"))
+COUNT = int(os.environ.get("PYXLLM_FUZZ_COUNT", "1200"))
+ONLY = os.environ.get("PYXLLM_FUZZ_CASES", "")
+REPORT = os.environ.get("PYXLLM_FUZZ_REPORT", "")
+CONCURRENCY = 12
+# A correct server answers the whole corpus in well under a minute here; past this budget the
+# rest is reported as not sent (a hung server must not hang the suite).
+BUDGET_S = 240.0
+BOUND_TIMEOUT_S = 20.0
+SERVER_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "0.25"]
+
+
+def test_fuzz_never_fails_the_server():
+    with RemoteServer(SERVER_ARGS) as server:
+        base = f"http://{server.host}:{server.port}"
+        model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+        cases = select_cases(generate_cases(SEED, COUNT, model), ONLY)
+        bounds = select_cases(bound_cases(model), ONLY)
+        assert ONLY or len(cases) >= 1000
+        print(f"fuzz seed {SEED} (PYXLLM_FUZZ_SEED): {len(cases)} requests, {len(bounds)} bounds")
+
+        references = asyncio.run(compute_references(base, cases))
+        start = time.monotonic()
+        results = asyncio.run(
+            run_cases(
+                base,
+                cases,
+                concurrency=CONCURRENCY,
+                references=references,
+                deadline=start + BUDGET_S,
+            )
+        )
+        corpus_s = time.monotonic() - start
+        # one at a time, in rising n: after one gets no answer the server is lost, skip the rest
+        lost = False
+        for case in bounds:
+            deadline = 0.0 if lost else None
+            [result] = asyncio.run(
+                run_cases(
+                    base,
+                    [case],
+                    1,
+                    timeout=BOUND_TIMEOUT_S,
+                    deadline=deadline,
+                    skip_reason="the server did not answer a smaller n",
+                )
+            )
+            lost = lost or result.status is None
+            results.append(result)
+        print(
+            f"{len(results)} requests in {time.monotonic() - start:.1f} s ({corpus_s:.1f} s corpus)"
+        )
+
+        try:
+            health = httpx.get(base + "/health", timeout=10).status_code
+        except httpx.HTTPError as exc:
+            health = repr(exc)
+        stats = wait_idle(base, timeout=15.0)
+        failed = [r for r in results if r.problems]
+        if REPORT:
+            with open(REPORT, "w") as out:
+                rows = [
+                    {
+                        "id": r.case.id,
+                        "label": r.case.label,
+                        "request": r.case.describe(2000),
+                        "expect": r.case.expect.describe(),
+                        "status": r.status,
+                        "problems": r.problems,
+                        "repro": r.case.repro(base),
+                    }
+                    for r in failed
+                ]
+                json.dump({"seed": SEED, "failures": rows}, out, indent=1)
+        log = server.output()
+
+    report = [f"seed {SEED}: /health {health}, /debug/stats {stats}"]
+    if failed:
+        report.append(summarize(results, SEED, base)[:24000])
+    tracebacks = server_tracebacks(log)
+    if tracebacks:
+        text = "\n---\n".join(tracebacks)
+        report.append(f"server tracebacks (last, distinct; pyxllm frames):\n{text[-8000:]}")
+    message = "\n".join(report)
+    served = not failed and health == 200 and is_idle(stats)
+    assert served, message
