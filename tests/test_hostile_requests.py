@@ -295,31 +295,41 @@ def test_a_flood_of_2000_requests_leaves_health_answering(server):
 # --- failure isolation and shutdown -----------------------------------------------------------
 
 
+class _BrokenList(list):
+    def append(self, item):
+        raise RuntimeError("logprobs broke")
+
+
 def test_a_request_that_fails_in_the_engine_fails_alone():
-    """A detokenizer that raises ends its own request (its blocks freed) with the error, and
-    the other request in the batch finishes as it would alone."""
+    """A detokenizer or a logprobs record that raises ends its own request (its blocks freed)
+    with the error, and the other request in the batch finishes as it would alone."""
     llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory=0.05)
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1)
     alone = llm.generate(["The sky is"], params)[0].outputs[0].text
-    for request_id, prompt in (("good", "The sky is"), ("bad", "Hello")):
-        engine.add_request(engine.input_processor.process(request_id, prompt, params))
 
     def broken(tokens):
         raise RuntimeError("detokenizer broke")
 
-    engine.requests["bad"].detokenizer.update = broken
-    finished, failed = {}, False
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output.outputs[0].text
-        failures = engine.pop_failures()
-        if failures:
-            assert list(failures) == ["bad"] and "detokenizer broke" in str(failures["bad"])
-            failed = True
-    assert failed and finished == {"good": alone}
-    assert engine.kv_cache_manager.num_used_blocks == 0
+    def break_detokenizer(request):
+        request.detokenizer.update = broken
+
+    def break_logprobs(request):
+        request.logprobs = _BrokenList()
+
+    for sabotage, message in ((break_detokenizer, "detokenizer"), (break_logprobs, "logprobs")):
+        for request_id, prompt in (("good", "The sky is"), ("bad", "Hello")):
+            engine.add_request(engine.input_processor.process(request_id, prompt, params))
+        sabotage(engine.requests["bad"])
+        finished, failures = {}, {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output.outputs[0].text
+            failures.update(engine.pop_failures())
+        assert list(failures) == ["bad"] and f"{message} broke" in str(failures["bad"])
+        assert finished == {"good": alone}
+        assert engine.kv_cache_manager.num_used_blocks == 0
 
 
 def test_sigterm_lets_running_requests_finish_then_aborts_the_rest():

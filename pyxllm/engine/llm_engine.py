@@ -199,12 +199,16 @@ class LLMEngine:
             return []
         self._constrain(plan)
         result = self.executor.execute(plan)
-        outputs, now = [], time.monotonic()
+        outputs, now, broken = [], time.monotonic(), []
         if result.logprobs is not None or result.prompt_logprobs is not None:
-            record_logprobs(self.requests, plan, result, self.tokenizer.decode_each)
+            broken = record_logprobs(self.requests, plan, result, self.tokenizer.decode_each)
         new_tokens = self.scheduler.update_from_output(result.sampled_token_ids)
         self.metrics.record_tokens((request for request, _ in new_tokens), now)
+        for request, exc in broken:
+            self._fail(request, exc)
         for request, token in new_tokens:
+            if request.status.finished:  # failed above
+                continue
             try:
                 if not request.accept_token(token):
                     logger.warning(

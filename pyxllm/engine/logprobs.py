@@ -26,23 +26,30 @@ def logprob_dict(
 
 def record_logprobs(
     requests: Mapping[str, Request], plan: SchedulerOutput, result, decode: Decode
-) -> None:
-    """Append a step's sample and prompt logprobs (a ``StepResult``) to their requests.
+) -> list[tuple[Request, Exception]]:
+    """Append a step's sample and prompt logprobs (a ``StepResult``) to their requests; returns
+    the requests whose logprobs could not be recorded (a decoder that raised), with the error,
+    for the engine to fail alone.
 
     Call before the scheduler advances the requests: each sequence's ``num_computed_tokens``
     then still marks where its step started, which places prompt logprobs (a chunk recomputed
     after preemption is not appended twice).
     """
+    failed = []
     for i, seq in enumerate(plan.sequences):
         request = requests.get(seq.request_id)
         if request is None:
             continue
-        sample = result.logprobs[i] if result.logprobs is not None else None
-        if sample is not None and request.logprobs is not None:
-            request.logprobs.append(logprob_dict(*sample, decode))
-        chunk = result.prompt_logprobs[i] if result.prompt_logprobs is not None else None
-        if chunk and request.prompt_logprobs is not None:
-            skip = len(request.prompt_logprobs) - (seq.num_computed_tokens + 1)
-            request.prompt_logprobs.extend(
-                logprob_dict(*entry, decode) for entry in chunk[max(skip, 0) :]
-            )
+        try:
+            sample = result.logprobs[i] if result.logprobs is not None else None
+            if sample is not None and request.logprobs is not None:
+                request.logprobs.append(logprob_dict(*sample, decode))
+            chunk = result.prompt_logprobs[i] if result.prompt_logprobs is not None else None
+            if chunk and request.prompt_logprobs is not None:
+                skip = len(request.prompt_logprobs) - (seq.num_computed_tokens + 1)
+                request.prompt_logprobs.extend(
+                    logprob_dict(*entry, decode) for entry in chunk[max(skip, 0) :]
+                )
+        except Exception as exc:  # noqa: BLE001 - one request's failure is its own
+            failed.append((request, exc))
+    return failed
