@@ -1,4 +1,4 @@
-"""A seeded fuzz of ``pyxllm serve`` (issue 15, section 4): 1,200 generated requests over every
+"""A seeded fuzz of ``pyxllm serve`` (issue 15, section 4): 1,000 generated requests over every
 route and field, then ``n`` far above its bound, asserting that the server never fails.
 
 The corpus (:mod:`tests.fuzz_requests`, which says which fault must get which answer) holds
@@ -48,7 +48,7 @@ from tests.fuzz_requests import (
 from tests.utils import RemoteServer
 
 SEED = int(os.environ.get("PYXLLM_FUZZ_SEED", "15"))
-COUNT = int(os.environ.get("PYXLLM_FUZZ_COUNT", "1200"))
+COUNT = int(os.environ.get("PYXLLM_FUZZ_COUNT", "1000"))  # the issue asks for >= 1,000
 ONLY = os.environ.get("PYXLLM_FUZZ_CASES", "")
 REPORT = os.environ.get("PYXLLM_FUZZ_REPORT", "")
 CONCURRENCY = 12

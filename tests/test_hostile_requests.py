@@ -335,8 +335,8 @@ def test_a_request_that_fails_in_the_engine_fails_alone():
 def test_sigterm_lets_running_requests_finish_then_aborts_the_rest():
     """SIGTERM: a request that ends within --shutdown-timeout streams to its end, one that
     would not is cut off, new connections are refused, and the process exits 0."""
-    remote = RemoteServer([*SERVER_ARGS, "--shutdown-timeout", "8"], stop_timeout=30)
-    short = {"model": MODEL, "prompt": "Hi", "max_tokens": 30, "ignore_eos": True, "stream": True}
+    remote = RemoteServer([*SERVER_ARGS, "--shutdown-timeout", "5"], stop_timeout=30)
+    short = {"model": MODEL, "prompt": "Hi", "max_tokens": 20, "ignore_eos": True, "stream": True}
     long = {**short, "max_tokens": 480}
     lines: dict[str, list[str]] = {"short": [], "long": []}
 
