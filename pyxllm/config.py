@@ -38,8 +38,9 @@ class EngineConfig:
     Units: ``kv_cache_memory`` in GiB, ``gpu_memory_utilization`` a fraction of the card's
     memory, ``max_model_len`` / ``max_tokens_per_batch`` / ``block_size`` in tokens.
 
-    - ``model``: ``None`` (the embedded SmolLM2-135M-Instruct GGUF), a ``.gguf`` file, or a
-      Hugging Face directory.
+    - ``model``: ``None`` (the embedded SmolLM2-135M-Instruct GGUF), a ``.gguf`` file, a
+      Hugging Face directory, or a Hugging Face model id (``ORG/NAME``, at ``revision``, from
+      the cache ``download_dir`` or ``HF_HUB_CACHE``, downloaded when not there).
     - ``max_model_len``: ``None`` takes the model's ``max_position_embeddings``.
     - ``enable_chunked_prefill``: a long prompt is prefilled over several steps, sharing each
       step's ``max_tokens_per_batch`` budget with running decodes. Off, a prompt is prefilled
@@ -68,6 +69,8 @@ class EngineConfig:
     """
 
     model: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
     quantization: str | None = None

@@ -163,7 +163,7 @@ def test_bad_bool_names_flag_and_accepted_values(capsys, bad):
 
 def test_no_flag_takes_no_value(capsys):
     err = expect_usage_error(capsys, ["serve", "--no-enable-chunked-prefill", "false"])
-    assert "unrecognized arguments: false" in err
+    assert "MODEL 'false': neither a path that exists nor a Hugging Face model id" in err
 
 
 # --- errors --------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ class LLMEngine:
         self.config = config
         platform = resolve_platform(config.device)  # a missing device package fails first
         platform.check_runner(config.graph_backend)
-        source = resolve_model_source(config.model)
+        source = resolve_model_source(config.model, config.revision, config.download_dir)
         model_config = load_model_config(source)
         self.max_model_len = _resolve_max_model_len(config, model_config)
         if not config.enable_chunked_prefill and config.max_tokens_per_batch < self.max_model_len:

@@ -31,11 +31,14 @@ from pyxllm.entrypoints.flags import HelpFormatter, add_bool_flag, flag_names
 from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
+from pyxllm.weights.source import is_model_id
 
 # Help per EngineConfig field; a field missing here still becomes a flag, with generic help.
 ENGINE_HELP = {
-    "model": "a .gguf file or a Hugging Face model directory (default: the embedded "
-    "SmolLM2-135M-Instruct GGUF)",
+    "model": "a .gguf file, a Hugging Face model directory or model id ORG/NAME (from the "
+    "Hugging Face cache, else downloaded; default: the embedded SmolLM2-135M-Instruct GGUF)",
+    "revision": "branch, tag or commit of a Hugging Face model id (default: main)",
+    "download_dir": "Hugging Face cache for model ids (default: $HF_HUB_CACHE)",
     "served_model_name": "model name reported by the API (default: derived from --model)",
     "dtype": "weight and activation dtype; auto picks the model's dtype for the device",
     "quantization": "quantization of the linear layers: weight-only int8 (per channel) or int4 "
@@ -83,7 +86,9 @@ ENGINE_ALIASES = {
     "master_addr": ["--master-node-addr", "--master_node_addr"],
 }
 ENGINE_METAVARS = {
-    "model": "PATH",
+    "model": "PATH|ID",
+    "revision": "REV",
+    "download_dir": "DIR",
     "served_model_name": "NAME",
     "kv_cache_memory": "GIB",
     "master_addr": "HOST:PORT",
@@ -422,6 +427,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
         description="Serve an OpenAI-compatible HTTP API.",
     )
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as --model gives it (`pyxllm serve Qwen/Qwen3-0.6B`, as vLLM's)",
+    )
     server = serve.add_argument_group("server flags")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
@@ -579,6 +590,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         parser.command_parsers["serve"].error("--enable-auto-tool-choice: needs --tool-call-parser")
     if args.command == "serve":
+        if args.model_tag is not None:
+            if not (
+                os.path.exists(os.path.expanduser(args.model_tag)) or is_model_id(args.model_tag)
+            ):
+                parser.command_parsers["serve"].error(
+                    f"MODEL {args.model_tag!r}: neither a path that exists nor a Hugging Face "
+                    "model id ORG/NAME"
+                )
+            if args.model is not None and args.model != args.model_tag:
+                parser.command_parsers["serve"].error(
+                    f"MODEL {args.model_tag!r} and --model {args.model!r}: give one of them"
+                )
+            args.model = args.model_tag
         _check_security_args(args, parser.command_parsers["serve"])
         if args.max_waiting_requests < 0:
             parser.command_parsers["serve"].error("--max-waiting-requests: must be >= 0")

