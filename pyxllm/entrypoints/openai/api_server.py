@@ -160,7 +160,6 @@ def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
     app = FastAPI(title="pyxllm", summary="OpenAI-compatible API of a pyxllm engine")
     app.include_router(router)
     app.state.engine = engine
-    app.state.options = options
     app.state.openai_serving_chat = OpenAIServingChat(engine, options)
     app.state.openai_serving_completion = OpenAIServingCompletion(engine, options)
     app.state.openai_serving_tokenization = OpenAIServingTokenization(
@@ -192,17 +191,17 @@ class _Server(uvicorn.Server):
     timeout the remaining requests are cancelled, which aborts them in the engine.
     """
 
-    def handle_exit(self, sig: int, frame) -> None:
-        app = self.config.app
-        for handler in (app.state.openai_serving_chat, app.state.openai_serving_completion):
-            handler.draining = True
-        super().handle_exit(sig, frame)
-
     def __init__(self, config: uvicorn.Config, banner: str, engine=None):
         super().__init__(config)
         self.banner, self.engine = banner, engine
         self.fatal: str | None = None
         self._fatal_at = 0.0
+
+    def handle_exit(self, sig: int, frame) -> None:
+        app = self.config.app
+        for handler in (app.state.openai_serving_chat, app.state.openai_serving_completion):
+            handler.draining = True
+        super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
         if self.fatal is None and self.engine is not None and (fatal := self.engine.fatal_error()):

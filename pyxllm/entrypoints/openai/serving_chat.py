@@ -81,7 +81,7 @@ class OpenAIServingChat(OpenAIServing):
         """Answer one chat request (raises :class:`OpenAIError` for a bad request)."""
         self.check_model(request.model)
         self.check_health()
-        self.check_admission()
+        self.check_not_draining()
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens

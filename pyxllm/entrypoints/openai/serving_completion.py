@@ -43,7 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """Answer one completion request (raises :class:`OpenAIError` for a bad request)."""
         self.check_model(request.model)
         self.check_health()
-        self.check_admission()
+        self.check_not_draining()
         if request.suffix:
             raise OpenAIError("suffix: not supported", 400, "suffix")
         echo_only = bool(request.echo) and request.max_tokens == 0

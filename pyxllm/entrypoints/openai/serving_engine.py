@@ -93,10 +93,11 @@ async def _wait_for_disconnect(raw_request: Request) -> None:
             return
 
 
-# Fields pyxllm declares but does not honour, with the values that are the same as leaving
-# them out (anything else is refused).
+# The one thread that tokenizes and renders chat templates for the server (see tokenize()).
 _TOKENIZER_THREAD = ThreadPoolExecutor(1, thread_name_prefix="pyxllm-tokenizer")
 
+# Fields pyxllm declares but does not honour, with the values that are the same as leaving
+# them out (anything else is refused).
 _NOT_HONOURED = {
     "best_of": (None, 1),
     "use_beam_search": (None, False),
@@ -201,7 +202,7 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 - any failure means the engine cannot serve
             raise OpenAIError(f"the engine is not healthy: {exc}", 503) from exc
 
-    def check_admission(self) -> None:
+    def check_not_draining(self) -> None:
         """503 with ``Retry-After`` while the server drains for shutdown (the number of
         requests in progress is bounded before, by ``limits.AdmissionControl``)."""
         if self.draining:
