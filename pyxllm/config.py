@@ -41,6 +41,11 @@ class EngineConfig:
     - ``model``: ``None`` (the embedded SmolLM2-135M-Instruct GGUF), a ``.gguf`` file, a
       Hugging Face directory, or a Hugging Face model id (``ORG/NAME``, at ``revision``, from
       the cache ``download_dir`` or ``HF_HUB_CACHE``, downloaded when not there).
+    - ``gguf_file``: the model is this ``.gguf`` file inside ``model`` (a directory or model id;
+      from a model id only that file and the ``*.json`` files are downloaded).
+    - ``tokenizer``: the tokenizer and chat template come from this directory, ``.gguf`` file or
+      model id (at ``tokenizer_revision``) instead of the model (for a GGUF model: instead of
+      its embedded vocabulary). ``None`` takes the model's.
     - ``max_model_len``: ``None`` takes the model's ``max_position_embeddings``.
     - ``enable_chunked_prefill``: a long prompt is prefilled over several steps, sharing each
       step's ``max_tokens_per_batch`` budget with running decodes. Off, a prompt is prefilled
@@ -71,6 +76,9 @@ class EngineConfig:
     model: str | None = None
     revision: str | None = None
     download_dir: str | None = None
+    gguf_file: str | None = None
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
     quantization: str | None = None
@@ -127,8 +135,21 @@ class EngineConfig:
                 f"--dist-init-timeout: must be > 0 seconds, got {self.dist_init_timeout}"
             )
 
+    def _check_sources(self) -> None:
+        if self.gguf_file is not None and self.model is None:
+            raise ValueError(
+                "--gguf-file: names a file inside --model (a directory or Hugging Face model id), "
+                "so it needs --model"
+            )
+        if self.tokenizer_revision is not None and self.tokenizer is None:
+            raise ValueError(
+                "--tokenizer-revision: applies to --tokenizer, which is not given (the model's own "
+                "tokenizer follows --revision)"
+            )
+
     def __post_init__(self) -> None:
         self._check_parallel()
+        self._check_sources()
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(
                 "--structured-outputs-backend: must be one of "

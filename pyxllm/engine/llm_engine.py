@@ -26,6 +26,7 @@ from pyxllm.weights import (
     load_hf_tokenizer,
     load_model_config,
     resolve_model_source,
+    resolve_tokenizer_source,
 )
 
 logger = logging.getLogger("pyxllm")
@@ -59,7 +60,9 @@ class LLMEngine:
         self.config = config
         platform = resolve_platform(config.device)  # a missing device package fails first
         platform.check_runner(config.graph_backend)
-        source = resolve_model_source(config.model, config.revision, config.download_dir)
+        source = resolve_model_source(
+            config.model, config.revision, config.download_dir, config.gguf_file
+        )
         model_config = load_model_config(source)
         self.max_model_len = _resolve_max_model_len(config, model_config)
         if not config.enable_chunked_prefill and config.max_tokens_per_batch < self.max_model_len:
@@ -68,7 +71,12 @@ class LLMEngine:
                 f"({self.max_model_len}); without chunked prefill a whole prompt must fit one step"
             )
         defaults = load_generation_defaults(source, model_config)
-        self.tokenizer = Tokenizer(load_hf_tokenizer(source), defaults.eos_token_ids)
+        tokenizer_source = source
+        if config.tokenizer is not None:  # --tokenizer: another directory, GGUF file or model id
+            tokenizer_source = resolve_tokenizer_source(
+                config.tokenizer, config.tokenizer_revision, config.download_dir
+            )
+        self.tokenizer = Tokenizer(load_hf_tokenizer(tokenizer_source), defaults.eos_token_ids)
         self.model_name = config.served_model_name or source.name
         set_current_platform(platform)
         # one process's UniprocExecutor, or under tensor parallelism rank 0's MultiprocExecutor

@@ -39,6 +39,11 @@ ENGINE_HELP = {
     "Hugging Face cache, else downloaded; default: the embedded SmolLM2-135M-Instruct GGUF)",
     "revision": "branch, tag or commit of a Hugging Face model id (default: main)",
     "download_dir": "Hugging Face cache for model ids (default: $HF_HUB_CACHE)",
+    "gguf_file": "the model is this .gguf file inside --model, a directory or model id (from an "
+    "id, only this file and the *.json files are downloaded)",
+    "tokenizer": "load the tokenizer and chat template from this directory, .gguf file or model "
+    "id instead of the model's (for a GGUF model: instead of its embedded vocabulary)",
+    "tokenizer_revision": "branch, tag or commit of a --tokenizer model id (default: main)",
     "served_model_name": "model name reported by the API (default: derived from --model)",
     "dtype": "weight and activation dtype; auto picks the model's dtype for the device",
     "quantization": "quantization of the linear layers: weight-only int8 (per channel) or int4 "
@@ -89,6 +94,9 @@ ENGINE_METAVARS = {
     "model": "PATH|ID",
     "revision": "REV",
     "download_dir": "DIR",
+    "gguf_file": "FILE.gguf",
+    "tokenizer": "PATH|ID",
+    "tokenizer_revision": "REV",
     "served_model_name": "NAME",
     "kv_cache_memory": "GIB",
     "master_addr": "HOST:PORT",

@@ -23,10 +23,10 @@ class LLM:
     """An engine for offline batched generation.
 
     Args:
-        model: ``None`` (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file or a Hugging Face
-            directory.
-        **kwargs: any other ``EngineConfig`` field (``dtype``, ``max_model_len``,
-            ``kv_cache_memory``, ...).
+        model: ``None`` (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file, a Hugging Face
+            directory or a Hugging Face model id ``ORG/NAME``.
+        **kwargs: any other ``EngineConfig`` field (``tokenizer``, ``gguf_file``, ``revision``,
+            ``dtype``, ``max_model_len``, ``kv_cache_memory``, ...).
 
     Raises:
         ValueError: a bad setting or a model that cannot be loaded (the message says which and why).

@@ -61,7 +61,9 @@ def run_worker(
         channel = ControlClient(
             parse_master_addr(master_addr)[0], get_store(), rank, config.dist_init_timeout
         )
-        source = resolve_model_source(config.model, config.revision, config.download_dir)
+        source = resolve_model_source(
+            config.model, config.revision, config.download_dir, config.gguf_file
+        )
         executor = ModelExecutor(config, load_model_config(source), source, platform)
         logger.info("rank %d of %d ready (%d KV blocks)", rank, world_size, executor.num_kv_blocks)
         decoder = PlanDecoder()

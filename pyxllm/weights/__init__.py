@@ -2,7 +2,8 @@
 
 A model is the embedded SmolLM2-135M-Instruct GGUF (``model=None``), a ``.gguf`` file, a
 local Hugging Face directory (``config.json`` + ``*.safetensors``), or a Hugging Face model id
-(``ORG/NAME``, from the Hugging Face cache or downloaded into it). Every problem raises
+(``ORG/NAME``, from the Hugging Face cache or downloaded into it), or a ``.gguf`` inside either;
+its tokenizer may come from elsewhere (:func:`resolve_tokenizer_source`). Every problem raises
 :class:`ModelLoadError` with a message naming the file and the fix.
 """
 
@@ -22,6 +23,7 @@ from pyxllm.weights.source import (
     default_gguf_path,
     is_model_id,
     resolve_model_source,
+    resolve_tokenizer_source,
 )
 
 __all__ = [
@@ -38,4 +40,5 @@ __all__ = [
     "load_hf_tokenizer",
     "load_model_config",
     "resolve_model_source",
+    "resolve_tokenizer_source",
 ]
