@@ -15,6 +15,8 @@ import torch
 VOCAB_SIZE = 49152
 # Large enough that logits spread out (tokens vary), small enough to keep activations sane.
 INIT_RANGE = 0.25
+# Sliding window of the windowed kinds, in tokens: shorter than most test prompts plus outputs.
+WINDOW = 6
 
 _COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -30,14 +32,16 @@ _COMMON = dict(
 
 def tiny_config(kind: str, **overrides):
     """A transformers config for ``kind``: ``llama`` (untied), ``qwen2`` (tied), ``qwen3``
-    (untied, ``head_dim`` 32 while hidden/heads is 16) or ``qwen3_moe`` (4 experts, top-2,
-    renormalised, layer 1 dense through ``mlp_only_layers``). ``overrides`` replace the common
+    (untied, ``head_dim`` 32 while hidden/heads is 16), ``qwen3_moe`` (4 experts, top-2,
+    renormalised, layer 1 dense through ``mlp_only_layers``), ``mistral`` (a sliding window of
+    :data:`WINDOW` tokens in every layer) or ``qwen2_sliding`` (layer 0 full, layer 1 a window
+    of :data:`WINDOW`, through ``max_window_layers``). ``overrides`` replace the common
     fields (e.g. ``vocab_size=len(tokenizer)`` for a tokenizer with added tokens).
 
     Raises:
         KeyError: an unknown kind.
     """
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = {**_COMMON, **overrides}
     builders = {
@@ -53,6 +57,22 @@ def tiny_config(kind: str, **overrides):
             num_hidden_layers=2,
             head_dim=32,
             tie_word_embeddings=False,
+        ),
+        "mistral": lambda: MistralConfig(
+            **common,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            tie_word_embeddings=False,
+        ),
+        "qwen2_sliding": lambda: Qwen2Config(
+            **common,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+            tie_word_embeddings=True,
         ),
         "qwen3_moe": lambda: Qwen3MoeConfig(
             **common,

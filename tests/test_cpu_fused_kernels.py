@@ -70,7 +70,8 @@ def test_rotary_on_strided_qkv_views_matches_native_exactly(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128, 40])  # the two unrolled sizes, and the generic loop
-def test_cache_write_and_decode_attention_match_native(dtype, head_dim):
+@pytest.mark.parametrize("window", [None, 5, 16, 33])  # within a block, one block, across blocks
+def test_cache_write_and_decode_attention_match_native(dtype, head_dim, window):
     g = torch.Generator().manual_seed(1)
     num_blocks, block_size, kv_heads = 24, 16, 3
     caches = [
@@ -87,9 +88,15 @@ def test_cache_write_and_decode_attention_match_native(dtype, head_dim):
     block_tables = torch.randperm(num_blocks, generator=g)[:16].view(4, 4)
     seq_lens = torch.tensor([1, 17, 64, 40])
     query = torch.randn(4, 9, head_dim, generator=g).to(dtype)
-    got = fused.paged_attention_decode(query, *ours, block_tables, seq_lens, 64, head_dim**-0.5)
-    want = native.paged_attention_decode(query, *ours, block_tables, seq_lens, 64, head_dim**-0.5)
+    args = (query, *ours, block_tables, seq_lens, 64, head_dim**-0.5)
+    got = fused.paged_attention_decode(*args, sliding_window=window)
+    want = native.paged_attention_decode(*args, sliding_window=window)
     close(got, want, dtype, bf16_tol=2e-2)
+    if window is not None:  # the window changes the rows longer than it
+        full = native.paged_attention_decode(*args)
+        longer = seq_lens > window
+        assert not torch.allclose(got[longer].float(), full[longer].float(), atol=1e-3)
+        close(got[~longer], full[~longer], dtype, bf16_tol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,4 +1,5 @@
-"""Llama, Qwen2, Qwen3 and Qwen3-MoE on tiny random checkpoints: pyxllm equals transformers.
+"""Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral and Qwen2 with a sliding window on tiny random
+checkpoints: pyxllm equals transformers.
 
 Each architecture is saved by transformers (float32 safetensors, the SmolLM2 tokenizer beside it)
 and run by ``pyxllm.LLM``; greedy tokens must equal ``generate(do_sample=False)`` and the last
@@ -27,7 +28,7 @@ from pyxllm.layers.forward_context import ForwardContext, set_forward_context
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.platforms import cpu
 
-KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "qwen2_sliding")
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 PROMPTS = [
@@ -69,12 +70,12 @@ def case(request, checkpoints):
     return SimpleNamespace(kind=request.param, dir=directory, hf=hf_model, llm=llm)
 
 
-def hf_generate(model, prompts: list[list[int]]) -> list[list[int]]:
+def hf_generate(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """transformers' greedy continuations, one ``generate`` call per prompt (no padding); EOS
     unset so that, like ``ignore_eos``, generation runs on past it (``min_new_tokens`` would
     instead forbid EOS)."""
     config = GenerationConfig(
-        do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0
+        do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0
     )
     outs = []
     for ids in prompts:
@@ -82,7 +83,7 @@ def hf_generate(model, prompts: list[list[int]]) -> list[list[int]]:
         out = model.generate(
             inputs, attention_mask=torch.ones_like(inputs), generation_config=config
         )
-        assert out.shape[1] == len(ids) + NEW_TOKENS
+        assert out.shape[1] == len(ids) + new_tokens
         outs.append(out[0, len(ids) :].tolist())
     return outs
 
@@ -157,11 +158,13 @@ def test_unsupported_architecture_is_named_with_the_supported_ones(checkpoints, 
 
 
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
-def test_sliding_window_layers_are_refused(arch):
+def test_unsupported_attention_layer_types_are_refused(arch):
     config = SimpleNamespace(
-        architectures=[arch], layer_types=["full_attention"] + 5 * ["sliding_attention"]
+        architectures=[arch],
+        layer_types=["sliding_attention"] + 5 * ["chunked_attention"],
+        sliding_window=4,
     )
-    with pytest.raises(ValueError, match=r"sliding-window attention \(layers \[1, 2, 3, 4\]…\)"):
+    with pytest.raises(ValueError, match=r"'chunked_attention' \(layers \[1, 2, 3, 4\]…\)"):
         resolve_model_class(config, "cpu")(config)  # before any layer is built
 
 

@@ -40,10 +40,25 @@ class FlashAttnStep:
     max_query_len: int
     max_seq_len: int
 
-    def forward(self, query, key, value, k_cache, v_cache, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
         """Cache the step's K/V, then attend: ``query [T, heads, head_dim] -> [T, heads,
-        head_dim]``."""
+        head_dim]``. A sliding window ``W`` is flash-attn's ``window_size=(W - 1, 0)`` (the
+        token itself and ``W - 1`` before it); soft-capping is its ``softcap``."""
         kernels.ops.reshape_and_cache(key, value, k_cache, v_cache, self.slot_mapping)
+        options = dict(
+            window_size=(-1, -1) if sliding_window is None else (sliding_window - 1, 0),
+            softcap=logits_soft_cap or 0.0,
+        )
         if self.cu_seqlens_q is None:
             out = flash_attn_with_kvcache(
                 query.unsqueeze(1),
@@ -53,6 +68,7 @@ class FlashAttnStep:
                 block_table=self.block_tables,
                 softmax_scale=scale,
                 causal=True,
+                **options,
             )
             return out.squeeze(1)
         return flash_attn_varlen_func(
@@ -66,6 +82,7 @@ class FlashAttnStep:
             softmax_scale=scale,
             causal=True,
             block_table=self.block_tables,
+            **options,
         )
 
 

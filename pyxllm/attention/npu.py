@@ -30,8 +30,22 @@ class NPUAttentionStep(TorchPagedAttentionStep):
 
     decode_seq_lens_host: torch.Tensor | None = None
 
-    def decode(self, query, k_cache, v_cache, scale: float) -> torch.Tensor:
-        """``query [num_decodes, heads, head_dim] -> [num_decodes, heads, head_dim]``."""
+    def decode(
+        self,
+        query,
+        k_cache,
+        v_cache,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """``query [num_decodes, heads, head_dim] -> [num_decodes, heads, head_dim]``; layers
+        with a sliding window or soft-capping take the pure-PyTorch kernel (torch_npu's has
+        neither option)."""
+        if sliding_window is not None or logits_soft_cap is not None:
+            return TorchPagedAttentionStep.decode(
+                self, query, k_cache, v_cache, scale, sliding_window, logits_soft_cap
+            )
         query = query.contiguous()
         out = torch.empty_like(query)
         torch_npu._npu_paged_attention(

@@ -7,7 +7,7 @@ batch may mix both in any order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,8 @@ class TorchPagedAttentionStep:
         prefills: the prefill sequences.
         decode_mask: ``[num_decodes, 1, 1, decode_max_seq_len]`` bool, the context positions
             each decode row must not attend to; built once per step for every layer.
+        window_masks: the same for sliding-window layers, by window, built by the first layer
+            of each window that needs one.
     """
 
     slot_mapping: torch.Tensor
@@ -47,8 +49,27 @@ class TorchPagedAttentionStep:
     decode_max_seq_len: int
     prefills: list[PrefillSpan]
     decode_mask: torch.Tensor | None = None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def decode(self, query, k_cache, v_cache, scale: float) -> torch.Tensor:
+    def decode_mask_for(self, sliding_window: int | None) -> torch.Tensor | None:
+        """The decode rows' mask for layers with ``sliding_window`` (None: full attention)."""
+        if sliding_window is None or self.decode_mask is None:
+            return self.decode_mask
+        if sliding_window not in self.window_masks:
+            self.window_masks[sliding_window] = kernels.ops.decode_attention_mask(
+                self.decode_seq_lens, self.decode_max_seq_len, sliding_window
+            )
+        return self.window_masks[sliding_window]
+
+    def decode(
+        self,
+        query,
+        k_cache,
+        v_cache,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
         """Attention of the decode rows ``query [num_decodes, heads, head_dim]`` over their cached
         context (a fused backend overrides this)."""
         return kernels.ops.paged_attention_decode(
@@ -59,21 +80,34 @@ class TorchPagedAttentionStep:
             self.decode_seq_lens,
             self.decode_max_seq_len,
             scale,
-            self.decode_mask,
+            self.decode_mask_for(sliding_window),
+            sliding_window,
+            logits_soft_cap,
         )
 
-    def forward(self, query, key, value, k_cache, v_cache, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
         """Cache the step's K/V, then attend: ``query [T, heads, head_dim] -> [T, heads,
-        head_dim]``."""
+        head_dim]`` (see ``AttentionStep.forward`` for the options)."""
         ops = kernels.ops
         ops.reshape_and_cache(key, value, k_cache, v_cache, self.slot_mapping)
+        options = (sliding_window, logits_soft_cap)
         if not self.prefills:
-            return self.decode(query, k_cache, v_cache, scale)
+            return self.decode(query, k_cache, v_cache, scale, *options)
         out = torch.empty_like(query)
         if self.num_decodes:
             idx = self.decode_token_idx
             q = query[: self.num_decodes] if idx is None else query[idx]
-            dec = self.decode(q, k_cache, v_cache, scale)
+            dec = self.decode(q, k_cache, v_cache, scale, *options)
             if idx is None:
                 out[: self.num_decodes] = dec
             else:
@@ -88,6 +122,7 @@ class TorchPagedAttentionStep:
                 p.block_table,
                 p.context_len,
                 scale,
+                *options,
             )
         return out
 

@@ -15,29 +15,45 @@ from pyxllm.layers.forward_context import get_forward_context
 
 
 def _attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Cache this step's K/V of layer ``layer_idx`` and attend, through the current forward context.
 
     ``query [T, heads, head_dim]``, ``key``/``value [T, kv_heads, head_dim]`` -> ``[T, heads,
-    head_dim]``.
+    head_dim]``; ``sliding_window`` and ``logits_soft_cap`` as in ``AttentionStep.forward``.
     """
     ctx = get_forward_context()
     k_cache, v_cache = ctx.kv_caches[layer_idx]
-    return ctx.attn.forward(query, key, value, k_cache, v_cache, scale)
+    return ctx.attn.forward(
+        query, key, value, k_cache, v_cache, scale, sliding_window, logits_soft_cap
+    )
 
 
 @torch.library.custom_op("pyxllm::attention", mutates_args=())
 def attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """:func:`_attention` as an op the compiler does not trace into (contiguous output, a new
     tensor)."""
-    return _attention(query, key, value, layer_idx, scale).contiguous()
+    return _attention(
+        query, key, value, layer_idx, scale, sliding_window, logits_soft_cap
+    ).contiguous()
 
 
 @attention_op.register_fake
-def _(query, key, value, layer_idx, scale):
+def _(query, key, value, layer_idx, scale, sliding_window=None, logits_soft_cap=None):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
@@ -46,14 +62,24 @@ class Attention(nn.Module):
 
     ``forward(q [T, heads*head_dim], k [T, kv_heads*head_dim], v [T, kv_heads*head_dim])``
     returns ``[T, heads*head_dim]``. The step's K/V are written to the cache by the backend.
+    ``sliding_window`` (tokens, None: full attention) and ``logits_soft_cap`` (None: off) are the
+    layer's options, as vLLM's ``Attention`` takes them.
     """
 
     def __init__(
-        self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, layer_idx: int
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        layer_idx: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale, self.layer_idx = scale, layer_idx
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         attend = attention_op if torch.compiler.is_compiling() else _attention
@@ -63,5 +89,7 @@ class Attention(nn.Module):
             v.view(-1, self.num_kv_heads, self.head_dim),
             self.layer_idx,
             self.scale,
+            self.sliding_window,
+            self.logits_soft_cap,
         )
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -30,11 +30,15 @@ class AttentionStep(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Write the step's ``key``/``value [T, kv_heads, head_dim]`` at its slots of one
         layer's ``k_cache``/``v_cache [num_blocks, block_size, kv_heads, head_dim]``, then
         attend: ``query [T, heads, head_dim]`` (softmax scale ``scale``) -> ``[T, heads,
-        head_dim]``, each token over its sequence's context up to and including itself."""
+        head_dim]``, each token over its sequence's context up to and including itself (its
+        last ``sliding_window`` tokens when set; scores soft-capped at ``logits_soft_cap`` when
+        set, see :mod:`pyxllm.kernels.native.paged_attention`)."""
         ...
 
 

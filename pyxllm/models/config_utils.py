@@ -27,20 +27,38 @@ def rope_parameters(config) -> tuple[float, dict[str, Any] | None]:
     return float(theta), None if kind == "default" else dict(scaling)
 
 
-def check_full_attention(config) -> None:
-    """Reject configs whose layers use sliding-window attention (not implemented yet).
+# ``config.layer_types`` entries pyxllm runs: transformers' names for full causal attention and
+# a causal sliding window of ``config.sliding_window`` tokens
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_layer_types(config) -> None:
+    """Refuse configs with attention kinds pyxllm does not implement (e.g. Llama 4's
+    ``chunked_attention``), before any layer is built.
 
     Raises:
-        ValueError: some ``config.layer_types`` entry is ``"sliding_attention"``.
+        ValueError: naming the first unsupported ``config.layer_types`` entry and its layers.
     """
-    sliding = [
-        i
-        for i, kind in enumerate(getattr(config, "layer_types", None) or [])
-        if kind == "sliding_attention"
-    ]
-    if sliding:
-        raise ValueError(
-            f"sliding-window attention (layers {sliding[:4]}{'…' if len(sliding) > 4 else ''}) is "
-            "not supported; "
-            "use a checkpoint with use_sliding_window false"
-        )
+    kinds = list(getattr(config, "layer_types", None) or [])
+    for kind in dict.fromkeys(kinds):
+        if kind not in _LAYER_TYPES:
+            layers = [i for i, k in enumerate(kinds) if k == kind]
+            raise ValueError(
+                f"attention layer type {kind!r} (layers {layers[:4]}"
+                f"{'…' if len(layers) > 4 else ''}) is not supported; supported: "
+                f"{', '.join(_LAYER_TYPES)}"
+            )
+
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    """The sliding window (tokens) of layer ``layer_idx``, or None for full attention.
+
+    As transformers reads it: ``config.layer_types[layer_idx] == "sliding_attention"`` where the
+    config lists layer types (Qwen2/Qwen3 with ``use_sliding_window``, Gemma 2/3), else
+    ``config.sliding_window`` for every layer (Mistral, Phi-3, Qwen3-MoE; None there means
+    none).
+    """
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return config.sliding_window if kinds[layer_idx] == "sliding_attention" else None
+    return getattr(config, "sliding_window", None)

@@ -1,5 +1,5 @@
-"""Llama (and SmolLM2, Mistral-style dense decoders) for the paged executor, and the decoder the
-Qwen models share.
+"""Llama (and SmolLM2, Mistral: Llama with a sliding window) for the paged executor, and the
+decoder the Qwen models share.
 
 Structure and weight names follow transformers' ``modeling_llama.py``; the checkpoint's separate
 ``q/k/v_proj`` and ``gate/up_proj`` load into fused parameters through ``packed_modules_mapping``.
@@ -21,14 +21,20 @@ from pyxllm.layers.layernorm import RMSNorm
 from pyxllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pyxllm.layers.rotary_embedding import RotaryEmbedding
 from pyxllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pyxllm.models.config_utils import check_full_attention, head_dim_of, rope_parameters
+from pyxllm.models.config_utils import (
+    check_layer_types,
+    head_dim_of,
+    rope_parameters,
+    sliding_window_of,
+)
 
 # ``(config, layer index) -> module``: a decoder layer's ``self_attn`` or ``mlp``
 ModuleBuilder = Callable[[Any, int], nn.Module]
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention: fused QKV projection, RoPE, paged attention, output projection."""
+    """Self-attention: fused QKV projection, RoPE, paged attention (over the layer's sliding
+    window where the config gives one, see ``sliding_window_of``), output projection."""
 
     def __init__(self, config, layer_idx: int, qkv_bias: bool = False) -> None:
         super().__init__()
@@ -53,7 +59,12 @@ class LlamaAttention(nn.Module):
             self.head_dim, config.max_position_embeddings, base, scaling
         )
         self.attn = Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_idx
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            layer_idx,
+            sliding_window=sliding_window_of(config, layer_idx),
         )
 
     def split_qkv(
@@ -155,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
     ``attention`` and ``mlp`` build each decoder layer's blocks (see :class:`LlamaDecoderLayer`).
 
     Raises:
-        ValueError: a config with sliding-window layers (not implemented).
+        ValueError: a config with attention layer types other than full and sliding-window.
     """
 
     packed_modules_mapping = {
@@ -169,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(
         self, config, attention: ModuleBuilder = LlamaAttention, mlp: ModuleBuilder = llama_mlp
     ) -> None:
-        check_full_attention(config)
+        check_layer_types(config)
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, attention, mlp)

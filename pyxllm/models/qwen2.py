@@ -16,7 +16,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     fused QKV projection (none on ``o_proj``); same interface as ``LlamaForCausalLM``.
 
     Raises:
-        ValueError: a config with sliding-window layers.
+        ValueError: a config with attention layer types other than full and sliding-window.
     """
 
     def __init__(self, config) -> None:

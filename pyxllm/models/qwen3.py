@@ -38,7 +38,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     MLPs, tied or untied LM head.
 
     Raises:
-        ValueError: a config with sliding-window layers.
+        ValueError: a config with attention layer types other than full and sliding-window.
     """
 
     def __init__(self, config) -> None:

@@ -63,8 +63,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     :func:`qwen3_moe_mlp` blocks; same interface as ``LlamaForCausalLM``.
 
     Raises:
-        ValueError: a config with sliding-window layers, or ``moe_intermediate_size`` not divisible
-            by the TP size.
+        ValueError: a config with attention layer types other than full and sliding-window, or
+            ``moe_intermediate_size`` not divisible by the TP size.
     """
 
     expert_params_mapping = make_expert_params_mapping()

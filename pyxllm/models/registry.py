@@ -21,6 +21,8 @@ class RegisteredModel(NamedTuple):
 # architecture (config.json "architectures"[0]) -> its class
 MODEL_REGISTRY: dict[str, RegisteredModel] = {
     "LlamaForCausalLM": RegisteredModel("pyxllm.models.llama", "LlamaForCausalLM"),
+    # Llama's weights and layers; the config's sliding window applies to every layer
+    "MistralForCausalLM": RegisteredModel("pyxllm.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": RegisteredModel("pyxllm.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": RegisteredModel("pyxllm.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": RegisteredModel("pyxllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),

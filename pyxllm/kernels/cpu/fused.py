@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from pyxllm.kernels import native
 from pyxllm.kernels.cpu.features import cpu_feature_line
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def _register_fakes() -> None:
         )
 
     @torch.library.register_fake(lib + "paged_attention_decode")
-    def _(query, k_cache, v_cache, block_tables, seq_lens, scale):
+    def _(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=0):
         return query.new_empty(query.shape)
 
     @torch.library.register_fake(lib + "w8a8_linear")
@@ -194,12 +195,20 @@ def paged_attention_decode(
     max_seq_len: int,
     scale: float,
     attn_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """See ``pyxllm.kernels.native.paged_attention_decode``. Each row attends to exactly its
-    ``seq_lens[b]`` tokens, so ``max_seq_len`` and ``attn_mask`` are not needed (a row of length
-    0, graph padding, gets zeros)."""
+    ``seq_lens[b]`` tokens (its last ``sliding_window`` of them), so ``max_seq_len`` and
+    ``attn_mask`` are not needed (a row of length 0, graph padding, gets zeros). Soft-capped
+    layers (Gemma 2) take the native kernel."""
+    if logits_soft_cap is not None:
+        return native.paged_attention_decode(
+            query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, attn_mask,
+            sliding_window, logits_soft_cap,
+        )  # fmt: skip
     return torch.ops.pyxllm_cpu.paged_attention_decode.default(
-        query, k_cache, v_cache, block_tables, seq_lens, scale
+        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0
     )
 
 

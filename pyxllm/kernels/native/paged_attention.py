@@ -5,6 +5,14 @@ Cache layout (as in vLLM and DESIGN.md): per layer, ``k_cache`` and ``v_cache`` 
 ``block_table[t // block_size]`` at offset ``t % block_size``; its flat *slot* is
 ``block * block_size + offset``. Grouped-query attention (num_heads a multiple of num_kv_heads)
 is handled by repeating each KV head for its query heads.
+
+Two per-layer options, as transformers' attention functions take them:
+
+- ``sliding_window`` ``W``: the token at position ``q`` attends only to positions ``k`` with
+  ``q - W < k <= q`` (its last ``W`` tokens, itself included; transformers'
+  ``sliding_window_overlay``, Mistral's and Gemma's local layers).
+- ``logits_soft_cap`` ``c``: scores ``s`` (already scaled) become ``c * tanh(s / c)`` before
+  masking and softmax (Gemma 2, arXiv:2408.00118 section 2).
 """
 
 from __future__ import annotations
@@ -53,11 +61,24 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     return blocks.flatten(0, 1)[:length]
 
 
-def decode_attention_mask(seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+def decode_attention_mask(
+    seq_lens: torch.Tensor, max_seq_len: int, sliding_window: int | None = None
+) -> torch.Tensor:
     """``[batch, 1, 1, max_seq_len]`` bool, true where a context position is past the sequence's
-    end (to be masked); build it once per step and pass it to every layer's decode."""
-    positions = torch.arange(max_seq_len, device=seq_lens.device)
-    return (positions.unsqueeze(0) >= seq_lens.unsqueeze(1)).view(-1, 1, 1, max_seq_len)
+    end, or (with ``sliding_window``) ``sliding_window`` or more positions before its last token
+    (to be masked); build it once per step and window, and pass it to every layer's decode."""
+    positions = torch.arange(max_seq_len, device=seq_lens.device).unsqueeze(0)
+    lens = seq_lens.unsqueeze(1)
+    mask = positions >= lens
+    if sliding_window is not None:
+        mask |= positions < lens - sliding_window
+    return mask.view(-1, 1, 1, max_seq_len)
+
+
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(scores / cap)``, or ``scores`` unchanged when ``cap`` is None (Gemma 2's
+    attention and final-logit soft-capping)."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
 def _gather_heads_first(
@@ -83,8 +104,11 @@ def paged_attention_decode(
     max_seq_len: int,
     scale: float,
     attn_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence over its whole cached context.
+    """Attention of one new token per sequence over its cached context (the last
+    ``sliding_window`` tokens of it when set).
 
     Grouped-query attention without repeating KV heads: the ``group`` query heads of a KV head
     are one matmul's rows (``q [B, kv, group, D] @ k [B, kv, D, L]``). Softmax in float32. On a
@@ -97,8 +121,9 @@ def paged_attention_decode(
             (tokens, including the new one); max_seq_len: the context span attended, at least
             ``max(seq_lens)``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
-        attn_mask: ``decode_attention_mask(seq_lens, max_seq_len)`` built once per step, or
-            None to build it here.
+        attn_mask: ``decode_attention_mask(seq_lens, max_seq_len, sliding_window)`` built once
+            per step, or None to build it here.
+        sliding_window, logits_soft_cap: see the module docstring (None: off).
     Returns:
         ``[batch, num_heads, head_dim]``.
     """
@@ -108,9 +133,9 @@ def paged_attention_decode(
     keys = _gather_heads_first(k_cache, block_ids, batch, max_seq_len).to(query.dtype)
     values = _gather_heads_first(v_cache, block_ids, batch, max_seq_len).to(query.dtype)
     q = (query * scale).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(q, keys.transpose(-1, -2))  # [B, kv, group, L]
+    scores = soft_cap(torch.matmul(q, keys.transpose(-1, -2)), logits_soft_cap)  # [B, kv, group, L]
     if attn_mask is None:
-        attn_mask = decode_attention_mask(seq_lens, max_seq_len)
+        attn_mask = decode_attention_mask(seq_lens, max_seq_len, sliding_window)
     scores = scores.masked_fill(attn_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(probs, values).view(batch, num_heads, head_dim)
@@ -125,6 +150,8 @@ def paged_attention_prefill(
     block_table: torch.Tensor,
     context_len: int,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's new tokens (a prompt or a chunk of it).
 
@@ -139,6 +166,8 @@ def paged_attention_prefill(
             head_dim]``.
         block_table: ``[max_blocks]`` int64 block ids of this sequence.
         context_len: tokens in the sequence after this chunk.
+        sliding_window, logits_soft_cap: see the module docstring (None: off). A window reads
+            only the cached blocks it reaches.
     Returns:
         ``[query_len, num_heads, head_dim]``.
     """
@@ -146,20 +175,35 @@ def paged_attention_prefill(
     # math path: 1.6-1.8x slower here), hence the batch dimension of one.
     query_len, group = query.shape[0], query.shape[1] // key.shape[1]
     q = query.transpose(0, 1).unsqueeze(0)
-    if context_len == query_len:
+    first_query = context_len - query_len
+    # the first context position any query token can see
+    start = 0 if sliding_window is None else max(0, first_query + 1 - sliding_window)
+    plain = logits_soft_cap is None and (sliding_window is None or sliding_window >= context_len)
+    if context_len == query_len and plain:
         k, v = (_repeat_kv(x.transpose(0, 1), group).unsqueeze(0) for x in (key, value))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(
             0, 1
         )
-    k = _repeat_kv(_gather_context(k_cache, block_table, context_len).transpose(0, 1), group).to(
-        query.dtype
-    )
-    v = _repeat_kv(_gather_context(v_cache, block_table, context_len).transpose(0, 1), group).to(
-        query.dtype
-    )
-    pos = torch.arange(context_len, device=query.device)
-    mask = pos.unsqueeze(0) <= pos[context_len - query_len :].unsqueeze(1)
-    out = F.scaled_dot_product_attention(
-        q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale
-    )
+    if context_len == query_len:
+        k, v = key[start:], value[start:]
+    else:
+        block_size = k_cache.shape[1]
+        first_block = start // block_size  # blocks wholly before the window are not read
+        table, offset = block_table[first_block:], first_block * block_size
+        k, v = (
+            _gather_context(c, table, context_len - offset)[start - offset :]
+            for c in (k_cache, v_cache)
+        )
+    k, v = (_repeat_kv(x.transpose(0, 1), group).to(query.dtype).unsqueeze(0) for x in (k, v))
+    kv_pos = torch.arange(start, context_len, device=query.device)
+    q_pos = torch.arange(first_query, context_len, device=query.device).unsqueeze(1)
+    mask = kv_pos.unsqueeze(0) <= q_pos
+    if sliding_window is not None:
+        mask &= kv_pos.unsqueeze(0) > q_pos - sliding_window
+    if logits_soft_cap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = soft_cap(torch.matmul(q * scale, k.transpose(-1, -2)), logits_soft_cap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
     return out[0].transpose(0, 1)

@@ -524,7 +524,8 @@ void attend_one_kv_head_bf16(BFloat16* out, const BFloat16* q, const BFloat16* k
 }
 #endif
 
-// Decode attention: one query token per sequence over its seq_lens[b] cached tokens. A task is
+// Decode attention: one query token per sequence over its seq_lens[b] cached tokens (the last
+// sliding_window of them when sliding_window > 0: positions len - window .. len - 1). A task is
 // one sequence (or, when there are fewer sequences than threads, one KV head of one). For each
 // KV head, bfloat16 with head_dim 64 or 128 on a CPU with AVX512-BF16 takes
 // attend_one_kv_head_bf16 (1.5x faster at batch 64); otherwise the context's keys and values are
@@ -536,7 +537,7 @@ template <typename T>
 void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                       const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t q_stride_b,
-                      int64_t q_stride_h, float scale) {
+                      int64_t q_stride_h, float scale, int64_t sliding_window) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t kv_row = num_kv_heads * head_dim;  // values per cached token
   int64_t max_len = 0;
@@ -556,7 +557,8 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
 #endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / splits;
-      const int64_t len = seq_lens[b];
+      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, seq_lens[b] - sliding_window) : 0;
+      const int64_t len = seq_lens[b] - start;  // tokens attended, from position start
       const int64_t* table = block_tables + b * max_blocks;
       for (int64_t kvh = (task % splits) * kv_per_task; kvh < (task % splits + 1) * kv_per_task; ++kvh) {
         for (int64_t g = 0; g < group; ++g) {
@@ -569,9 +571,9 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
 #if defined(__AVX512BF16__)
         if constexpr (bf16_dots) {
           if (len > 0 && (head_dim == 64 || head_dim == 128)) {
-            for (int64_t l = 0; l < len; l += block_size)  // no division per token
-              for (int64_t t = 0, base = table[l / block_size] * block_size; t < block_size && l + t < len; ++t)
-                rows[l + t] = (base + t) * kv_row + kvh * head_dim;
+            for (int64_t l = start - start % block_size; l < start + len; l += block_size)  // no division per token
+              for (int64_t t = 0, base = table[l / block_size] * block_size; t < block_size && l + t < start + len; ++t)
+                if (l + t >= start) rows[l + t - start] = (base + t) * kv_row + kvh * head_dim;
             Rows<BFloat16>::store(qh.data(), q.data(), group * head_dim);
             (head_dim == 64 ? attend_one_kv_head_bf16<64> : attend_one_kv_head_bf16<128>)(
                 head_out, qh.data(), k_cache, v_cache, rows.data(), len, group, scores.data(), probs.data(),
@@ -581,7 +583,7 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
         }
 #endif
         for (int64_t l = 0; l < len; ++l) {
-          const int64_t offset = slot_of(table, l, block_size) * kv_row + kvh * head_dim;
+          const int64_t offset = slot_of(table, start + l, block_size) * kv_row + kvh * head_dim;
           Rows<T>::load(kf.data() + l * head_dim, k_cache + offset, head_dim);
           Rows<T>::load(vf.data() + l * head_dim, v_cache + offset, head_dim);
         }
@@ -598,7 +600,8 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
 }
 
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t sliding_window) {
   TORCH_CHECK(query.dim() == 3 && query.stride(-1) == 1, "paged_attention_decode: query must be [batch, heads, head_dim]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_decode: caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
@@ -612,7 +615,7 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& k_c
     decode_attention<scalar_t>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                batch, num_heads, num_kv_heads, head_dim, k_cache.size(1), tables.size(1),
-                               query.stride(0), query.stride(1), static_cast<float>(scale));
+                               query.stride(0), query.stride(1), static_cast<float>(scale), sliding_window);
   });
   return out;
 }
@@ -775,7 +778,7 @@ TORCH_LIBRARY(pyxllm_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("apply_rotary_emb(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
-  m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, int sliding_window=0) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor weight_scales, Tensor? bias, int hadamard_block=0) -> Tensor");
 }
 
