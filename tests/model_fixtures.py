@@ -74,6 +74,7 @@ def tiny_config(kind: str, **overrides):
             max_window_layers=1,
             tie_word_embeddings=True,
         ),
+        "phi3": lambda: phi3_config(common),
         "qwen3_moe": lambda: Qwen3MoeConfig(
             **common,
             intermediate_size=96,
@@ -89,6 +90,33 @@ def tiny_config(kind: str, **overrides):
         ),
     }
     return builders[kind]()
+
+
+def phi3_config(common: dict):
+    """The ``phi3`` kind: Phi-3 (untied) with fused ``qkv_proj``/``gate_up_proj``, a partial
+    rotary factor of 0.75 (12 of each head's 16 channels turn), a sliding window of
+    :data:`WINDOW` in every layer, and LongRoPE (``rope_scaling`` type ``longrope``) with
+    distinct short and long factors (6 each: half the rotary width) and
+    ``original_max_position_embeddings`` 128 (half of ``max_position_embeddings``: attention
+    factor ~1.07). pyxllm takes the long factors only when ``--max-model-len`` exceeds 128;
+    override ``original_max_position_embeddings`` (e.g. 32) to run them."""
+    from transformers import Phi3Config
+
+    fields = {"original_max_position_embeddings": 128, **common}
+    half = int(fields["hidden_size"] // fields["num_attention_heads"] * 0.75) // 2
+    return Phi3Config(
+        **fields,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        partial_rotary_factor=0.75,
+        sliding_window=WINDOW,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0 + 0.25 * i for i in range(half)],
+            "long_factor": [3.0 + 2.0 * i for i in range(half)],
+        },
+        tie_word_embeddings=False,
+    )
 
 
 def build_hf_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):

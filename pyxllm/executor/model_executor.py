@@ -20,6 +20,7 @@ from pyxllm.executor.sampler import Sampler, SamplingMetadata
 from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.layers.forward_context import ForwardContext
 from pyxllm.layers.quantization import quantize_model
+from pyxllm.models.build_context import model_build_context
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
 from pyxllm.platforms import Platform
@@ -115,7 +116,8 @@ class ModelExecutor:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            # --max-model-len reaches the models that depend on it (Phi-3's LongRoPE factors)
+            with torch.device(self.device), model_build_context(config.max_model_len):
                 self.model = model_cls(model_config).eval()
         finally:
             torch.set_default_dtype(previous)

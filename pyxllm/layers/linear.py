@@ -41,6 +41,15 @@ def _copy_checked(param_slice: torch.Tensor, loaded, name: str) -> None:
     param_slice.copy_(materialize(loaded))
 
 
+def _check_fused_rows(loaded, rows: int, name: str) -> None:
+    """A fused checkpoint tensor must hold exactly the rows of every piece, before it is cut."""
+    if loaded.shape[0] != rows:
+        raise ValueError(
+            f"{name}: fused checkpoint shape {tuple(loaded.shape)} does not have the {rows} "
+            "rows of its pieces"
+        )
+
+
 class LinearBase(nn.Module):
     """``y = x @ W.T + b`` with ``W`` of shape ``[output_size, input_size]`` on this rank.
 
@@ -91,7 +100,9 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs fused in one matmul (e.g. ``gate_proj`` and ``up_proj``).
 
-    ``shard_id`` is the index of the checkpoint tensor in ``output_sizes``.
+    ``shard_id`` is the index of the checkpoint tensor in ``output_sizes``; ``None``: the
+    checkpoint stores them fused already (Phi-3's ``gate_up_proj``, all ``output_sizes`` rows
+    in order), and each is cut out and split by rank as if it came alone.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
@@ -101,6 +112,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
     ) -> None:
+        if shard_id is None:
+            _check_fused_rows(loaded, sum(self.output_sizes), type(self).__name__)
+            offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+            for i, (offset, size) in enumerate(zip(offsets, self.output_sizes, strict=True)):
+                self.weight_loader(param, loaded.narrow(0, offset, size), i)
+            return
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         shard = loaded.narrow(0, self.tp_rank * size, size)
@@ -114,7 +131,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     When the TP size exceeds the number of KV heads, each KV head is replicated on
     ``tp_size // total_num_kv_heads`` ranks (as vLLM does). ``shard_id`` is ``"q"``, ``"k"`` or
-    ``"v"``.
+    ``"v"``; ``None``: the checkpoint stores them fused already (Phi-3's ``qkv_proj``: all query
+    heads, then all key heads, then all value heads), and each is cut out and split by rank as
+    if it came alone.
 
     Raises:
         ValueError: the TP size does not divide the query heads, or neither divides nor is a
@@ -140,6 +159,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                 "or be a "
                 "multiple of the KV heads"
             )
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
         self.num_heads = total_num_heads // tp_size
         if tp_size >= total_num_kv_heads:
             self.num_kv_heads, self.kv_replicas = 1, tp_size // total_num_kv_heads
@@ -154,6 +174,17 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
     ) -> None:
+        if shard_id is None:
+            q_rows = self.total_num_heads * self.head_dim
+            kv_rows = self.total_num_kv_heads * self.head_dim
+            _check_fused_rows(loaded, q_rows + 2 * kv_rows, type(self).__name__)
+            for shard, offset, size in (
+                ("q", 0, q_rows),
+                ("k", q_rows, kv_rows),
+                ("v", q_rows + kv_rows, kv_rows),
+            ):
+                self.weight_loader(param, loaded.narrow(0, offset, size), shard)
+            return
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
             offset, size, rank = 0, q_size, self.tp_rank

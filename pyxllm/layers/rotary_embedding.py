@@ -2,7 +2,11 @@
 
 Frequencies follow transformers' ``modeling_rope_utils``: ``inv_freq[i] = base ** (-2i / dim)``;
 ``linear`` divides them by ``factor``; ``llama3`` (Llama 3.1) divides the low frequencies by
-``factor``, keeps the high ones and interpolates in between.
+``factor``, keeps the high ones and interpolates in between; ``longrope`` (Phi-3's LongRoPE,
+formerly ``su``) divides each by its own ``short_factor`` or ``long_factor`` and scales cos and
+sin by an attention factor (see :func:`_longrope_inv_freq` for which factors). ``dim`` is the
+rotary width: all of ``head_dim``, or its first ``rotary_dim`` channels (a partial rotary
+factor, e.g. Phi-4-mini's 0.75); the other channels pass through unrotated.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from torch import nn
 from pyxllm import kernels
 from pyxllm.layers.forward_context import current_forward_context
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -31,41 +35,91 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, smoothed, scaled)
 
 
+def _longrope_inv_freq(
+    base: float, dim: int, max_position: int, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE's ``(inv_freq, attention_factor)`` for an embedding of ``max_position`` positions.
+
+    One set of factors serves every position: ``long_factor`` when ``max_position`` (the
+    context the engine serves, ``--max-model-len``) exceeds
+    ``original_max_position_embeddings``, else ``short_factor``. This is vLLM's rule; it keeps a
+    token's rotation independent of the batch and of the step that computed it, so cached K,
+    prefix-cache blocks and chunked prefill agree. transformers instead picks per forward call,
+    by the longest position in it: it agrees with this rule for sequences of any length when
+    ``--max-model-len`` is at most ``original_max_position_embeddings`` (short factors) and
+    for prompts longer than it (long factors), and differs for shorter sequences run with a
+    larger ``--max-model-len`` (here long factors, there short ones, switching to long
+    mid-generation past the limit).
+
+    ``attention_factor`` defaults as in transformers: ``sqrt(1 + ln(factor) / ln(original))``
+    for ``factor > 1``, else 1; ``factor`` (the model's ``max_position_embeddings / original``)
+    must be in ``scaling``.
+    """
+    original = scaling["original_max_position_embeddings"]
+    key = "long_factor" if max_position > original else "short_factor"
+    ext = torch.tensor(scaling[key], dtype=torch.float32)
+    if ext.shape != (dim // 2,):
+        raise ValueError(
+            f"rope_scaling {key} has {ext.numel()} entries; the rotary width {dim} needs {dim // 2}"
+        )
+    inv_freq = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    factor = scaling["factor"]
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+        )
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to ``q [num_tokens, heads, head_dim]`` and ``k [num_tokens, kv_heads,
     head_dim]``.
 
-    Holds ``cos_sin_cache`` ``[max_position, head_dim]`` float32, computed once.
+    Holds ``cos_sin_cache`` ``[max_position, rotary_dim]`` float32, computed once.
+    ``rotary_dim`` (default ``head_dim``): only each head's first ``rotary_dim`` channels are
+    rotated.
 
     Raises:
-        ValueError: a rope_scaling type other than ``default``, ``linear`` or ``llama3``.
+        ValueError: a rope_scaling type other than ``default``, ``linear``, ``llama3`` or
+            ``longrope`` (``su``), or LongRoPE factors of the wrong length.
     """
 
     def __init__(
-        self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None = None
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict[str, Any] | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        rope_type = "longrope" if rope_type == "su" else rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope_scaling type {rope_type!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
-        inv_freq = 1.0 / (
-            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim or head_dim
+        dim, attention_factor = self.rotary_dim, 1.0
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         if rope_type == "linear":
             inv_freq = inv_freq / scaling["factor"]
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "longrope":
+            inv_freq, attention_factor = _longrope_inv_freq(base, dim, max_position, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
-        self.register_buffer(
-            "cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False
-        )
+        cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        if attention_factor != 1.0:
+            cos_sin = cos_sin * attention_factor
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
         # layers with the same rotary parameters share one cos/sin per step
         self._signature = (
             "rope",
             head_dim,
+            self.rotary_dim,
             max_position,
             base,
             repr(sorted((scaling or {}).items())),
@@ -77,6 +131,17 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``q`` and ``k``. Inside an eager forward pass, the step's ``cos``/``sin`` are
         computed by the first layer and shared by the others (``ForwardContext.step_cache``,
         keyed by the rotary parameters); a compiled forward fuses them instead."""
+        if self.rotary_dim < self.head_dim:  # rotate the first channels, pass the rest through
+            rot = self.rotary_dim
+            q_rot, k_rot = self._rotate(positions, q[..., :rot], k[..., :rot])
+            return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat(
+                (k_rot, k[..., rot:]), dim=-1
+            )
+        return self._rotate(positions, q, k)
+
+    def _rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = None if torch.compiler.is_compiling() else current_forward_context()
         if ctx is None:
             return kernels.ops.rotary_embedding(positions, q, k, self.cos_sin_cache)

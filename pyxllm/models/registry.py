@@ -23,6 +23,8 @@ MODEL_REGISTRY: dict[str, RegisteredModel] = {
     "LlamaForCausalLM": RegisteredModel("pyxllm.models.llama", "LlamaForCausalLM"),
     # Llama's weights and layers; the config's sliding window applies to every layer
     "MistralForCausalLM": RegisteredModel("pyxllm.models.llama", "LlamaForCausalLM"),
+    # Phi-3, Phi-3.5-mini, Phi-4-mini: fused qkv/gate_up, partial rotary, LongRoPE
+    "Phi3ForCausalLM": RegisteredModel("pyxllm.models.phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": RegisteredModel("pyxllm.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": RegisteredModel("pyxllm.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": RegisteredModel("pyxllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),

@@ -1,0 +1,32 @@
+"""Engine settings a model reads while it is built (as vLLM's ``set_current_vllm_config``).
+
+A model's constructor takes only its Hugging Face config; the few choices that depend on how the
+engine runs it (today: the context length, which picks Phi-3's LongRoPE factors) come from here.
+The executor builds the model inside :func:`model_build_context`; a model built elsewhere (a
+test, the meta-device split check) gets the config's defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+_MAX_MODEL_LEN: ContextVar[int | None] = ContextVar("pyxllm_max_model_len", default=None)
+
+
+@contextmanager
+def model_build_context(max_model_len: int | None) -> Iterator[None]:
+    """Build models inside this block for a context of ``max_model_len`` tokens (``None``: the
+    model's ``max_position_embeddings``)."""
+    token = _MAX_MODEL_LEN.set(max_model_len)
+    try:
+        yield
+    finally:
+        _MAX_MODEL_LEN.reset(token)
+
+
+def max_model_len_of(config) -> int:
+    """The context length the model is being built for: the engine's ``--max-model-len`` inside
+    :func:`model_build_context`, else ``config.max_position_embeddings``."""
+    return _MAX_MODEL_LEN.get() or config.max_position_embeddings
