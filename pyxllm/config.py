@@ -18,6 +18,9 @@ GRAPH_BACKENDS = ("eager", "compile", "graph")
 CPU_KV_CACHE_GIB = 2.0
 # grammar libraries for structured outputs (pyxllm.engine.structured_output), the default first
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
+# which code runs the model (vLLM's --model-impl); xLLM's "python" is pyxllm's own
+MODEL_IMPLS = ("auto", "pyxllm", "transformers")
+MODEL_IMPL_ALIASES = {"python": "pyxllm"}
 # xLLM's spellings of --graph-backend, and ours, -> the runner kind
 GRAPH_BACKEND_ALIASES = {
     "eager": "eager",
@@ -46,6 +49,10 @@ class EngineConfig:
     - ``tokenizer``: the tokenizer and chat template come from this directory, ``.gguf`` file or
       model id (at ``tokenizer_revision``) instead of the model (for a GGUF model: instead of
       its embedded vocabulary). ``None`` takes the model's.
+    - ``model_impl``: ``pyxllm`` (its native model code; xLLM's ``python`` is read as this),
+      ``transformers`` (transformers' model code with pyxllm's paged attention, see
+      ``pyxllm.models.transformers_backend``), or ``auto``: native where pyxllm has the
+      architecture, else transformers.
     - ``max_model_len``: ``None`` takes the model's ``max_position_embeddings``.
     - ``enable_chunked_prefill``: a long prompt is prefilled over several steps, sharing each
       step's ``max_tokens_per_batch`` budget with running decodes. Off, a prompt is prefilled
@@ -80,6 +87,7 @@ class EngineConfig:
     tokenizer: str | None = None
     tokenizer_revision: str | None = None
     served_model_name: str | None = None
+    model_impl: str = "auto"
     dtype: str = "auto"
     quantization: str | None = None
     device: str = "auto"
@@ -185,3 +193,10 @@ class EngineConfig:
                 f"got {self.graph_backend!r}"
             )
         self.graph_backend = kind
+        impl = MODEL_IMPL_ALIASES.get(self.model_impl, self.model_impl)
+        if impl not in MODEL_IMPLS:
+            raise ValueError(
+                f"--model-impl: must be one of {', '.join(MODEL_IMPLS)} (or xLLM's python), got "
+                f"{self.model_impl!r}"
+            )
+        self.model_impl = impl

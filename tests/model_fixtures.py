@@ -45,6 +45,7 @@ def tiny_config(kind: str, **overrides):
 
     common = {**_COMMON, **overrides}
     builders = {
+        **_transformers_only(common),
         "llama": lambda: LlamaConfig(
             **common, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=False
         ),
@@ -117,6 +118,70 @@ def phi3_config(common: dict):
         },
         tie_word_embeddings=False,
     )
+
+
+# Architectures pyxllm has no native code for: they run through ``--model-impl transformers``.
+TRANSFORMERS_ONLY_KINDS = ("olmo2", "granite", "gpt_neox")
+
+
+def _transformers_only(common: dict) -> dict:
+    """Builders of :data:`TRANSFORMERS_ONLY_KINDS`: OLMo 2 (q/k norms over whole projections,
+    post-norms), Granite (embedding, attention, residual and logit multipliers) and GPT-NeoX
+    (fused QKV, partial rotary, parallel residual, LayerNorm, no GQA)."""
+    from transformers import GPTNeoXConfig, GraniteConfig, Olmo2Config
+
+    return {
+        "olmo2": lambda: Olmo2Config(**common, intermediate_size=128, num_hidden_layers=2),
+        "granite": lambda: GraniteConfig(
+            **common,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            embedding_multiplier=2.0,
+            attention_multiplier=0.2,
+            residual_multiplier=0.5,
+            logits_scaling=0.5,
+            tie_word_embeddings=True,
+        ),
+        "gpt_neox": lambda: GPTNeoXConfig(
+            **{k: v for k, v in common.items() if k != "num_key_value_heads"},
+            intermediate_size=128,
+            num_hidden_layers=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.5},
+            use_parallel_residual=True,
+            tie_word_embeddings=False,
+        ),  # fmt: skip
+    }
+
+
+def phi3_config(common: dict):
+    """The ``phi3`` kind: Phi-3 (untied) with fused ``qkv_proj``/``gate_up_proj``, a partial
+    rotary factor of 0.75 (12 of each head's 16 channels turn), a sliding window of
+    :data:`WINDOW` in every layer, and LongRoPE (``rope_scaling`` type ``longrope``) with
+    distinct short and long factors (6 each: half the rotary width) and
+    ``original_max_position_embeddings`` 128 (half of ``max_position_embeddings``: attention
+    factor ~1.07). pyxllm takes the long factors only when ``--max-model-len`` exceeds 128;
+    override ``original_max_position_embeddings`` (e.g. 32) to run them. Overrides replace any
+    of these too (``sliding_window=None``, ``rope_scaling=None``, ``tie_word_embeddings=True``:
+    Phi-4-mini's shape)."""
+    from transformers import Phi3Config
+
+    half = int(common["hidden_size"] // common["num_attention_heads"] * 0.75) // 2
+    fields = {
+        "original_max_position_embeddings": 128,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "partial_rotary_factor": 0.75,
+        "sliding_window": WINDOW,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0 + 0.25 * i for i in range(half)],
+            "long_factor": [3.0 + 2.0 * i for i in range(half)],
+        },
+        "tie_word_embeddings": False,
+        **common,
+    }
+    return Phi3Config(**fields)
 
 
 def build_hf_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):

@@ -23,6 +23,8 @@ import typing
 from pyxllm.config import (
     DEVICES,
     DTYPES,
+    MODEL_IMPL_ALIASES,
+    MODEL_IMPLS,
     QUANTIZATIONS,
     STRUCTURED_OUTPUTS_BACKENDS,
     EngineConfig,
@@ -45,6 +47,9 @@ ENGINE_HELP = {
     "id instead of the model's (for a GGUF model: instead of its embedded vocabulary)",
     "tokenizer_revision": "branch, tag or commit of a --tokenizer model id (default: main)",
     "served_model_name": "model name reported by the API (default: derived from --model)",
+    "model_impl": "which code runs the model: pyxllm's own (also: python), transformers' (any "
+    "causal LM transformers has, on pyxllm's paged attention), or auto: pyxllm's where it has "
+    "the architecture, else transformers'",
     "dtype": "weight and activation dtype; auto picks the model's dtype for the device",
     "quantization": "quantization of the linear layers: weight-only int8 (per channel) or int4 "
     "(groups of 32; exact for GGUF Q4_1 weights), or w8a8 (int8 weights and per-token int8 "
@@ -84,6 +89,7 @@ ENGINE_CHOICES = {
     "device": DEVICES,
     "quantization": QUANTIZATIONS,
     "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS,
+    "model_impl": (*MODEL_IMPLS, *MODEL_IMPL_ALIASES),
 }
 # extra spellings of a flag (xLLM's names, short forms)
 ENGINE_ALIASES = {

@@ -21,6 +21,7 @@ from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.layers.forward_context import ForwardContext
 from pyxllm.layers.quantization import quantize_model
 from pyxllm.models.build_context import model_build_context
+from pyxllm.models.build_context import model_build_context
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
 from pyxllm.platforms import Platform
@@ -111,7 +112,7 @@ class ModelExecutor:
         platform.check_runner(config.graph_backend)
         self.device = platform.set_device(platform.device_index(get_local_rank()))
         self.dtype = resolve_dtype(config.dtype, platform, model_config)
-        model_cls = resolve_model_class(model_config, platform.name)
+        model_cls = resolve_model_class(model_config, platform.name, config.model_impl)
         torch.manual_seed(config.seed)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -153,7 +154,9 @@ class ModelExecutor:
         )
         self.sampler = Sampler(config.seed, self.device)
         logger.info(
-            "device %s, attention %s, runner %s",
+            "model %s (%s implementation), device %s, attention %s, runner %s",
+            type(self.model).__name__,
+            getattr(self.model, "model_impl", "pyxllm"),
             self.device,
             type(self.attn_backend).__name__,
             self.runner.name,

@@ -73,14 +73,14 @@ def free_local_port() -> int:
         return sock.getsockname()[1]
 
 
-def check_tp_fits(model_config, platform, tp_size: int) -> None:
+def check_tp_fits(model_config, platform, tp_size: int, model_impl: str = "auto") -> None:
     """Build the model for TP rank 0 of ``tp_size`` on the meta device (no memory, no processes),
     so a model that does not split fails before any rank starts.
 
     Raises:
         ValueError: e.g. "tensor-parallel size 2 does not fit 9 attention heads and 3 KV heads ...".
     """
-    model_cls = resolve_model_class(model_config, platform.name)
+    model_cls = resolve_model_class(model_config, platform.name, model_impl)
     with tp_state(0, tp_size), torch.device("meta"):
         model_cls(model_config)
 
@@ -114,7 +114,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_config, source, platform) -> None:
         self.world_size, self.failure, self.procs = config.world_size, None, {}
         self.channel, self._closed = None, False
-        check_tp_fits(model_config, platform, self.world_size)
+        check_tp_fits(model_config, platform, self.world_size, config.model_impl)
         spawn = config.nnodes == 1
         master = config.master_addr or f"127.0.0.1:{free_local_port()}"
         self._threads = torch.get_num_threads()

@@ -57,6 +57,22 @@ def _(query, key, value, layer_idx, scale, sliding_window=None, logits_soft_cap=
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Attention of layer ``layer_idx`` over the paged KV cache, the step's K/V cached first:
+    ``query [T, heads, head_dim]``, ``key``/``value [T, kv_heads, head_dim]`` -> ``[T, heads,
+    head_dim]``. Under ``torch.compile`` it is the opaque op ``pyxllm::attention``."""
+    attend = attention_op if torch.compiler.is_compiling() else _attention
+    return attend(query, key, value, layer_idx, scale, sliding_window, logits_soft_cap)
+
+
 class Attention(nn.Module):
     """Multi-head (grouped-query) attention over the paged KV cache of layer ``layer_idx``.
 
@@ -82,8 +98,7 @@ class Attention(nn.Module):
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        attend = attention_op if torch.compiler.is_compiling() else _attention
-        out = attend(
+        out = paged_attention(
             q.view(-1, self.num_heads, self.head_dim),
             k.view(-1, self.num_kv_heads, self.head_dim),
             v.view(-1, self.num_kv_heads, self.head_dim),

@@ -1,6 +1,8 @@
 """Which architectures pyxllm runs, on which platforms, and where their classes live.
 
 The support matrix is data, checked before any model module is imported (xLLM's registry).
+Architectures without a native class run through transformers' model code
+(:mod:`pyxllm.models.transformers_backend`), chosen by ``--model-impl``.
 """
 
 from __future__ import annotations
@@ -36,24 +38,39 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def resolve_model_class(config, platform: str) -> type:
-    """The model class for ``config.architectures`` on ``platform``.
+def resolve_model_class(config, platform: str, model_impl: str = "auto") -> type:
+    """The model class for ``config.architectures`` on ``platform``, by ``--model-impl``.
+
+    ``pyxllm``: the native class of :data:`MODEL_REGISTRY`; ``transformers``:
+    :class:`~pyxllm.models.transformers_backend.TransformersForCausalLM`; ``auto``: the native
+    class where there is one, else transformers' (vLLM's order).
 
     Raises:
-        ValueError: the architecture is unknown (naming it and the supported ones) or not
-            supported on this platform.
+        ValueError: no implementation runs the architecture (naming it, the native ones, and why
+            transformers cannot), or the native one does not run on this platform.
     """
     archs = list(getattr(config, "architectures", None) or [])
-    for arch in archs:
-        if arch in MODEL_REGISTRY:
-            module, cls, platforms = MODEL_REGISTRY[arch]
-            if platforms is not None and platform not in platforms:
-                raise ValueError(
-                    f"architecture {arch} is not supported on device {platform}; it runs on "
-                    f"{', '.join(sorted(platforms))}"
-                )
-            return getattr(importlib.import_module(module), cls)
-    raise ValueError(
+    native = next((arch for arch in archs if arch in MODEL_REGISTRY), None)
+    if native is not None and model_impl != "transformers":
+        module, cls, platforms = MODEL_REGISTRY[native]
+        if platforms is not None and platform not in platforms:
+            raise ValueError(
+                f"architecture {native} is not supported on device {platform}; it runs on "
+                f"{', '.join(sorted(platforms))}"
+            )
+        return getattr(importlib.import_module(module), cls)
+    unsupported = (
         f"unsupported model architecture {', '.join(archs) or '(none given in config.json)'}; "
-        f"supported: {', '.join(supported_architectures())}"
+        f"pyxllm's own implementations: {', '.join(supported_architectures())}"
     )
+    if model_impl == "pyxllm":
+        raise ValueError(f"{unsupported} (--model-impl transformers runs others)")
+    from pyxllm.models.transformers_backend import TransformersForCausalLM, transformers_class
+
+    try:
+        transformers_class(config)
+    except ValueError as e:
+        if model_impl == "transformers":
+            raise
+        raise ValueError(f"{unsupported}; {e}") from None
+    return TransformersForCausalLM

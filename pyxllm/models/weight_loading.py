@@ -86,7 +86,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     then reads only this TP rank's slice of it.
 
     Names are routed through the model's ``expert_params_mapping`` first, then its
-    ``packed_modules_mapping`` (see the module docstring). A tied LM head is skipped.
+    ``packed_modules_mapping`` (see the module docstring), after the model's
+    ``rename_checkpoint_tensor(name) -> name`` where it has one (the transformers backend's
+    renamings). A tied LM head is skipped.
 
     Raises:
         ValueError: a checkpoint tensor with no parameter to go to, a piece of a parameter the
@@ -97,11 +99,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     packed = getattr(model, "packed_modules_mapping", {})
     experts = getattr(model, "expert_params_mapping", {})
     tied = getattr(model.config, "tie_word_embeddings", False)
+    rename = getattr(model, "rename_checkpoint_tensor", None)
     loaded: set[_Piece] = set()
     for name, tensor in weights:
-        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        key = name if rename is None else rename(name)
+        if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
             continue
-        piece = _route(name, packed, experts)
+        piece = _route(key, packed, experts)
         target, shard_id, expert_id = piece
         if target not in params:
             raise ValueError(
