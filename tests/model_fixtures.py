@@ -154,36 +154,6 @@ def _transformers_only(common: dict) -> dict:
     }
 
 
-def phi3_config(common: dict):
-    """The ``phi3`` kind: Phi-3 (untied) with fused ``qkv_proj``/``gate_up_proj``, a partial
-    rotary factor of 0.75 (12 of each head's 16 channels turn), a sliding window of
-    :data:`WINDOW` in every layer, and LongRoPE (``rope_scaling`` type ``longrope``) with
-    distinct short and long factors (6 each: half the rotary width) and
-    ``original_max_position_embeddings`` 128 (half of ``max_position_embeddings``: attention
-    factor ~1.07). pyxllm takes the long factors only when ``--max-model-len`` exceeds 128;
-    override ``original_max_position_embeddings`` (e.g. 32) to run them. Overrides replace any
-    of these too (``sliding_window=None``, ``rope_scaling=None``, ``tie_word_embeddings=True``:
-    Phi-4-mini's shape)."""
-    from transformers import Phi3Config
-
-    half = int(common["hidden_size"] // common["num_attention_heads"] * 0.75) // 2
-    fields = {
-        "original_max_position_embeddings": 128,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "partial_rotary_factor": 0.75,
-        "sliding_window": WINDOW,
-        "rope_scaling": {
-            "type": "longrope",
-            "short_factor": [1.0 + 0.25 * i for i in range(half)],
-            "long_factor": [3.0 + 2.0 * i for i in range(half)],
-        },
-        "tie_word_embeddings": False,
-        **common,
-    }
-    return Phi3Config(**fields)
-
-
 def build_hf_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A randomly initialised transformers causal LM for ``config`` (eval mode, ``dtype``)."""
     from transformers import AutoModelForCausalLM
