@@ -21,7 +21,6 @@ from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.layers.forward_context import ForwardContext
 from pyxllm.layers.quantization import quantize_model
 from pyxllm.models.build_context import model_build_context
-from pyxllm.models.build_context import model_build_context
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
 from pyxllm.platforms import Platform
