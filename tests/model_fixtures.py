@@ -100,24 +100,27 @@ def phi3_config(common: dict):
     distinct short and long factors (6 each: half the rotary width) and
     ``original_max_position_embeddings`` 128 (half of ``max_position_embeddings``: attention
     factor ~1.07). pyxllm takes the long factors only when ``--max-model-len`` exceeds 128;
-    override ``original_max_position_embeddings`` (e.g. 32) to run them."""
+    override ``original_max_position_embeddings`` (e.g. 32) to run them. Overrides replace any
+    of these too (``sliding_window=None``, ``rope_scaling=None``, ``tie_word_embeddings=True``:
+    Phi-4-mini's shape)."""
     from transformers import Phi3Config
 
-    fields = {"original_max_position_embeddings": 128, **common}
-    half = int(fields["hidden_size"] // fields["num_attention_heads"] * 0.75) // 2
-    return Phi3Config(
-        **fields,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        partial_rotary_factor=0.75,
-        sliding_window=WINDOW,
-        rope_scaling={
+    half = int(common["hidden_size"] // common["num_attention_heads"] * 0.75) // 2
+    fields = {
+        "original_max_position_embeddings": 128,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "partial_rotary_factor": 0.75,
+        "sliding_window": WINDOW,
+        "rope_scaling": {
             "type": "longrope",
             "short_factor": [1.0 + 0.25 * i for i in range(half)],
             "long_factor": [3.0 + 2.0 * i for i in range(half)],
         },
-        tie_word_embeddings=False,
-    )
+        "tie_word_embeddings": False,
+        **common,
+    }
+    return Phi3Config(**fields)
 
 
 # Architectures pyxllm has no native code for: they run through ``--model-impl transformers``.

@@ -3,7 +3,10 @@
 Key names follow llama.cpp's ``convert_hf_to_gguf.py`` and ``gguf-py/gguf/constants.py``
 (``{arch}.block_count``, ``blk.{i}.attn_q.weight``, ...). The Q/K row permutation that the
 converter applies to llama's ``attn_q``/``attn_k`` (``LlamaModel.permute``) is undone here; the
-qwen2/qwen3/qwen3moe converters do not permute.
+qwen2/qwen3/qwen3moe/phi3 converters do not permute. phi3 files (``Phi3MiniModel``) keep the
+checkpoint's fused ``attn_qkv`` and ``ffn_up`` (gate rows, then up rows), state the rotary width
+as ``rope.dimension_count`` (a partial rotary factor) and store LongRoPE's factors as the
+tensors ``rope_factors_long``/``rope_factors_short``, read here into the config.
 
 :func:`iter_gguf_weight_slices` yields unread :class:`GGUFWeight` s: a tensor-parallel rank
 dequantizes only its own rows (see :meth:`GGUFFile.read_region` for columns).
@@ -29,6 +32,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 
 # {arch}.<key> -> config attribute, shared by every supported architecture
@@ -57,6 +61,7 @@ _PER_LAYER = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: fused already
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -66,10 +71,17 @@ _PER_LAYER = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",
 }
+# per-architecture exceptions to _PER_LAYER
+_ARCH_PER_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}  # phi3's ffn_up holds gate and up
 # stacked experts [num_experts, out, in] -> one tensor per expert
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-# tensors with no Hugging Face counterpart (llama3 rope factors are recomputed from the config)
-_IGNORED = {"rope_freqs.weight"}
+# tensors with no Hugging Face counterpart (llama3 rope factors are recomputed from the config;
+# phi3's LongRoPE factors are read into it, see _phi3_config)
+_LONGROPE_FACTORS = {
+    "long_factor": "rope_factors_long.weight",
+    "short_factor": "rope_factors_short.weight",
+}
+_IGNORED = {"rope_freqs.weight", *_LONGROPE_FACTORS.values()}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -119,6 +131,8 @@ def gguf_config_dict(path: str | Path) -> dict[str, Any]:
             "was written by an incompatible converter. Re-download or re-convert it."
         )
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    if arch == "phi3":
+        _phi3_config(gguf, config)
     if "head_dim" not in config:  # llama files state the rotary width, equal to the head size there
         config["head_dim"] = meta.get(
             f"{arch}.rope.dimension_count", config["hidden_size"] // config["num_attention_heads"]
@@ -153,10 +167,40 @@ def gguf_config_dict(path: str | Path) -> dict[str, Any]:
     return config
 
 
-def hf_name(gguf_name: str) -> str | None:
+def _phi3_config(gguf: GGUFFile, config: dict[str, Any]) -> None:
+    """Add what a phi3 file states its own way to ``config``: the head size (``hidden /
+    heads``; ``rope.dimension_count`` is the rotary width, giving ``partial_rotary_factor``),
+    ``sliding_window`` (0: none, as Phi-4-mini), ``original_max_position_embeddings`` and, where
+    the file has LongRoPE's factor tensors, ``rope_parameters`` of type ``longrope`` with them
+    and the file's attention factor."""
+    meta = gguf.metadata
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    rotary = meta.get("phi3.rope.dimension_count", head_dim)
+    config["head_dim"] = head_dim
+    config["sliding_window"] = meta.get("phi3.attention.sliding_window") or None
+    original = meta.get("phi3.rope.scaling.original_context_length")
+    if original is not None:
+        config["original_max_position_embeddings"] = original
+    rope: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(meta.get("phi3.rope.freq_base", 10000.0)),
+        "partial_rotary_factor": rotary / head_dim,
+    }
+    if all(name in gguf.tensor_by_name for name in _LONGROPE_FACTORS.values()):
+        rope["rope_type"] = "longrope"
+        rope["original_max_position_embeddings"] = original or config["max_position_embeddings"]
+        for key, name in _LONGROPE_FACTORS.items():
+            rope[key] = gguf.read(gguf.tensor_by_name[name]).reshape(-1).tolist()
+        if "phi3.rope.scaling.attn_factor" in meta:
+            rope["attention_factor"] = float(meta["phi3.rope.scaling.attn_factor"])
+    config["rope_parameters"] = rope
+
+
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     """The Hugging Face name of a GGUF tensor, e.g. ``blk.3.attn_q.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``; ``None`` for a tensor HF has no counterpart of.
-    Stacked experts map to a template with ``{expert}`` in place of the expert index.
+    Stacked experts map to a template with ``{expert}`` in place of the expert index. ``arch``
+    (the file's ``general.architecture``) picks its exceptions, e.g. phi3's fused ``ffn_up``.
 
     Raises:
         ModelLoadError: the name is not one of the known GGUF tensor names.
@@ -169,8 +213,9 @@ def hf_name(gguf_name: str) -> str | None:
     match = _LAYER_NAME.fullmatch(gguf_name)
     if match:
         layer, part, suffix = match.groups()
-        if part in _PER_LAYER:
-            return f"model.layers.{layer}.{_PER_LAYER[part]}.{suffix}"
+        per_layer = {**_PER_LAYER, **_ARCH_PER_LAYER.get(arch, {})}
+        if part in per_layer:
+            return f"model.layers.{layer}.{per_layer[part]}.{suffix}"
         if part in _EXPERTS:
             return f"model.layers.{layer}.mlp.experts.{{expert}}.{_EXPERTS[part]}.{suffix}"
     raise ModelLoadError(
@@ -250,7 +295,7 @@ def iter_gguf_weight_slices(
             tensor name (when reached).
     """
     gguf = open_gguf(path)  # errors surface here, at the call, not at the first next()
-    return _gguf_slices(gguf, _permuted_heads(gguf))
+    return _gguf_slices(gguf, _permuted_heads(gguf), gguf_architecture(gguf))
 
 
 def _permuted_heads(gguf: GGUFFile) -> dict[str, int]:
@@ -271,9 +316,11 @@ def _permuted_heads(gguf: GGUFFile) -> dict[str, int]:
     }
 
 
-def _gguf_slices(gguf: GGUFFile, heads: dict[str, int]) -> Iterator[tuple[str, GGUFWeight]]:
+def _gguf_slices(
+    gguf: GGUFFile, heads: dict[str, int], arch: str
+) -> Iterator[tuple[str, GGUFWeight]]:
     for info in gguf.tensors:
-        name = hf_name(info.name)
+        name = hf_name(info.name, arch)
         if name is None:
             continue
         qk_heads = heads.get(info.name.split(".")[-2])
