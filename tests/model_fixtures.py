@@ -38,6 +38,9 @@ def tiny_config(kind: str, **overrides):
     of :data:`WINDOW`, through ``max_window_layers``). ``overrides`` replace the common
     fields (e.g. ``vocab_size=len(tokenizer)`` for a tokenizer with added tokens).
 
+    ``phi3`` (LongRoPE, partial rotary, a window; overrides replace its own fields too): see
+    :func:`phi3_config`.
+
     Raises:
         KeyError: an unknown kind.
     """
