@@ -52,7 +52,7 @@ def load_model_config(source: ModelSource | str | Path | None) -> Any:
 
     Raises:
         ModelLoadError: unreadable or invalid config, unsupported GGUF architecture (the message
-            lists llama, qwen2, qwen3, qwen3moe), truncated or corrupt GGUF file.
+            lists the supported ones: ``GGUF_ARCHITECTURES``), truncated or corrupt GGUF file.
     """
     from transformers import AutoConfig
 
