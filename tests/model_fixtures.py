@@ -35,8 +35,18 @@ def tiny_config(kind: str, **overrides):
     (untied, ``head_dim`` 32 while hidden/heads is 16), ``qwen3_moe`` (4 experts, top-2,
     renormalised, layer 1 dense through ``mlp_only_layers``), ``mistral`` (a sliding window of
     :data:`WINDOW` tokens in every layer) or ``qwen2_sliding`` (layer 0 full, layer 1 a window
-    of :data:`WINDOW`, through ``max_window_layers``). ``overrides`` replace the common
-    fields (e.g. ``vocab_size=len(tokenizer)`` for a tokenizer with added tokens).
+    of :data:`WINDOW`, through ``max_window_layers``), ``gemma3`` (tied, ``head_dim`` 32,
+    layers local-local-global-local with a window of :data:`WINDOW`, local RoPE theta 10,000 and
+    global 1,000,000, ``query_pre_attn_scalar`` 24 so a ``head_dim`` scale shows) or ``gemma2``
+    (tied, ``head_dim`` 16, local and global alternating, Gemma 2's soft caps: 50 on attention
+    scores, 30 on logits; each moves the last logits by more than 0.03). ``overrides`` replace
+    the common fields (e.g. ``vocab_size=len(tokenizer)`` for a tokenizer with added tokens).
+
+    Gemma's configs in transformers 5.24: ``sliding_window`` counts the attended tokens with the
+    current one (``kv > q - sliding_window``); ``Gemma3TextConfig.rope_parameters`` is a dict
+    keyed by layer type (``{"sliding_attention": {"rope_type", "rope_theta"},
+    "full_attention": {...}}``), built from the older ``rope_theta``/``rope_local_base_freq``/
+    ``rope_scaling`` when those are given; Gemma 2's is one dict for every layer.
 
     ``phi3`` (LongRoPE, partial rotary, a window; overrides replace its own fields too): see
     :func:`phi3_config`.
@@ -44,7 +54,15 @@ def tiny_config(kind: str, **overrides):
     Raises:
         KeyError: an unknown kind.
     """
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = {**_COMMON, **overrides}
     builders = {
@@ -91,6 +109,27 @@ def tiny_config(kind: str, **overrides):
             decoder_sparse_step=1,
             mlp_only_layers=[1],
             tie_word_embeddings=False,
+        ),
+        "gemma3": lambda: Gemma3TextConfig(
+            **common,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            head_dim=32,
+            layer_types=["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            tie_word_embeddings=True,
+        ),
+        "gemma2": lambda: Gemma2Config(
+            **common,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            head_dim=16,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
         ),
     }
     return builders[kind]()
@@ -166,11 +205,21 @@ def build_hf_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # norms init to ones; jitter them so a mix-up of norm weights shows
+    # norms init to ones (Gemma's to zeros, for a scale of 1 + w); jitter them so a mix-up of
+    # norm weights, or a scale of w for 1 + w, shows. Gemma's post-attention and post-MLP norms
+    # scale by about 10, as trained Gemmas' large ones do: else the tied embedding, scaled by
+    # sqrt(hidden), outweighs the layers and continuations repeat their first token.
+    gemma = config.model_type.startswith("gemma")
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(torch.randn_like(param) * 0.1)
+            if gemma and name.endswith(_GEMMA_POST_NORMS):
+                param.add_(9.0)
     return model.to(dtype).eval()
+
+
+_GEMMA_POST_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
 
 
 def save_checkpoint(

@@ -1,5 +1,5 @@
-"""Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Qwen2 with a sliding window and Phi-3 (LongRoPE,
-partial rotary, a window) on tiny random checkpoints: pyxllm equals transformers.
+"""Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Qwen2 with a sliding window, Phi-3 (LongRoPE, partial
+rotary, a window), Gemma 3 and Gemma 2 on tiny random checkpoints: pyxllm equals transformers.
 
 Each architecture is saved by transformers (float32 safetensors, the SmolLM2 tokenizer beside it)
 and run by ``pyxllm.LLM``; greedy tokens must equal ``generate(do_sample=False)`` and the last
@@ -28,7 +28,17 @@ from pyxllm.layers.forward_context import ForwardContext, set_forward_context
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.platforms import cpu
 
-KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "qwen2_sliding", "phi3")
+KINDS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mistral",
+    "qwen2_sliding",
+    "phi3",
+    "gemma3",
+    "gemma2",
+)
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 PROMPTS = [

@@ -13,10 +13,18 @@ def head_dim_of(config) -> int:
     return head_dim or config.hidden_size // config.num_attention_heads
 
 
-def rope_parameters(config) -> tuple[float, dict[str, Any] | None]:
+def rope_parameters(config, layer_idx: int | None = None) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` from either transformers 5's ``rope_parameters`` or the older
-    ``rope_theta`` + ``rope_scaling`` fields; scaling is ``None`` for plain RoPE."""
+    ``rope_theta`` + ``rope_scaling`` fields; scaling is ``None`` for plain RoPE.
+
+    Gemma 3's ``rope_parameters`` is keyed by layer type (``{"full_attention": {...},
+    "sliding_attention": {...}}``): layer ``layer_idx`` then reads the entry of
+    ``config.layer_types[layer_idx]``.
+    """
     params = getattr(config, "rope_parameters", None)
+    kinds = getattr(config, "layer_types", None)
+    if isinstance(params, dict) and layer_idx is not None and kinds and kinds[layer_idx] in params:
+        params = params[kinds[layer_idx]]
     if isinstance(params, dict) and "rope_theta" in params:
         theta = params["rope_theta"]
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -62,3 +70,16 @@ def sliding_window_of(config, layer_idx: int) -> int | None:
     if kinds:
         return config.sliding_window if kinds[layer_idx] == "sliding_attention" else None
     return getattr(config, "sliding_window", None)
+
+
+def attention_scale_of(config) -> float:
+    """The attention scores' scale: ``query_pre_attn_scalar ** -0.5`` where the config sets it
+    (Gemma 2/3), else ``head_dim ** -0.5``."""
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    return (scalar or head_dim_of(config)) ** -0.5
+
+
+def logits_soft_cap_of(config) -> float | None:
+    """The attention scores' tanh soft cap, ``config.attn_logit_softcapping`` (Gemma 2: 50), or
+    None."""
+    return getattr(config, "attn_logit_softcapping", None) or None

@@ -15,26 +15,35 @@ from typing import Any
 import torch
 from torch import nn
 
-from pyxllm.layers.activation import SiluAndMul
+from pyxllm.layers.activation import get_act_and_mul_fn
 from pyxllm.layers.attention import Attention
 from pyxllm.layers.layernorm import RMSNorm
 from pyxllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pyxllm.layers.rotary_embedding import RotaryEmbedding
 from pyxllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pyxllm.models.config_utils import (
+    attention_scale_of,
     check_layer_types,
     head_dim_of,
+    logits_soft_cap_of,
     rope_parameters,
     sliding_window_of,
 )
 
 # ``(config, layer index) -> module``: a decoder layer's ``self_attn`` or ``mlp``
 ModuleBuilder = Callable[[Any, int], nn.Module]
+# ``(config, layer index, attention, mlp) -> decoder layer``, e.g. ``LlamaDecoderLayer``
+LayerBuilder = Callable[[Any, int, ModuleBuilder, ModuleBuilder], nn.Module]
 
 
 class LlamaAttention(nn.Module):
     """Self-attention: fused QKV projection, RoPE, paged attention (over the layer's sliding
-    window where the config gives one, see ``sliding_window_of``), output projection."""
+    window where the config gives one, see ``sliding_window_of``), output projection.
+
+    The scale, soft cap and RoPE follow the config where it sets them (Gemma's
+    ``query_pre_attn_scalar`` and ``attn_logit_softcapping``, a RoPE per layer type): see
+    ``attention_scale_of``, ``logits_soft_cap_of`` and ``rope_parameters``.
+    """
 
     def __init__(self, config, layer_idx: int, qkv_bias: bool = False) -> None:
         super().__init__()
@@ -54,17 +63,18 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=False
         )
-        base, scaling = rope_parameters(config)
+        base, scaling = rope_parameters(config, layer_idx)
         self.rotary_emb = RotaryEmbedding(
             self.head_dim, config.max_position_embeddings, base, scaling
         )
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            attention_scale_of(config),
             self.num_kv_heads,
             layer_idx,
             sliding_window=sliding_window_of(config, layer_idx),
+            logits_soft_cap=logits_soft_cap_of(config),
         )
 
     def split_qkv(
@@ -85,15 +95,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))`` with gate and up fused; ``act`` is SiLU
+    (SwiGLU) unless ``hidden_act`` names another (see ``get_act_and_mul_fn``)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu") -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, bias=False
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
-        self.act_fn = SiluAndMul()
+        self.act_fn = get_act_and_mul_fn(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -136,21 +147,30 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers (see :class:`LlamaDecoderLayer` for ``attention`` and ``mlp``)
-    and final norm: ``(input_ids [T], positions [T]) -> [T, hidden]``."""
+    """Embedding, decoder layers (see :class:`LlamaDecoderLayer` for ``attention`` and ``mlp``;
+    ``decoder_layer`` builds each layer) and final norm: ``(input_ids [T], positions [T]) -> [T,
+    hidden]``. A decoder layer returns ``(hidden, residual)``, the final norm adds them."""
 
     def __init__(
-        self, config, attention: ModuleBuilder = LlamaAttention, mlp: ModuleBuilder = llama_mlp
+        self,
+        config,
+        attention: ModuleBuilder = LlamaAttention,
+        mlp: ModuleBuilder = llama_mlp,
+        decoder_layer: LayerBuilder = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention, mlp) for i in range(config.num_hidden_layers)
+            decoder_layer(config, i, attention, mlp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T] -> [T, hidden]``: the token embeddings the first layer reads."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
+        hidden_states, residual = self.embed_input_ids(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -163,7 +183,8 @@ class LlamaForCausalLM(nn.Module):
 
     ``forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden]``;
     ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32, called on sampled positions only.
-    ``attention`` and ``mlp`` build each decoder layer's blocks (see :class:`LlamaDecoderLayer`).
+    ``attention`` and ``mlp`` build each decoder layer's blocks (see :class:`LlamaDecoderLayer`),
+    ``model(config, attention, mlp)`` the ``LlamaModel`` (or a subclass) under the head.
 
     Raises:
         ValueError: a config with attention layer types other than full and sliding-window.
@@ -178,12 +199,16 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(
-        self, config, attention: ModuleBuilder = LlamaAttention, mlp: ModuleBuilder = llama_mlp
+        self,
+        config,
+        attention: ModuleBuilder = LlamaAttention,
+        mlp: ModuleBuilder = llama_mlp,
+        model: Callable[[Any, ModuleBuilder, ModuleBuilder], LlamaModel] = LlamaModel,
     ) -> None:
         check_layer_types(config)
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attention, mlp)
+        self.model = model(config, attention, mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -30,6 +30,8 @@ MODEL_REGISTRY: dict[str, RegisteredModel] = {
     "Qwen2ForCausalLM": RegisteredModel("pyxllm.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": RegisteredModel("pyxllm.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": RegisteredModel("pyxllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": RegisteredModel("pyxllm.models.gemma3", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": RegisteredModel("pyxllm.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 
