@@ -67,18 +67,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, hf_gguf_tokenizer):
-    """kind -> tiny random checkpoint directory (qwen3, qwen3_moe)."""
+    """kind -> tiny random checkpoint directory (qwen3, qwen3_moe, granite)."""
     root = tmp_path_factory.mktemp("tp_models")
     return {
         kind: build_checkpoint(kind, root / kind, hf_gguf_tokenizer, seed=i)[0]
-        for i, kind in enumerate(("qwen3", "qwen3_moe"))
+        for i, kind in enumerate(("qwen3", "qwen3_moe", "granite"))
     }
 
 
-def greedy_tokens(model, tp: int) -> tuple[list[list[int]], int]:
-    """Greedy tokens of PROMPTS with ``tp`` ranks, and the engine's KV block count; the engine
-    (and its workers) is shut down before returning."""
-    llm = LLM(model=model, tensor_parallel_size=tp, **ENGINE)
+def greedy_tokens(model, tp: int, **engine) -> tuple[list[list[int]], int]:
+    """Greedy tokens of PROMPTS with ``tp`` ranks (and ``engine`` settings), and the engine's KV
+    block count; the engine (and its workers) is shut down before returning."""
+    llm = LLM(model=model, tensor_parallel_size=tp, **ENGINE, **engine)
     engine = llm.llm_engine
     try:
         assert isinstance(engine.executor, UniprocExecutor if tp == 1 else MultiprocExecutor)
@@ -141,6 +141,14 @@ def test_tiny_qwen3_tp2_greedy_equals_tp1(tiny, kind):
     ref, _ = greedy_tokens(str(tiny[kind]), 1)
     got, _ = greedy_tokens(str(tiny[kind]), 2)
     assert got == ref, kind
+    assert len({tuple(t) for t in ref}) == len(PROMPTS)
+
+
+def test_transformers_implementation_tp2_greedy_equals_tp1(tiny):
+    """Granite through --model-impl transformers: its TP plan's colwise/rowwise layers split."""
+    ref, _ = greedy_tokens(str(tiny["granite"]), 1)
+    got, _ = greedy_tokens(str(tiny["granite"]), 2, model_impl="transformers")
+    assert got == ref
     assert len({tuple(t) for t in ref}) == len(PROMPTS)
 
 

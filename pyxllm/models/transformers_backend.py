@@ -204,7 +204,7 @@ class TransformersForCausalLM(nn.Module):
         with no_init_weights():
             causal_lm = cls(config)
         causal_lm.tie_weights()  # skipped with the initialization
-        causal_lm.eval()
+        causal_lm.eval().requires_grad_(False)  # inference only, as pyxllm's own layers
         self.config = config
         self.rename_checkpoint_tensor = _checkpoint_renamer(causal_lm)
         prefix = causal_lm.base_model_prefix
