@@ -1,7 +1,8 @@
 """``--model-impl transformers``: transformers' model code on pyxllm's paged attention.
 
-OLMo 2, Granite and GPT-NeoX (no native code in pyxllm) and Mistral (its sliding window passed
-by transformers to the attention function) run on tiny random float32 checkpoints; greedy
+OLMo 2, Granite and GPT-NeoX (no native code in pyxllm), and Mistral, Gemma 3 and Gemma 2 (their
+sliding windows and soft caps passed by transformers to the attention function) run on tiny
+random float32 checkpoints; greedy
 tokens equal transformers' own ``generate``, batched and alone, with prompts prefilled in
 chunks and again from the prefix cache; last-position logits agree to 1e-4. Llama gives the
 same tokens through both implementations. Models the backend cannot run are refused by name.
@@ -28,6 +29,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+# native kinds run through transformers too, for the options transformers passes to attention:
+# Mistral's sliding window, Gemma 3's local and global layers, Gemma 2's soft-capping
+NATIVE_KINDS = ("mistral", "gemma3", "gemma2")
 # chunks of 8 tokens: every prompt past 8 tokens is prefilled over several steps
 LLM_KWARGS = dict(max_model_len=96, kv_cache_memory=0.05, max_tokens_per_batch=8)
 
@@ -35,17 +39,17 @@ LLM_KWARGS = dict(max_model_len=96, kv_cache_memory=0.05, max_tokens_per_batch=8
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, hf_gguf_tokenizer):
     root = tmp_path_factory.mktemp("transformers_backend")
-    kinds = (*TRANSFORMERS_ONLY_KINDS, "mistral", "llama")
+    kinds = (*TRANSFORMERS_ONLY_KINDS, *NATIVE_KINDS, "llama")
     return {
         kind: build_checkpoint(kind, root / kind, hf_gguf_tokenizer, seed=10 + i)
         for i, kind in enumerate(kinds)
     }
 
 
-@pytest.mark.parametrize("kind", [*TRANSFORMERS_ONLY_KINDS, "mistral"])
+@pytest.mark.parametrize("kind", [*TRANSFORMERS_ONLY_KINDS, *NATIVE_KINDS])
 def test_greedy_tokens_and_logits_match_transformers(checkpoints, kind, caplog):
     directory, hf = checkpoints[kind]
-    impl = "transformers" if kind == "mistral" else "auto"  # auto: no native code for the others
+    impl = "transformers" if kind in NATIVE_KINDS else "auto"  # auto: no native code for the others
     with caplog.at_level(logging.INFO, logger="pyxllm.executor.model_executor"):
         llm = LLM(model=str(directory), model_impl=impl, **LLM_KWARGS)
     assert isinstance(llm.llm_engine.executor.driver.model, TransformersForCausalLM)
