@@ -9,6 +9,10 @@ runs it to the same greedy tokens as the safetensors checkpoint.
   ``rope.dimension_count`` the rotary width (a partial rotary factor), ``attention.sliding_window``
   (0: none), and LongRoPE's factors as the tensors ``rope_factors_long``/``rope_factors_short``
   with ``rope.scaling.attn_factor`` and ``rope.scaling.original_context_length``.
+- gemma2, gemma3 (``Gemma2Model``, ``Gemma3Model``): every norm stored as ``1 + w``, Gemma's
+  four norms per layer (``attn_norm``, ``post_attention_norm``, ``ffn_norm``, ``post_ffw_norm``),
+  ``attention.sliding_window``, the soft caps the config sets, the global RoPE theta only; the
+  local/global pattern, the local theta and ``query_pre_attn_scalar`` are llama.cpp's fixed ones.
 """
 
 from __future__ import annotations
@@ -180,3 +184,129 @@ def test_phi4_mini_like_gguf_has_no_window_and_default_rope(tmp_path, hf_gguf_to
     assert (config.sliding_window, config.tie_word_embeddings, config.head_dim) == (None, True, 16)
     assert config.rope_parameters["rope_type"] == "default"
     assert config.rope_parameters["partial_rotary_factor"] == 0.75
+
+
+# ---------------------------------------------------------------- gemma2, gemma3
+
+# Hugging Face name (after ``model.layers.{i}.``) -> llama.cpp's, as Gemma2Model/Gemma3Model
+# write them
+_GEMMA_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GEMMA_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}
+
+
+def gemma_gguf(model, arch: str, path: Path) -> Path:
+    """Convert a transformers Gemma 2/3 as llama.cpp's ``Gemma2Model``/``Gemma3Model`` do: every
+    ``*norm.weight`` stored as ``1 + w``, no ``lm_head`` (tied), the global layers' RoPE theta
+    only, the soft caps the config sets, and neither the local/global pattern nor
+    ``query_pre_attn_scalar`` (llama.cpp fixes those per architecture). No vocabulary: pass the
+    checkpoint's tokenizer with ``tokenizer=``."""
+    config = model.config
+    rope = config.rope_parameters
+    metadata = {
+        "context_length": config.max_position_embeddings,
+        "embedding_length": config.hidden_size,
+        "block_count": config.num_hidden_layers,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads,
+        "attention.head_count_kv": config.num_key_value_heads,
+        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        "attention.key_length": config.head_dim,
+        "attention.value_length": config.head_dim,
+        "rope.freq_base": float(rope.get("full_attention", rope)["rope_theta"]),
+        "attention.sliding_window": config.sliding_window,
+        "vocab_size": config.vocab_size,
+        "tokenizer.ggml.bos_token_id": config.bos_token_id,
+        "tokenizer.ggml.eos_token_id": config.eos_token_id,
+    }
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, key):
+            metadata[key] = float(getattr(config, key))
+    tensors: dict[str, Any] = {}
+    for name, tensor in model.state_dict().items():
+        base, _, suffix = name.rpartition(".")
+        if base == "lm_head":
+            continue
+        if base.startswith("model.layers."):
+            layer, _, part = base.removeprefix("model.layers.").partition(".")
+            gguf_name = f"blk.{layer}.{_GEMMA_LAYER[part]}.{suffix}"
+        else:
+            gguf_name = f"{_GEMMA_TOP[base]}.{suffix}"
+        tensors[gguf_name] = tensor + 1 if name.endswith("norm.weight") else tensor
+    return write_gguf(path, arch, metadata, tensors)
+
+
+def gemma_model(kind: str, layers: int, seed: int):
+    """A tiny ``kind`` model with llama.cpp's fixed choices: every ``6``th (Gemma 3) or 2nd
+    (Gemma 2) layer global, ``query_pre_attn_scalar`` the head size."""
+    period = 6 if kind == "gemma3" else 2
+    config = tiny_config(kind)
+    config.num_hidden_layers = layers
+    config.layer_types = [
+        "sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)
+    ]
+    config.query_pre_attn_scalar = config.head_dim
+    return build_hf_model(config, seed)
+
+
+@pytest.fixture(scope="module", params=[("gemma3", 6), ("gemma2", 4)], ids=["gemma3", "gemma2"])
+def gemma(request, tmp_path_factory, hf_gguf_tokenizer):
+    """(safetensors dir, GGUF path, transformers model); Gemma 3: five local layers, then a
+    global one."""
+    kind, layers = request.param
+    root = tmp_path_factory.mktemp(f"{kind}_gguf")
+    model = gemma_model(kind, layers, seed=3)
+    directory = save_checkpoint(model, root / "hf", hf_gguf_tokenizer)
+    return directory, gemma_gguf(model, kind, root / f"tiny-{kind}.gguf"), model
+
+
+def test_gemma_gguf_config_matches_the_checkpoint(gemma):
+    directory, path, model = gemma
+    config, ref = load_model_config(str(path)), model.config
+    assert config.architectures == ref.architectures and config.model_type == ref.model_type
+    for field in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "layer_types",
+        "sliding_window",
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "rope_parameters",
+        "tie_word_embeddings",
+        "vocab_size",
+    ):
+        assert getattr(config, field) == getattr(ref, field), field
+
+
+def test_gemma_gguf_loads_the_checkpoints_weights_and_greedy_tokens(gemma):
+    """The norms come back as ``w`` from the file's ``1 + w``: pyxllm's parameters (``1 + w``
+    in both) equal those loaded from safetensors, and so do the greedy tokens."""
+    directory, path, _ = gemma
+    from_gguf = LLM(model=str(path), tokenizer=str(directory), **LLM_KWARGS)
+    from_hf = LLM(model=str(directory), **LLM_KWARGS)
+    got = from_gguf.llm_engine.executor.driver.model.state_dict()
+    want = from_hf.llm_engine.executor.driver.model.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0, msg=name)
+    tokens = greedy(from_gguf)
+    assert tokens == greedy(from_hf)
+    assert len({tuple(t) for t in tokens}) == len(PROMPTS)

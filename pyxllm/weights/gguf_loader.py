@@ -3,10 +3,13 @@
 Key names follow llama.cpp's ``convert_hf_to_gguf.py`` and ``gguf-py/gguf/constants.py``
 (``{arch}.block_count``, ``blk.{i}.attn_q.weight``, ...). The Q/K row permutation that the
 converter applies to llama's ``attn_q``/``attn_k`` (``LlamaModel.permute``) is undone here; the
-qwen2/qwen3/qwen3moe/phi3 converters do not permute. phi3 files (``Phi3MiniModel``) keep the
+qwen2/qwen3/qwen3moe/phi3/gemma converters do not permute. phi3 files (``Phi3MiniModel``) keep the
 checkpoint's fused ``attn_qkv`` and ``ffn_up`` (gate rows, then up rows), state the rotary width
 as ``rope.dimension_count`` (a partial rotary factor) and store LongRoPE's factors as the
-tensors ``rope_factors_long``/``rope_factors_short``, read here into the config.
+tensors ``rope_factors_long``/``rope_factors_short``, read here into the config. gemma2/gemma3
+files (``Gemma2Model``/``Gemma3Model``) store every norm weight ``w`` as ``1 + w`` (Gemma's
+RMSNorm scale), given back here as ``w``, and leave out what llama.cpp fixes by architecture:
+see :func:`_gemma_config`.
 
 :func:`iter_gguf_weight_slices` yields unread :class:`GGUFWeight` s: a tensor-parallel rank
 dequantizes only its own rows (see :meth:`GGUFFile.read_region` for columns).
@@ -33,6 +36,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 
 # {arch}.<key> -> config attribute, shared by every supported architecture
@@ -72,7 +77,20 @@ _PER_LAYER = {
     "ffn_gate_inp": "mlp.gate",
 }
 # per-architecture exceptions to _PER_LAYER
-_ARCH_PER_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}  # phi3's ffn_up holds gate and up
+_GEMMA_PER_LAYER = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_PER_LAYER = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # phi3's ffn_up holds gate and up
+    "gemma2": _GEMMA_PER_LAYER,
+    "gemma3": _GEMMA_PER_LAYER,
+}
+# architectures whose ``*norm.weight`` tensors hold ``1 + w``, and what llama.cpp fixes for each:
+# (local/global pattern: every n-th layer global, layer count of the 27B, whose attention scale
+# is ``(hidden / heads) ** -0.5`` rather than ``head_dim ** -0.5``)
+_GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
 # stacked experts [num_experts, out, in] -> one tensor per expert
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # tensors with no Hugging Face counterpart (llama3 rope factors are recomputed from the config;
@@ -141,6 +159,8 @@ def gguf_config_dict(path: str | Path) -> dict[str, Any]:
         config["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
     if arch == "qwen3moe":
         config["norm_topk_prob"] = True  # llama.cpp renormalizes the top-k routing weights
+    if arch in _GEMMA:
+        _gemma_config(gguf, arch, config)
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling in ("linear", "yarn"):
@@ -156,6 +176,12 @@ def gguf_config_dict(path: str | Path) -> dict[str, Any]:
         config["rope_parameters"] = rope
     else:
         config["rope_theta"] = theta
+    if arch == "gemma3":  # one RoPE per layer type; llama.cpp's local layers: theta 10,000
+        config["rope_parameters"] = {
+            "full_attention": config.pop("rope_parameters", None)
+            or {"rope_type": "default", "rope_theta": config.pop("rope_theta")},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
     config["tie_word_embeddings"] = "output.weight" not in gguf.tensor_by_name
     for attr, key in (
         ("bos_token_id", "bos"),
@@ -194,6 +220,29 @@ def _phi3_config(gguf: GGUFFile, config: dict[str, Any]) -> None:
         if "phi3.rope.scaling.attn_factor" in meta:
             rope["attention_factor"] = float(meta["phi3.rope.scaling.attn_factor"])
     config["rope_parameters"] = rope
+
+
+def _gemma_config(gguf: GGUFFile, arch: str, config: dict[str, Any]) -> None:
+    """Add a gemma2/gemma3 file's window and soft caps to ``config``, and what llama.cpp's
+    ``llama-model.cpp`` fixes by architecture instead of reading from the file: the local/global
+    ``layer_types`` (every 2nd layer global in Gemma 2, every 6th in Gemma 3, unless the file
+    states ``attention.sliding_window_pattern``, a period or one flag per layer, true for local)
+    and ``query_pre_attn_scalar`` (``hidden / heads`` for the 27B models, else the head size)."""
+    meta = gguf.metadata
+    period, layers_27b = _GEMMA[arch]
+    layers = config["num_hidden_layers"]
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", period)
+    if not isinstance(pattern, list):  # a period n: every n-th layer global (0: none is)
+        pattern = [pattern == 0 or (i + 1) % pattern != 0 for i in range(layers)]
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
+    config["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")
+    heads = config["num_attention_heads"]
+    config["query_pre_attn_scalar"] = (
+        config["hidden_size"] // heads if layers == layers_27b else config["head_dim"]
+    )
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if f"{arch}.{key}" in meta:
+            config[key] = float(meta[f"{arch}.{key}"])
 
 
 def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
@@ -241,7 +290,8 @@ class GGUFWeight(LazyWeight):
     float32 on ``load()``: only the rows in range, and the columns as ``read_region`` allows.
 
     ``qk_heads``: for llama's ``attn_q``/``attn_k``, the head count the converter permuted with;
-    rows are then read in whole heads and un-permuted (see :func:`unpermute_qk`).
+    rows are then read in whole heads and un-permuted (see :func:`unpermute_qk`). ``shift`` is
+    added to every value read (gemma's norms: -1).
     """
 
     def __init__(
@@ -251,13 +301,18 @@ class GGUFWeight(LazyWeight):
         info: GGUFTensorInfo,
         expert: int | None = None,
         qk_heads: int | None = None,
+        shift: float = 0.0,
     ) -> None:
-        self.gguf, self.info, self.qk_heads = gguf, info, qk_heads
+        self.gguf, self.info, self.qk_heads, self.shift = gguf, info, qk_heads, shift
         shape = info.shape[1:] if expert is not None else info.shape
         self.row_base = 0 if expert is None else expert * shape[0]
         super().__init__(name, shape)
 
     def _read(self, ranges):
+        read = self._read_unshifted(ranges)
+        return read + self.shift if self.shift else read
+
+    def _read_unshifted(self, ranges):
         if len(ranges) != 2:  # vectors (norms, biases) are small: read whole, then cut
             rows = int(np.prod(self.full_shape[:-1], dtype=np.int64))
             full = self.gguf.read_region(
@@ -331,7 +386,8 @@ def _gguf_slices(
                     GGUFWeight(name.format(expert=expert), gguf, info, expert),
                 )
         else:
-            yield name, GGUFWeight(name, gguf, info, qk_heads=qk_heads)
+            shift = -1.0 if arch in _GEMMA and info.name.endswith("norm.weight") else 0.0
+            yield name, GGUFWeight(name, gguf, info, qk_heads=qk_heads, shift=shift)
 
 
 def iter_gguf_weights(path: str | Path, config: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
