@@ -4,8 +4,9 @@
 Offline throughput (``LLM.generate``, greedy, exactly ``--output-len`` new tokens per prompt) of
 pyxllm with its native Llama and with transformers' ``LlamaForCausalLM`` on pyxllm's paged
 attention (both ``--dtype auto``, the eager runner, float weights), and of transformers
-``generate`` in bfloat16 in batches of ``--hf-batch-size`` (16) left-padded prompts. Prints each
-figure and the ratios. Run from the repository root::
+``generate`` in bfloat16 in batches of ``--hf-batch-size`` (16) left-padded prompts; and the
+batch-1 decode rate of both pyxllm implementations. Prints each figure and the ratios. Run from
+the repository root::
 
     .venv/bin/python benchmarks/model_impl.py            # ~3 min on 2 cores
     .venv/bin/python benchmarks/model_impl.py --num-prompts 32 --result-file impl.json
@@ -27,8 +28,10 @@ from pyxllm.weights.source import default_gguf_path
 
 
 def pyxllm_throughput(prompts: list[list[int]], output_len: int, model_impl: str) -> dict:
-    """Output tokens/s of one ``LLM.generate`` over every prompt, after a warm-up request."""
+    """Output tokens/s of one ``LLM.generate`` over every prompt, after a warm-up request, and
+    the decode rate of one request alone (batch 1, tokens after the first per second)."""
     from pyxllm import LLM, SamplingParams
+    from pyxllm.benchmarks.latency import _timed_request
 
     llm = LLM(model_impl=model_impl, max_model_len=1024, kv_cache_memory=1.0)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -38,8 +41,10 @@ def pyxllm_throughput(prompts: list[list[int]], output_len: int, model_impl: str
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft, e2e, n = _timed_request(llm.llm_engine, prompts[-1][::-1], output_len, "batch-1")
     return {
         "output_tok_s": produced / elapsed,
+        "batch1_decode_tok_s": (n - 1) / (e2e - ttft),
         "elapsed_s": elapsed,
         "dtype": str(llm.llm_engine.executor.dtype).removeprefix("torch."),
         "model": type(llm.llm_engine.executor.driver.model).__name__,
@@ -76,6 +81,12 @@ def main() -> None:
     lines = ["", "=== output tok/s (ratios > 1: the first is faster) ==="]
     lines += ratio_lines(
         "--model-impl pyxllm", native, {"--model-impl transformers": through}, "tok/s"
+    )
+    lines += ratio_lines(
+        "batch 1 decode, --model-impl pyxllm",
+        results["pyxllm"]["batch1_decode_tok_s"],
+        {"--model-impl transformers": results["transformers"]["batch1_decode_tok_s"]},
+        "tok/s",
     )
     lines += ratio_lines(
         "--model-impl transformers",
