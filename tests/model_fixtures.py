@@ -167,15 +167,41 @@ def phi3_config(common: dict):
 
 # Architectures pyxllm has no native code for: they run through ``--model-impl transformers``.
 TRANSFORMERS_ONLY_KINDS = ("olmo2", "granite", "gpt_neox")
+# ...and more, whose heads differ: GPT-2's (Conv1D layers, learned positions, an EOS id past this
+# vocabulary), OPT's (its causal LM calls ``model.decoder``), Cohere's (``logit_scale``)
+TRANSFORMERS_HEAD_KINDS = ("gpt2", "opt", "cohere")
 
 
 def _transformers_only(common: dict) -> dict:
-    """Builders of :data:`TRANSFORMERS_ONLY_KINDS`: OLMo 2 (q/k norms over whole projections,
-    post-norms), Granite (embedding, attention, residual and logit multipliers) and GPT-NeoX
-    (fused QKV, partial rotary, parallel residual, LayerNorm, no GQA)."""
-    from transformers import GPTNeoXConfig, GraniteConfig, Olmo2Config
+    """Builders of :data:`TRANSFORMERS_ONLY_KINDS` (OLMo 2: q/k norms over whole projections,
+    post-norms; Granite: embedding, attention, residual and logit multipliers; GPT-NeoX: fused
+    QKV, partial rotary, parallel residual, LayerNorm, no GQA) and of
+    :data:`TRANSFORMERS_HEAD_KINDS`."""
+    from transformers import (
+        CohereConfig,
+        GPT2Config,
+        GPTNeoXConfig,
+        GraniteConfig,
+        Olmo2Config,
+        OPTConfig,
+    )
 
+    sizes = dict(vocab_size=VOCAB_SIZE, initializer_range=INIT_RANGE)
     return {
+        "gpt2": lambda: GPT2Config(**sizes, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+        "opt": lambda: OPTConfig(
+            **sizes,
+            hidden_size=64,
+            num_hidden_layers=2,
+            ffn_dim=128,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=64,
+            init_std=INIT_RANGE,
+        ),  # fmt: skip
+        "cohere": lambda: CohereConfig(
+            **common, intermediate_size=128, num_hidden_layers=2, logit_scale=0.5
+        ),
         "olmo2": lambda: Olmo2Config(**common, intermediate_size=128, num_hidden_layers=2),
         "granite": lambda: GraniteConfig(
             **common,
@@ -191,8 +217,11 @@ def _transformers_only(common: dict) -> dict:
             **{k: v for k, v in common.items() if k != "num_key_value_heads"},
             intermediate_size=128,
             num_hidden_layers=2,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "partial_rotary_factor": 0.5},
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
             use_parallel_residual=True,
             tie_word_embeddings=False,
         ),  # fmt: skip

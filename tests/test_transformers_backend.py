@@ -15,7 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from model_fixtures import TRANSFORMERS_ONLY_KINDS, build_checkpoint, tiny_config
+from model_fixtures import (
+    TRANSFORMERS_HEAD_KINDS,
+    TRANSFORMERS_ONLY_KINDS,
+    build_checkpoint,
+    tiny_config,
+)
 from test_models_parity import PROMPTS, hf_generate, pyxllm_last_logits
 
 from pyxllm import LLM, SamplingParams
@@ -39,7 +44,7 @@ LLM_KWARGS = dict(max_model_len=96, kv_cache_memory=0.05, max_tokens_per_batch=8
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, hf_gguf_tokenizer):
     root = tmp_path_factory.mktemp("transformers_backend")
-    kinds = (*TRANSFORMERS_ONLY_KINDS, *NATIVE_KINDS, "llama")
+    kinds = (*TRANSFORMERS_ONLY_KINDS, *TRANSFORMERS_HEAD_KINDS, *NATIVE_KINDS, "llama")
     return {
         kind: build_checkpoint(kind, root / kind, hf_gguf_tokenizer, seed=10 + i)
         for i, kind in enumerate(kinds)
@@ -68,6 +73,14 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoints, kind, caplog):
     got = pyxllm_last_logits(llm, prompt_ids[5])
     assert ref.std() > 1.0
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", TRANSFORMERS_HEAD_KINDS)
+def test_other_heads_give_transformers_greedy_tokens(checkpoints, kind):
+    directory, hf = checkpoints[kind]
+    outs = LLM(model=str(directory), **LLM_KWARGS).generate(PROMPTS[:4], GREEDY)
+    want = hf_generate(hf, [o.prompt_token_ids for o in outs], NEW_TOKENS)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want, kind
 
 
 def test_llama_gives_the_same_tokens_through_both_implementations(checkpoints):

@@ -67,12 +67,25 @@ def pyxllm_attention_forward(
 
 class _GivenHiddenStates(nn.Module):
     """Stands in for a causal LM's base model: returns the hidden states it is given as
-    ``inputs_embeds``, so the causal LM's ``forward`` runs only its head."""
+    ``inputs_embeds``, so the causal LM's ``forward`` runs only its head.
+
+    Any submodule the head reaches for is this module again (OPT's head calls
+    ``self.model.decoder``), and the output has every field a head reads (GPT-2's reads
+    ``cross_attentions``), each None but the hidden states.
+    """
 
     def forward(self, *args, inputs_embeds: torch.Tensor, **kwargs):
-        from transformers.modeling_outputs import BaseModelOutputWithPast
+        from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
-        return BaseModelOutputWithPast(last_hidden_state=inputs_embeds)
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=inputs_embeds)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):  # copy/pickle protocols and private state: really absent
+                raise
+            return self
 
 
 def _register_attention() -> None:

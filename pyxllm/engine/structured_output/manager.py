@@ -152,7 +152,10 @@ class StructuredOutputManager:
         if backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(f"structured outputs backend {backend!r} is unknown")
         self.backend_name, self.vocab_size = backend, vocab_size
-        self._args = (hf_tokenizer, vocab_size, sorted(eos_token_ids))
+        # an end-of-sequence id past the model's vocabulary (a config's stale eos_token_id) can
+        # never be sampled: it has no bit in the mask
+        eos_token_ids = sorted(i for i in eos_token_ids if 0 <= i < vocab_size)
+        self._args = (hf_tokenizer, vocab_size, eos_token_ids)
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pyxllm-grammar")
         self._lock = threading.Lock()
         self._backend: Future | None = None
