@@ -12,6 +12,7 @@ factor, e.g. Phi-4-mini's 0.75); the other channels pass through unrotated.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -21,6 +22,9 @@ from pyxllm import kernels
 from pyxllm.layers.forward_context import current_forward_context
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# (rotary parameters, device) -> cos/sin table: layers with the same parameters hold one table
+# (a 128k-position table of a 128-wide head is 64 MiB), kept while a module holds it
+_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -76,7 +80,8 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to ``q [num_tokens, heads, head_dim]`` and ``k [num_tokens, kv_heads,
     head_dim]``.
 
-    Holds ``cos_sin_cache`` ``[max_position, rotary_dim]`` float32, computed once.
+    Holds ``cos_sin_cache`` ``[max_position, rotary_dim]`` float32, computed once and shared by
+    every rotary embedding with the same parameters on the same device.
     ``rotary_dim`` (default ``head_dim``): only each head's first ``rotary_dim`` channels are
     rotated.
 
@@ -102,6 +107,25 @@ class RotaryEmbedding(nn.Module):
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         self.head_dim, self.rotary_dim = head_dim, rotary_dim or head_dim
+        # layers with the same rotary parameters share one table, and one cos/sin per step
+        self._signature = (
+            "rope",
+            head_dim,
+            self.rotary_dim,
+            max_position,
+            base,
+            repr(sorted((scaling or {}).items())),
+        )
+        key = (self._signature, str(torch.empty(0).device))
+        table = _TABLES.get(key)
+        if table is None:
+            table = _TABLES[key] = self._table(rope_type, max_position, base, scaling)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
+
+    def _table(
+        self, rope_type: str, max_position: int, base: float, scaling: dict[str, Any] | None
+    ) -> torch.Tensor:
+        """``[max_position, rotary_dim]`` float32: cos then sin of each position's angles."""
         dim, attention_factor = self.rotary_dim, 1.0
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         if rope_type == "linear":
@@ -112,18 +136,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq, attention_factor = _longrope_inv_freq(base, dim, max_position, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
         cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-        if attention_factor != 1.0:
-            cos_sin = cos_sin * attention_factor
-        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
-        # layers with the same rotary parameters share one cos/sin per step
-        self._signature = (
-            "rope",
-            head_dim,
-            self.rotary_dim,
-            max_position,
-            base,
-            repr(sorted((scaling or {}).items())),
-        )
+        return cos_sin * attention_factor if attention_factor != 1.0 else cos_sin
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -21,6 +21,7 @@ from pyxllm.layers.layernorm import RMSNorm
 from pyxllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pyxllm.layers.rotary_embedding import RotaryEmbedding
 from pyxllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pyxllm.models.build_context import max_model_len_of
 from pyxllm.models.config_utils import (
     attention_scale_of,
     check_layer_types,
@@ -64,9 +65,8 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=False
         )
         base, scaling = rope_parameters(config, layer_idx)
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, config.max_position_embeddings, base, scaling
-        )
+        # positions run up to the engine's context length (--max-model-len), not the model's
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_model_len_of(config), base, scaling)
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
