@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pyxllm.speculative_config import SpeculativeConfig
+
 # the dtypes pyxllm computes in, by torch's names (``platforms.interface.TORCH_DTYPES``)
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 DTYPES = ("auto", *COMPUTE_DTYPES)
@@ -54,6 +56,9 @@ class EngineConfig:
       ``pyxllm.models.transformers_backend``), or ``auto``: native where pyxllm has the
       architecture, else transformers.
     - ``max_model_len``: ``None`` takes the model's ``max_position_embeddings``.
+    - ``speculative_config``: speculative decoding, vLLM's JSON object (text, or a dict in
+      Python; stored as text), see :class:`~pyxllm.speculative_config.SpeculativeConfig`;
+      ``None``: off.
     - ``enable_chunked_prefill``: a long prompt is prefilled over several steps, sharing each
       step's ``max_tokens_per_batch`` budget with running decodes. Off, a prompt is prefilled
       in one step and must fit the budget.
@@ -107,6 +112,14 @@ class EngineConfig:
     master_addr: str | None = None
     dist_init_timeout: float = 120.0
     structured_outputs_backend: str = "llguidance"
+    speculative_config: str | None = None
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed ``speculative_config`` (``None``: no speculative decoding)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def world_size(self) -> int:
@@ -200,3 +213,5 @@ class EngineConfig:
                 f"{self.model_impl!r}"
             )
         self.model_impl = impl
+        if self.speculative_config is not None:  # checked now, one line naming the key
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config).to_json()

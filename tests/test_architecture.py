@@ -17,7 +17,7 @@ import re
 import pyxllm
 
 ROOT = pathlib.Path(pyxllm.__file__).parent
-SHARED = {"config", "sampling_params", "outputs"}
+SHARED = {"config", "speculative_config", "sampling_params", "outputs"}
 # The pyxllm command: it binds every other unit (the benchmarks' subcommands included).
 CLI_MODULES = {
     "entrypoints/cli.py",
@@ -30,8 +30,10 @@ ALLOWED = {
     "distributed": set(),
     "weights": set(),
     "sampling_params": set(),
+    "speculative_config": set(),
     "outputs": set(),
-    "config": {"distributed"},  # parses --master-addr with distributed's parser
+    # parses --master-addr with distributed's parser, and --speculative-config
+    "config": {"distributed", "speculative_config"},
     "layers": {"kernels", "distributed"},
     "models": {"layers", "kernels", "distributed"},
     "attention": {"kernels", "layers", "distributed"},

@@ -167,7 +167,7 @@ def run_until_done(
     for step in range(500):
         plan = scheduler.schedule()
         seen += [(s.request_id, s.num_computed_tokens) for s in plan.sequences]
-        tokens = [1000 + step if s.sample else None for s in plan.sequences]
+        tokens = [[1000 + step] if s.sample else [] for s in plan.sequences]
         scheduler.update_from_output(tokens)
         for r in list(scheduler.running):
             if r.num_tokens >= target_len:

@@ -230,8 +230,8 @@ def test_a_rank_reads_only_its_slices(tiny, monkeypatch, which, rank, tp):
     assert sum(read) < total * (1.15 / tp), (sum(read), total)
 
 
-def _seq(rid, tokens, computed, table, sample=True):
-    return ScheduledSequence(rid, tokens, computed, table, sample, GREEDY)
+def _seq(rid, tokens, computed, table, sample=True, drafts=0):
+    return ScheduledSequence(rid, tokens, computed, table, sample, GREEDY, num_draft_tokens=drafts)
 
 
 def test_plan_codec_sends_deltas_and_round_trips():
@@ -245,23 +245,28 @@ def test_plan_codec_sends_deltas_and_round_trips():
             _seq("b", [7, 8, 9, 10, 11, 12], 0, [8, 2]),
             _seq("a", [45], 0, [3, 4, 9, 1]),
         ],  # b recomputed; a reset
+        [_seq("a", [46, 1, 2, 3], 1, [3, 4, 9, 1, 7], drafts=3)],  # a with 3 speculative drafts
+        [_seq("a", [47], 3, [3, 4, 9, 1])],  # 1 accepted: the block for the drafts was freed
     ]
     sizes = []
     for plan in map(SchedulerOutput, steps):
         wire = encode(to_wire(encoder.encode(plan)))  # what the control channel sends
         sizes.append(len(wire))
         got = decoder.decode(from_wire(json.loads(wire)))
-        assert [
-            (s.token_ids, s.num_computed_tokens, s.block_table, s.sample) for s in got.sequences
-        ] == [(s.token_ids, s.num_computed_tokens, s.block_table, s.sample) for s in plan.sequences]
+        fields = ("token_ids", "num_computed_tokens", "block_table", "sample", "num_draft_tokens")
+        assert [[getattr(s, f) for f in fields] for s in got.sequences] == [
+            [getattr(s, f) for f in fields] for s in plan.sequences
+        ]
     handles = [s[0] for s in encoder.encode(SchedulerOutput(steps[4])).sequences]
     assert len(set(handles)) == 2
     decode_step = encoder.encode(
         SchedulerOutput([_seq("b", [13], 6, [8, 2]), _seq("a", [46], 1, [3, 4, 9, 1])])
     ).sequences
-    assert [keep for _, _, _, _, keep, _, _ in decode_step] == [2, 4]  # b's table, a's table
-    assert all(new == [] and computed == -1 for _, _, computed, _, _, new, _ in decode_step)
-    assert sizes[2] < 60 < sizes[0]  # a decode step: ~25 bytes per sequence
+    assert [keep for _, _, _, _, keep, *_ in decode_step] == [2, 4]  # b's table, a's table
+    assert all(new == [] and computed == -1 for _, _, computed, _, _, new, *_ in decode_step)
+    shrunk = encoder.encode(SchedulerOutput([_seq("a", [47], 3, [3, 4, 9])])).sequences
+    assert shrunk[0][4:6] == (3, [])  # a shorter table keeps the common prefix
+    assert sizes[2] < 70 < sizes[0]  # a decode step: ~30 bytes per sequence
     table = list(range(100, 150))  # a long context: the decode step does not resend its table
     encoder.encode(SchedulerOutput([_seq("long", list(range(790)), 0, table)]))
     long_decode = encoder.encode(SchedulerOutput([_seq("long", [5], 790, table)]))

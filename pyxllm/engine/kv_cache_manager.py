@@ -94,14 +94,20 @@ class KVCacheManager:
         return hits
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVBlock] | None = None,
+        num_draft_tokens: int = 0,
     ) -> bool:
         """Grow ``request``'s block table to cover ``num_new_tokens`` more tokens.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`; given, possibly empty, only when
         admitting a request with no table) are taken first and count as computed: the new
         tokens start after them, and the admission counts in ``num_queries``/``num_hits``.
-        Full blocks up to the new end are registered in the prefix cache.
+        Full blocks up to the new end are registered in the prefix cache, except where the last
+        ``num_draft_tokens`` of the new tokens (speculative drafts, which the step may reject)
+        fall: a block is registered only once every token in it is the request's.
 
         Returns False, changing nothing, when too few blocks are free.
         """
@@ -120,8 +126,20 @@ class KVCacheManager:
             self.num_queries += request.num_tokens
             self.num_hits += len(hits) * self.block_size
             self.num_cached_blocks[rid] = len(hits)
-        self._cache_full_blocks(request, table, end // self.block_size)
+        self._cache_full_blocks(request, table, (end - num_draft_tokens) // self.block_size)
         return True
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the blocks at the tail of ``request``'s table past its first ``num_tokens``
+        tokens (those allocated for speculative drafts the step rejected); they were never
+        registered in the prefix cache."""
+        rid = request.request_id
+        keep = self.blocks_for_tokens(num_tokens)
+        table = self.tables.get(rid, [])
+        if len(table) > keep:
+            self.pool.free_blocks(table[keep:][::-1])
+            del table[keep:]
+            del self.block_ids[rid][keep:]
 
     def _cache_full_blocks(
         self, request: Request, table: list[KVBlock], num_full_blocks: int

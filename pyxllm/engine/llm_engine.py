@@ -11,6 +11,7 @@ from pyxllm.engine.input_processor import EngineRequest, InputProcessor
 from pyxllm.engine.kv_cache_manager import KVCacheManager
 from pyxllm.engine.logprobs import record_logprobs
 from pyxllm.engine.metrics import EngineMetrics
+from pyxllm.engine.ngram_proposer import NgramProposer
 from pyxllm.engine.parallel_sampling import ParentRequest, fold_children
 from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
@@ -102,6 +103,8 @@ class LLMEngine:
             structured_outputs=self.structured_outputs,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.speculative = config.speculative
+        self.proposer = None if self.speculative is None else self._make_proposer(config)
         self.metrics = EngineMetrics(self.model_name, self.scheduler, self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, ParentRequest] = {}  # n > 1: parent id -> its children's outputs
@@ -118,6 +121,34 @@ class LLMEngine:
             config.block_size,
             max_concurrency,
             self.max_model_len,
+        )
+
+    def _make_proposer(self, config: EngineConfig) -> NgramProposer:
+        """The draft proposer of ``--speculative-config``.
+
+        Raises:
+            ValueError: a method this engine cannot run, naming the flag.
+        """
+        spec = self.speculative
+        if spec.method != "ngram":
+            raise ValueError(f"--speculative-config: method {spec.method!r} is not supported yet")
+        runner = (
+            "the graph runner replays one-token decode steps only, so steps with drafts run eagerly"
+            if config.graph_backend == "graph"
+            else f"runner {config.graph_backend}"
+        )
+        logger.info(
+            "speculative decoding: %s, %d tokens, n-gram %d..%d, off above %d running sequences; "
+            "%s",
+            spec.method,
+            spec.num_speculative_tokens,
+            spec.prompt_lookup_min,
+            spec.prompt_lookup_max,
+            spec.disable_by_batch_size,
+            runner,
+        )
+        return NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
         )
 
     def add_request(self, request: EngineRequest) -> None:
@@ -210,19 +241,18 @@ class LLMEngine:
         outputs, now, broken = [], time.monotonic(), []
         if result.logprobs is not None or result.prompt_logprobs is not None:
             broken = record_logprobs(self.requests, plan, result, self.tokenizer.decode_each)
+        for seq, tokens in zip(plan.sequences, result.sampled_token_ids):
+            if seq.num_draft_tokens:
+                self.metrics.record_spec_decode(seq.num_draft_tokens, len(tokens) - 1)
         new_tokens = self.scheduler.update_from_output(result.sampled_token_ids)
-        self.metrics.record_tokens((request for request, _ in new_tokens), now)
+        self.metrics.record_tokens(new_tokens, now)
         for request, exc in broken:
             self._fail(request, exc)
-        for request, token in new_tokens:
+        for request, tokens in new_tokens:
             if request.status.finished:  # failed above
                 continue
             try:
-                if not request.accept_token(token):
-                    logger.warning(
-                        "request %s: token %d broke its constraint", request.request_id, token
-                    )
-                status = self._check_stop(request, token)
+                status = self._process_tokens(request, tokens)
                 if status is not None:
                     self.scheduler.finish_request(request, status)
                     self.metrics.record_finished(request, now)
@@ -230,7 +260,44 @@ class LLMEngine:
                 outputs.append(self._make_output(request))
             except Exception as exc:  # noqa: BLE001 - one request's failure is its own
                 self._fail(request, exc)
+        if self.proposer is not None:
+            self._propose_drafts()
         return fold_children(outputs, self.parents, self._parent_of) if self.parents else outputs
+
+    def _process_tokens(self, request: Request, tokens: list[int]) -> RequestStatus | None:
+        """Feed a request's new tokens (already appended) to its constraint and stop rules, one
+        by one; at a stop the tokens after it are dropped (with their logprobs), so speculation
+        never emits past an EOS, a stop string, ``max_tokens`` or the context limit."""
+        first = request.num_tokens - len(tokens)  # where tokens[0] is in token_ids
+        for i, token in enumerate(tokens):
+            if not request.accept_token(token):
+                logger.warning(
+                    "request %s: token %d broke its constraint", request.request_id, token
+                )
+            num_output = first + i + 1 - request.num_prompt_tokens
+            status = self._check_stop(request, token, num_output)
+            if status is not None:
+                del request.token_ids[first + i + 1 :]
+                if request.logprobs is not None:
+                    del request.logprobs[num_output:]
+                return status
+        return None
+
+    def _propose_drafts(self) -> None:
+        """Give each decoding request its drafts for the next step (speculative decoding), unless
+        more sequences run than ``disable_by_batch_size``. Constrained requests get none (their
+        grammar decides each token); no draft goes past ``max_tokens`` or the context limit."""
+        running = self.scheduler.running
+        if len(running) > self.speculative.disable_by_batch_size:
+            return
+        for request in running:
+            if request.matcher is not None or request.num_computed_tokens != request.num_tokens - 1:
+                continue
+            room = min(
+                request.max_tokens - request.num_output_tokens,
+                self.max_model_len - request.num_tokens,
+            )
+            request.spec_token_ids = self.proposer.propose(request.token_ids, room - 1)
 
     def _fail(self, request: Request, exc: Exception) -> None:
         """End a request whose own processing raised (its detokenizer, matcher ...): abort it
@@ -259,10 +326,11 @@ class LLMEngine:
             for (seq, _), row in zip(rows, bitmask):
                 seq.allowed_token_bitmask = row
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        """Apply the stop rules to a request's new token, in vLLM's order."""
+    def _check_stop(self, request: Request, token: int, num_output: int) -> RequestStatus | None:
+        """Apply the stop rules to a request's new token, its ``num_output``-th output token,
+        in vLLM's order."""
         params = request.sampling_params
-        may_stop = request.num_output_tokens > params.min_tokens  # the sampler masked them before
+        may_stop = num_output > params.min_tokens  # the sampler masked them before
         if may_stop and token in self.tokenizer.eos_token_ids and not params.ignore_eos:
             self._finish_on_token(request, token)
             return RequestStatus.FINISHED_STOPPED
@@ -275,8 +343,8 @@ class LLMEngine:
             request.stop_reason = stop
             return RequestStatus.FINISHED_STOPPED
         if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
+            num_output >= request.max_tokens
+            or request.num_prompt_tokens + num_output >= self.max_model_len
         ):
             request.detokenizer.finish()
             return RequestStatus.FINISHED_LENGTH
@@ -321,4 +389,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": kv.num_queries,
             "prefix_cache_hits": kv.num_hits,
+            "spec_decode_num_drafts": self.metrics.num_spec_drafts,
+            "spec_decode_num_draft_tokens": self.metrics.num_spec_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.metrics.num_spec_accepted,
         }

@@ -27,7 +27,8 @@ def logprob_dict(
 def record_logprobs(
     requests: Mapping[str, Request], plan: SchedulerOutput, result, decode: Decode
 ) -> list[tuple[Request, Exception]]:
-    """Append a step's sample and prompt logprobs (a ``StepResult``) to their requests; returns
+    """Append a step's sample logprobs (one per emitted token) and prompt logprobs (a
+    ``StepResult``) to their requests; returns
     the requests whose logprobs could not be recorded (a decoder that raised), with the error,
     for the engine to fail alone.
 
@@ -41,9 +42,9 @@ def record_logprobs(
         if request is None:
             continue
         try:
-            sample = result.logprobs[i] if result.logprobs is not None else None
-            if sample is not None and request.logprobs is not None:
-                request.logprobs.append(logprob_dict(*sample, decode))
+            samples = result.logprobs[i] if result.logprobs is not None else None
+            if samples is not None and request.logprobs is not None:
+                request.logprobs.extend(logprob_dict(*sample, decode) for sample in samples)
             chunk = result.prompt_logprobs[i] if result.prompt_logprobs is not None else None
             if chunk and request.prompt_logprobs is not None:
                 skip = len(request.prompt_logprobs) - (seq.num_computed_tokens + 1)

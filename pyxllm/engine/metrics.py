@@ -7,8 +7,11 @@ State read at scrape time (always current, nothing to update per step):
 tokens). Recorded by the engine as requests progress: ``vllm:prompt_tokens``,
 ``vllm:generation_tokens``, ``vllm:request_success{finished_reason}`` and the histograms
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` and
-``vllm:e2e_request_latency_seconds``. Counters are exposed with prometheus_client's ``_total``
-suffix, as vLLM's are.
+``vllm:e2e_request_latency_seconds``; with speculative decoding ``vllm:spec_decode_num_drafts``
+(sequence-steps that verified drafts), ``vllm:spec_decode_num_draft_tokens``,
+``vllm:spec_decode_num_accepted_tokens`` and ``vllm:spec_decode_num_accepted_tokens_per_pos
+{position}`` (drafts accepted at each draft position, 0-based). Counters are exposed with
+prometheus_client's ``_total`` suffix, as vLLM's are.
 
 The collectors live in a per-engine ``CollectorRegistry`` (``EngineMetrics.registry``), so
 several engines in one process do not clash; ``prometheus_client.generate_latest(registry)``
@@ -181,16 +184,47 @@ class EngineMetrics:
             buckets=E2E_BUCKETS,
             **kw,
         ).labels(model_name)
+        self.spec_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Speculative drafts verified.", label, **kw
+        ).labels(model_name)
+        self.spec_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Speculative draft tokens.", label, **kw
+        ).labels(model_name)
+        self.spec_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", label, **kw
+        ).labels(model_name)
+        self._spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position.",
+            ["model_name", "position"],
+            **kw,
+        )
+        self._model_name = model_name
+        # totals, for the engine's stats and log line
+        self.num_spec_drafts = self.num_spec_draft_tokens = self.num_spec_accepted = 0
 
-    def record_tokens(self, requests: Iterable[Request], now: float) -> None:
-        """Each of ``requests`` got one token at ``now`` (``time.monotonic()`` seconds).
+    def record_spec_decode(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One sequence verified ``num_draft_tokens`` drafts this step and accepted the first
+        ``num_accepted``."""
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(num_draft_tokens)
+        self.spec_accepted_tokens.inc(num_accepted)
+        for position in range(num_accepted):
+            self._spec_per_pos.labels(self._model_name, str(position)).inc()
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += num_draft_tokens
+        self.num_spec_accepted += num_accepted
+
+    def record_tokens(self, new_tokens: Iterable[tuple[Request, list[int]]], now: float) -> None:
+        """Each request got its new tokens at ``now`` (``time.monotonic()`` seconds): one, or
+        with speculative decoding several from one step.
 
         Stamps ``first_token_time`` / ``last_token_time`` on the requests and observes TTFT
-        (from ``arrival_time``) or the inter-token latency.
+        (from ``arrival_time``) or the inter-token latency (once per step, as vLLM does).
         """
         count = 0
-        for request in requests:
-            count += 1
+        for request, tokens in new_tokens:
+            count += len(tokens)
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.ttft.observe(now - request.arrival_time)

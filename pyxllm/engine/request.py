@@ -47,6 +47,8 @@ class Request:
             ``None`` without a constraint.
         constrain_after: while the output has not yet ended with these token ids (the end of
             the reasoning), the matcher waits: no mask, no tokens fed; then it is emptied.
+        spec_token_ids: draft tokens proposed for the next step (speculative decoding), not
+            part of ``token_ids`` until the target model accepts them.
     """
 
     request_id: str
@@ -68,6 +70,7 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = field(default=None, repr=False)
     matcher: GrammarMatcher | None = field(default=None, repr=False)
     constrain_after: tuple[int, ...] = ()
+    spec_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

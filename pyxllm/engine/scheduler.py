@@ -8,6 +8,12 @@ a request simply has ``num_tokens - num_computed_tokens`` tokens left to compute
 blocks run out, the most recently admitted running request is preempted: its blocks are freed
 and it waits to be recomputed, keeping the tokens it generated. A waiting request (new or
 preempted) starts after its prefix-cache hit (see ``KVCacheManager.get_computed_blocks``).
+
+Speculative decoding: a decoding request with draft tokens (``Request.spec_token_ids``) computes
+its last token and the drafts in one step (vLLM v1's way): ``1 + k`` query tokens, KV slots for
+all of them. The executor returns the tokens the target model accepted plus its own next one;
+the request advances past the accepted ones only, and blocks allocated just for rejected drafts
+are freed.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self._scheduled: list[tuple[Request, int]] = []
+        # (request, tokens computed this step, of which speculative drafts)
+        self._scheduled: list[tuple[Request, int, int]] = []
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -51,6 +58,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status, request.num_computed_tokens = RequestStatus.WAITING, 0
         self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -61,15 +69,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            num_new = request.num_tokens - request.num_computed_tokens
+            drafts = len(request.spec_token_ids) if num_new == 1 else 0
+            num_new = min(num_new + drafts, budget)
+            drafts = min(drafts, num_new - 1)
+            while not self.kv.allocate_slots(request, num_new, num_draft_tokens=drafts):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
-                scheduled.append((request, num_new))
+                scheduled.append((request, num_new, drafts))
                 budget -= num_new
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
@@ -86,13 +97,14 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, num_new))
+            scheduled.append((request, num_new, 0))
             budget -= num_new
         self._scheduled = scheduled
-        return SchedulerOutput([self._to_sequence(r, n) for r, n in scheduled])
+        return SchedulerOutput([self._to_sequence(r, n, d) for r, n, d in scheduled])
 
-    def _to_sequence(self, request: Request, num_new: int) -> ScheduledSequence:
+    def _to_sequence(self, request: Request, num_new: int, num_drafts: int) -> ScheduledSequence:
         start, params = request.num_computed_tokens, request.sampling_params
+        num_real = num_new - num_drafts
         num_output = request.num_output_tokens
         targets = None
         if request.needs_prompt_logprobs:
@@ -102,10 +114,12 @@ class Scheduler:
             )
         return ScheduledSequence(
             request_id=request.request_id,
-            token_ids=request.token_ids[start : start + num_new],
+            token_ids=request.token_ids[start : start + num_real]
+            + request.spec_token_ids[:num_drafts],
             num_computed_tokens=start,
             block_table=self.kv.get_block_table(request),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_real == request.num_tokens,
+            num_draft_tokens=num_drafts,
             sampling_params=params,
             generator=request.generator,
             num_output_tokens=num_output,
@@ -117,16 +131,24 @@ class Scheduler:
             prompt_logprob_targets=targets,
         )
 
-    def update_from_output(self, sampled_token_ids: list[int | None]) -> list[tuple[Request, int]]:
-        """Advance each scheduled request past its computed tokens and append sampled tokens.
+    def update_from_output(
+        self, sampled_token_ids: list[list[int]]
+    ) -> list[tuple[Request, list[int]]]:
+        """Advance each scheduled request past its computed tokens and append its new ones.
 
-        Returns ``(request, new_token_id)`` for every request that got a token this step.
+        ``sampled_token_ids[i]``: the tokens sequence ``i`` got (empty: none; with ``k`` drafts,
+        the accepted drafts then the target's next token). Returns ``(request, new tokens)`` for
+        every request that got some.
         """
         new_tokens = []
-        for (request, num_new), token in zip(self._scheduled, sampled_token_ids):
-            request.num_computed_tokens += num_new
-            if token is not None:
-                request.token_ids.append(token)
-                new_tokens.append((request, token))
+        for (request, num_new, num_drafts), tokens in zip(self._scheduled, sampled_token_ids):
+            request.spec_token_ids = []
+            rejected = num_drafts - (len(tokens) - 1) if num_drafts else 0
+            request.num_computed_tokens += num_new - rejected
+            if tokens:
+                request.token_ids.extend(tokens)
+                new_tokens.append((request, tokens))
+            if rejected:
+                self.kv.trim(request, request.num_tokens)
         self._scheduled = []
         return new_tokens

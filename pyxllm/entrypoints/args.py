@@ -83,6 +83,11 @@ ENGINE_HELP = {
     "other ranks before giving up",
     "structured_outputs_backend": "grammar library enforcing response_format, structured_outputs "
     "and required tool calls",
+    "speculative_config": "speculative decoding as a JSON object (vLLM's keys): "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+    '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": PATH, '
+    '"num_speculative_tokens": 4}\'; "disable_by_batch_size": N turns it off for steps with '
+    "more running sequences (default: off)",
 }
 ENGINE_CHOICES = {
     "dtype": DTYPES,
@@ -109,6 +114,7 @@ ENGINE_METAVARS = {
     "dist_init_timeout": "SECONDS",
     "graph_backend": "KIND",
     "gpu_memory_utilization": "FRACTION",
+    "speculative_config": "JSON",
 }
 
 

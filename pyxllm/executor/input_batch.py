@@ -20,7 +20,8 @@ class InputBatch:
             ``query_start_loc[i]:query_start_loc[i+1]``.
         seq_lens: ``[B]`` int64 context lengths after this step (cached + new tokens).
         block_tables: ``[B, max_blocks]`` int64, rows padded with block 0.
-        logits_indices: ``[N]`` int64 positions in ``T`` whose next token is sampled.
+        logits_indices: ``[N]`` int64 positions in ``T`` whose next token is sampled: a sampled
+            sequence's last token, or with ``k`` drafts its last ``1 + k`` tokens, in order.
         query_lens, seq_lens_list, query_start_list: the same as Python lists, for backends.
     """
 
@@ -58,7 +59,12 @@ class InputBatch:
         slot_mapping = (
             tables[seq_idx, positions // block_size] * block_size + positions % block_size
         )
-        sampled = [starts[i + 1] - 1 for i, s in enumerate(seqs) if s.sample]
+        sampled = [
+            j
+            for i, s in enumerate(seqs)
+            if s.sample
+            for j in range(starts[i + 1] - 1 - s.num_draft_tokens, starts[i + 1])
+        ]
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return cls(
             input_ids=to(

@@ -18,6 +18,7 @@ from pyxllm.executor.logits_processors import compute_logprobs
 from pyxllm.executor.runners import build_runner
 from pyxllm.executor.sampler import Sampler, SamplingMetadata
 from pyxllm.executor.scheduler_output import SchedulerOutput
+from pyxllm.executor.spec_decode import GeneratorRewind, accept_drafts, expand_for_verification
 from pyxllm.layers.forward_context import ForwardContext
 from pyxllm.layers.quantization import quantize_model
 from pyxllm.models.build_context import model_build_context
@@ -76,15 +77,18 @@ TokenLogprobs = tuple[list[int], list[float], int]
 
 @dataclass(slots=True)
 class StepResult:
-    """Sampled token ids, one per scheduled sequence (``None`` where the step did not sample).
+    """The tokens each scheduled sequence emitted: one sampled token, or with speculative
+    drafts the accepted drafts then the target's next token (empty where the step did not
+    sample).
 
-    ``logprobs[i]``: the sampled token's :data:`TokenLogprobs` with the ``logprobs`` top ones,
-    for sequences that asked; ``prompt_logprobs[i]``: one per ``prompt_logprob_targets`` entry.
-    Each list is ``None`` when no sequence asked, and holds ``None`` for those that did not.
+    ``logprobs[i]``: per emitted token, its :data:`TokenLogprobs` with the ``logprobs`` top
+    ones, for sequences that asked; ``prompt_logprobs[i]``: one per ``prompt_logprob_targets``
+    entry. Each list is ``None`` when no sequence asked, and holds ``None`` for those that did
+    not.
     """
 
-    sampled_token_ids: list[int | None]
-    logprobs: list[TokenLogprobs | None] | None = None
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None] | None = None
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
@@ -170,31 +174,46 @@ class ModelExecutor:
         """Run one forward pass over ``plan`` and sample where the plan says so."""
         batch = InputBatch.build(plan, self.config.block_size, self.device)
         hidden_states = self.runner.execute(batch, self.make_context)
-        result = StepResult([None] * len(plan.sequences))
+        result = StepResult([[] for _ in plan.sequences])
         rows = [i for i, s in enumerate(plan.sequences) if s.sample]
         if rows:
             logits = self.model.compute_logits(hidden_states.index_select(0, batch.logits_indices))
             if logits is None:  # a TP worker: logits were gathered to rank 0, which samples
                 rows = []
         if rows:
-            seqs = [plan.sequences[i] for i in rows]
-            out = self.sampler.sample(
-                logits, SamplingMetadata.build(seqs, logits.shape[-1], self.device)
-            )
-            for row, token in zip(rows, out.token_ids.tolist()):
-                result.sampled_token_ids[row] = token
-            if out.logprobs is not None:
-                result.logprobs = [None] * len(plan.sequences)
-                asked = [
-                    (row, s.sampling_params.logprobs)
-                    for row, s in zip(rows, seqs)
-                    if s.sampling_params.logprobs is not None
-                ]
-                for (row, k), (ids, values, rank) in zip(asked, out.logprobs.tolists()):
-                    result.logprobs[row] = (ids[: 1 + k], values[: 1 + k], rank)
+            self._sample(logits, [plan.sequences[i] for i in rows], rows, result)
         if any(s.prompt_logprob_targets for s in plan.sequences):
             result.prompt_logprobs = self._prompt_logprobs(plan, batch, hidden_states)
         return result
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list, rows: list[int], result: StepResult
+    ) -> None:
+        """Sample ``seqs`` (the plan's sequences at ``rows``) from their ``logits`` rows, verify
+        their speculative drafts (:mod:`pyxllm.executor.spec_decode`), and put the emitted
+        tokens and their logprobs into ``result``."""
+        sampling_rows, counts = expand_for_verification(seqs)
+        rewind = GeneratorRewind(seqs)
+        vocab_size = logits.shape[-1]
+        out = self.sampler.sample(
+            logits, SamplingMetadata.build(sampling_rows, vocab_size, self.device)
+        )
+        emitted = accept_drafts(seqs, counts, out.token_ids.tolist())
+        rewind.rewind(seqs, emitted, vocab_size)
+        for row, tokens in zip(rows, emitted):
+            result.sampled_token_ids[row] = tokens
+        if out.logprobs is None:
+            return
+        result.logprobs = [None] * len(result.sampled_token_ids)
+        entries = iter(out.logprobs.tolists())  # one per sampling row that asked, in order
+        for row, seq, count, tokens in zip(rows, seqs, counts, emitted):
+            k = seq.sampling_params.logprobs
+            if k is None:
+                continue
+            positions = [next(entries) for _ in range(count)]
+            result.logprobs[row] = [
+                (ids[: 1 + k], values[: 1 + k], rank) for ids, values, rank in positions
+            ][: len(tokens)]
 
     def _prompt_logprobs(
         self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor

@@ -7,16 +7,19 @@ samples, so sampling parameters, generators, penalty history and logprob targets
 Both ends keep the state of the previous
 step's sequences, keyed by a small integer handle that rank 0 gives each request:
 
-``StepMessage([(handle, token_ids, num_computed, sample, keep, new_blocks, num_prompt_logprobs),
-...])`` (:mod:`~pyxllm.executor.messages`)
+``StepMessage([(handle, token_ids, num_computed, sample, keep, new_blocks, num_prompt_logprobs,
+num_draft_tokens), ...])`` (:mod:`~pyxllm.executor.messages`)
 
 - ``num_computed`` is ``-1`` when it equals the last step's ``num_computed + len(token_ids)``
   (always, for a sequence that keeps running), else the value (a new or recomputed sequence);
 - the block table is the last one's first ``keep`` entries followed by ``new_blocks``: a decode
-  sends ``keep = len(table)`` and one block id when it crosses into a new block, else none;
+  sends ``keep = len(table)`` and one block id when it crosses into a new block, else none (a
+  table cut after rejected speculative drafts keeps its common prefix);
+- ``num_draft_tokens``: speculative drafts at the end of ``token_ids``, whose positions get
+  logits too (every rank computes the same logit rows);
 - a sequence absent from a step is forgotten; if it comes back, it is sent in full.
 
-Sent as JSON (``distributed.control``), a decode step costs each sequence about 20 bytes.
+Sent as JSON (``distributed.control``), a decode step costs each sequence about 30 bytes.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from pyxllm.executor.messages import StepMessage
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 
 # (handle, token_ids, num_computed or -1, sample, keep, new_blocks, number of prompt logprob
-# targets)
-EncodedSequence = tuple[int, list[int], int, bool, int, list[int], int]
+# targets, number of draft tokens)
+EncodedSequence = tuple[int, list[int], int, bool, int, list[int], int, int]
 
 
 @dataclass(slots=True)
@@ -54,12 +57,12 @@ class PlanEncoder:
             handle = next(self._handles) if prev is None else prev.handle
             table = s.block_table
             keep = 0
-            if (
-                prev is not None
-                and len(table) >= len(prev.block_table)
-                and table[: len(prev.block_table)] == prev.block_table
-            ):
-                keep = len(prev.block_table)
+            if prev is not None:  # the common prefix of the last table and this one
+                old = prev.block_table
+                keep = next(
+                    (j for j, (a, b) in enumerate(zip(old, table)) if a != b),
+                    min(len(old), len(table)),
+                )
             computed = (
                 -1
                 if prev is not None and prev.next_computed == s.num_computed_tokens
@@ -67,7 +70,16 @@ class PlanEncoder:
             )
             num_targets = len(s.prompt_logprob_targets or ())
             seqs.append(
-                (handle, list(s.token_ids), computed, s.sample, keep, table[keep:], num_targets)
+                (
+                    handle,
+                    list(s.token_ids),
+                    computed,
+                    s.sample,
+                    keep,
+                    table[keep:],
+                    num_targets,
+                    s.num_draft_tokens,
+                )
             )
             known[s.request_id] = _Known(
                 handle, list(table), s.num_computed_tokens + len(s.token_ids)
@@ -93,7 +105,8 @@ class PlanDecoder:
     def decode(self, message: StepMessage) -> SchedulerOutput:
         """The plan ``message`` encodes (see the class docstring)."""
         known, out = {}, []
-        for handle, token_ids, computed, sample, keep, new_blocks, num_targets in message.sequences:
+        for entry in message.sequences:
+            handle, token_ids, computed, sample, keep, new_blocks, num_targets, drafts = entry
             prev = self._known.get(handle)
             if prev is None and (computed < 0 or keep):
                 raise ValueError(
@@ -111,6 +124,7 @@ class PlanDecoder:
                     sample=sample,
                     sampling_params=None,
                     prompt_logprob_targets=[0] * num_targets or None,
+                    num_draft_tokens=drafts,
                 )
             )
             known[handle] = _Known(handle, table, computed + len(token_ids))

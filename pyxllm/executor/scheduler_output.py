@@ -19,7 +19,8 @@ class ScheduledSequence:
     Attributes:
         request_id: the request it belongs to.
         token_ids: the tokens computed this step: a whole prompt, a chunk of it, or the one
-            token sampled last step (decode).
+            token sampled last step (decode), followed by ``num_draft_tokens`` speculative
+            drafts.
         num_computed_tokens: tokens already in the KV cache, i.e. the position of ``token_ids[0]``.
         block_table: KV block ids covering at least ``num_computed_tokens + len(token_ids)`` tokens.
         sample: whether the step reaches the sequence's last token, so a next token is sampled.
@@ -37,6 +38,8 @@ class ScheduledSequence:
         allowed_token_bitmask: for a structured-output request that samples this step, the
             tokens its constraint allows: ``int32 [ceil(vocab_size / 32)]`` on the CPU, bit
             ``t % 32`` of word ``t // 32`` for token ``t``; ``None`` when unconstrained.
+        num_draft_tokens: ``k``, the speculative drafts at the end of ``token_ids`` (0: none);
+            the step computes logits at the last ``1 + k`` positions and verifies the drafts.
     """
 
     request_id: str
@@ -52,6 +55,12 @@ class ScheduledSequence:
     num_prompt_tokens: int = 0
     prompt_logprob_targets: list[int] | None = None
     allowed_token_bitmask: torch.Tensor | None = None
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        """The speculative drafts (the last ``num_draft_tokens`` of ``token_ids``)."""
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
 
 
 @dataclass(slots=True)

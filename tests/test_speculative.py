@@ -1,0 +1,186 @@
+"""Speculative decoding with n-gram drafts never changes what a request gets.
+
+On the default model in float32: greedy output with speculation equals output without it, token
+for token, on 16 prompts (half of them copy from their context, so drafts are accepted often),
+alone and batched, with chunked prefill and a second pass from the prefix cache; stop strings,
+stop tokens inside an accepted run, ``max_tokens`` 1..k+1, ``n = 2``, logprobs and a
+structured-output request give what the engine without speculation gives; a seeded sampled
+request gives the same text with and without speculation; and no KV block is left in use.
+On a tiny random model, the distribution of a sampled token with speculation matches the one
+without (chi-square).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pyxllm import LLM, SamplingParams
+from pyxllm.config import EngineConfig
+from pyxllm.engine.ngram_proposer import NgramProposer
+from pyxllm.sampling_params import StructuredOutputsParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+K = 4
+SPEC = {"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": 64}
+ENGINE = dict(max_model_len=512, kv_cache_memory=0.2, max_tokens_per_batch=96)
+PASSAGE = (
+    "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun all day, and the "
+    "fox runs through the forest looking for food."
+)
+CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+GROUNDED = [
+    f"Repeat this text exactly:\n{PASSAGE}\nRepeated:\n",
+    f"Copy the code below.\n{CODE}\nCopy:\n",
+    f"{PASSAGE} {PASSAGE[:60]}",
+    "Here is a list: apple, banana, cherry, apple, banana, cherry, apple,",
+    f"{CODE}\n# the same two functions again\n",
+    "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,",
+    f"Summarize: {PASSAGE}\nSummary: The quick brown fox",
+    "<b>bold</b> <i>italic</i> <b>bold</b> <i>",
+]
+FREE = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Why is the sky blue?",
+    "Name three prime numbers.",
+    "Tell me a joke.",
+    "How do airplanes fly?",
+    "What is 12 times 12?",
+    "Describe a cat in one sentence.",
+]
+PROMPTS = GROUNDED + FREE
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """(without speculation, with n-gram speculation) on the default model."""
+    return LLM(**ENGINE), LLM(speculative_config=SPEC, **ENGINE)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_bad_configs_fail_naming_the_key():
+    cases = {
+        '{"method": "medusa", "num_speculative_tokens": 2}': "method must be one of",
+        '{"method": "ngram", "num_speculative_tokens": 0}': "num_speculative_tokens must be",
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
+        '"prompt_lookup_max": 2}': "prompt_lookup_min (3) must not exceed",
+        '{"method": "ngram", "num_speculative_tokens": 2, "k": 1}': "unknown key 'k'",
+        '{"method": "ngram"}': "num_speculative_tokens is required",
+        "[1]": "must be a JSON object",
+    }
+    for text, message in cases.items():
+        with pytest.raises(ValueError, match="^--speculative-config: ") as e:
+            EngineConfig(speculative_config=text)
+        assert message in str(e.value)
+
+
+def test_ngram_proposer_takes_the_longest_most_recent_match():
+    proposer = NgramProposer(k=3, min_n=1, max_n=3)
+    # suffix [7, 8] occurred twice; the most recent is followed by 9, 1
+    assert proposer.propose([7, 8, 5, 7, 8, 9, 1, 2, 7, 8]) == [9, 1, 2]
+    assert proposer.propose([1, 2, 3, 4]) == []  # no earlier occurrence of any suffix
+    assert proposer.propose([5, 6, 5, 6], max_tokens=1) == [5]
+    assert NgramProposer(k=2, min_n=2, max_n=2).propose([3, 9, 3, 4, 3]) == []  # min_n 2
+
+
+def test_greedy_output_equals_decoding_without_speculation(engines):
+    plain, spec = engines
+    want = tokens(plain.generate(PROMPTS, GREEDY))
+    metrics = spec.llm_engine.metrics
+    before = metrics.num_spec_accepted
+    assert tokens(spec.generate(PROMPTS, GREEDY)) == want  # batched
+    alone = [tokens(spec.generate([p], GREEDY))[0] for p in PROMPTS[:4] + PROMPTS[-2:]]
+    assert alone == want[:4] + want[-2:]
+    again = tokens(spec.generate(PROMPTS, GREEDY))  # from the prefix cache
+    assert spec.llm_engine.kv_cache_manager.num_hits > 0
+    assert again == want
+    # the grounded prompts copy: drafts were accepted often
+    assert metrics.num_spec_accepted - before > 40
+    assert metrics.num_spec_accepted <= metrics.num_spec_draft_tokens
+    stats = spec.llm_engine.stats()
+    assert stats["num_kv_blocks_used"] == 0 and stats["num_running"] == 0
+
+
+def test_stops_and_lengths_inside_accepted_runs(engines):
+    plain, spec = engines
+    prompt = GROUNDED[0]
+    reference = tokens(plain.generate([prompt], GREEDY))[0]
+    text = plain.generate([prompt], GREEDY)[0].outputs[0].text
+    cases = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(1, K + 3)]
+    cases += [
+        SamplingParams(temperature=0, max_tokens=24, stop=[text[30:36]]),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[reference[9]]),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[reference[9]], min_tokens=12),
+        SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0.8, max_tokens=16, n=2, seed=5, ignore_eos=True),
+    ]
+    for params in cases:
+        want, got = plain.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+        for w, g in zip(want.outputs, got.outputs, strict=True):
+            assert g.token_ids == w.token_ids and g.text == w.text, params
+            assert g.finish_reason == w.finish_reason and g.stop_reason == w.stop_reason
+            if params.logprobs is not None:
+                assert len(g.logprobs) == len(g.token_ids)
+                for a, b in zip(g.logprobs, w.logprobs):
+                    assert a.keys() == b.keys()
+                    for t in a:
+                        assert abs(a[t].logprob - b[t].logprob) < 1e-4
+    assert spec.llm_engine.stats()["num_kv_blocks_used"] == 0
+
+
+def test_seeded_sampling_and_structured_outputs_are_unchanged(engines):
+    plain, spec = engines
+    sampled = [
+        SamplingParams(temperature=0.7, top_p=0.9, max_tokens=20, seed=s, ignore_eos=True)
+        for s in range(6)
+    ]
+    prompts = [GROUNDED[i % 3] for i in range(6)]
+    want = tokens(plain.generate(prompts, sampled))
+    assert tokens(spec.generate(prompts, sampled)) == want  # batched together
+    assert tokens(spec.generate(prompts[:1], sampled[:1])) == want[:1]  # alone
+    schema = {
+        "type": "object",
+        "properties": {"name": {"enum": ["fox", "dog"]}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    constrained = SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    prompt = f"{PASSAGE}\nGive the animal's name as JSON:"
+    want = plain.generate([prompt], constrained)[0].outputs[0]
+    got = spec.generate([prompt], constrained)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    assert json.loads(got.text)["name"]
+
+
+def test_sampled_distribution_matches_decoding_without_speculation():
+    """Unseeded draws continuing a repeated pattern (the n-gram drafts it; the model mostly
+    follows, sometimes not), with and without speculation, on engines of different seeds: the
+    counts of the tokens at output positions 2..6 over the 12 most frequent agree (chi-square,
+    11 degrees of freedom, threshold 31.3 = p 0.001)."""
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=6, ignore_eos=True)
+    prompt = "7 3 9 1 7 3 9 1 7 3 9 1 7 3"
+    counts = []
+    for seed, spec in ((0, None), (1, SPEC)):
+        llm = LLM(speculative_config=spec, seed=seed, max_model_len=64, kv_cache_memory=0.2)
+        outs = llm.generate([prompt] * 200, params)
+        later = torch.tensor([t for o in outs for t in o.outputs[0].token_ids[1:]])
+        counts.append(torch.bincount(later, minlength=49152).double())
+        if spec is not None:
+            metrics = llm.llm_engine.metrics
+            assert metrics.num_spec_accepted > 100
+            assert metrics.num_spec_accepted < metrics.num_spec_draft_tokens  # some rejected
+    top = torch.topk(counts[0] + counts[1], 12).indices
+    a, b = counts[0][top], counts[1][top]
+    expected = (a + b) / 2
+    chi2 = float((((a - expected) ** 2 + (b - expected) ** 2) / expected).sum())
+    assert chi2 < 31.3, (chi2, a.tolist(), b.tolist())
