@@ -31,7 +31,8 @@ class SpeculativeConfig:
         method: ``ngram`` (prompt lookup) or ``draft_model``.
         num_speculative_tokens: ``k``, tokens proposed per step and sequence (>= 1).
         prompt_lookup_min / prompt_lookup_max: the n-gram lengths matched (n-gram only), in
-            tokens, ``1 <= min <= max``.
+            tokens, ``1 <= min <= max``; 3 and 5 by default (2-token matches are wrong too
+            often in free-form text, where each rejected draft costs a verification step).
         model: the draft model (a path or model id; draft_model only); it must share the
             target's vocabulary.
         disable_by_batch_size: no speculation in a step with more running sequences than this.
@@ -39,7 +40,7 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int = 2
+    prompt_lookup_min: int = 3
     prompt_lookup_max: int = 5
     model: str | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE

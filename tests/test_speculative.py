@@ -122,8 +122,9 @@ def test_stops_and_lengths_inside_accepted_runs(engines):
         SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True),
         SamplingParams(temperature=0.8, max_tokens=16, n=2, seed=5, ignore_eos=True),
     ]
-    for params in cases:
-        want, got = plain.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+    wants = plain.generate([prompt] * len(cases), cases)
+    gots = spec.generate([prompt] * len(cases), cases)
+    for params, want, got in zip(cases, wants, gots, strict=True):
         for w, g in zip(want.outputs, got.outputs, strict=True):
             assert g.token_ids == w.token_ids and g.text == w.text, params
             assert g.finish_reason == w.finish_reason and g.stop_reason == w.stop_reason
@@ -165,19 +166,19 @@ def test_seeded_sampling_and_structured_outputs_are_unchanged(engines):
 def test_sampled_distribution_matches_decoding_without_speculation():
     """Unseeded draws continuing a repeated pattern (the n-gram drafts it; the model mostly
     follows, sometimes not), with and without speculation, on engines of different seeds: the
-    counts of the tokens at output positions 2..6 over the 12 most frequent agree (chi-square,
+    counts of the tokens at output positions 2..5 over the 12 most frequent agree (chi-square,
     11 degrees of freedom, threshold 31.3 = p 0.001)."""
-    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=5, ignore_eos=True)
     prompt = "7 3 9 1 7 3 9 1 7 3 9 1 7 3"
     counts = []
     for seed, spec in ((0, None), (1, SPEC)):
         llm = LLM(speculative_config=spec, seed=seed, max_model_len=64, kv_cache_memory=0.2)
-        outs = llm.generate([prompt] * 200, params)
+        outs = llm.generate([prompt] * 128, params)
         later = torch.tensor([t for o in outs for t in o.outputs[0].token_ids[1:]])
         counts.append(torch.bincount(later, minlength=49152).double())
         if spec is not None:
             metrics = llm.llm_engine.metrics
-            assert metrics.num_spec_accepted > 100
+            assert metrics.num_spec_accepted > 60
             assert metrics.num_spec_accepted < metrics.num_spec_draft_tokens  # some rejected
     top = torch.topk(counts[0] + counts[1], 12).indices
     a, b = counts[0][top], counts[1][top]
