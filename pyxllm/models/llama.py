@@ -43,10 +43,17 @@ class LlamaAttention(nn.Module):
 
     The scale, soft cap and RoPE follow the config where it sets them (Gemma's
     ``query_pre_attn_scalar`` and ``attn_logit_softcapping``, a RoPE per layer type): see
-    ``attention_scale_of``, ``logits_soft_cap_of`` and ``rope_parameters``.
+    ``attention_scale_of``, ``logits_soft_cap_of`` and ``rope_parameters``; a model whose
+    layers share one RoPE of its own passes it as ``rotary_emb`` (Phi-3's partial LongRoPE).
     """
 
-    def __init__(self, config, layer_idx: int, qkv_bias: bool = False) -> None:
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        qkv_bias: bool = False,
+        rotary_emb: RotaryEmbedding | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
@@ -64,9 +71,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=False
         )
-        base, scaling = rope_parameters(config, layer_idx)
-        # positions run up to the engine's context length (--max-model-len), not the model's
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_model_len_of(config), base, scaling)
+        if rotary_emb is None:
+            base, scaling = rope_parameters(config, layer_idx)
+            # positions run up to the engine's context length (--max-model-len), not the model's
+            rotary_emb = RotaryEmbedding(self.head_dim, max_model_len_of(config), base, scaling)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(
             self.num_heads,
             self.head_dim,

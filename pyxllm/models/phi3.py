@@ -20,15 +20,12 @@ Follows transformers' ``modeling_phi3.py``: Llama's pre-norm decoder and SwiGLU 
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+import functools
 
-from pyxllm.layers.attention import Attention
-from pyxllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pyxllm.layers.rotary_embedding import RotaryEmbedding
 from pyxllm.models.build_context import max_model_len_of
-from pyxllm.models.config_utils import head_dim_of, rope_parameters, sliding_window_of
-from pyxllm.models.llama import LlamaForCausalLM
+from pyxllm.models.config_utils import head_dim_of, rope_parameters
+from pyxllm.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 def partial_rotary_factor_of(config) -> float:
@@ -57,54 +54,10 @@ def phi3_rotary_embedding(config) -> RotaryEmbedding:
     return RotaryEmbedding(head_dim, max_model_len_of(config), base, scaling, rotary_dim)
 
 
-class Phi3Attention(nn.Module):
-    """Self-attention over the checkpoint's fused ``qkv_proj`` (no bias), the shared
-    ``rotary_emb``, paged attention over the config's sliding window, and ``o_proj``.
-
-    ``forward(positions [T] int64, hidden [T, hidden]) -> [T, hidden]``.
-    """
-
-    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__()
-        self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=False,
-        )
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=False
-        )
-        self.rotary_emb = rotary_emb
-        self.attn = Attention(
-            self.num_heads,
-            self.head_dim,
-            self.head_dim**-0.5,
-            self.num_kv_heads,
-            layer_idx,
-            sliding_window=sliding_window_of(config, layer_idx),
-        )
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
-        )
-        q, k = self.rotary_emb(
-            positions,
-            q.view(-1, self.num_heads, self.head_dim),
-            k.view(-1, self.num_kv_heads, self.head_dim),
-        )
-        return self.o_proj(self.attn(q, k, v))
-
-
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3 / Phi-4-mini causal LM (``Phi3ForCausalLM`` in config.json): :class:`Phi3Attention`
-    (one RoPE module shared by every layer: its cos/sin cache spans ``--max-model-len``) and
+    """Phi-3 / Phi-4-mini causal LM (``Phi3ForCausalLM`` in config.json): Llama's attention over
+    the fused ``qkv_proj``, with one RoPE module shared by every layer (its cos/sin cache spans
+    ``--max-model-len``), and
     Llama's SwiGLU MLP over the fused ``gate_up_proj``; tied or untied LM head.
 
     Raises:
@@ -120,4 +73,4 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 f"Phi-3 with hidden_act {config.hidden_act!r} is not supported; supported: silu"
             )
         rotary_emb = phi3_rotary_embedding(config)
-        super().__init__(config, attention=lambda cfg, i: Phi3Attention(cfg, i, rotary_emb))
+        super().__init__(config, attention=functools.partial(LlamaAttention, rotary_emb=rotary_emb))
