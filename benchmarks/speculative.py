@@ -41,7 +41,7 @@ def grounded_prompts() -> list[str]:
     """Rewrite and continuation prompts over text this repository ships."""
     readme = (ROOT / "README.md").read_text()
     passage = readme[readme.index("pyxllm is a Python-native") :][:1200]
-    code = (ROOT / "pyxllm" / "engine" / "ngram_proposer.py").read_text()[-1400:]
+    code = (ROOT / "pyxllm" / "engine" / "proposers.py").read_text()[-1400:]
     return [
         f"Rewrite the following text, keeping every sentence:\n\n{passage}\n\nRewritten text:\n",
         f"Here is a Python file:\n\n{code}\n\nRepeat the file exactly, with the same code:\n",

@@ -6,8 +6,8 @@ alone and batched, with chunked prefill and a second pass from the prefix cache;
 stop tokens inside an accepted run, ``max_tokens`` 1..k+1, ``n = 2``, logprobs and a
 structured-output request give what the engine without speculation gives; a seeded sampled
 request gives the same text with and without speculation; and no KV block is left in use.
-On a tiny random model, the distribution of a sampled token with speculation matches the one
-without (chi-square).
+The distribution of sampled tokens with speculation matches the one without (chi-square). A
+draft model (tiny random checkpoints) gives the target's greedy tokens.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import json
 
 import pytest
 import torch
+from model_fixtures import build_checkpoint, build_hf_model, save_checkpoint, tiny_config
 
 from pyxllm import LLM, SamplingParams
 from pyxllm.config import EngineConfig
-from pyxllm.engine.ngram_proposer import NgramProposer
+from pyxllm.engine.proposers import NgramProposer
 from pyxllm.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -185,3 +186,28 @@ def test_sampled_distribution_matches_decoding_without_speculation():
     expected = (a + b) / 2
     chi2 = float((((a - expected) ** 2 + (b - expected) ** 2) / expected).sum())
     assert chi2 < 31.3, (chi2, a.tolist(), b.tolist())
+
+
+def test_draft_model_gives_the_targets_greedy_tokens(tmp_path, hf_gguf_tokenizer):
+    """A draft model: the target as its own draft accepts every draft; another tiny model with
+    the same vocabulary is often wrong, and the output is still the target's; a draft with
+    another vocabulary is refused at start-up."""
+    target, _ = build_checkpoint("llama", tmp_path / "target", hf_gguf_tokenizer, seed=1)
+    other, _ = build_checkpoint("qwen3", tmp_path / "other", hf_gguf_tokenizer, seed=2)
+    engine = dict(max_model_len=160, kv_cache_memory=0.05, max_tokens_per_batch=64)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = tokens(LLM(model=str(target), **engine).generate(PROMPTS, params))
+    for draft, all_accepted in ((target, True), (other, False)):
+        spec = {**SPEC, "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+        llm = LLM(model=str(target), speculative_config=spec, **engine)
+        assert tokens(llm.generate(PROMPTS, params)) == want
+        assert tokens(llm.generate(PROMPTS[:1], params)) == want[:1]  # alone, prefix-cached
+        metrics = llm.llm_engine.metrics
+        assert metrics.num_spec_draft_tokens > 100
+        assert (metrics.num_spec_accepted == metrics.num_spec_draft_tokens) == all_accepted
+        assert llm.llm_engine.stats()["num_kv_blocks_used"] == 0
+    small = build_hf_model(tiny_config("llama", vocab_size=1024))
+    save_checkpoint(small, tmp_path / "small", hf_gguf_tokenizer)
+    spec = {"method": "draft_model", "model": str(tmp_path / "small"), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="vocabulary of 1024 tokens, the target 49152"):
+        LLM(model=str(target), speculative_config=spec, **engine)

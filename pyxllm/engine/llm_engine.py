@@ -11,8 +11,8 @@ from pyxllm.engine.input_processor import EngineRequest, InputProcessor
 from pyxllm.engine.kv_cache_manager import KVCacheManager
 from pyxllm.engine.logprobs import record_logprobs
 from pyxllm.engine.metrics import EngineMetrics
-from pyxllm.engine.ngram_proposer import NgramProposer
 from pyxllm.engine.parallel_sampling import ParentRequest, fold_children
+from pyxllm.engine.proposers import DraftModelSlots, NgramProposer
 from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
 from pyxllm.engine.structured_output import StructuredOutputManager
@@ -123,30 +123,24 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def _make_proposer(self, config: EngineConfig) -> NgramProposer:
-        """The draft proposer of ``--speculative-config``.
-
-        Raises:
-            ValueError: a method this engine cannot run, naming the flag.
-        """
+    def _make_proposer(self, config: EngineConfig) -> NgramProposer | DraftModelSlots:
+        """The draft proposer of ``--speculative-config`` (for a draft model: the slots it
+        fills in the executor)."""
         spec = self.speculative
-        if spec.method != "ngram":
-            raise ValueError(f"--speculative-config: method {spec.method!r} is not supported yet")
         runner = (
             "the graph runner replays one-token decode steps only, so steps with drafts run eagerly"
             if config.graph_backend == "graph"
             else f"runner {config.graph_backend}"
         )
         logger.info(
-            "speculative decoding: %s, %d tokens, n-gram %d..%d, off above %d running sequences; "
-            "%s",
-            spec.method,
+            "speculative decoding: %s, %d tokens, off above %d running sequences; %s",
+            spec.method if spec.model is None else f"draft model {spec.model}",
             spec.num_speculative_tokens,
-            spec.prompt_lookup_min,
-            spec.prompt_lookup_max,
             spec.disable_by_batch_size,
             runner,
         )
+        if spec.method == "draft_model":
+            return DraftModelSlots(spec.num_speculative_tokens)
         return NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
         )

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from pyxllm.attention.abstract import AttentionBackend
 from pyxllm.config import EngineConfig
 from pyxllm.distributed.parallel_state import get_local_rank, get_tp_rank, tensor_model_parallel_min
+from pyxllm.executor.draft_model import DraftModel
 from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.kv_cache import KVCacheSpec, allocate_kv_caches
 from pyxllm.executor.logits_processors import compute_logprobs
@@ -156,6 +157,7 @@ class ModelExecutor:
             block_size=config.block_size,
         )
         self.sampler = Sampler(config.seed, self.device)
+        self.draft = self._load_draft(config, model_config)
         logger.info(
             "model %s (%s implementation), device %s, attention %s, runner %s",
             type(self.model).__name__,
@@ -165,13 +167,33 @@ class ModelExecutor:
             self.runner.name,
         )
 
+    def _load_draft(self, config: EngineConfig, model_config) -> DraftModel | None:
+        """The draft model of ``--speculative-config``, if its method is ``draft_model``.
+
+        Raises:
+            ValueError: under tensor parallelism (not supported yet), or a draft with another
+                vocabulary.
+        """
+        spec = config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        if config.world_size > 1:
+            raise ValueError(
+                "--speculative-config: method draft_model runs with --tensor-parallel-size 1 "
+                "only (ngram runs with any)"
+            )
+        return DraftModel(spec.model, model_config, self)
+
     def make_context(self, batch: InputBatch) -> ForwardContext:
         """The forward context of one step: the backend's metadata for ``batch`` and the caches."""
         return ForwardContext(attn=self.attn_backend.build(batch), kv_caches=self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        """Run one forward pass over ``plan`` and sample where the plan says so."""
+        """Run one forward pass over ``plan`` and sample where the plan says so (with a draft
+        model, it first fills the plan's draft placeholders)."""
+        if self.draft is not None:
+            self.draft.propose(plan)
         batch = InputBatch.build(plan, self.config.block_size, self.device)
         hidden_states = self.runner.execute(batch, self.make_context)
         result = StepResult([[] for _ in plan.sequences])

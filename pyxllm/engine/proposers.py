@@ -1,6 +1,7 @@
-"""Prompt-lookup (n-gram) drafts for speculative decoding (vLLM's ``NgramProposer``).
+"""Where a step's speculative drafts come from: prompt lookup here, or slots for the draft model.
 
-For a sequence (prompt plus output so far) it finds the longest suffix of ``n`` tokens,
+:class:`NgramProposer` is prompt-lookup (n-gram) drafting (vLLM's ``NgramProposer``):
+for a sequence (prompt plus output so far) it finds the longest suffix of ``n`` tokens,
 ``prompt_lookup_min <= n <= prompt_lookup_max``, that also occurs earlier, and proposes the up
 to ``k`` tokens that followed its most recent earlier occurrence. Text that copies from its
 context (a rewrite, an edit of given code, a quote) continues the way the context did, so the
@@ -41,3 +42,17 @@ class NgramProposer:
                 start = int(hits[-1]) + n  # the most recent occurrence's continuation
                 return tokens[start : start + limit].tolist()
         return []
+
+
+class DraftModelSlots:
+    """Reserves ``k`` draft positions per decoding sequence for the draft model, which runs in
+    the executor and fills them (:mod:`pyxllm.executor.draft_model`); the placeholders repeat
+    the sequence's last token."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        """``min(k, max_tokens)`` placeholders."""
+        limit = self.k if max_tokens is None else min(self.k, max_tokens)
+        return [token_ids[-1]] * max(limit, 0)
