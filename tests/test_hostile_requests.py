@@ -299,6 +299,8 @@ class _BrokenList(list):
     def append(self, item):
         raise RuntimeError("logprobs broke")
 
+    extend = append
+
 
 def test_a_request_that_fails_in_the_engine_fails_alone():
     """A detokenizer or a logprobs record that raises ends its own request (its blocks freed)

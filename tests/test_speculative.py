@@ -174,12 +174,12 @@ def test_sampled_distribution_matches_decoding_without_speculation():
     counts = []
     for seed, spec in ((0, None), (1, SPEC)):
         llm = LLM(speculative_config=spec, seed=seed, max_model_len=64, kv_cache_memory=0.2)
-        outs = llm.generate([prompt] * 128, params)
+        outs = llm.generate([prompt] * 96, params)
         later = torch.tensor([t for o in outs for t in o.outputs[0].token_ids[1:]])
         counts.append(torch.bincount(later, minlength=49152).double())
         if spec is not None:
             metrics = llm.llm_engine.metrics
-            assert metrics.num_spec_accepted > 60
+            assert metrics.num_spec_accepted > 40
             assert metrics.num_spec_accepted < metrics.num_spec_draft_tokens  # some rejected
     top = torch.topk(counts[0] + counts[1], 12).indices
     a, b = counts[0][top], counts[1][top]
@@ -196,14 +196,15 @@ def test_draft_model_gives_the_targets_greedy_tokens(tmp_path, hf_gguf_tokenizer
     other, _ = build_checkpoint("qwen3", tmp_path / "other", hf_gguf_tokenizer, seed=2)
     engine = dict(max_model_len=160, kv_cache_memory=0.05, max_tokens_per_batch=64)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    want = tokens(LLM(model=str(target), **engine).generate(PROMPTS, params))
+    prompts = PROMPTS[::2]
+    want = tokens(LLM(model=str(target), **engine).generate(prompts, params))
     for draft, all_accepted in ((target, True), (other, False)):
         spec = {**SPEC, "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
         llm = LLM(model=str(target), speculative_config=spec, **engine)
-        assert tokens(llm.generate(PROMPTS, params)) == want
-        assert tokens(llm.generate(PROMPTS[:1], params)) == want[:1]  # alone, prefix-cached
+        assert tokens(llm.generate(prompts, params)) == want
+        assert tokens(llm.generate(prompts[:1], params)) == want[:1]  # alone, prefix-cached
         metrics = llm.llm_engine.metrics
-        assert metrics.num_spec_draft_tokens > 100
+        assert metrics.num_spec_draft_tokens > 50
         assert (metrics.num_spec_accepted == metrics.num_spec_draft_tokens) == all_accepted
         assert llm.llm_engine.stats()["num_kv_blocks_used"] == 0
     small = build_hf_model(tiny_config("llama", vocab_size=1024))

@@ -283,6 +283,8 @@ class LLMEngine:
         grammar decides each token); no draft goes past ``max_tokens`` or the context limit."""
         running = self.scheduler.running
         if len(running) > self.speculative.disable_by_batch_size:
+            for request in running:  # a request skipped last step still holds its drafts
+                request.spec_token_ids = []
             return
         for request in running:
             if request.matcher is not None or request.num_computed_tokens != request.num_tokens - 1:
