@@ -143,6 +143,41 @@ class _StateCollector(Collector):
             yield metric
 
 
+class _SpecDecodeCollector(Collector):
+    """Speculative decoding's counters, read from :class:`EngineMetrics` when Prometheus
+    scrapes."""
+
+    def __init__(self, model_name: str, metrics: EngineMetrics) -> None:
+        self.model_name, self.metrics = model_name, metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Speculative drafts verified.", m.num_spec_drafts),
+            (
+                "vllm:spec_decode_num_draft_tokens",
+                "Speculative draft tokens.",
+                m.num_spec_draft_tokens,
+            ),
+            (
+                "vllm:spec_decode_num_accepted_tokens",
+                "Draft tokens accepted.",
+                m.num_spec_accepted,
+            ),
+        ):
+            metric = CounterMetricFamily(name, doc, labels=["model_name"])
+            metric.add_metric([self.model_name], value)
+            yield metric
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position.",
+            labels=["model_name", "position"],
+        )
+        for position, value in enumerate(m.spec_accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], value)
+        yield per_pos
+
+
 class EngineMetrics:
     """The Prometheus collectors of one engine (see the module doc for what each means)."""
 
@@ -184,36 +219,22 @@ class EngineMetrics:
             buckets=E2E_BUCKETS,
             **kw,
         ).labels(model_name)
-        self.spec_drafts = Counter(
-            "vllm:spec_decode_num_drafts", "Speculative drafts verified.", label, **kw
-        ).labels(model_name)
-        self.spec_draft_tokens = Counter(
-            "vllm:spec_decode_num_draft_tokens", "Speculative draft tokens.", label, **kw
-        ).labels(model_name)
-        self.spec_accepted_tokens = Counter(
-            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", label, **kw
-        ).labels(model_name)
-        self._spec_per_pos = Counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by draft position.",
-            ["model_name", "position"],
-            **kw,
-        )
-        self._model_name = model_name
-        # totals, for the engine's stats and log line
+        # speculative decoding totals (the engine's stats read them too), exported at scrape
+        # time by _SpecDecodeCollector; accepted_per_pos[i]: drafts accepted at position i
         self.num_spec_drafts = self.num_spec_draft_tokens = self.num_spec_accepted = 0
+        self.spec_accepted_per_pos: list[int] = []
+        self.registry.register(_SpecDecodeCollector(model_name, self))
 
     def record_spec_decode(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One sequence verified ``num_draft_tokens`` drafts this step and accepted the first
         ``num_accepted``."""
-        self.spec_drafts.inc()
-        self.spec_draft_tokens.inc(num_draft_tokens)
-        self.spec_accepted_tokens.inc(num_accepted)
-        for position in range(num_accepted):
-            self._spec_per_pos.labels(self._model_name, str(position)).inc()
         self.num_spec_drafts += 1
         self.num_spec_draft_tokens += num_draft_tokens
         self.num_spec_accepted += num_accepted
+        per_pos = self.spec_accepted_per_pos
+        per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for position in range(num_accepted):
+            per_pos[position] += 1
 
     def record_tokens(self, new_tokens: Iterable[tuple[Request, list[int]]], now: float) -> None:
         """Each request got its new tokens at ``now`` (``time.monotonic()`` seconds): one, or
