@@ -23,7 +23,7 @@ from pyxllm.executor.kv_cache import KVCacheSpec, allocate_kv_caches
 from pyxllm.executor.runners import EagerRunner
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 from pyxllm.layers.forward_context import ForwardContext
-from pyxllm.models.build_context import model_build_context
+from pyxllm.models.build_context import build_model
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
 from pyxllm.platforms.interface import load_class
@@ -50,13 +50,9 @@ class DraftModel:
             )
         self.block_size, self.device = config.block_size, executor.device
         model_cls = resolve_model_class(self.model_config, executor.platform.name)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(executor.dtype)
-        try:
-            with torch.device(self.device), model_build_context(config.max_model_len):
-                self.model = model_cls(self.model_config).eval()
-        finally:
-            torch.set_default_dtype(previous)
+        self.model = build_model(
+            model_cls, self.model_config, self.device, executor.dtype, config.max_model_len
+        )
         load_weights(self.model, iter_weight_slices(source, self.model_config))
         spec = KVCacheSpec.from_model(self.model, config.block_size, executor.dtype)
         self.kv_caches = allocate_kv_caches(spec, executor.num_kv_blocks, self.device)

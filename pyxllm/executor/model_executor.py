@@ -22,7 +22,7 @@ from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.executor.spec_decode import GeneratorRewind, accept_drafts, expand_for_verification
 from pyxllm.layers.forward_context import ForwardContext
 from pyxllm.layers.quantization import quantize_model
-from pyxllm.models.build_context import model_build_context
+from pyxllm.models.build_context import build_model
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
 from pyxllm.platforms import Platform
@@ -118,14 +118,10 @@ class ModelExecutor:
         self.dtype = resolve_dtype(config.dtype, platform, model_config)
         model_cls = resolve_model_class(model_config, platform.name, config.model_impl)
         torch.manual_seed(config.seed)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            # --max-model-len reaches the models that depend on it (Phi-3's LongRoPE factors)
-            with torch.device(self.device), model_build_context(config.max_model_len):
-                self.model = model_cls(model_config).eval()
-        finally:
-            torch.set_default_dtype(previous)
+        # --max-model-len reaches the models that depend on it (Phi-3's LongRoPE factors)
+        self.model = build_model(
+            model_cls, model_config, self.device, self.dtype, config.max_model_len
+        )
         # unread weights: each parameter's loader reads only this TP rank's slice
         weights = iter_weight_slices(source, model_config)
         if get_tp_rank() == 0:  # one progress bar, not one per rank
