@@ -62,6 +62,8 @@ def server():
         "0.25",
         "--max-tokens-per-batch",
         "1024",
+        "--stats-interval",
+        "1",
     ]
     with RemoteServer(args) as remote:
         yield remote
@@ -165,3 +167,16 @@ def test_metrics_after_traffic(server):
     assert total <= generated <= total * 8
     assert samples["vllm:inter_token_latency_seconds_count"] == generated - total
     assert samples["vllm:time_to_first_token_seconds_sum"] > 0
+
+
+def test_the_log_shows_stats_lines_while_there_is_work(server):
+    """The periodic stats line came while the chats ran, and none comes while idle."""
+    time.sleep(1.5)  # the line of the interval in which the last chats finished
+    lines = [line for line in server.output().splitlines() if "Avg prompt throughput" in line]
+    assert lines, server.output()[-3000:]
+    rates = [float(line.split("Prefix cache hit rate: ")[1].rstrip("%")) for line in lines]
+    assert max(rates) > 0
+    assert all("Running: " in line and "KV cache usage: " in line for line in lines)
+    assert "\r" not in server.output()  # no progress bar redraws in a log that is no terminal
+    time.sleep(2.5)  # idle for more than two intervals
+    assert server.output().count("Avg prompt throughput") == len(lines)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from pyxllm.config import EngineConfig
 from pyxllm.engine.errors import RequestFailedError
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.engine.llm_engine import LLMEngine
+from pyxllm.engine.stat_logger import LoggingStatLogger
 from pyxllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ class AsyncEngine:
         metrics: the engine's :class:`~pyxllm.engine.metrics.EngineMetrics` (thread-safe to scrape).
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, stats_interval: float | None = None) -> None:
         self.engine = engine
         self.input_processor = engine.input_processor
         self.tokenizer = engine.tokenizer
@@ -85,13 +87,24 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._error: BaseException | None = None
         self._stopped = threading.Event()
+        self._stat_logger = None
+        if stats_interval is not None:
+            spec = engine.speculative
+            self._stat_logger = LoggingStatLogger(
+                engine.metrics,
+                stats_interval,
+                time.monotonic(),
+                0 if spec is None else spec.num_speculative_tokens,
+            )
         self._thread = threading.Thread(target=self._run, name="pyxllm-engine", daemon=True)
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        """Load the model (see ``LLMEngine``) and start the engine thread."""
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, stats_interval: float | None = None) -> AsyncEngine:
+        """Load the model (see ``LLMEngine``) and start the engine thread; with
+        ``stats_interval`` (seconds), log the stats line that often while there is work
+        (:mod:`pyxllm.engine.stat_logger`)."""
+        return cls(LLMEngine(config), stats_interval)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit a processed request (see :attr:`input_processor`) and yield its output after
@@ -181,6 +194,8 @@ class AsyncEngine:
         try:
             while not self._stopped.is_set():
                 self._drain(block=not self.engine.has_unfinished_requests())
+                if self._stat_logger is not None:
+                    self._stat_logger.maybe_log(time.monotonic())
                 if self._stopped.is_set() or not self.engine.has_unfinished_requests():
                     continue
                 for output in self.engine.step():

@@ -143,9 +143,9 @@ class _StateCollector(Collector):
             yield metric
 
 
-class _SpecDecodeCollector(Collector):
-    """Speculative decoding's counters, read from :class:`EngineMetrics` when Prometheus
-    scrapes."""
+class _TotalsCollector(Collector):
+    """The token and speculative decoding totals of :class:`EngineMetrics`, read when
+    Prometheus scrapes."""
 
     def __init__(self, model_name: str, metrics: EngineMetrics) -> None:
         self.model_name, self.metrics = model_name, metrics
@@ -153,6 +153,8 @@ class _SpecDecodeCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         m = self.metrics
         for name, doc, value in (
+            ("vllm:prompt_tokens", "Prefill tokens processed.", m.num_prompt_tokens),
+            ("vllm:generation_tokens", "Generation tokens processed.", m.num_generation_tokens),
             ("vllm:spec_decode_num_drafts", "Speculative drafts verified.", m.num_spec_drafts),
             (
                 "vllm:spec_decode_num_draft_tokens",
@@ -182,15 +184,10 @@ class EngineMetrics:
     """The Prometheus collectors of one engine (see the module doc for what each means)."""
 
     def __init__(self, model_name: str, scheduler: Scheduler, kv: KVCacheManager) -> None:
+        self.scheduler, self.kv = scheduler, kv
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(model_name, scheduler, kv))
         label, kw = ["model_name"], {"registry": self.registry}
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Prefill tokens processed.", label, **kw
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Generation tokens processed.", label, **kw
-        ).labels(model_name)
         success = Counter(
             "vllm:request_success",
             "Finished requests, by finish reason.",
@@ -219,11 +216,13 @@ class EngineMetrics:
             buckets=E2E_BUCKETS,
             **kw,
         ).labels(model_name)
-        # speculative decoding totals (the engine's stats read them too), exported at scrape
-        # time by _SpecDecodeCollector; accepted_per_pos[i]: drafts accepted at position i
+        # totals that the engine's stats and the periodic log line read too, exported at
+        # scrape time by _TotalsCollector; spec_accepted_per_pos[i]: drafts accepted at
+        # position i
+        self.num_prompt_tokens = self.num_generation_tokens = self.num_finished = 0
         self.num_spec_drafts = self.num_spec_draft_tokens = self.num_spec_accepted = 0
         self.spec_accepted_per_pos: list[int] = []
-        self.registry.register(_SpecDecodeCollector(model_name, self))
+        self.registry.register(_TotalsCollector(model_name, self))
 
     def record_spec_decode(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One sequence verified ``num_draft_tokens`` drafts this step and accepted the first
@@ -249,14 +248,14 @@ class EngineMetrics:
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.ttft.observe(now - request.arrival_time)
-                self.prompt_tokens.inc(request.num_prompt_tokens)
+                self.num_prompt_tokens += request.num_prompt_tokens
             else:
                 self.itl.observe(now - request.last_token_time)
             request.last_token_time = now
-        if count:
-            self.generation_tokens.inc(count)
+        self.num_generation_tokens += count
 
     def record_finished(self, request: Request, now: float) -> None:
         """``request`` finished (its status says why) at ``now`` (``time.monotonic()`` seconds)."""
+        self.num_finished += 1
         self.request_success[request.status.value].inc()
         self.e2e.observe(now - request.arrival_time)

@@ -366,7 +366,7 @@ def _positive(convert):
 
 
 def _add_limit_args(group) -> None:
-    """``serve``'s request limits, admission control and shutdown flags (see
+    """``serve``'s request limits, admission control, shutdown and logging flags (see
     :class:`~pyxllm.entrypoints.openai.server_options.ServerOptions`)."""
     defaults = ServerOptions()
     group.add_argument(
@@ -401,6 +401,18 @@ def _add_limit_args(group) -> None:
         default=defaults.shutdown_timeout,
         metavar="SECONDS",
         help="on SIGTERM, how long running requests may finish before they are aborted",
+    )
+    group.add_argument(
+        *flag_names("stats_interval"),
+        dest="stats_interval",
+        type=_positive(_float),
+        default=defaults.stats_interval,
+        metavar="SECONDS",
+        help="how often the log shows throughput, running and waiting requests, KV cache usage "
+        "and speculative acceptance while there is work",
+    )
+    add_bool_flag(
+        group, "disable_log_stats", False, "log no stats lines (vLLM's --disable-log-stats)"
     )
     add_bool_flag(
         group,
@@ -479,7 +491,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "tags; also what the default model is asked to write) or llama3_json",
     )
     _add_security_args(serve.add_argument_group("security flags"))
-    _add_limit_args(serve.add_argument_group("limits and shutdown flags"))
+    _add_limit_args(serve.add_argument_group("limits, shutdown and logging flags"))
     add_engine_args(serve.add_argument_group("engine flags"))
 
     generate = commands.add_parser(

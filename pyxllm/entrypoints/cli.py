@@ -68,6 +68,7 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
+        stats_interval=None if args.disable_log_stats else args.stats_interval,
     )
     run_server(config, options)
     return 0

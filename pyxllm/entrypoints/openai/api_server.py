@@ -268,7 +268,7 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
     if options.tool_call_parser:
         get_tool_parser(options.tool_call_parser)
     _ensure_logging()
-    engine = AsyncEngine.from_config(config)
+    engine = AsyncEngine.from_config(config, options.stats_interval)
     server = None
     try:
         app = build_app(engine, options)

@@ -60,6 +60,8 @@ class ServerOptions:
             running ones; more get a 503 with ``Retry-After``.
         shutdown_timeout: seconds SIGTERM waits for running requests before aborting them.
         trust_request_chat_template: whether a request may bring its own chat template.
+        stats_interval: seconds between the engine's stats lines in the log
+            (:mod:`pyxllm.engine.stat_logger`); ``None`` logs none (``--disable-log-stats``).
     """
 
     host: str = "127.0.0.1"
@@ -81,3 +83,4 @@ class ServerOptions:
     max_waiting_requests: int = 256
     shutdown_timeout: float = 10.0
     trust_request_chat_template: bool = False
+    stats_interval: float | None = 10.0
