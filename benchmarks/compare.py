@@ -13,6 +13,9 @@ Figures (each printed with pyxllm's ratio to each peer that ran):
 3. Serving, ``--concurrency`` (8) clients: ``pyxllm serve --quantization w8a8`` against
    ``python -m llama_cpp.server`` (extra ``llamacpp``), both driven by ``pyxllm bench serve``'s
    client: aggregate output tok/s and median TTFT.
+4. Speculative decoding, batch 1, input-grounded prompts (``speculative.py``'s): pyxllm int4
+   without and with n-gram speculation, llama-cpp-python without and with its prompt-lookup
+   decoding, ``--output-len`` tokens each.
 
 Peers that are not installed are skipped with a message. Every engine gets ``--threads``
 threads (default: all cores). Run from the repository root::
@@ -275,10 +278,14 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--serving-prompts", type=int, default=24)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--skip", default="", help="comma-separated: transformers,llamacpp,serving")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated: transformers,llamacpp,serving,speculative"
+    )
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    import speculative  # here: it imports this module's helpers
+
     torch.set_num_threads(args.threads)
     # find, not import: llama.cpp's library brings its own OpenMP runtime, whose threads compete
     # with torch's for the cores (pyxllm's batch-1 figures halved when it was imported first)
@@ -303,6 +310,10 @@ def main() -> None:
     results = {"pyxllm": pyxllm_figures(ids, args.output_len, fresh)}
     log("pyxllm:", json.dumps(results["pyxllm"]))
     gc.collect()
+    if "speculative" not in skip:
+        results["speculative"] = speculative.pyxllm_figures(args.output_len)
+        log("speculative:", json.dumps(results["speculative"]))
+        gc.collect()
     if "transformers" not in skip:
         results["transformers"] = hf_throughput(path, ids, args.output_len, args.hf_batch_size)
         log("transformers:", json.dumps(results["transformers"]))
@@ -312,6 +323,10 @@ def main() -> None:
             path, ids, args.output_len, args.threads, args.llamacpp_prompts, fresh
         )
         log("llama.cpp:", json.dumps(results["llama.cpp"]))
+        if "speculative" not in skip:
+            results["speculative"].update(
+                speculative.llamacpp_figures(args.output_len, args.threads)
+            )
         gc.collect()
     if "serving" not in skip:
         results["serving"] = serving(
@@ -364,6 +379,18 @@ def main() -> None:
             {"llama-cpp-python server": serve.get("llama.cpp", {}).get("median_ttft_ms")},
             "ms",
             lower_better=True,
+        )
+    spec = results.get("speculative", {})
+    if spec:
+        lines += ratio_lines(
+            "Speculative decoding, grounded batch 1 (int4, n-gram)",
+            spec["with"],
+            {
+                "pyxllm without speculation": spec["without"],
+                "llama.cpp prompt lookup": spec.get("llama.cpp prompt lookup"),
+                "llama.cpp": spec.get("llama.cpp"),
+            },
+            "tok/s",
         )
     log("\n".join(lines))
     if args.result_file:

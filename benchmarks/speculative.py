@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram prompt lookup) against decoding without it, in one run.
 
-Three workloads on the default model (``--dtype auto``, the eager runner, ``LLM.generate``,
-greedy, exactly ``--output-len`` new tokens):
+Three workloads on the default model (``--quantization`` and ``--graph-backend`` as given,
+``LLM.generate``, greedy, exactly ``--output-len`` new tokens):
 
 1. input-grounded, batch 1: rewrite or continue a passage or a code file this repository ships
    (pyxllm's own README and sources), one request at a time;
@@ -11,16 +11,21 @@ greedy, exactly ``--output-len`` new tokens):
 
 For each: output tok/s without and with ``--speculative-config '{"method": "ngram",
 "num_speculative_tokens": K}'``, the ratio, the acceptance rate (accepted / proposed draft
-tokens) and the mean accepted length (tokens emitted per verifying step of a sequence). Run
-from the repository root::
+tokens) and the mean accepted length (tokens emitted per verifying step of a sequence). With
+llama-cpp-python installed (extra ``llamacpp``), the grounded workload also runs on it, on the
+same GGUF and prompts, without and with its prompt-lookup decoding
+(``LlamaPromptLookupDecoding``, its defaults: 2-token matches, 10 tokens proposed), its end of
+sequence suppressed so that it too generates ``--output-len`` tokens; ``compare.py`` runs these
+figures as its "speculative" section. Run from the repository root::
 
-    .venv/bin/python benchmarks/speculative.py                 # ~4 min on 2 cores
-    .venv/bin/python benchmarks/speculative.py --num-speculative-tokens 6 --result-file spec.json
+    .venv/bin/python benchmarks/speculative.py                 # ~6 min on 2 cores
+    .venv/bin/python benchmarks/speculative.py --quantization none --graph-backend eager
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import time
@@ -30,6 +35,9 @@ import torch
 from compare import log
 
 ROOT = Path(__file__).resolve().parent.parent
+# pyxllm's fastest batch-1 set-up on a CPU (README, Performance): the GGUF's 4-bit weights,
+# decode and verification steps replayed from TorchScript traces
+QUANTIZATION, GRAPH_BACKEND = "int4", "graph"
 FREE = [
     "What are three good habits for staying healthy?",
     "Write a short story about a robot who learns to paint.",
@@ -49,11 +57,12 @@ def grounded_prompts() -> list[str]:
     ]
 
 
-def run(prompts: list[str], output_len: int, spec: dict | None, concurrent: bool) -> dict:
-    """Output tok/s of ``prompts`` (one at a time, or all at once) and the speculation counts."""
+def run(prompts: list[str], output_len: int, spec: dict | None, concurrent: bool, **engine) -> dict:
+    """Output tok/s of ``prompts`` (one at a time, or all at once) and the speculation counts,
+    on an ``LLM`` with the ``engine`` arguments (quantization, graph_backend)."""
     from pyxllm import LLM, SamplingParams
 
-    llm = LLM(speculative_config=spec, max_model_len=2048, kv_cache_memory=1.0)
+    llm = LLM(speculative_config=spec, max_model_len=2048, kv_cache_memory=1.0, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(["warm-up"], SamplingParams(max_tokens=4, ignore_eos=True))
     start = time.perf_counter()
@@ -72,19 +81,95 @@ def run(prompts: list[str], output_len: int, spec: dict | None, concurrent: bool
     }
 
 
+def llamacpp_grounded(prompts: list[str], output_len: int, threads: int, lookup: bool) -> dict:
+    """llama-cpp-python on the default GGUF: output tok/s of ``prompts`` one at a time, greedy,
+    ``output_len`` tokens each (EOS suppressed), with its prompt-lookup decoding or without."""
+    import numpy as np
+    from llama_cpp import Llama, LogitsProcessorList
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from pyxllm.weights.source import default_gguf_path
+
+    llm = Llama(
+        model_path=str(default_gguf_path()),
+        n_ctx=2048,
+        n_threads=threads,
+        n_batch=512,
+        verbose=False,
+        draft_model=LlamaPromptLookupDecoding() if lookup else None,
+    )
+    eos = llm.token_eos()
+
+    def no_eos(input_ids, scores):
+        scores[eos] = -np.inf
+        return scores
+
+    processors = LogitsProcessorList([no_eos])
+    llm.create_completion("warm-up", max_tokens=4)
+    start, produced = time.perf_counter(), 0
+    for prompt in prompts:
+        llm.reset()
+        out = llm.create_completion(
+            prompt, max_tokens=output_len, temperature=0.0, logits_processor=processors
+        )
+        produced += out["usage"]["completion_tokens"]
+    return {"output_tok_s": produced / (time.perf_counter() - start)}
+
+
+def pyxllm_figures(output_len: int) -> dict:
+    """compare.py's speculative section, pyxllm's half: grounded batch-1 output tok/s without
+    and with n-gram speculation (pyxllm's defaults, k = 4), int4, graph runner."""
+    engine = engine_kwargs(QUANTIZATION, GRAPH_BACKEND)
+    off = run(grounded_prompts(), output_len, None, False, **engine)
+    on = run(grounded_prompts(), output_len, spec_config(4), False, **engine)
+    return {
+        "without": off["output_tok_s"],
+        "with": on["output_tok_s"],
+        "acceptance_rate": on["acceptance_rate"],
+        "mean_accepted_length": on["mean_accepted_length"],
+        "same_tokens": on["tokens"] == off["tokens"],
+    }
+
+
+def llamacpp_figures(output_len: int, threads: int) -> dict:
+    """compare.py's speculative section, llama.cpp's half: the same prompts without and with
+    its prompt-lookup decoding."""
+    return {
+        name: llamacpp_grounded(grounded_prompts(), output_len, threads, lookup)["output_tok_s"]
+        for lookup, name in ((False, "llama.cpp"), (True, "llama.cpp prompt lookup"))
+    }
+
+
+def spec_config(num_speculative_tokens: int, prompt_lookup_min: int | None = None) -> dict:
+    """The n-gram ``--speculative-config`` (pyxllm's lookup lengths unless given)."""
+    spec = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens}
+    if prompt_lookup_min is not None:
+        spec["prompt_lookup_min"] = prompt_lookup_min
+        spec["prompt_lookup_max"] = max(prompt_lookup_min, 5)
+    return spec
+
+
+def engine_kwargs(quantization: str, graph_backend: str) -> dict:
+    return {
+        "quantization": None if quantization == "none" else quantization,
+        "graph_backend": graph_backend,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=None, help="default: pyxllm's")
+    parser.add_argument("--quantization", default=QUANTIZATION, help="none, int8, int4, w8a8")
+    parser.add_argument("--graph-backend", default=GRAPH_BACKEND)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    if args.prompt_lookup_min is not None:
-        spec["prompt_lookup_min"] = args.prompt_lookup_min
-        spec["prompt_lookup_max"] = max(args.prompt_lookup_min, 5)
+    spec = spec_config(args.num_speculative_tokens, args.prompt_lookup_min)
+    engine = engine_kwargs(args.quantization, args.graph_backend)
     grounded = grounded_prompts()
     mixed = (grounded + FREE) * 6
     workloads = {
@@ -94,8 +179,8 @@ def main() -> None:
     }
     results, lines = {}, ["", "=== output tok/s, n-gram speculation against none ==="]
     for name, (prompts, concurrent, output_len) in workloads.items():
-        off = run(prompts, output_len, None, concurrent)
-        on = run(prompts, output_len, spec, concurrent)
+        off = run(prompts, output_len, None, concurrent, **engine)
+        on = run(prompts, output_len, spec, concurrent, **engine)
         same = on.pop("tokens") == off.pop("tokens")
         results[name] = {"without": off, "with": on, "same_tokens": same}
         log(name, json.dumps(results[name]))
@@ -106,6 +191,17 @@ def main() -> None:
             f"{'n/a' if rate is None else f'{rate:.2f}'}, mean accepted length "
             f"{'n/a' if length is None else f'{length:.2f}'}; same tokens: {same}"
         )
+    # after pyxllm's runs: llama.cpp's OpenMP runtime competes with torch's once it is loaded
+    if not args.skip_llamacpp and importlib.util.find_spec("llama_cpp") is not None:
+        ours = results["input-grounded, batch 1"]["with"]["output_tok_s"]
+        for lookup, name in ((False, "llama.cpp"), (True, "llama.cpp prompt lookup")):
+            results[name] = llamacpp_grounded(grounded, args.output_len, args.threads, lookup)
+            log(name, json.dumps(results[name]))
+            lines.append(
+                f"input-grounded, batch 1, {name}: {results[name]['output_tok_s']:.1f} tok/s -> "
+                f"pyxllm with speculation / {name} = "
+                f"{ours / results[name]['output_tok_s']:.2f}x"
+            )
     log("\n".join(lines))
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(results, indent=2))

@@ -136,6 +136,11 @@ def test_bucket_choice(eager_llm):
     assert runner.bucket_for(fake_batch([1] * 65)) is None  # more than the largest bucket
     assert runner.bucket_for(fake_batch([1, 5, 1])) is None  # a prefill in the step
     assert runner.bucket_for(fake_batch([1, 1], seq_len=129)) is None  # longer than captured
+    runner.max_query_len = 5  # speculative decoding with 4 drafts: a row per token
+    assert runner.bucket_for(fake_batch([1, 5, 1])) == 8
+    assert runner.bucket_for(fake_batch([5] * 12 + [4])) == 64
+    assert runner.bucket_for(fake_batch([5] * 13)) is None  # 65 rows
+    assert runner.bucket_for(fake_batch([1, 6])) is None  # a longer query: a prefill
 
 
 def test_capturable_cache_write_equals_the_native_one():

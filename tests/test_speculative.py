@@ -21,6 +21,8 @@ from model_fixtures import build_checkpoint, build_hf_model, save_checkpoint, ti
 from pyxllm import LLM, SamplingParams
 from pyxllm.config import EngineConfig
 from pyxllm.engine.proposers import NgramProposer
+from pyxllm.engine.request import Request
+from pyxllm.engine.structured_output import StructuredOutputManager
 from pyxllm.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -162,6 +164,73 @@ def test_seeded_sampling_and_structured_outputs_are_unchanged(engines):
     got = spec.generate([prompt], constrained)[0].outputs[0]
     assert got.token_ids == want.token_ids
     assert json.loads(got.text)["name"]
+    # a constrained output that copies its prompt: drafts cut by the grammar, then verified
+    quote = {"type": "object", "properties": {"quote": {"type": "string"}}, "required": ["quote"]}
+    copy = SamplingParams(
+        temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=quote)
+    )
+    prompt = f"Copy this JSON exactly:\n{json.dumps({'quote': PASSAGE})}\nCopy:\n"
+    want = plain.generate([prompt], copy)[0].outputs[0]
+    metrics = spec.llm_engine.metrics
+    before = metrics.num_spec_accepted
+    got = spec.generate([prompt], copy)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    assert json.loads(got.text)["quote"].startswith("The quick brown fox jumps")
+    assert metrics.num_spec_accepted - before > 10
+    assert spec.llm_engine.stats()["num_kv_blocks_used"] == 0
+
+
+def test_the_graph_runner_replays_verification_steps(engines):
+    """With --graph-backend graph a step with drafts replays the decode graphs (a row per
+    verified token) and gives the eager engine's tokens."""
+    plain, _ = engines
+    llm = LLM(graph_backend="graph", speculative_config=SPEC, max_seqs_per_batch=8, **ENGINE)
+    prompts = [GROUNDED[0], GROUNDED[1], FREE[0]]
+    want = tokens(plain.generate(prompts, GREEDY))
+    assert [tokens(llm.generate([p], GREEDY))[0] for p in prompts] == want
+    runner = llm.llm_engine.executor.driver.runner
+    # one sequence alone: more than one row only when it verifies drafts (5 rows: bucket 8)
+    assert runner.replays[1] > 0 and runner.replays[2] + runner.replays[4] + runner.replays[8] >= 8
+    assert tokens(llm.generate(prompts, GREEDY)) == want  # up to 15 rows: some run eagerly
+    assert llm.llm_engine.metrics.num_spec_accepted > 40
+    assert llm.llm_engine.stats()["num_kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_draft_bitmask_rows_follow_the_drafts(backend, hf_gguf_tokenizer):
+    """Row ``j`` of a drafted sequence's bitmask is the matcher's mask after ``j`` drafts; the
+    matcher ends where it started; a refused draft cuts the run (its row forbids it)."""
+    eos = [hf_gguf_tokenizer.eos_token_id]
+    manager = StructuredOutputManager(backend, hf_gguf_tokenizer, 49152, eos)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    handle = manager.submit(StructuredOutputsParams(json=schema))
+    handle.compiled()
+    matcher = handle.new_matcher()
+    drafts = hf_gguf_tokenizer.encode('{"name": "fox"}')
+    refused = hf_gguf_tokenizer.encode("]")[0]
+    assert matcher.validate_tokens([*drafts[:3], refused, *drafts[3:]]) == 3
+    rows = manager.fill_draft_bitmask(matcher, drafts[:4])
+    assert rows.shape == (5, 49152 // 32)
+    for j in range(5):  # the matcher was rolled back: accepting again reproduces each row
+        assert torch.equal(rows[j], manager.fill_bitmask([matcher])[0]), j
+        if j < 4:
+            assert matcher.accept_token(drafts[j])
+    matcher.rollback(4)
+    cut = manager.fill_draft_bitmask(matcher, [drafts[0], refused, drafts[1]])
+    assert torch.equal(cut[:2], rows[:2])
+    assert not cut[1, refused // 32] >> (refused % 32) & 1
+    assert torch.equal(cut[2], cut[3])  # past the refused draft: EOS rows, never used
+    manager.shutdown()
+
+
+def test_drafts_do_not_cross_the_end_of_reasoning():
+    """While the reasoning runs, drafts stop before the token that would end it: the tokens
+    after the end are constrained and drafted rows carry no mask."""
+    request = Request("r", None, [1, 2, 7], SamplingParams(), detokenizer=None)
+    request.matcher, request.constrain_after = object(), (7, 8)
+    assert request.allowed_drafts([8, 9]) == []  # 7 then 8 ends it at the first draft
+    assert request.allowed_drafts([5, 7, 8, 9]) == [5, 7]
+    assert request.allowed_drafts([5, 6]) == [5, 6]
 
 
 def test_sampled_distribution_matches_decoding_without_speculation():

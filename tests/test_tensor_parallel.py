@@ -144,11 +144,12 @@ def test_tiny_qwen3_tp2_greedy_equals_tp1(tiny, kind):
     assert len({tuple(t) for t in ref}) == len(PROMPTS)
 
 
-def test_transformers_implementation_with_speculation_tp2_greedy_equals_tp1(tiny):
+def test_transformers_implementation_with_a_draft_model_tp2_greedy_equals_tp1(tiny):
     """Granite through --model-impl transformers (its TP plan's colwise/rowwise layers split),
-    with n-gram drafts (the workers compute logits at every draft position too), at TP 2, gives
-    the TP 1 engine's tokens without either."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    with a draft model split over the ranks too (rank 0 broadcasts its drafts; the workers
+    compute logits at every draft position), at TP 2, gives the TP 1 engine's tokens without
+    either."""
+    spec = {"method": "draft_model", "model": str(tiny["qwen3"]), "num_speculative_tokens": 3}
     prompts = [*PROMPTS[:2], "a b c d a b c d a b c", "1 2 3 1 2 3 1 2"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}

@@ -125,6 +125,15 @@ def tensor_model_parallel_gather(
     return None if parts is None else torch.cat(parts, dim=dim)
 
 
+def tensor_model_parallel_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """``x`` as TP rank ``src`` holds it, on every rank: overwritten in place and returned
+    (identity on one rank). Every rank passes a tensor of the same shape and dtype."""
+    if _TP.world_size == 1:
+        return x
+    torch.distributed.broadcast(x, src=src)
+    return x
+
+
 def tensor_model_parallel_min(value: int) -> int:
     """The smallest of every rank's ``value`` (e.g. KV blocks, so all ranks allocate the same)."""
     if _TP.world_size == 1:

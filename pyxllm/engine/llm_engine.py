@@ -128,7 +128,7 @@ class LLMEngine:
         fills in the executor)."""
         spec = self.speculative
         runner = (
-            "the graph runner replays one-token decode steps only, so steps with drafts run eagerly"
+            "the graph runner replays each verification as 1 + k decode rows per sequence"
             if config.graph_backend == "graph"
             else f"runner {config.graph_backend}"
         )
@@ -264,7 +264,7 @@ class LLMEngine:
         never emits past an EOS, a stop string, ``max_tokens`` or the context limit."""
         first = request.num_tokens - len(tokens)  # where tokens[0] is in token_ids
         for i, token in enumerate(tokens):
-            if not request.accept_token(token):
+            if not request.accept_token(first + i):
                 logger.warning(
                     "request %s: token %d broke its constraint", request.request_id, token
                 )
@@ -279,21 +279,27 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         """Give each decoding request its drafts for the next step (speculative decoding), unless
-        more sequences run than ``disable_by_batch_size``. Constrained requests get none (their
-        grammar decides each token); no draft goes past ``max_tokens`` or the context limit."""
+        more sequences run than ``disable_by_batch_size``. A constrained request's drafts stop
+        at the first its constraint refuses (:meth:`Request.allowed_drafts`; the draft model's
+        are made in the executor, after this point, so constrained requests get none from it);
+        no draft goes past ``max_tokens`` or the context limit."""
         running = self.scheduler.running
         if len(running) > self.speculative.disable_by_batch_size:
             for request in running:  # a request skipped last step still holds its drafts
                 request.spec_token_ids = []
             return
+        drafts_in_executor = isinstance(self.proposer, DraftModelSlots)
         for request in running:
-            if request.matcher is not None or request.num_computed_tokens != request.num_tokens - 1:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue
+            if request.matcher is not None and drafts_in_executor:
                 continue
             room = min(
                 request.max_tokens - request.num_output_tokens,
                 self.max_model_len - request.num_tokens,
             )
-            request.spec_token_ids = self.proposer.propose(request.token_ids, room - 1)
+            drafts = self.proposer.propose(request.token_ids, room - 1)
+            request.spec_token_ids = request.allowed_drafts(drafts)
 
     def _fail(self, request: Request, exc: Exception) -> None:
         """End a request whose own processing raised (its detokenizer, matcher ...): abort it
@@ -312,13 +318,19 @@ class LLMEngine:
 
     def _constrain(self, plan: SchedulerOutput) -> None:
         """Give each sampling sequence with a constraint the bitmask of its allowed tokens."""
-        rows = []
+        rows, manager = [], self.structured_outputs
         for seq in plan.sequences:
             request = self.requests[seq.request_id] if seq.sample else None
-            if request is not None and request.constrained:
+            if request is None or not request.constrained:
+                continue
+            if seq.num_draft_tokens:  # one row per verified position
+                seq.allowed_token_bitmask = manager.fill_draft_bitmask(
+                    request.matcher, seq.draft_token_ids
+                )
+            else:
                 rows.append((seq, request.matcher))
         if rows:
-            bitmask = self.structured_outputs.fill_bitmask([matcher for _, matcher in rows])
+            bitmask = manager.fill_bitmask([matcher for _, matcher in rows])
             for (seq, _), row in zip(rows, bitmask):
                 seq.allowed_token_bitmask = row
 

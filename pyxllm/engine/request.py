@@ -95,19 +95,39 @@ class Request:
         """Whether the request's constraint applies to its next token."""
         return self.matcher is not None and not self.constrain_after
 
-    def accept_token(self, token_id: int) -> bool:
-        """Advance the constraint past a generated token (or, before it applies, watch for the
-        end of the reasoning); ``False`` when the token broke the constraint."""
+    def accept_token(self, position: int) -> bool:
+        """Advance the constraint past the generated token at ``token_ids[position]`` (or,
+        before it applies, watch for the end of the reasoning); ``False`` when the token broke
+        the constraint."""
         if self.matcher is None:
             return True
         if self.constrain_after:
             n = len(self.constrain_after)
-            if tuple(self.token_ids[-n:]) == self.constrain_after:
+            if tuple(self.token_ids[position + 1 - n : position + 1]) == self.constrain_after:
                 self.constrain_after = ()
             return True
         if self.matcher.is_terminated():  # complete: only EOS follows (kept with ignore_eos)
             return True
-        return self.matcher.accept_token(token_id)
+        return self.matcher.accept_token(self.token_ids[position])
+
+    def allowed_drafts(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of speculative ``drafts`` that the constraint lets the step verify.
+
+        Under a constraint, the drafts it allows (vLLM #49694: a draft the grammar refuses must
+        not reach verification). While the reasoning runs (``constrain_after``), the drafts
+        before the one that would end it: the token after the end is constrained, and the
+        step's rows for drafts carry no mask, so the run must not cross the end.
+        """
+        if self.matcher is None or not drafts:
+            return drafts
+        if not self.constrain_after:
+            return drafts[: self.matcher.validate_tokens(drafts)]
+        end, n = self.constrain_after, len(self.constrain_after)
+        context = self.token_ids[len(self.token_ids) - n + 1 :] if n > 1 else []
+        for i in range(len(drafts)):
+            if tuple((context + drafts[: i + 1])[-n:]) == end:
+                return drafts[:i]
+        return drafts
 
     @property
     def max_tokens(self) -> int:

@@ -10,6 +10,10 @@ sequences, writing its drafts' K/V into the slots the scheduler allocated for th
 draft is fed back too, so an accepted run leaves nothing to catch up on). Rejected
 drafts' slots are rewritten with the right tokens later, as the target's are. The drafts are
 one-hot proposals, verified as :mod:`pyxllm.executor.spec_decode` explains.
+
+Under tensor parallelism the draft is split over the TP ranks as the target is (its layers
+are the same parallel layers); rank 0 computes its logits and broadcasts the chosen tokens, so
+every rank feeds the same drafts to the target.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import dataclasses
 
 import torch
 
+from pyxllm.distributed.parallel_state import tensor_model_parallel_broadcast
 from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.kv_cache import KVCacheSpec, allocate_kv_caches
 from pyxllm.executor.runners import EagerRunner
@@ -70,7 +75,11 @@ class DraftModel:
         if not len(batch.logits_indices):
             return []
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
-        return logits.argmax(dim=-1).tolist()
+        if logits is not None:  # TP rank 0 (or one process) has the logits; the others wait
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(batch.logits_indices), dtype=torch.long, device=self.device)
+        return tensor_model_parallel_broadcast(tokens).tolist()
 
     @torch.inference_mode()
     def propose(self, plan: SchedulerOutput) -> None:

@@ -125,7 +125,9 @@ class ModelExecutor:
         # unread weights: each parameter's loader reads only this TP rank's slice
         weights = iter_weight_slices(source, model_config)
         if get_tp_rank() == 0:  # one progress bar, not one per rank
-            weights = tqdm(weights, desc="Loading weights", unit=" tensors", leave=False)
+            weights = tqdm(
+                weights, desc="Loading weights", unit=" tensors", leave=False, disable=None
+            )
         load_weights(self.model, weights)
         quantize_model(self.model, config.quantization)
 
@@ -151,6 +153,8 @@ class ModelExecutor:
             max_batch=config.max_seqs_per_batch,
             max_model_len=max_model_len,
             block_size=config.block_size,
+            max_query_len=1
+            + (config.speculative.num_speculative_tokens if config.speculative else 0),
         )
         self.sampler = Sampler(config.seed, self.device)
         self.draft = self._load_draft(config, model_config)
@@ -166,18 +170,15 @@ class ModelExecutor:
     def _load_draft(self, config: EngineConfig, model_config) -> DraftModel | None:
         """The draft model of ``--speculative-config``, if its method is ``draft_model``.
 
+        Under tensor parallelism the draft is split over the TP ranks as the target is.
+
         Raises:
-            ValueError: under tensor parallelism (not supported yet), or a draft with another
-                vocabulary.
+            ValueError: a draft with another vocabulary, or one whose heads do not split over
+                the TP ranks.
         """
         spec = config.speculative
         if spec is None or spec.method != "draft_model":
             return None
-        if config.world_size > 1:
-            raise ValueError(
-                "--speculative-config: method draft_model runs with --tensor-parallel-size 1 "
-                "only (ngram runs with any)"
-            )
         return DraftModel(spec.model, model_config, self)
 
     def make_context(self, batch: InputBatch) -> ForwardContext:

@@ -37,7 +37,9 @@ class ScheduledSequence:
             shorter than ``token_ids``, at the prompt's end); ``None`` when not wanted.
         allowed_token_bitmask: for a structured-output request that samples this step, the
             tokens its constraint allows: ``int32 [ceil(vocab_size / 32)]`` on the CPU, bit
-            ``t % 32`` of word ``t // 32`` for token ``t``; ``None`` when unconstrained.
+            ``t % 32`` of word ``t // 32`` for token ``t``; with drafts ``int32 [1 + k,
+            words]``, row ``j`` for the position after ``j`` drafts; ``None`` when
+            unconstrained.
         num_draft_tokens: ``k``, the speculative drafts at the end of ``token_ids`` (0: none);
             the step computes logits at the last ``1 + k`` positions and verifies the drafts.
     """

@@ -33,7 +33,8 @@ def expand_for_verification(
     seqs: list[ScheduledSequence],
 ) -> tuple[list[ScheduledSequence], list[int]]:
     """One sampling row per logits row: ``1 + k`` for a sequence with ``k`` drafts (row ``j``
-    samples as if ``d_1..d_j`` were already generated), one for any other.
+    samples as if ``d_1..d_j`` were already generated, with its constraint's row ``j``), one for
+    any other.
 
     Returns ``(rows, counts)``: the rows in logits order and how many each sequence has.
     """
@@ -44,13 +45,18 @@ def expand_for_verification(
         if not k:
             rows.append(seq)
             continue
-        drafts, params = seq.draft_token_ids, seq.sampling_params
+        drafts, params, bitmask = (
+            seq.draft_token_ids,
+            seq.sampling_params,
+            seq.allowed_token_bitmask,
+        )
         for j in range(k + 1):
             produced = seq.num_output_tokens + j
             rows.append(
                 dataclasses.replace(
                     seq,
                     num_output_tokens=produced,
+                    allowed_token_bitmask=None if bitmask is None else bitmask[j],
                     min_tokens_stop_ids=seq.min_tokens_stop_ids
                     if produced < params.min_tokens
                     else (),

@@ -43,6 +43,15 @@ class GrammarMatcher(Protocol):
         """Whether the constraint is complete and allows nothing but EOS."""
         ...
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids``, in order from the start, the constraint allows next; the
+        matcher's state does not change (speculative drafts are cut there)."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+        ...
+
 
 class StructuredOutputBackend(Protocol):
     """A grammar library bound to one model's tokenizer and vocabulary.

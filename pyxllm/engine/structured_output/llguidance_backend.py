@@ -38,6 +38,12 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        return self.matcher.validate_tokens(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
 
 class LLGuidanceBackend:
     """llguidance bound to a Hugging Face fast tokenizer.

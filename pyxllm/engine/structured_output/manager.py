@@ -10,7 +10,10 @@ and each step's bitmask for the constrained rows (vLLM's ``StructuredOutputManag
   engine's ``Request``: it survives preemption (the output tokens it has consumed stay) and
   ``n > 1`` children have one each.
 - :meth:`StructuredOutputManager.fill_bitmask` computes the step's ``int32 [rows, words]``
-  bitmask for the matchers of the rows that sample (see :mod:`.backend` for the layout).
+  bitmask for the matchers of the rows that sample (see :mod:`.backend` for the layout);
+  :meth:`StructuredOutputManager.fill_draft_bitmask` the ``1 + k`` rows of a sequence that
+  verifies ``k`` speculative drafts (vLLM's way: advance the matcher over the drafts, then roll
+  it back).
 """
 
 from __future__ import annotations
@@ -213,6 +216,30 @@ class StructuredOutputManager:
                     matchers[i].fill_bitmask(bitmask, i)
                 except Exception:  # noqa: BLE001
                     bitmask[i] = self._eos_row
+        return bitmask
+
+    def fill_draft_bitmask(self, matcher: GrammarMatcher, drafts: list[int]) -> torch.Tensor:
+        """The bitmask ``int32 [1 + k, ceil(vocab_size / 32)]`` of a sequence verifying the
+        ``k`` drafts ``drafts``: row ``j`` allows what may follow ``drafts[:j]``. The matcher
+        is advanced over the drafts and rolled back, so it ends where it started.
+
+        Rows after a draft the constraint refuses are EOS rows: the target never samples the
+        refused draft (its row's mask forbids it), so those rows are never used. (The engine
+        cuts drafts at the first refused token before scheduling them; this is defensive.)
+        """
+        bitmask = self._eos_row.repeat(1 + len(drafts), 1)
+        allowed = matcher.validate_tokens(drafts)
+        advanced = 0
+        try:
+            for j in range(allowed + 1):
+                if matcher.is_terminated():
+                    break
+                matcher.fill_bitmask(bitmask, j)
+                if j < allowed:
+                    matcher.accept_token(drafts[j])
+                    advanced += 1
+        finally:
+            matcher.rollback(advanced)
         return bitmask
 
     def shutdown(self) -> None:

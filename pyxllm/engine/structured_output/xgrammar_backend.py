@@ -31,6 +31,19 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """Accepts the tokens while allowed (xgrammar has no dry run), then rolls them back."""
+        accepted = 0
+        for token_id in token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+                break
+            accepted += 1
+        self.matcher.rollback(accepted)
+        return accepted
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
 
 class XGrammarBackend:
     """xgrammar bound to a Hugging Face tokenizer (arguments as :class:`~.llguidance_backend.

@@ -58,9 +58,11 @@ def build_runner(
     max_batch: int = 1,
     max_model_len: int = 1,
     block_size: int = 16,
+    max_query_len: int = 1,
 ) -> Runner:
     """The runner of ``kind`` (``eager``, ``compile`` or ``graph``; aliases are normalized by
-    ``EngineConfig``) for ``model`` on ``platform``; ``graph`` captures its buckets here.
+    ``EngineConfig``) for ``model`` on ``platform``; ``graph`` captures its buckets here and
+    replays queries of up to ``max_query_len`` tokens (see :class:`GraphRunner`).
 
     Raises:
         ValueError: ``kind`` is not among ``platform.runners`` (never replaced by another).
@@ -78,4 +80,5 @@ def build_runner(
         max_model_len,
         block_size,
         graph_capture_for(platform),
+        max_query_len,
     )

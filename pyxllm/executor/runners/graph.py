@@ -10,6 +10,14 @@ A decode batch of ``n`` sequences runs in the smallest bucket ``b >= n`` (1, 2, 
 multiples of 16 up to ``--max-seqs-per-batch``). Rows ``n..b`` are padding: token 0 at
 position 0, slot -1 (the cache write skips it), a context of 1 token in block 0 (finite,
 discarded output). Steps with a prefill, or more sequences than the largest bucket, run eagerly.
+
+Speculative decoding's verification steps replay too, without captures of their own: a
+sequence verifying ``k`` drafts is ``1 + k`` decode rows, row ``j`` the token at position ``p_j``
+with a context of ``p_j + 1`` tokens over the sequence's block table. Every layer writes the
+step's K/V into the cache before it attends, so row ``j`` sees the drafts before it and none
+after: the causal attention of a ``1 + k``-token query, computed by the decode kernel that
+decoding without speculation uses (vLLM's FlashInfer and TRT-LLM paths treat short speculative
+queries as decodes the same way).
 """
 
 from __future__ import annotations
@@ -126,6 +134,8 @@ class GraphRunner(Runner):
         max_model_len: longest context in tokens; captured attention spans this many.
         block_size: tokens per KV block.
         capture: a :class:`DeviceGraphCapture` or :class:`EagerCapture`.
+        max_query_len: the longest query of a sequence that replays (as that many decode rows;
+            ``1 + num_speculative_tokens`` with speculative decoding, else 1).
 
     Attributes:
         sizes: the buckets, ascending; replays: bucket -> how many steps replayed in it.
@@ -142,6 +152,7 @@ class GraphRunner(Runner):
         max_model_len: int,
         block_size: int,
         capture,
+        max_query_len: int = 1,
     ) -> None:
         uncapturable = sorted(
             {type(m).__name__ for m in model.modules() if not getattr(m, "capturable", True)}
@@ -153,6 +164,7 @@ class GraphRunner(Runner):
             )
         super().__init__(model)
         self.attn_backend, self.kv_caches = attn_backend, kv_caches
+        self.max_query_len = max_query_len
         self.sizes = capture_sizes(max_batch)
         max_blocks = -(-max_model_len // block_size)
         self.max_seq_len = max_blocks * block_size
@@ -192,42 +204,48 @@ class GraphRunner(Runner):
             return self.model(input_ids, positions)
 
     def bucket_for(self, batch) -> int | None:
-        """The bucket an ``InputBatch`` replays in; ``None`` when it must run eagerly (a prefill
-        in it, too many sequences, or a context longer than the captured one)."""
-        n = len(batch.query_lens)
+        """The bucket an ``InputBatch`` replays in (one row per token); ``None`` when it must
+        run eagerly (a query longer than ``max_query_len``, more tokens than the largest
+        bucket, or a context longer than the captured one)."""
+        n = sum(batch.query_lens)
         if (
             n > self.sizes[-1]
-            or any(q != 1 for q in batch.query_lens)
+            or max(batch.query_lens) > self.max_query_len
             or max(batch.seq_lens_list) > self.max_seq_len
         ):
             return None
         return next(s for s in self.sizes if s >= n)
 
     def pad_inputs(self, batch, size: int) -> None:
-        """Copy a decode batch of ``n`` rows into the static buffers' first ``n`` rows and pad
-        rows ``n..size`` (token 0, position 0, slot -1, context 1, block table of zeros)."""
-        n, width = len(batch.query_lens), batch.block_tables.shape[1]
+        """Copy a batch of ``n`` tokens into the static buffers' first ``n`` rows, one decode
+        row per token (context ``position + 1`` over its sequence's block table), and pad rows
+        ``n..size`` (token 0, position 0, slot -1, context 1, block table of zeros)."""
+        n, width = len(batch.input_ids), batch.block_tables.shape[1]
+        tables = batch.block_tables
+        if n != len(batch.query_lens):  # some sequence verifies drafts: a row per token
+            counts = torch.tensor(batch.query_lens, device=tables.device)
+            tables = tables.repeat_interleave(counts, dim=0)
         self.input_ids[:n].copy_(batch.input_ids)
         self.input_ids[n:size].zero_()
         self.positions[:n].copy_(batch.positions)
         self.positions[n:size].zero_()
         self.slot_mapping[:n].copy_(batch.slot_mapping)
         self.slot_mapping[n:size].fill_(-1)
-        self.seq_lens[:n].copy_(batch.seq_lens)
+        torch.add(batch.positions, 1, out=self.seq_lens[:n])
         self.seq_lens[n:size].fill_(1)
         self.block_tables[:size].zero_()
-        self.block_tables[:n, :width].copy_(batch.block_tables)
+        self.block_tables[:n, :width].copy_(tables)
 
     @torch.inference_mode()
     def execute(self, batch, make_context) -> torch.Tensor:
-        """Hidden states ``[n, hidden]``; a replay's are a view of the graph's output buffer,
+        """Hidden states ``[T, hidden]``; a replay's are a view of the graph's output buffer,
         valid until the next replay."""
         size = self.bucket_for(batch)
         if size is None or batch.block_tables.shape[1] > self.block_tables.shape[1]:
             return super().execute(batch, make_context)
         self.pad_inputs(batch, size)
         self.replays[size] += 1
-        return self.graphs[size]()[: len(batch.query_lens)]
+        return self.graphs[size]()[: len(batch.input_ids)]
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
