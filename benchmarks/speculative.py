@@ -37,7 +37,7 @@ from compare import log
 ROOT = Path(__file__).resolve().parent.parent
 # pyxllm's fastest batch-1 set-up on a CPU (README, Performance): the GGUF's 4-bit weights,
 # decode and verification steps replayed from TorchScript traces
-QUANTIZATION, GRAPH_BACKEND = "int4", "graph"
+QUANTIZATION, GRAPH_BACKEND = "none", "graph"
 FREE = [
     "What are three good habits for staying healthy?",
     "Write a short story about a robot who learns to paint.",

@@ -137,6 +137,25 @@ def test_w8a8_linear_matches_native_exactly(dtype):
         fused.w8a8_linear(x[..., :64], q, scales)
 
 
+@pytest.mark.parametrize("rows", range(1, fused.SMALL_LINEAR_ROWS + 1))
+def test_small_batch_linear_matches_native(rows):
+    """1 to 8 float32 rows (K = 577: a tail past the 8-lane blocks), with and without bias,
+    from a strided view; more rows or bfloat16 take F.linear itself."""
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(300, 577, generator=g), torch.randn(300, generator=g)
+    x = torch.randn(rows, 2, 577, generator=g)[:, 1]  # not contiguous
+    for b in (None, bias):
+        close(fused.linear(x, weight, b), native.linear(x, weight, b), torch.float32, 2e-5)
+    batched = x.reshape(1, rows, 577)
+    assert fused.linear(batched, weight).shape == (1, rows, 300)
+    many = torch.randn(fused.SMALL_LINEAR_ROWS + 1, 577, generator=g)
+    assert torch.equal(fused.linear(many, weight), native.linear(many, weight))
+    half = x.bfloat16()
+    assert torch.equal(
+        fused.linear(half, weight.bfloat16()), native.linear(half, weight.bfloat16())
+    )
+
+
 def test_decode_attention_of_an_empty_row_is_zero():
     """A graph-padding row (``seq_len`` 0) attends to nothing and gets zeros, not NaN."""
     cache = torch.randn(4, 16, 1, 8)

@@ -135,7 +135,8 @@ class GraphRunner(Runner):
         block_size: tokens per KV block.
         capture: a :class:`DeviceGraphCapture` or :class:`EagerCapture`.
         max_query_len: the longest query of a sequence that replays (as that many decode rows;
-            ``1 + num_speculative_tokens`` with speculative decoding, else 1).
+            ``1 + num_speculative_tokens`` with speculative decoding, else 1); it is a bucket
+            too.
 
     Attributes:
         sizes: the buckets, ascending; replays: bucket -> how many steps replayed in it.
@@ -165,7 +166,9 @@ class GraphRunner(Runner):
         super().__init__(model)
         self.attn_backend, self.kv_caches = attn_backend, kv_caches
         self.max_query_len = max_query_len
-        self.sizes = capture_sizes(max_batch)
+        # and a bucket of exactly one sequence verifying its drafts (padding it to the next
+        # power of two would add rows to every matmul of the step)
+        self.sizes = sorted({*capture_sizes(max_batch), min(max_query_len, max_batch)})
         max_blocks = -(-max_model_len // block_size)
         self.max_seq_len = max_blocks * block_size
         device, size = kv_caches[0][0].device, self.sizes[-1]

@@ -8,6 +8,7 @@ from pyxllm.kernels.native.elementwise import (
     rotary_embedding,
     silu_and_mul,
 )
+from pyxllm.kernels.native.linear import linear
 from pyxllm.kernels.native.moe import fused_moe, fused_topk
 from pyxllm.kernels.native.paged_attention import (
     decode_attention_mask,
@@ -25,6 +26,7 @@ __all__ = [
     "fused_topk",
     "int4_linear",
     "int8_linear",
+    "linear",
     "pack_int4_weight",
     "paged_attention_decode",
     "paged_attention_prefill",

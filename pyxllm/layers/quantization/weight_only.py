@@ -19,7 +19,6 @@ the dequantizing reference elsewhere), so layers hold no device branch.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pyxllm import kernels
@@ -58,7 +57,8 @@ def quantize_int4_groups(
 
 
 class UnquantizedLinearMethod:
-    """``F.linear`` on the float ``layer.weight``."""
+    """``kernels.ops.linear`` (``F.linear``, or the platform's own) on the float
+    ``layer.weight``."""
 
     name = None
 
@@ -68,7 +68,7 @@ class UnquantizedLinearMethod:
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return kernels.ops.linear(x, layer.weight, bias)
 
 
 def replace_weight(layer: nn.Module, **buffers: torch.Tensor) -> None:
