@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -198,7 +199,7 @@ inline void exp_shifted(float* x, int64_t n, float shift) {
 // Work below this many elements in all runs on the calling thread: waking the pool costs more
 // (measured on 2 cores: a few microseconds). Attention counts multiply-adds, cheaper per unit.
 constexpr int64_t kSerialElements = 1 << 15;
-constexpr int64_t kSerialAttention = 1 << 18;
+constexpr int64_t kSerialAttention = 1 << 14;
 
 inline int64_t grain_for(int64_t rows, int64_t row_elements, int64_t serial_below = kSerialElements) {
   return rows * row_elements < serial_below ? std::max<int64_t>(rows, 1) : 1;
@@ -390,20 +391,22 @@ inline int64_t slot_of(const int64_t* table, int64_t l, int64_t block_size) {
   return table[l / block_size] * block_size + l % block_size;
 }
 
-// The `group` query heads q ([group, 16 * C], scaled) of one KV head over `len` cached tokens
-// whose keys and values are gathered in kf, vf ([len, 16 * C] float32); writes out [group, 16 * C].
-// C (head_dim / 16) is a compile-time constant, so a key row, a query and an accumulator each
-// live in C vector registers; scores is [len] scratch.
+// The `group` query heads q ([group, 16 * C], scaled) of one KV head over `len` cached tokens;
+// token l's key and value rows (16 * C float32) are at k + rows[l] and v + rows[l] (the cache
+// itself for float32, a converted copy for bfloat16); writes out [group, 16 * C]. C
+// (head_dim / 16) is a compile-time constant, so a key row, a query and an accumulator each live
+// in C vector registers; scores is [len] scratch.
 template <int C>
-void attend_one_kv_head(float* out, const float* q, const float* kf, const float* vf, int64_t len, int64_t group,
-                        float* scores) {
+void attend_one_kv_head(float* out, const float* q, const float* k, const float* v, const int64_t* rows, int64_t len,
+                        int64_t group, float* scores) {
   constexpr int64_t D = 16 * C;
   for (int64_t g = 0; g < group; ++g) {
     Vec16 qg[C];
     for (int c = 0; c < C; ++c) qg[c] = load16(q + g * D + 16 * c);
     auto partial = [&](int64_t l) {  // the 16 partial sums of q . k_l
-      Vec16 p = qg[0] * load16(kf + l * D);
-      for (int c = 1; c < C; ++c) p += qg[c] * load16(kf + l * D + 16 * c);
+      const float* kl = k + rows[l];
+      Vec16 p = qg[0] * load16(kl);
+      for (int c = 1; c < C; ++c) p += qg[c] * load16(kl + 16 * c);
       return p;
     };
     int64_t l = 0;
@@ -414,7 +417,7 @@ void attend_one_kv_head(float* out, const float* q, const float* kf, const float
     const float inv = len ? 1.f / sum(scores, len) : 0.f;
     Vec16 acc[C] = {};
     for (int64_t l = 0; l < len; ++l)
-      for (int c = 0; c < C; ++c) acc[c] += scores[l] * load16(vf + l * D + 16 * c);
+      for (int c = 0; c < C; ++c) acc[c] += scores[l] * load16(v + rows[l] + 16 * c);
     for (int c = 0; c < C; ++c) {
       acc[c] *= inv;
       std::memcpy(out + g * D + 16 * c, &acc[c], sizeof(Vec16));
@@ -545,15 +548,20 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
   const int64_t splits = batch < at::get_num_threads() ? num_kv_heads : 1;  // KV-head ranges per sequence
   const int64_t kv_per_task = num_kv_heads / splits;
   const int64_t tasks = batch * splits;
+  // float32 attends to the cache rows in place; bfloat16 (without AVX512-BF16) to converted copies
+  constexpr bool in_place = std::is_same_v<T, float>;
+  const bool vectorized = head_dim == 64 || head_dim == 128;
   at::parallel_for(0, tasks, grain_for(tasks, 2 * kv_per_task * group * max_len * head_dim, kSerialAttention), [&](int64_t begin, int64_t end) {
-    std::vector<float> kf(max_len * head_dim), vf(max_len * head_dim), scores(group * max_len), q(group * head_dim),
-        o(group * head_dim);
+    // scratch left uninitialized (a std::vector would zero it, every call)
+    const bool copies = !(in_place && vectorized);
+    std::unique_ptr<float[]> kf(new float[copies ? max_len * head_dim : 0]), vf(new float[copies ? max_len * head_dim : 0]),
+        scores(new float[group * max_len + 1]), q(new float[group * head_dim]), o(new float[group * head_dim]);
+    std::unique_ptr<int64_t[]> rows(new int64_t[max_len + 1]);
 #if defined(__AVX512BF16__)
     constexpr bool bf16_dots = std::is_same_v<T, BFloat16>;
     std::vector<uint32_t> probs(group * (max_len / 2 + 1));
     std::vector<float> inv(group);
     std::vector<BFloat16> qh(group * head_dim);
-    std::vector<int64_t> rows(max_len);
 #endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / splits;
@@ -562,7 +570,7 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
       const int64_t* table = block_tables + b * max_blocks;
       for (int64_t kvh = (task % splits) * kv_per_task; kvh < (task % splits + 1) * kv_per_task; ++kvh) {
         for (int64_t g = 0; g < group; ++g) {
-          float* qg = q.data() + g * head_dim;
+          float* qg = q.get() + g * head_dim;
           Rows<T>::load(qg, query + b * q_stride_b + (kvh * group + g) * q_stride_h, head_dim);
           for (int64_t d = 0; d < head_dim; ++d) qg[d] *= scale;
           Rows<T>::round(qg, head_dim);
@@ -574,26 +582,39 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
             for (int64_t l = start - start % block_size; l < start + len; l += block_size)  // no division per token
               for (int64_t t = 0, base = table[l / block_size] * block_size; t < block_size && l + t < start + len; ++t)
                 if (l + t >= start) rows[l + t - start] = (base + t) * kv_row + kvh * head_dim;
-            Rows<BFloat16>::store(qh.data(), q.data(), group * head_dim);
+            Rows<BFloat16>::store(qh.data(), q.get(), group * head_dim);
             (head_dim == 64 ? attend_one_kv_head_bf16<64> : attend_one_kv_head_bf16<128>)(
-                head_out, qh.data(), k_cache, v_cache, rows.data(), len, group, scores.data(), probs.data(),
+                head_out, qh.data(), k_cache, v_cache, rows.get(), len, group, scores.get(), probs.data(),
                 inv.data());
             continue;
           }
         }
 #endif
-        for (int64_t l = 0; l < len; ++l) {
-          const int64_t offset = slot_of(table, start + l, block_size) * kv_row + kvh * head_dim;
-          Rows<T>::load(kf.data() + l * head_dim, k_cache + offset, head_dim);
-          Rows<T>::load(vf.data() + l * head_dim, v_cache + offset, head_dim);
+        const float* k = kf.get();
+        const float* v = vf.get();
+        if constexpr (in_place) {
+          if (vectorized) {
+            for (int64_t l = 0; l < len; ++l)
+              rows[l] = slot_of(table, start + l, block_size) * kv_row + kvh * head_dim;
+            k = reinterpret_cast<const float*>(k_cache);
+            v = reinterpret_cast<const float*>(v_cache);
+          }
+        }
+        if (copies) {
+          for (int64_t l = 0; l < len; ++l) {
+            const int64_t offset = slot_of(table, start + l, block_size) * kv_row + kvh * head_dim;
+            Rows<T>::load(kf.get() + l * head_dim, k_cache + offset, head_dim);
+            Rows<T>::load(vf.get() + l * head_dim, v_cache + offset, head_dim);
+            rows[l] = l * head_dim;
+          }
         }
         if (head_dim == 64)
-          attend_one_kv_head<4>(o.data(), q.data(), kf.data(), vf.data(), len, group, scores.data());
+          attend_one_kv_head<4>(o.get(), q.get(), k, v, rows.get(), len, group, scores.get());
         else if (head_dim == 128)
-          attend_one_kv_head<8>(o.data(), q.data(), kf.data(), vf.data(), len, group, scores.data());
+          attend_one_kv_head<8>(o.get(), q.get(), k, v, rows.get(), len, group, scores.get());
         else
-          attend_one_kv_head_any(o.data(), q.data(), kf.data(), vf.data(), len, group, head_dim, scores.data());
-        Rows<T>::store(head_out, o.data(), group * head_dim);
+          attend_one_kv_head_any(o.get(), q.get(), k, v, len, group, head_dim, scores.get());
+        Rows<T>::store(head_out, o.get(), group * head_dim);
       }
     }
   });
