@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(VENV)/bin/pyxllm serve $(ARGS)
 
+# Two pytest workers with one torch thread each, every test module whole on one worker (its
+# module fixtures built once): run serially, the suite kept ~1.1 of 2 cores busy. Servers the
+# tests start inherit OMP_NUM_THREADS=1. TEST_WORKERS=0 runs it in this process, serially.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q --durations=20 $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # ruff's linter and formatter check (configuration in pyproject.toml; also a pre-commit hook)
 lint: $(STAMP)

@@ -13,7 +13,7 @@ Figures (each printed with pyxllm's ratio to each peer that ran):
 3. Serving, ``--concurrency`` (8) clients: ``pyxllm serve --quantization w8a8`` against
    ``python -m llama_cpp.server`` (extra ``llamacpp``), both driven by ``pyxllm bench serve``'s
    client: aggregate output tok/s and median TTFT.
-4. Speculative decoding, batch 1, input-grounded prompts (``speculative.py``'s): pyxllm int4
+4. Speculative decoding, batch 1, input-grounded prompts (``speculative.py``'s): pyxllm float32
    without and with n-gram speculation, llama-cpp-python without and with its prompt-lookup
    decoding, ``--output-len`` tokens each.
 
@@ -383,7 +383,7 @@ def main() -> None:
     spec = results.get("speculative", {})
     if spec:
         lines += ratio_lines(
-            "Speculative decoding, grounded batch 1 (int4, n-gram)",
+            "Speculative decoding, grounded batch 1 (float32, n-gram)",
             spec["with"],
             {
                 "pyxllm without speculation": spec["without"],

@@ -81,6 +81,12 @@ class TraceCapture:
         ):  # TracerWarnings about Python values: the step has none that vary
             warnings.simplefilter("ignore")
             traced = torch.jit.trace(fn, args, check_trace=False)
+        # TorchScript's profiling executor runs a graph unoptimized while it profiles it (the
+        # first two calls: ~150-250 ms each for SmolLM2, against ~35 after), so those calls are
+        # made here, at start-up, not by the first requests (the static buffers hold padding:
+        # slot -1, nothing is written to the caches)
+        for _ in range(2):
+            traced(*args)
         return lambda: traced(*args)
 
 
