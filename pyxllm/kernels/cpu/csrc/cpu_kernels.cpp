@@ -82,11 +82,15 @@ inline float reduce_lanes(float* part) {
 // GCC/Clang vector extension: 16 float32 lanes (one AVX-512 register, or several narrower ones).
 typedef float Vec16 __attribute__((vector_size(64)));
 
-inline Vec16 load16(const float* p) {
-  Vec16 v;
+// A vector of floats from unaligned memory (memcpy: no alignment or aliasing assumption).
+template <typename V>
+inline V load_vector(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+
+inline Vec16 load16(const float* p) { return load_vector<Vec16>(p); }
 
 // Sum of the 16 lanes by halving shuffles, in registers.
 inline float hsum(Vec16 v) {
@@ -801,11 +805,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 constexpr int64_t kSmallLinearRows = 8;
 typedef float Vec8 __attribute__((vector_size(32)));
 
-inline Vec8 load8(const float* p) {
-  Vec8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+inline Vec8 load8(const float* p) { return load_vector<Vec8>(p); }
 
 inline float hsum8(Vec8 v) {
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
