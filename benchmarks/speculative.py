@@ -98,6 +98,7 @@ def llamacpp_grounded(prompts: list[str], output_len: int, threads: int, lookup:
         n_batch=512,
         verbose=False,
         draft_model=LlamaPromptLookupDecoding() if lookup else None,
+        logits_all=lookup,  # verifying drafts reads the logits of every drafted position
     )
     eos = llm.token_eos()
 
