@@ -196,13 +196,12 @@ def main() -> None:
     # after pyxllm's runs: llama.cpp's OpenMP runtime competes with torch's once it is loaded
     if not args.skip_llamacpp and importlib.util.find_spec("llama_cpp") is not None:
         ours = results["input-grounded, batch 1"]["with"]["output_tok_s"]
-        for lookup, name in ((False, "llama.cpp"), (True, "llama.cpp prompt lookup")):
-            results[name] = llamacpp_grounded(grounded, args.output_len, args.threads, lookup)
+        for name, rate in llamacpp_figures(args.output_len, args.threads).items():
+            results[name] = {"output_tok_s": rate}
             log(name, json.dumps(results[name]))
             lines.append(
-                f"input-grounded, batch 1, {name}: {results[name]['output_tok_s']:.1f} tok/s -> "
-                f"pyxllm with speculation / {name} = "
-                f"{ours / results[name]['output_tok_s']:.2f}x"
+                f"input-grounded, batch 1, {name}: {rate:.1f} tok/s -> "
+                f"pyxllm with speculation / {name} = {ours / rate:.2f}x"
             )
     log("\n".join(lines))
     if args.result_file:

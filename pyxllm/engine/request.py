@@ -102,8 +102,8 @@ class Request:
         if self.matcher is None:
             return True
         if self.constrain_after:
-            n = len(self.constrain_after)
-            if tuple(self.token_ids[position + 1 - n : position + 1]) == self.constrain_after:
+            start = max(0, position + 1 - len(self.constrain_after))
+            if self._ends_reasoning(self.token_ids[start : position + 1]):
                 self.constrain_after = ()
             return True
         if self.matcher.is_terminated():  # complete: only EOS follows (kept with ignore_eos)
@@ -122,12 +122,17 @@ class Request:
             return drafts
         if not self.constrain_after:
             return drafts[: self.matcher.validate_tokens(drafts)]
-        end, n = self.constrain_after, len(self.constrain_after)
+        n = len(self.constrain_after)
         context = self.token_ids[len(self.token_ids) - n + 1 :] if n > 1 else []
         for i in range(len(drafts)):
-            if tuple((context + drafts[: i + 1])[-n:]) == end:
+            if self._ends_reasoning(context + drafts[: i + 1]):
                 return drafts[:i]
         return drafts
+
+    def _ends_reasoning(self, tokens: list[int]) -> bool:
+        """Whether ``tokens`` end with the end of the reasoning (``constrain_after``)."""
+        n = len(self.constrain_after)
+        return len(tokens) >= n and tuple(tokens[-n:]) == self.constrain_after
 
     @property
     def max_tokens(self) -> int:
