@@ -146,9 +146,11 @@ class StructuredOutputManager:
         vocab_size: the model's vocabulary size (the logits' columns).
         eos_token_ids: the ids that end generation.
 
-    The backend itself (the library's view of the vocabulary: ~3 s for a 49k vocabulary on
-    2 cores, see :func:`_build_backend`) starts building on the pool at once, in the
-    background, so that the first constrained request does not wait for it.
+    The backend itself (the library's view of the vocabulary: ~3 s of CPU for a 49k vocabulary
+    on 2 cores, see :func:`_build_backend`) is built on the pool when the first constraint
+    arrives, or when :meth:`prepare` asks for it (the API server does at start-up). Offline
+    users who never constrain a request never pay for it, and its 3 s do not compete with their
+    first requests for the cores (vLLM builds its backend lazily too).
     """
 
     def __init__(self, backend: str, hf_tokenizer, vocab_size: int, eos_token_ids) -> None:
@@ -166,6 +168,9 @@ class StructuredOutputManager:
         self._eos_row = torch.zeros(bitmask_width(vocab_size), dtype=torch.int32)
         for token_id in eos_token_ids:
             self._eos_row[token_id // 32] |= torch.tensor(1 << (token_id % 32)).to(torch.int32)
+
+    def prepare(self) -> None:
+        """Start building the backend in the background now (returns at once)."""
         self._get_backend()
 
     def _get_backend(self) -> Future:

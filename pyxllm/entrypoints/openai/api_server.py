@@ -160,6 +160,8 @@ def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
     app = FastAPI(title="pyxllm", summary="OpenAI-compatible API of a pyxllm engine")
     app.include_router(router)
     app.state.engine = engine
+    if engine.input_processor.structured_outputs is not None:  # ready for the first constraint
+        engine.input_processor.structured_outputs.prepare()
     app.state.openai_serving_chat = OpenAIServingChat(engine, options)
     app.state.openai_serving_completion = OpenAIServingCompletion(engine, options)
     app.state.openai_serving_tokenization = OpenAIServingTokenization(

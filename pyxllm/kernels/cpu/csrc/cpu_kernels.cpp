@@ -92,6 +92,12 @@ inline V load_vector(const float* p) {
 
 inline Vec16 load16(const float* p) { return load_vector<Vec16>(p); }
 
+// 8 float32 lanes (one AVX2 register): the unit of the attention tiles and the small-batch linear
+// (an AVX-512 machine runs them on half registers).
+typedef float Vec8 __attribute__((vector_size(32)));
+
+inline Vec8 load8(const float* p) { return load_vector<Vec8>(p); }
+
 // Sum of the 16 lanes by halving shuffles, in registers.
 inline float hsum(Vec16 v) {
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -390,41 +396,76 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   }
 }
 
-// The cache slot of position l of a sequence with block table `table`.
-inline int64_t slot_of(const int64_t* table, int64_t l, int64_t block_size) {
-  return table[l / block_size] * block_size + l % block_size;
+// rows[l] = the offset in a [num_blocks, block_size, kv_row] cache of head_offset within the K/V
+// row of position start + l, for l < len (a sequence with block table `table`; one division
+// per block, not per token).
+inline void cache_rows(int64_t* rows, const int64_t* table, int64_t start, int64_t len, int64_t block_size,
+                       int64_t kv_row, int64_t head_offset) {
+  for (int64_t l = start - start % block_size; l < start + len; l += block_size)
+    for (int64_t t = 0, base = table[l / block_size] * block_size; t < block_size && l + t < start + len; ++t)
+      if (l + t >= start) rows[l + t - start] = (base + t) * kv_row + head_offset;
 }
 
-// The `group` query heads q ([group, 16 * C], scaled) of one KV head over `len` cached tokens;
-// token l's key and value rows (16 * C float32) are at k + rows[l] and v + rows[l] (the cache
-// itself for float32, a converted copy for bfloat16); writes out [group, 16 * C]. C
-// (head_dim / 16) is a compile-time constant, so a key row, a query and an accumulator each live
-// in C vector registers; scores is [len] scratch.
+// {sum of a[j]'s lanes : j < 8} in lane order 0, 4, 2, 6, 1, 5, 3, 7 (3-bit reversal), by three
+// levels of pairwise shuffle-and-add: 7 adds and 14 shuffles for 8 dot products.
+inline Vec8 hsum8_bit_reversed(const Vec8* a) {
+  Vec8 half[4], quarter[2];
+  for (int j = 0; j < 4; ++j)  // [a_2j: 4 partials | a_2j+1: 4 partials]
+    half[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+              __builtin_shufflevector(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int j = 0; j < 2; ++j)  // [a_4j, a_4j+2, a_4j+1, a_4j+3: 2 partials each]
+    quarter[j] = __builtin_shufflevector(half[2 * j], half[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+                 __builtin_shufflevector(half[2 * j], half[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(quarter[0], quarter[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+         __builtin_shufflevector(quarter[0], quarter[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
+constexpr int kBitReversed8[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+
+// The `group` query heads q ([group, 8 * C], scaled) of one KV head over `len` cached tokens;
+// token l's key and value rows (8 * C float32) are at k + rows[l] and v + rows[l] (the cache
+// itself for float32, a converted copy for bfloat16), and rows[len .. len + 8) repeat the last
+// row (tile padding); writes out [group, 8 * C]. scores is [group, len rounded up to 8] scratch.
+//   QK: 8 tokens at a time, their rows reused (from L1) by every query head: per chunk of 8
+//   dimensions one query load serves 8 key loads, and hsum8_bit_reversed turns the 8 partial-sum
+//   vectors into the tile's 8 scores (token j is computed in accumulator kBitReversed8[j], so the
+//   lanes come out in token order).
+//   PV: 64 output dimensions (8 accumulators) at a time, a pass over the value rows each.
 template <int C>
 void attend_one_kv_head(float* out, const float* q, const float* k, const float* v, const int64_t* rows, int64_t len,
                         int64_t group, float* scores) {
-  constexpr int64_t D = 16 * C;
+  constexpr int64_t D = 8 * C;
+  const int64_t stride = (len + 7) / 8 * 8;
+  for (int64_t l = 0; l < len; l += 8) {
+    const float* key[8];
+    for (int j = 0; j < 8; ++j) key[j] = k + rows[l + kBitReversed8[j]];
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * D;
+      Vec8 acc[8] = {};
+      for (int c = 0; c < C; ++c) {
+        const Vec8 qc = load8(qg + 8 * c);
+        for (int j = 0; j < 8; ++j) acc[j] += qc * load8(key[j] + 8 * c);
+      }
+      const Vec8 tile = hsum8_bit_reversed(acc);
+      std::memcpy(scores + g * stride + l, &tile, sizeof tile);
+    }
+  }
   for (int64_t g = 0; g < group; ++g) {
-    Vec16 qg[C];
-    for (int c = 0; c < C; ++c) qg[c] = load16(q + g * D + 16 * c);
-    auto partial = [&](int64_t l) {  // the 16 partial sums of q . k_l
-      const float* kl = k + rows[l];
-      Vec16 p = qg[0] * load16(kl);
-      for (int c = 1; c < C; ++c) p += qg[c] * load16(kl + 16 * c);
-      return p;
-    };
-    int64_t l = 0;
-    for (; l + 4 <= len; l += 4) hsum4(partial(l), partial(l + 1), partial(l + 2), partial(l + 3), scores + l);
-    for (; l < len; ++l) scores[l] = hsum(partial(l));
-    const float peak = len ? *std::max_element(scores, scores + len) : 0.f;
-    exp_shifted(scores, len, peak);
-    const float inv = len ? 1.f / sum(scores, len) : 0.f;
-    Vec16 acc[C] = {};
-    for (int64_t l = 0; l < len; ++l)
-      for (int c = 0; c < C; ++c) acc[c] += scores[l] * load16(v + rows[l] + 16 * c);
-    for (int c = 0; c < C; ++c) {
-      acc[c] *= inv;
-      std::memcpy(out + g * D + 16 * c, &acc[c], sizeof(Vec16));
+    float* sc = scores + g * stride;
+    const float peak = len ? *std::max_element(sc, sc + len) : 0.f;
+    exp_shifted(sc, len, peak);
+    const float inv = len ? 1.f / sum(sc, len) : 0.f;
+    for (int c0 = 0; c0 < C; c0 += 8) {
+      constexpr int kAcc = C < 8 ? C : 8;
+      Vec8 acc[kAcc] = {};
+      for (int64_t l = 0; l < len; ++l) {
+        const float* vl = v + rows[l] + 8 * c0;
+        for (int c = 0; c < kAcc; ++c) acc[c] += sc[l] * load8(vl + 8 * c);
+      }
+      for (int c = 0; c < kAcc; ++c) {
+        acc[c] *= inv;
+        std::memcpy(out + g * D + 8 * (c0 + c), &acc[c], sizeof(Vec8));
+      }
     }
   }
 }
@@ -559,8 +600,8 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
     // scratch left uninitialized (a std::vector would zero it, every call)
     const bool copies = !(in_place && vectorized);
     std::unique_ptr<float[]> kf(new float[copies ? max_len * head_dim : 0]), vf(new float[copies ? max_len * head_dim : 0]),
-        scores(new float[group * max_len + 1]), q(new float[group * head_dim]), o(new float[group * head_dim]);
-    std::unique_ptr<int64_t[]> rows(new int64_t[max_len + 1]);
+        scores(new float[group * (max_len + 8)]), q(new float[group * head_dim]), o(new float[group * head_dim]);
+    std::unique_ptr<int64_t[]> rows(new int64_t[max_len + 8]);
 #if defined(__AVX512BF16__)
     constexpr bool bf16_dots = std::is_same_v<T, BFloat16>;
     std::vector<uint32_t> probs(group * (max_len / 2 + 1));
@@ -580,12 +621,10 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
           Rows<T>::round(qg, head_dim);
         }
         T* head_out = out + (b * num_heads + kvh * group) * head_dim;
+        cache_rows(rows.get(), table, start, len, block_size, kv_row, kvh * head_dim);
 #if defined(__AVX512BF16__)
         if constexpr (bf16_dots) {
           if (len > 0 && (head_dim == 64 || head_dim == 128)) {
-            for (int64_t l = start - start % block_size; l < start + len; l += block_size)  // no division per token
-              for (int64_t t = 0, base = table[l / block_size] * block_size; t < block_size && l + t < start + len; ++t)
-                if (l + t >= start) rows[l + t - start] = (base + t) * kv_row + kvh * head_dim;
             Rows<BFloat16>::store(qh.data(), q.get(), group * head_dim);
             (head_dim == 64 ? attend_one_kv_head_bf16<64> : attend_one_kv_head_bf16<128>)(
                 head_out, qh.data(), k_cache, v_cache, rows.get(), len, group, scores.get(), probs.data(),
@@ -594,28 +633,22 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
           }
         }
 #endif
-        const float* k = kf.get();
-        const float* v = vf.get();
-        if constexpr (in_place) {
-          if (vectorized) {
-            for (int64_t l = 0; l < len; ++l)
-              rows[l] = slot_of(table, start + l, block_size) * kv_row + kvh * head_dim;
-            k = reinterpret_cast<const float*>(k_cache);
-            v = reinterpret_cast<const float*>(v_cache);
-          }
-        }
+        const float* k = reinterpret_cast<const float*>(k_cache);
+        const float* v = reinterpret_cast<const float*>(v_cache);
         if (copies) {
           for (int64_t l = 0; l < len; ++l) {
-            const int64_t offset = slot_of(table, start + l, block_size) * kv_row + kvh * head_dim;
-            Rows<T>::load(kf.get() + l * head_dim, k_cache + offset, head_dim);
-            Rows<T>::load(vf.get() + l * head_dim, v_cache + offset, head_dim);
+            Rows<T>::load(kf.get() + l * head_dim, k_cache + rows[l], head_dim);
+            Rows<T>::load(vf.get() + l * head_dim, v_cache + rows[l], head_dim);
             rows[l] = l * head_dim;
           }
+          k = kf.get();
+          v = vf.get();
         }
+        for (int64_t l = len; l < len + 8 && len > 0; ++l) rows[l] = rows[len - 1];  // tile padding
         if (head_dim == 64)
-          attend_one_kv_head<4>(o.get(), q.get(), k, v, rows.get(), len, group, scores.get());
-        else if (head_dim == 128)
           attend_one_kv_head<8>(o.get(), q.get(), k, v, rows.get(), len, group, scores.get());
+        else if (head_dim == 128)
+          attend_one_kv_head<16>(o.get(), q.get(), k, v, rows.get(), len, group, scores.get());
         else
           attend_one_kv_head_any(o.get(), q.get(), k, v, len, group, head_dim, scores.get());
         Rows<T>::store(head_out, o.get(), group * head_dim);
@@ -803,10 +836,6 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 // MKL's GEMM over 2-8 rows costs ~2.3x its one-row GEMV on the development machine's AVX2 CPU
 // (README, Speculative decoding).
 constexpr int64_t kSmallLinearRows = 8;
-typedef float Vec8 __attribute__((vector_size(32)));
-
-inline Vec8 load8(const float* p) { return load_vector<Vec8>(p); }
-
 inline float hsum8(Vec8 v) {
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
