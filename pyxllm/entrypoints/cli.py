@@ -1,5 +1,5 @@
 """The ``pyxllm`` command: ``serve``, ``generate``, ``check-device`` and ``bench``
-(serve|throughput|latency).
+(serve|eval|throughput|latency).
 
 Flags are defined in :mod:`pyxllm.entrypoints.args`. A bad flag value exits with argparse's
 usage error (status 2); an error while loading the model (a ``ValueError`` or a missing file)
@@ -131,12 +131,17 @@ def run_check_device(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
-    """``pyxllm bench serve|throughput|latency`` (see :mod:`pyxllm.benchmarks`)."""
+    """``pyxllm bench serve|eval|throughput|latency`` (see :mod:`pyxllm.benchmarks`)."""
     if args.bench_command == "serve":
         from pyxllm.benchmarks.serve import bench_serve
 
         payload = bench_serve(args)
         return 0 if payload["completed"] else 1
+    if args.bench_command == "eval":
+        from pyxllm.benchmarks.eval import bench_eval
+
+        report = bench_eval(args)
+        return 0 if report["failed"] < report["accuracy"]["Num"] else 1
     if args.bench_command == "throughput":
         from pyxllm.benchmarks.throughput import bench_throughput
 
