@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 from pyxllm.benchmarks import gsm8k
 from pyxllm.benchmarks.report import write_json
+from pyxllm.benchmarks.serve import first_model
 
 TASKS = ("gsm8k",)
 
@@ -119,8 +120,8 @@ async def _score(client, base_url: str, model: str, fmt: str, max_tokens: int, s
             return
         payload = response.json()
         choice = payload["choices"][0]
-        sample.output = choice["message"]["content"] if fmt == "evalscope" else choice["text"]
-        sample.output = sample.output or ""
+        text = choice["message"]["content"] if fmt == "evalscope" else choice["text"]
+        sample.output = text or ""
         usage = payload.get("usage") or {}
         sample.prompt_tokens = usage.get("prompt_tokens", 0)
         sample.output_tokens = usage.get("completion_tokens", 0)
@@ -133,26 +134,6 @@ async def _score(client, base_url: str, model: str, fmt: str, max_tokens: int, s
     sample.correct = gsm8k.is_correct(sample.extracted, sample.gold)
 
 
-async def _first_model(client, base_url: str) -> str:
-    """The first model ``GET /models`` lists.
-
-    Raises:
-        ValueError: naming ``--base-url``, when the server cannot be reached or refuses.
-    """
-    import httpx
-
-    try:
-        response = await client.get(f"{base_url}/models")
-    except httpx.HTTPError as e:
-        raise ValueError(f"--base-url {base_url}: {type(e).__name__}: {e}") from e
-    if response.status_code != 200:
-        raise ValueError(
-            f"--base-url {base_url}: GET /models answered HTTP {response.status_code}: "
-            f"{response.text[:200]}"
-        )
-    return response.json()["data"][0]["id"]
-
-
 async def run_eval(
     base_url: str,
     samples: list[Sample],
@@ -162,7 +143,6 @@ async def run_eval(
     model_name: str | None = None,
     api_key: str | None = None,
     timeout: float = 600.0,
-    progress: bool = True,
 ) -> str:
     """Send every sample's request, filling the samples in place; returns the model name.
 
@@ -176,12 +156,10 @@ async def run_eval(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
         if model_name is None:
-            model_name = await _first_model(client, base_url)
+            model_name = await first_model(client, base_url)
         semaphore = asyncio.Semaphore(max_concurrency)
         # disable=None: no bar (and no carriage returns) when stderr is not a terminal
-        bar = tqdm(
-            total=len(samples), desc="gsm8k", unit="problem", disable=None if progress else True
-        )
+        bar = tqdm(total=len(samples), desc="gsm8k", unit="problem", disable=None)
 
         async def limited(sample: Sample) -> None:
             async with semaphore:

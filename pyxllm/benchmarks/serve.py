@@ -149,9 +149,23 @@ async def _one_request(client, url: str, body: dict, record: RequestRecord) -> N
         record.error = f"{type(e).__name__}: {e}"
 
 
-async def _model_name(client, base_url: str) -> str:
-    response = await client.get(f"{base_url}/models")
-    response.raise_for_status()
+async def first_model(client, base_url: str) -> str:
+    """The first model ``GET /models`` lists.
+
+    Raises:
+        ValueError: naming ``--base-url``, when the server cannot be reached or refuses.
+    """
+    import httpx
+
+    try:
+        response = await client.get(f"{base_url}/models")
+    except httpx.HTTPError as e:
+        raise ValueError(f"--base-url {base_url}: {type(e).__name__}: {e}") from e
+    if response.status_code != 200:
+        raise ValueError(
+            f"--base-url {base_url}: GET /models answered HTTP {response.status_code}: "
+            f"{response.text[:200]}"
+        )
     return response.json()["data"][0]["id"]
 
 
@@ -168,7 +182,11 @@ async def run_benchmark(
     extra_fields: dict | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Send every prompt (each request's body also gets ``extra_fields``); returns the
-    per-request records, in the order sent, and the wall duration in seconds."""
+    per-request records, in the order sent, and the wall duration in seconds.
+
+    Raises:
+        ValueError: the server cannot list its models (when ``model_name`` is None).
+    """
     import httpx
 
     base_url = base_url.rstrip("/")
@@ -176,7 +194,7 @@ async def run_benchmark(
         max_connections=max_concurrency + 2, max_keepalive_connections=max_concurrency + 2
     )
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        model = model_name or await _model_name(client, base_url)
+        model = model_name or await first_model(client, base_url)
         semaphore = asyncio.Semaphore(max_concurrency)
         rng = random.Random(seed)
         records = [RequestRecord(prompt_tokens=len(ids)) for _, ids in prompts]
