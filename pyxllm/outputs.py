@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -48,6 +52,13 @@ class RequestOutput:
 
     ``outputs`` holds ``n`` completions, ``outputs[i].index == i``; ``finished`` is true once
     all of them finished. ``prompt_logprobs`` (when asked for) has one entry per prompt token.
+
+    ``prompt_logprobs_tensor`` (with ``SamplingParams(prompt_logprobs=-1)``, else ``None``): the
+    raw model's log-softmax over the whole vocabulary at every prompt position but the last,
+    ``float32 [num_prompt_tokens - 1, vocab_size]`` on the CPU, natural log; row ``j`` is the
+    distribution of token ``j + 1`` given tokens ``0..j``, so ``row[j, prompt_token_ids[j + 1]]``
+    is vLLM's ``prompt_logprobs[j + 1][prompt_token_ids[j + 1]].logprob`` (vLLM's
+    ``prompt_logprobs=-1`` gives the same values as ``vocab_size`` dicts per token).
     """
 
     request_id: str
@@ -56,3 +67,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_tensor: torch.Tensor | None = None

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field, replace
 # Most top logprobs a request may ask for, per token (vLLM's default ``max_logprobs``; OpenAI's
 # ``top_logprobs`` limit).
 MAX_LOGPROBS = 20
+# ``prompt_logprobs`` asking for the whole vocabulary at every prompt position (vLLM's -1), as
+# one tensor (``RequestOutput.prompt_logprobs_tensor``) instead of per-token dicts.
+FULL_VOCAB_LOGPROBS = -1
 # Bounds of a ``logit_bias`` value, as OpenAI documents them.
 LOGIT_BIAS_LIMIT = 100.0
 # Bounds that keep float32 sampling arithmetic finite: logits (|x| < ~1e3) divided by a
@@ -127,7 +130,10 @@ class SamplingParams:
       short, with ``finish_reason`` ``length``).
     - ``logprobs``: return the log-probability of each sampled token and of the ``logprobs``
       most likely tokens (0: the sampled one only), up to :data:`MAX_LOGPROBS`;
-      ``prompt_logprobs``: the same for each prompt token (the first gets ``None``).
+      ``prompt_logprobs``: the same for each prompt token (the first gets ``None``);
+      :data:`FULL_VOCAB_LOGPROBS` (-1, vLLM's "all ``vocab_size`` logprobs") returns the raw
+      model's log-softmax at every prompt position as one tensor,
+      ``RequestOutput.prompt_logprobs_tensor``, rather than ``vocab_size`` dicts per token.
 
     Raises:
         ValueError: a value out of range; the message starts with the field name.
@@ -220,9 +226,15 @@ class SamplingParams:
                 f"min_tokens: {self.min_tokens} is more than max_tokens ({self.max_tokens})"
             )
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name}: must be in [0, {MAX_LOGPROBS}], got {value}")
+            value, prompt = getattr(self, name), name == "prompt_logprobs"
+            if (
+                value is None
+                or 0 <= value <= MAX_LOGPROBS
+                or (prompt and value == FULL_VOCAB_LOGPROBS)
+            ):
+                continue
+            full = " or -1 (the whole vocabulary)" if prompt else ""
+            raise ValueError(f"{name}: must be in [0, {MAX_LOGPROBS}]{full}, got {value}")
 
     @property
     def greedy(self) -> bool:

@@ -1,11 +1,13 @@
 """Sampling features through the offline engine: ``n`` fan-out, seeds, prompt logprobs across
-prefill chunks and prefix-cache hits, aborting a parent request, ``min_tokens`` and stops."""
+prefill chunks and prefix-cache hits (top-k dicts, and the whole vocabulary as one tensor),
+aborting a parent request, ``min_tokens`` and stops."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
 
 from pyxllm.entrypoints.llm import LLM
 from pyxllm.sampling_params import SamplingParams
@@ -55,6 +57,30 @@ def test_prompt_logprobs_across_chunks_equal_the_sampled_ones(llm):
     assert _values(again.prompt_logprobs[1:], ids[1:]) == pytest.approx(
         _values(scored.prompt_logprobs[1:], ids[1:]), abs=1e-5
     )
+
+
+def test_full_vocab_prompt_logprobs_are_one_tensor_across_chunks(llm):
+    ids = llm.get_tokenizer().encode(PROMPT)
+    full = SamplingParams(max_tokens=1, prompt_logprobs=-1)
+    out = llm.generate({"prompt_token_ids": ids}, full)[0]
+    rows = out.prompt_logprobs_tensor
+    assert out.prompt_logprobs is None and rows.dtype == torch.float32
+    assert rows.shape == (len(ids) - 1, 49152) and rows.device.type == "cpu"
+    assert torch.allclose(rows.exp().sum(dim=-1), torch.ones(len(ids) - 1), atol=1e-4)
+    top = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    entries = top[0].prompt_logprobs[1:]
+    given = rows.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+    assert given.tolist() == pytest.approx(_values(entries, ids[1:]), abs=1e-5)
+    best = [next(t for t, e in entry.items() if e.rank == 1) for entry in entries]
+    assert rows.argmax(dim=-1).tolist() == best
+    # the prompt's blocks are cached now; every position is computed again, and with n = 2 the
+    # first child's rows come back on the parent's output
+    again = llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(n=2, max_tokens=1, prompt_logprobs=-1)
+    )
+    assert torch.allclose(again[0].prompt_logprobs_tensor, rows, atol=1e-5)
+    with pytest.raises(ValueError, match=r"^logprobs: must be in \[0, 20\], got -1"):
+        SamplingParams(logprobs=-1)
 
 
 def test_n_children_are_independent_and_seeded(llm):

@@ -383,6 +383,7 @@ class LLMEngine:
             [completion],
             request.status.finished,
             request.prompt_logprobs,
+            request.prompt_logprobs_tensor(),
         )
 
     def stats(self) -> dict[str, int | float]:

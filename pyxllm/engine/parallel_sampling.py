@@ -38,7 +38,7 @@ class ParentRequest:
         self.child_ids = [child_request_id(request_id, i) for i in range(params.n)]
         self.outputs = [CompletionOutput(index=i, text="", token_ids=[]) for i in range(params.n)]
         self.finished = [False] * params.n
-        self.prompt_logprobs = None
+        self.prompt_logprobs = self.prompt_logprobs_tensor = None
 
     def child_params(self, index: int) -> SamplingParams:
         """The sampling parameters of child ``index``: ``n=1``, ``seed + index``, and prompt
@@ -58,6 +58,8 @@ class ParentRequest:
         self.finished[completion.index] = child.finished
         if child.prompt_logprobs is not None:
             self.prompt_logprobs = child.prompt_logprobs
+        if child.prompt_logprobs_tensor is not None:
+            self.prompt_logprobs_tensor = child.prompt_logprobs_tensor
 
     def output(self) -> RequestOutput:
         """The parent's output: every child's latest completion, finished when all are."""
@@ -68,6 +70,7 @@ class ParentRequest:
             list(self.outputs),
             all(self.finished),
             self.prompt_logprobs,
+            self.prompt_logprobs_tensor,
         )
 
 

@@ -11,7 +11,7 @@ import torch
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.structured_output import GrammarMatcher
 from pyxllm.outputs import PromptLogprobs, SampleLogprobs
-from pyxllm.sampling_params import SamplingParams
+from pyxllm.sampling_params import FULL_VOCAB_LOGPROBS, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +43,9 @@ class Request:
         min_tokens_stop_ids: token ids forbidden until ``min_tokens`` tokens were generated
             (EOS unless ``ignore_eos``, and ``stop_token_ids``); empty without ``min_tokens``.
         logprobs / prompt_logprobs: collected per generated / prompt token when asked for.
+        prompt_logprob_rows: with ``prompt_logprobs=-1`` (the whole vocabulary), the
+            log-softmax rows collected so far instead: ``float32 [rows, vocab_size]`` chunks,
+            one per prefill step, row ``j`` of all of them scoring prompt token ``j + 1``.
         matcher: the request's structured-output matcher (advanced by each generated token),
             ``None`` without a constraint.
         constrain_after: while the output has not yet ended with these token ids (the end of
@@ -68,6 +71,7 @@ class Request:
     min_tokens_stop_ids: tuple[int, ...] = ()
     logprobs: SampleLogprobs | None = field(default=None, repr=False)
     prompt_logprobs: PromptLogprobs | None = field(default=None, repr=False)
+    prompt_logprob_rows: list[torch.Tensor] | None = field(default=None, repr=False)
     matcher: GrammarMatcher | None = field(default=None, repr=False)
     constrain_after: tuple[int, ...] = ()
     spec_token_ids: list[int] = field(default_factory=list, repr=False)
@@ -79,16 +83,36 @@ class Request:
             self.generator = torch.Generator().manual_seed(params.seed % 2**64)
         if params.logprobs is not None:
             self.logprobs = []
-        if params.prompt_logprobs is not None:
+        if params.prompt_logprobs == FULL_VOCAB_LOGPROBS:
+            self.prompt_logprob_rows = []
+        elif params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+
+    @property
+    def num_prompt_logprobs_recorded(self) -> int:
+        """Leading prompt tokens whose logprobs are recorded, the first one counted (it has
+        none to record); 0 when the request asked for none."""
+        if self.prompt_logprob_rows is not None:
+            return 1 + sum(len(rows) for rows in self.prompt_logprob_rows)
+        return 0 if self.prompt_logprobs is None else len(self.prompt_logprobs)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
         """True while some prompt token still lacks its logprobs (its prefill must compute
         logits at every prompt position, so it takes no prefix-cache hit)."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
-            self.prompt_token_ids
-        )
+        wanted = self.prompt_logprobs is not None or self.prompt_logprob_rows is not None
+        return wanted and self.num_prompt_logprobs_recorded < self.num_prompt_tokens
+
+    def prompt_logprobs_tensor(self) -> torch.Tensor | None:
+        """The collected :attr:`prompt_logprob_rows` as one ``float32 [num_prompt_tokens - 1,
+        vocab_size]`` tensor once the prompt is computed (joined once, then kept); ``None``
+        without ``prompt_logprobs=-1`` or for a one-token prompt."""
+        rows = self.prompt_logprob_rows
+        if not rows:
+            return None
+        if len(rows) > 1:
+            self.prompt_logprob_rows = rows = [torch.cat(rows)]
+        return rows[0]
 
     @property
     def constrained(self) -> bool:

@@ -27,6 +27,7 @@ from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
 from pyxllm.platforms import Platform
 from pyxllm.platforms.interface import TORCH_DTYPES, load_class
+from pyxllm.sampling_params import FULL_VOCAB_LOGPROBS
 from pyxllm.weights import ModelSource, iter_weight_slices
 
 logger = logging.getLogger(__name__)
@@ -84,13 +85,14 @@ class StepResult:
 
     ``logprobs[i]``: per emitted token, its :data:`TokenLogprobs` with the ``logprobs`` top
     ones, for sequences that asked; ``prompt_logprobs[i]``: one per ``prompt_logprob_targets``
-    entry. Each list is ``None`` when no sequence asked, and holds ``None`` for those that did
-    not.
+    entry, or for ``prompt_logprobs=-1`` the whole vocabulary's log-softmax at those positions,
+    ``float32 [len(targets), vocab_size]`` on the CPU. Each list is ``None`` when no sequence
+    asked, and holds ``None`` for those that did not.
     """
 
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
-    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
+    prompt_logprobs: list[list[TokenLogprobs] | torch.Tensor | None] | None = None
 
 
 class ModelExecutor:
@@ -238,8 +240,10 @@ class ModelExecutor:
         self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor
     ) -> list:
         """Logprobs of the raw model distribution (no penalty or temperature) at every prompt
-        position whose next prompt token the plan asks about; logits only for those positions."""
-        out: list[list[TokenLogprobs] | None] = [None] * len(plan.sequences)
+        position whose next prompt token the plan asks about; logits only for those positions.
+        With ``prompt_logprobs=-1`` a sequence gets the float32 log-softmax rows themselves
+        (moved to the CPU), the same values the top-k path gathers from."""
+        out: list[list[TokenLogprobs] | torch.Tensor | None] = [None] * len(plan.sequences)
         for i, seq in enumerate(plan.sequences):
             targets = seq.prompt_logprob_targets
             if targets:
@@ -247,8 +251,10 @@ class ModelExecutor:
                 logits = self.model.compute_logits(hidden_states[start : start + len(targets)])
                 if logits is None:  # a TP worker: only rank 0 gets logits
                     continue
+                num_top = seq.sampling_params.prompt_logprobs
+                if num_top == FULL_VOCAB_LOGPROBS:
+                    out[i] = logits.float().log_softmax(dim=-1).cpu()
+                    continue
                 target_ids = torch.tensor(targets, device=logits.device)
-                out[i] = compute_logprobs(
-                    logits.float(), target_ids, seq.sampling_params.prompt_logprobs
-                ).tolists()
+                out[i] = compute_logprobs(logits.float(), target_ids, num_top).tolists()
         return out
