@@ -92,6 +92,14 @@ def load_problems(split: str = "test", limit: int | None = None) -> list[Problem
     return problems
 
 
+def answers_text(split: str = "train") -> str:
+    """Every worked solution of ``split`` (``... #### N``, calculator annotations kept) in the
+    file's order, separated by blank lines: the default text of ``pyxllm bench perplexity``
+    (train: 7,473 answers, 2,163,397 characters)."""
+    with data_path(split).open(encoding="utf-8") as f:
+        return "\n\n".join(json.loads(line)["answer"] for line in f if line.strip())
+
+
 def evalscope_prompt(problem: Problem, fewshot: list[Problem]) -> str:
     """The user message of evalscope's ``gsm8k`` for ``problem`` after ``fewshot`` examples."""
     question = f"{problem.question}\n{EVALSCOPE_INSTRUCTION}"

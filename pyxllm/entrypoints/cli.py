@@ -1,5 +1,5 @@
 """The ``pyxllm`` command: ``serve``, ``generate``, ``check-device`` and ``bench``
-(serve|eval|throughput|latency).
+(serve|eval|perplexity|throughput|latency).
 
 Flags are defined in :mod:`pyxllm.entrypoints.args`. A bad flag value exits with argparse's
 usage error (status 2); an error while loading the model (a ``ValueError`` or a missing file)
@@ -131,7 +131,7 @@ def run_check_device(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
-    """``pyxllm bench serve|eval|throughput|latency`` (see :mod:`pyxllm.benchmarks`)."""
+    """``pyxllm bench serve|eval|perplexity|throughput|latency`` (see :mod:`pyxllm.benchmarks`)."""
     if args.bench_command == "serve":
         from pyxllm.benchmarks.serve import bench_serve
 
@@ -142,6 +142,11 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
 
         report = bench_eval(args)
         return 0 if report["failed"] < report["accuracy"]["Num"] else 1
+    if args.bench_command == "perplexity":
+        from pyxllm.benchmarks.perplexity import bench_perplexity
+
+        bench_perplexity(args, config)
+        return 0
     if args.bench_command == "throughput":
         from pyxllm.benchmarks.throughput import bench_throughput
 
