@@ -15,7 +15,7 @@ Figures (each printed with pyxllm's ratio to each peer that ran):
    client: aggregate output tok/s and median TTFT.
 4. Speculative decoding, batch 1, input-grounded prompts (``speculative.py``'s): pyxllm float32
    without and with n-gram speculation, llama-cpp-python without and with its prompt-lookup
-   decoding, ``--output-len`` tokens each.
+   decoding, 256 new tokens each (``speculative.py``'s).
 
 Peers that are not installed are skipped with a message. Every engine gets ``--threads``
 threads (default: all cores). Run from the repository root::
@@ -311,7 +311,7 @@ def main() -> None:
     log("pyxllm:", json.dumps(results["pyxllm"]))
     gc.collect()
     if "speculative" not in skip:
-        results["speculative"] = speculative.pyxllm_figures(args.output_len)
+        results["speculative"] = speculative.pyxllm_figures()
         log("speculative:", json.dumps(results["speculative"]))
         gc.collect()
     if "transformers" not in skip:
@@ -324,9 +324,7 @@ def main() -> None:
         )
         log("llama.cpp:", json.dumps(results["llama.cpp"]))
         if "speculative" not in skip:
-            results["speculative"].update(
-                speculative.llamacpp_figures(args.output_len, args.threads)
-            )
+            results["speculative"].update(speculative.llamacpp_figures(args.threads))
         gc.collect()
     if "serving" not in skip:
         results["serving"] = serving(
