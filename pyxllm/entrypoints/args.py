@@ -490,6 +490,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="the format of the model's own tool calls: hermes (Qwen2.5/Qwen3's <tool_call> "
         "tags; also what the default model is asked to write) or llama3_json",
     )
+    add_bool_flag(
+        server, "disable_web_ui", False, "serve no chat page at / (then / is a 404, as before)"
+    )
     _add_security_args(serve.add_argument_group("security flags"))
     _add_limit_args(serve.add_argument_group("limits, shutdown and logging flags"))
     add_engine_args(serve.add_argument_group("engine flags"))

@@ -5,7 +5,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET /v1/models/{id}``, ``GET /health`` (200, or 503 when the engine loop died),
 ``GET /debug/stats`` (``engine.stats()``: running/waiting requests, KV blocks in use),
 ``GET /metrics`` (Prometheus text format, see :mod:`pyxllm.engine.metrics`), ``GET /version``,
-and vLLM's ``POST /tokenize`` and ``POST /detokenize`` (see :mod:`.serving_tokenization`).
+and vLLM's ``POST /tokenize`` and ``POST /detokenize`` (see :mod:`.serving_tokenization`);
+``GET /`` is the chat page unless ``--disable-web-ui`` (see :mod:`.web_ui`).
 Who may call them (``--api-key``, CORS) is :mod:`.security`'s; TLS is uvicorn's.
 
 When the engine reports a fatal error (a tensor-parallel worker died), ``/health`` answers 503,
@@ -49,6 +50,7 @@ from pyxllm.entrypoints.openai.serving_tokenization import (
     OpenAIServingTokenization,
     TokenizeRequest,
 )
+from pyxllm.entrypoints.openai.web_ui import install_web_ui
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +177,7 @@ def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
         max_requests=engine.max_num_seqs + options.max_waiting_requests,
         paths=GENERATION_PATHS,
     )
-    install_security(app, options)
+    install_security(app, options, install_web_ui(app) if options.web_ui else frozenset())
     return app
 
 
@@ -253,7 +255,8 @@ def _ensure_logging() -> None:
 
 def run_server(config: EngineConfig, options: ServerOptions | None = None) -> None:
     """Load the engine, serve it over HTTP as ``options`` say until SIGINT/SIGTERM, then shut
-    the engine down. pyxllm logs one line with the URL once it listens.
+    the engine down. pyxllm logs one line with the URLs (the API's, the chat page's) once it
+    listens.
 
     Raises:
         ValueError: an unknown reasoning or tool-call parser name (before the model loads).
@@ -277,10 +280,11 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
         host, port = options.host, options.port
         shown_host = f"[{host}]" if ":" in host else host
         scheme = "https" if options.ssl_certfile else "http"
+        root = f"{scheme}://{shown_host}:{port}/"
         banner = (
-            f"serving {engine.model_name} (max_model_len={engine.max_model_len}) "
-            f"at {scheme}://{shown_host}:{port}/v1"
+            f"serving {engine.model_name} (max_model_len={engine.max_model_len}) at {root}v1"
             + ("; an API key is required" if options.api_keys else "")
+            + (f"; chat page at {root}" if options.web_ui else "")
         )
         uv_config = uvicorn.Config(
             app,

@@ -5,7 +5,8 @@ API keys. With one or more keys (``--api-key``, repeatable or comma-separated, e
 ``Authorization: Bearer <one of the keys>``, except on the open paths: ``/health`` (load
 balancers and orchestrators probe it without credentials; it says only "up" or "down"),
 ``/version``, FastAPI's API description (``/openapi.json``, ``/docs``, ``/redoc``: the schema
-of a public API, and a browser cannot send the header), and ``/metrics`` unless
+of a public API, and a browser cannot send the header), the chat page's files (``/``,
+``/static/*``; see :mod:`.web_ui`) unless ``--disable-web-ui``, and ``/metrics`` unless
 ``--protect-metrics``. So ``/v1/*`` (chat, completions, models, and any route added there
 later), ``/tokenize``, ``/detokenize`` and ``/debug/*`` need a key. Anything else answers
 401 ``AuthenticationError`` in OpenAI's error shape, with ``WWW-Authenticate: Bearer``, before
@@ -71,6 +72,7 @@ class APIKeyMiddleware:
         api_keys: the accepted keys (at least one).
         protect_metrics: whether ``/metrics`` needs a key too.
         allow_preflight: let CORS preflight requests through (when CORS is configured).
+        open_paths: more paths that need no key (the chat page's files).
     """
 
     def __init__(
@@ -79,12 +81,13 @@ class APIKeyMiddleware:
         api_keys: tuple[str, ...],
         protect_metrics: bool = False,
         allow_preflight: bool = False,
+        open_paths: frozenset[str] = frozenset(),
     ):
         if not api_keys:
             raise ValueError("APIKeyMiddleware needs at least one API key")
         self.app = app
         self._digests = tuple(_digest(key) for key in api_keys)
-        self._open = OPEN_PATHS if protect_metrics else OPEN_PATHS | {METRICS_PATH}
+        self._open = OPEN_PATHS | open_paths | (set() if protect_metrics else {METRICS_PATH})
         self._allow_preflight = allow_preflight
 
     def is_open(self, scope: Scope) -> bool:
@@ -125,9 +128,10 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
 
-def install_security(app, options: ServerOptions) -> None:
-    """Add the key check (with ``options.api_keys``) and CORS (with ``options.allowed_origins``)
-    to ``app``, a Starlette/FastAPI app; each only when configured. CORS ends up outermost."""
+def install_security(app, options: ServerOptions, open_paths: frozenset[str] = frozenset()) -> None:
+    """Add the key check (with ``options.api_keys``; ``open_paths`` need no key, besides
+    :data:`OPEN_PATHS`) and CORS (with ``options.allowed_origins``) to ``app``, a
+    Starlette/FastAPI app; each only when configured. CORS ends up outermost."""
     cors = bool(options.allowed_origins)
     if options.api_keys:
         app.add_middleware(
@@ -135,6 +139,7 @@ def install_security(app, options: ServerOptions) -> None:
             api_keys=options.api_keys,
             protect_metrics=options.protect_metrics,
             allow_preflight=cors,
+            open_paths=open_paths,
         )
     if cors:  # added last: runs first
         app.add_middleware(

@@ -62,6 +62,7 @@ class ServerOptions:
         trust_request_chat_template: whether a request may bring its own chat template.
         stats_interval: seconds between the engine's stats lines in the log
             (:mod:`pyxllm.engine.stat_logger`); ``None`` logs none (``--disable-log-stats``).
+        web_ui: whether ``GET /`` serves the chat page (:mod:`.web_ui`; ``--disable-web-ui``).
     """
 
     host: str = "127.0.0.1"
@@ -84,3 +85,4 @@ class ServerOptions:
     shutdown_timeout: float = 10.0
     trust_request_chat_template: bool = False
     stats_interval: float | None = 10.0
+    web_ui: bool = True
