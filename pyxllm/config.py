@@ -68,10 +68,11 @@ class EngineConfig:
     - ``graph_backend``: ``eager``, ``compile`` (``torch.compile``) or ``graph`` (decode steps
       captured as CUDA/ACL graphs); xLLM's ``off``/``none``, ``inductor`` and
       ``cudagraphs``/``aclgraph`` are read as these and stored normalized.
-    - ``quantization``: ``None`` (weights in ``dtype``), or weight-only ``int8`` (per output
-      channel) / ``int4`` (groups of 32, exact for GGUF Q4_1 weights) for the decoder's linear
-      layers, activations staying in ``dtype``; or ``w8a8``: int8 weights per channel and int8
-      activations per token (int8 matmuls). The LM head is W8A8 with each of them.
+    - ``quantization``: ``None`` (weights in ``dtype``; vLLM's ``"none"`` is read as it), or
+      weight-only ``int8`` (per output channel) / ``int4`` (groups of 32, exact for GGUF Q4_1
+      weights) for the decoder's linear layers, activations staying in ``dtype``; or ``w8a8``:
+      int8 weights per channel and int8 activations per token (int8 matmuls). The LM head is
+      W8A8 with each of them.
     - ``kv_cache_memory``: ``None`` sizes the cache from ``gpu_memory_utilization`` on an
       accelerator and takes ``CPU_KV_CACHE_GIB`` on the CPU.
     - Tensor parallelism (see ``pyxllm.executor.multiproc``): ``tensor_parallel_size`` N > 1 on
@@ -178,6 +179,8 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization == "none":  # vLLM's spelling of no quantization
+            self.quantization = None
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"--quantization: must be one of {', '.join(QUANTIZATIONS)}, got "

@@ -87,6 +87,17 @@ def test_a_new_dataclass_field_becomes_a_flag_without_edits():
     assert parser.parse_args([]).gpu_fraction is None
 
 
+def test_vllm_spellings_of_scheduler_cache_and_quantization_flags():
+    config = parse(
+        *("--max-num-seqs", "8", "--max_num_batched_tokens", "512"),
+        *("--no-enable-prefix-caching", "--quantization", "none"),
+    )
+    assert (config.max_seqs_per_batch, config.max_tokens_per_batch) == (8, 512)
+    assert config.enable_prefix_cache is False and config.quantization is None
+    assert parse("--enable_prefix_caching=true").enable_prefix_cache is True
+    assert EngineConfig(quantization="none").quantization is None
+
+
 def test_max_model_len_auto_means_none():
     assert parse("--max-model-len", "2048").max_model_len == 2048
     assert parse("--max-model-len", "auto").max_model_len is None

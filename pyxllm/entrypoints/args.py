@@ -92,14 +92,17 @@ ENGINE_HELP = {
 ENGINE_CHOICES = {
     "dtype": DTYPES,
     "device": DEVICES,
-    "quantization": QUANTIZATIONS,
+    "quantization": (*QUANTIZATIONS, "none"),
     "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS,
     "model_impl": (*MODEL_IMPLS, *MODEL_IMPL_ALIASES),
 }
-# extra spellings of a flag (xLLM's names, short forms)
+# extra spellings of a flag (vLLM's and xLLM's names, short forms)
 ENGINE_ALIASES = {
     "tensor_parallel_size": ["--tp"],
-    "master_addr": ["--master-node-addr", "--master_node_addr"],
+    "master_addr": flag_names("master_node_addr"),
+    "max_seqs_per_batch": flag_names("max_num_seqs"),
+    "max_tokens_per_batch": flag_names("max_num_batched_tokens"),
+    "enable_prefix_cache": flag_names("enable_prefix_caching"),
 }
 ENGINE_METAVARS = {
     "model": "PATH|ID",
@@ -180,7 +183,7 @@ def add_engine_args(parser, config_cls: type = EngineConfig) -> None:
         base, nullable = _field_type(hints[field.name])
         help_text = ENGINE_HELP.get(field.name, field.name.replace("_", " "))
         if base is bool:
-            add_bool_flag(parser, field.name, default, help_text)
+            add_bool_flag(parser, field.name, default, help_text, ENGINE_ALIASES.get(field.name))
             continue
         convert = _CONVERTERS[base]
         if nullable and base is not str:
@@ -491,7 +494,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "tags; also what the default model is asked to write) or llama3_json",
     )
     add_bool_flag(
-        server, "disable_web_ui", False, "serve no chat page at / (then / is a 404, as before)"
+        server, "disable_web_ui", False, "serve no chat page at / (nor its files at /static/)"
     )
     _add_security_args(serve.add_argument_group("security flags"))
     _add_limit_args(serve.add_argument_group("limits, shutdown and logging flags"))

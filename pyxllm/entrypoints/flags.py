@@ -32,10 +32,15 @@ def parse_bool(text: str) -> bool:
     )
 
 
-def add_bool_flag(parser, name: str, default: bool, help: str) -> None:
-    """Add ``--name [BOOL]`` and ``--no-name`` (both spellings each) storing into ``name``."""
+def add_bool_flag(
+    parser, name: str, default: bool, help: str, aliases: list[str] | None = None
+) -> None:
+    """Add ``--name [BOOL]`` and ``--no-name`` (both spellings each) storing into ``name``;
+    each alias ``--other`` in ``aliases`` also gets its ``--no-other``."""
+    aliases = aliases or []
     parser.add_argument(
         *flag_names(name),
+        *aliases,
         dest=name,
         type=parse_bool,
         nargs="?",
@@ -46,6 +51,7 @@ def add_bool_flag(parser, name: str, default: bool, help: str) -> None:
     )
     parser.add_argument(
         *flag_names("no_" + name),
+        *(f"--no{'_' if '_' in alias else '-'}{alias[2:]}" for alias in aliases),
         dest=name,
         action="store_false",
         default=argparse.SUPPRESS,
