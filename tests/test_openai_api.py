@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
 from openai.types.completion_choice import Logprobs
 
+from pyxllm.entrypoints.openai.api_server import build_app
 from tests.utils import RemoteServer
 
 MODEL = "smollm2-api"
@@ -26,7 +29,7 @@ THE = 260  # " the"
 @pytest.fixture(scope="module")
 def server():
     args = ["--served-model-name", MODEL, "--max-model-len", "512", "--kv-cache-memory", "0.25"]
-    with RemoteServer(args) as remote:
+    with RemoteServer([*args, "--enable-tokenizer-info-endpoint"]) as remote:
         yield remote
 
 
@@ -417,6 +420,27 @@ def test_tokenize_and_detokenize(server, client):
     assert chat["count"] == usage.prompt_tokens == len(chat["tokens"])
     bad = httpx.post(server.url_for("detokenize"), json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_tokenizer_info_is_the_tokenizer_config_without_server_paths(server, hf_gguf_tokenizer):
+    info = httpx.get(server.url_for("tokenizer_info")).json()
+    assert info["tokenizer_class"] and info["model_max_length"] == 512
+    assert (info["bos_token"], info["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    assert info["chat_template"] == hf_gguf_tokenizer.chat_template
+    assert not {"name_or_path", "vocab_file"} & set(info)
+
+
+def test_tokenizer_info_is_off_without_its_flag():
+    engine = SimpleNamespace(  # the route answers before it reaches the engine
+        input_processor=SimpleNamespace(structured_outputs=None),
+        model_name="m",
+        max_model_len=8,
+        max_num_seqs=1,
+        tokenizer=SimpleNamespace(hf=None),
+    )
+    response = TestClient(build_app(engine)).get("/tokenizer_info")
+    assert response.status_code == 404
+    assert "--enable-tokenizer-info-endpoint" in response.json()["error"]["message"]
 
 
 def test_version(server):

@@ -496,6 +496,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
     add_bool_flag(
         server, "disable_web_ui", False, "serve no chat page at / (nor its files at /static/)"
     )
+    add_bool_flag(
+        server,
+        "enable_tokenizer_info_endpoint",
+        False,
+        "answer GET /tokenizer_info (the tokenizer's configuration and chat template, as vLLM)",
+    )
     _add_security_args(serve.add_argument_group("security flags"))
     _add_limit_args(serve.add_argument_group("limits, shutdown and logging flags"))
     add_engine_args(serve.add_argument_group("engine flags"))

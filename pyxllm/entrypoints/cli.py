@@ -70,6 +70,7 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         stats_interval=None if args.disable_log_stats else args.stats_interval,
         web_ui=not args.disable_web_ui,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
     )
     run_server(config, options)
     return 0

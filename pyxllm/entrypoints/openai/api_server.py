@@ -142,6 +142,14 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> JSONRespon
     return JSONResponse(response.model_dump(mode="json", exclude_none=True))
 
 
+@router.get("/tokenizer_info")
+async def tokenizer_info(raw_request: Request) -> JSONResponse:
+    """The tokenizer's configuration (vLLM's endpoint), with ``--enable-tokenizer-info-endpoint``;
+    a 404 without it."""
+    handler: OpenAIServingTokenization = raw_request.app.state.openai_serving_tokenization
+    return JSONResponse(handler.tokenizer_info())
+
+
 @router.post("/detokenize")
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> JSONResponse:
     """The text of token ids: ``{"prompt"}``."""
@@ -167,7 +175,7 @@ def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
     app.state.openai_serving_chat = OpenAIServingChat(engine, options)
     app.state.openai_serving_completion = OpenAIServingCompletion(engine, options)
     app.state.openai_serving_tokenization = OpenAIServingTokenization(
-        engine, app.state.openai_serving_chat
+        engine, app.state.openai_serving_chat, options.enable_tokenizer_info_endpoint
     )
     install_exception_handlers(app)
     # added first, so inside the key check and CORS (a 413 or 503 carries CORS headers too)

@@ -63,6 +63,8 @@ class ServerOptions:
         stats_interval: seconds between the engine's stats lines in the log
             (:mod:`pyxllm.engine.stat_logger`); ``None`` logs none (``--disable-log-stats``).
         web_ui: whether ``GET /`` serves the chat page (:mod:`.web_ui`; ``--disable-web-ui``).
+        enable_tokenizer_info_endpoint: whether ``GET /tokenizer_info`` answers (vLLM's flag;
+            off by default: it shows the chat template).
     """
 
     host: str = "127.0.0.1"
@@ -86,3 +88,4 @@ class ServerOptions:
     trust_request_chat_template: bool = False
     stats_interval: float | None = 10.0
     web_ui: bool = True
+    enable_tokenizer_info_endpoint: bool = False

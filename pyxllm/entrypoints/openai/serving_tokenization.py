@@ -1,10 +1,13 @@
-"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's extensions), in vLLM's shapes.
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (vLLM's extensions), in
+vLLM's shapes.
 
 ``/tokenize`` takes a ``prompt`` (``add_special_tokens`` defaults to true) or chat ``messages``
 rendered with the model's template (``add_generation_prompt`` defaults to true,
 ``add_special_tokens`` to false) and returns ``{"count", "max_model_len", "tokens"}`` (and
 ``token_strs`` with ``return_token_strs``); ``/detokenize`` takes ``{"tokens"}`` and returns
-``{"prompt"}``.
+``{"prompt"}``. ``/tokenizer_info`` (with ``--enable-tokenizer-info-endpoint``, off by default
+as in vLLM: it shows the chat template) returns the tokenizer's configuration as its
+``tokenizer_config.json`` holds it.
 """
 
 from __future__ import annotations
@@ -56,13 +59,31 @@ class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
 
 
-class OpenAIServingTokenization:
-    """Tokenizes and detokenizes with the engine's tokenizer (and the chat handler's template)."""
+# init kwargs that name the server's own files or loading switches, not the tokenizer
+_LOCAL_KEYS = frozenset({"name_or_path", "is_local", "local_files_only", "cache_dir"})
 
-    def __init__(self, engine, chat_handler) -> None:
+
+def _jsonable(value: Any) -> Any:
+    """``value`` with tokenizers' ``AddedToken`` objects as their text and dict keys as strings;
+    anything else JSON cannot hold as its ``str``."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return getattr(value, "content", None) or str(value)
+
+
+class OpenAIServingTokenization:
+    """Tokenizes and detokenizes with the engine's tokenizer (and the chat handler's template);
+    ``info_endpoint`` turns ``/tokenizer_info`` on."""
+
+    def __init__(self, engine, chat_handler, info_endpoint: bool = False) -> None:
         self.engine = engine
         self.processor = engine.input_processor
         self.chat = chat_handler
+        self.info_endpoint = info_endpoint
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """The token ids of ``request.prompt`` or of its rendered ``messages``.
@@ -106,3 +127,29 @@ class OpenAIServingTokenization:
         return DetokenizeResponse(
             prompt=self.engine.tokenizer.decode(request.tokens, skip_special_tokens=False)
         )
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's ``GET /tokenizer_info``: the tokenizer's init arguments (its
+        ``tokenizer_config.json``: special tokens, added tokens, ``add_bos_token`` ...) without
+        the server's file paths, with ``tokenizer_class``, the special tokens, the chat
+        template the server renders with and ``model_max_length`` set to the engine's context
+        limit (``max_model_len``).
+
+        Raises:
+            OpenAIError: the endpoint is off (404, as an unknown path).
+        """
+        if not self.info_endpoint:
+            raise OpenAIError(
+                "/tokenizer_info is off: start with --enable-tokenizer-info-endpoint", 404
+            )
+        hf = self.engine.tokenizer.hf
+        info = {
+            key: _jsonable(value)
+            for key, value in hf.init_kwargs.items()
+            if key not in _LOCAL_KEYS and not key.endswith("_file")
+        }
+        info.update(_jsonable(hf.special_tokens_map))
+        info["tokenizer_class"] = type(hf).__name__
+        info["chat_template"] = getattr(hf, "chat_template", None)
+        info["model_max_length"] = self.engine.max_model_len
+        return info
