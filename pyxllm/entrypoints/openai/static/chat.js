@@ -449,6 +449,7 @@ function saveSettings(event) {
 function fitPrompt() {
   ui.prompt.style.height = "auto";
   ui.prompt.style.height = `${Math.min(ui.prompt.scrollHeight, 200)}px`;
+  ui.prompt.style.overflowY = ui.prompt.scrollHeight > 200 ? "auto" : "hidden";
 }
 
 function start() {

@@ -9,7 +9,7 @@
 const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
 
 /** The text with &, <, >, " and ' replaced by HTML entities. */
-export function escapeHtml(text) {
+function escapeHtml(text) {
   return String(text).replace(/[&<>"']/g, (ch) => ESCAPES[ch]);
 }
 
@@ -45,7 +45,7 @@ function renderLinks(escaped) {
 }
 
 /** Inline markdown of raw ``text``: `code` spans first (their content stays literal). */
-export function renderInline(text) {
+function renderInline(text) {
   const parts = String(text).split(/(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)/);
   let html = "";
   // split() with two groups gives: text, ticks, code, text, ticks, code, ..., text
