@@ -26,6 +26,8 @@ serve: $(STAMP)
 # Two pytest workers with one torch thread each, every test module whole on one worker (its
 # module fixtures built once): run serially, the suite kept ~1.1 of 2 cores busy. Servers the
 # tests start inherit OMP_NUM_THREADS=1. TEST_WORKERS=0 runs it in this process, serially.
+# The chat page's browser tests (tests/test_web_ui.py) need Debian's chromium and
+# chromium-driver (.ci/run installs them); without them they are skipped, saying so.
 TEST_WORKERS ?= 2
 test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile $(ARGS)
