@@ -7,17 +7,14 @@ from __future__ import annotations
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-from fastapi.testclient import TestClient
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
 from openai.types.completion_choice import Logprobs
 
-from pyxllm.entrypoints.openai.api_server import build_app
-from tests.utils import RemoteServer
+from tests.utils import RemoteServer, stub_app_client
 
 MODEL = "smollm2-api"
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
@@ -431,14 +428,7 @@ def test_tokenizer_info_is_the_tokenizer_config_without_server_paths(server, hf_
 
 
 def test_tokenizer_info_is_off_without_its_flag():
-    engine = SimpleNamespace(  # the route answers before it reaches the engine
-        input_processor=SimpleNamespace(structured_outputs=None),
-        model_name="m",
-        max_model_len=8,
-        max_num_seqs=1,
-        tokenizer=SimpleNamespace(hf=None),
-    )
-    response = TestClient(build_app(engine)).get("/tokenizer_info")
+    response = stub_app_client().get("/tokenizer_info")
     assert response.status_code == 404
     assert "--enable-tokenizer-info-endpoint" in response.json()["error"]["message"]
 

@@ -4,6 +4,7 @@ model, driven with the ``openai`` SDK and raw HTTP."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -203,3 +204,13 @@ def test_non_stream_disconnect_aborts(server):
         httpx.post(server.url_for("v1", "completions"), json=body, timeout=1.0)
     wait_until_idle(server, timeout=5.0)
     assert httpx.get(server.url_for("health")).status_code == 200
+
+
+def test_every_request_gets_an_access_log_line_written_when_it_ends(server, client):
+    kwargs = dict(model=MODEL_NAME, prompt="Hello", max_tokens=4)
+    list(client.completions.create(stream=True, **kwargs))
+    assert httpx.get(server.url_for("no/such/path")).status_code == 404
+    log = server.output()
+    stream = re.search(r'"POST /v1/completions HTTP/1.1" 200 (\d+\.\d) ms', log)
+    assert stream and float(stream.group(1)) > 0
+    assert '"GET /no/such/path HTTP/1.1" 404' in log

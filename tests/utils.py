@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import httpx
 
@@ -145,3 +146,21 @@ def run_together(*calls):
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = [pool.submit(call) for call in calls]
         return [future.result() for future in futures]
+
+
+def stub_app_client(**options):
+    """A ``TestClient`` of ``build_app`` with ``ServerOptions(**options)`` on a stand-in engine,
+    for routes and middleware that answer before a request reaches the engine."""
+    from fastapi.testclient import TestClient
+
+    from pyxllm.entrypoints.openai.api_server import build_app
+    from pyxllm.entrypoints.openai.server_options import ServerOptions
+
+    engine = SimpleNamespace(
+        input_processor=SimpleNamespace(structured_outputs=None),
+        model_name="m",
+        max_model_len=8,
+        max_num_seqs=1,
+        tokenizer=SimpleNamespace(hf=None),
+    )
+    return TestClient(build_app(engine, ServerOptions(**options)))

@@ -419,6 +419,19 @@ def _add_limit_args(group) -> None:
     )
     add_bool_flag(
         group,
+        "disable_uvicorn_access_log",
+        False,
+        "log no line per HTTP request (client, method, path, status, duration)",
+    )
+    group.add_argument(
+        *flag_names("uvicorn_log_level"),
+        dest="uvicorn_log_level",
+        default=defaults.log_level,
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn's own log level (pyxllm logs the start-up URL and each request itself)",
+    )
+    add_bool_flag(
+        group,
         "trust_request_chat_template",
         False,
         "let a request bring its own chat template (chat_template, or chat_template_kwargs' "

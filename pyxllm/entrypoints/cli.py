@@ -71,6 +71,8 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         stats_interval=None if args.disable_log_stats else args.stats_interval,
         web_ui=not args.disable_web_ui,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
     )
     run_server(config, options)
     return 0

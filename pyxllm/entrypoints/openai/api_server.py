@@ -28,6 +28,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pyxllm.config import EngineConfig
+from pyxllm.entrypoints.openai.access_log import AccessLog
 from pyxllm.entrypoints.openai.errors import (
     OpenAIError,
     OpenAIRoute,
@@ -186,6 +187,8 @@ def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
         paths=GENERATION_PATHS,
     )
     install_security(app, options, install_web_ui(app) if options.web_ui else frozenset())
+    if options.access_log:  # added last: outermost, so it sees every other middleware's answers
+        app.add_middleware(AccessLog)
     return app
 
 

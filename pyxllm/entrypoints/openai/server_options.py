@@ -39,7 +39,9 @@ class ServerOptions:
 
     Attributes:
         host, port: where to listen.
-        log_level: uvicorn's log level (its access log is off).
+        log_level: uvicorn's log level (``--uvicorn-log-level``; its own access log is off).
+        access_log: whether each HTTP request gets a log line (:mod:`.access_log`;
+            ``--disable-uvicorn-access-log``).
         reasoning_parser: the parser splitting chat text into ``reasoning_content`` and
             ``content`` (a registered name), ``None`` for none.
         tool_call_parser: the parser of the model's own calls for ``tool_choice: "auto"``;
@@ -70,6 +72,7 @@ class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "warning"
+    access_log: bool = True
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     api_keys: tuple[str, ...] = field(default=(), repr=False)
