@@ -149,13 +149,28 @@ def make_windows(
     return windows
 
 
-def added_bos(tokenizer) -> int | None:
-    """The BOS token id if the tokenizer puts one before a text (as llama.cpp's
-    ``llama_vocab_get_add_bos`` says), else None."""
-    bos = tokenizer.hf.bos_token_id
-    with_special, bare = tokenizer.encode("a"), tokenizer.encode("a", add_special_tokens=False)
+def added_bos(hf_tokenizer) -> int | None:
+    """The BOS token id if the transformers tokenizer puts one before a text (what llama.cpp's
+    ``llama_vocab_get_add_bos`` says of a GGUF), else None."""
+    bos = hf_tokenizer.bos_token_id
+    with_special = hf_tokenizer.encode("a")
+    bare = hf_tokenizer.encode("a", add_special_tokens=False)
     adds = bos is not None and with_special[0] == bos and bare[0] != bos
     return bos if adds else None
+
+
+def text_windows(
+    hf_tokenizer, text: str, ctx: int, chunks: int | None
+) -> tuple[list[list[int]], int, int | None]:
+    """``(windows, tokens in the text, the BOS id put first in each window or None)``: ``text``
+    tokenized with the tokenizer's special tokens and cut by :func:`make_windows`.
+
+    Raises:
+        ValueError: fewer than ``2 * ctx`` tokens, naming ``--ctx``.
+    """
+    bos = added_bos(hf_tokenizer)
+    tokens = list(hf_tokenizer.encode(text))
+    return make_windows(tokens, ctx, chunks, bos), len(tokens), bos
 
 
 def scored_rows(llm, window: list[int]) -> torch.Tensor:
@@ -180,14 +195,11 @@ def bench_perplexity(args: argparse.Namespace, config: EngineConfig, out=sys.std
     text = load_text(args.file)
     llm = LLM(**_config_kwargs(config))
     check_ctx(args.ctx, llm.llm_engine.max_model_len)
-    tokenizer = llm.get_tokenizer()
-    bos = added_bos(tokenizer)
-    tokens = tokenizer.encode(text)
-    windows = make_windows(tokens, args.ctx, args.chunks, bos)
+    windows, num_tokens, bos = text_windows(llm.get_tokenizer().hf, text, args.ctx, args.chunks)
     base = LLM(**_config_kwargs(base_config(config, args.kl_base))) if args.kl_base else None
     ppl, kl = Perplexity(), KLDivergence()
     print(
-        f"perplexity: {len(tokens)} tokens, {len(windows)} windows of {args.ctx} "
+        f"perplexity: {num_tokens} tokens, {len(windows)} windows of {args.ctx} "
         f"({'BOS first' if bos is not None else 'no BOS'}), {args.ctx // 2 - 1} scored each",
         file=out,
     )
