@@ -17,16 +17,12 @@ import sys
 import types
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from types import SimpleNamespace
 
 import httpx
 import pytest
-from starlette.testclient import TestClient
 
 from pyxllm.entrypoints.cli import main
-from pyxllm.entrypoints.openai.api_server import build_app
-from pyxllm.entrypoints.openai.server_options import ServerOptions
-from tests.utils import RemoteServer
+from tests.utils import RemoteServer, stub_app_client
 
 KEY, WRONG_KEY = "sk-web-ui-7e3a", "sk-wrong-1b2c"
 ENGINE = ["--max-model-len", "512", "--kv-cache-memory", "0.25", "--disable-log-stats"]
@@ -39,20 +35,8 @@ INJECTION = "<script>x</script><img onerror=x>"  # 13 tokens
 # --- --disable-web-ui, without a browser -----------------------------------------------------
 
 
-def stub_app(**options):
-    """``build_app`` on a stand-in engine: the routes under test never reach the engine."""
-    engine = SimpleNamespace(
-        input_processor=SimpleNamespace(structured_outputs=None),
-        model_name="m",
-        max_model_len=8,
-        max_num_seqs=1,
-        tokenizer=SimpleNamespace(hf=None),
-    )
-    return TestClient(build_app(engine, ServerOptions(**options)))
-
-
 def test_the_page_and_its_files_are_served_without_a_key_and_with_a_strict_csp():
-    client = stub_app(api_keys=(KEY,))
+    client = stub_app_client(api_keys=(KEY,))
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     csp = page.headers["content-security-policy"]
@@ -71,9 +55,9 @@ def test_disable_web_ui_leaves_the_root_as_it_was(monkeypatch):
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     assert main(["serve", "--disable-web-ui"]) == 0 and main(["serve"]) == 0
     assert served == [False, True]
-    assert stub_app(web_ui=False).get("/").status_code == 404
-    assert stub_app(web_ui=False).get("/static/chat.js").status_code == 404
-    assert stub_app(web_ui=False, api_keys=(KEY,)).get("/").status_code == 401
+    assert stub_app_client(web_ui=False).get("/").status_code == 404
+    assert stub_app_client(web_ui=False).get("/static/chat.js").status_code == 404
+    assert stub_app_client(web_ui=False, api_keys=(KEY,)).get("/").status_code == 401
 
 
 # --- the browser -----------------------------------------------------------------------------

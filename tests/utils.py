@@ -12,6 +12,10 @@ import time
 from types import SimpleNamespace
 
 import httpx
+from fastapi.testclient import TestClient
+
+from pyxllm.entrypoints.openai.api_server import build_app
+from pyxllm.entrypoints.openai.server_options import ServerOptions
 
 
 def free_port() -> int:
@@ -151,11 +155,6 @@ def run_together(*calls):
 def stub_app_client(**options):
     """A ``TestClient`` of ``build_app`` with ``ServerOptions(**options)`` on a stand-in engine,
     for routes and middleware that answer before a request reaches the engine."""
-    from fastapi.testclient import TestClient
-
-    from pyxllm.entrypoints.openai.api_server import build_app
-    from pyxllm.entrypoints.openai.server_options import ServerOptions
-
     engine = SimpleNamespace(
         input_processor=SimpleNamespace(structured_outputs=None),
         model_name="m",
