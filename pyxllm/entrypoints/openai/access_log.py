@@ -3,9 +3,9 @@
 vLLM leaves this to uvicorn's access log (``--disable-uvicorn-access-log`` turns it off); ours
 is an ASGI middleware instead because uvicorn's line has no duration and is written when the
 response starts, so a streamed completion would be logged before its first token. This one
-is written when the last byte of the body is sent (or the client went away), so the duration
-of a stream is the whole stream's, and it sits outside every other middleware, so a 401, 413 or
-503 they answer is logged too. The logger is ``pyxllm.access`` (INFO).
+is written as the last part of the body is sent (or when the client went away), so the
+duration of a stream is the whole stream's, and it sits outside every other middleware, so a
+401, 413 or 503 they answer is logged too. The logger is ``pyxllm.access`` (INFO).
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ class AccessLog:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-            await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                log()
+                log()  # before the last send: the line is written when the client has it all
+            await send(message)
 
         try:
             await self.app(scope, receive, logged_send)
