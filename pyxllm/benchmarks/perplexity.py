@@ -108,10 +108,10 @@ def check_ctx(ctx: int, max_model_len: int) -> None:
 
 def base_config(config: EngineConfig, base: str) -> EngineConfig:
     """The config of the ``--kl-base`` run: ``config`` with ``base``'s dtype (unquantized) or
-    quantization (``none``: unquantized)."""
+    quantization (``none``: unquantized, as ``EngineConfig`` reads it)."""
     if base in COMPUTE_DTYPES:
         return dataclasses.replace(config, dtype=base, quantization=None)
-    return dataclasses.replace(config, quantization=None if base == "none" else base)
+    return dataclasses.replace(config, quantization=base)
 
 
 def load_text(path: str | None) -> str:
