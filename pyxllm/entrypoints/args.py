@@ -601,8 +601,26 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "generate": generate,
         "check-device": check,
         "bench": bench,
+        **_add_tool_parsers(commands, fmt),
     }
     return parser
+
+
+def _add_tool_parsers(commands, fmt) -> dict[str, argparse.ArgumentParser]:
+    """``pyxllm env`` (:mod:`pyxllm.entrypoints.collect_env`), by name."""
+    from pyxllm.entrypoints.collect_env import add_env_args
+
+    env = commands.add_parser(
+        "env",
+        help="report this environment: torch, CPU features, threads, device libraries loaded",
+        allow_abbrev=False,
+        formatter_class=fmt,
+        description="Report pyxllm, Python, the OS, torch and its build, the CPU and its "
+        "features, threads, the fused CPU kernels' build, and for every device platform its "
+        "package and the paths of its shared libraries loaded (as vllm collect-env).",
+    )
+    add_env_args(env)
+    return {"env": env}
 
 
 def _add_bench_parsers(commands, fmt) -> argparse.ArgumentParser:

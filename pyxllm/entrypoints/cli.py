@@ -1,5 +1,5 @@
-"""The ``pyxllm`` command: ``serve``, ``generate``, ``check-device`` and ``bench``
-(serve|eval|perplexity|throughput|latency).
+"""The ``pyxllm`` command: ``serve``, ``generate``, ``check-device``, ``bench``
+(serve|eval|perplexity|throughput|latency) and ``env``.
 
 Flags are defined in :mod:`pyxllm.entrypoints.args`. A bad flag value exits with argparse's
 usage error (status 2); an error while loading the model (a ``ValueError`` or a missing file)
@@ -29,6 +29,7 @@ __all__ = [
     "run_generate",
     "run_check_device",
     "run_bench",
+    "run_env",
 ]
 
 
@@ -166,11 +167,19 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     return 0
 
 
+def run_env(args: argparse.Namespace, config: EngineConfig) -> int:
+    """``pyxllm env``: the report of :mod:`pyxllm.entrypoints.collect_env`."""
+    from pyxllm.entrypoints.collect_env import run_env as report
+
+    return report(args)
+
+
 COMMANDS = {
     "serve": run_serve,
     "generate": run_generate,
     "check-device": run_check_device,
     "bench": run_bench,
+    "env": run_env,
 }
 
 

@@ -34,7 +34,10 @@ __all__ = [
 
 def platform_module(device: str):
     """The module of a platform named in ``pyxllm.config.PLATFORMS``: its ``is_available()``
-    and ``load() -> Platform``; imports no device package."""
+    and ``load() -> Platform``, and for ``pyxllm env`` its ``PACKAGE`` (the importable package
+    that provides it), ``SHARED_LIBRARIES`` (name prefixes of its shared libraries) and
+    ``ENV_PREFIXES`` (of the environment variables that steer it); imports no device
+    package."""
     return importlib.import_module(f"{__name__}.{device}")
 
 

@@ -20,6 +20,22 @@ from pyxllm.kernels.cpu.features import cpu_flags
 from pyxllm.platforms.interface import TORCH_DTYPES, Platform, TorchScriptTraces
 
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# What ``pyxllm env`` reports for this platform (``pyxllm.platforms.environment``): the package
+# that provides it and the name prefixes of its shared libraries (torch's CPU library, its
+# OpenMP, BLAS and oneDNN, and the fused kernels' build), and the environment variables that
+# tune it.
+PACKAGE = "torch"
+SHARED_LIBRARIES = (
+    "libtorch_cpu",
+    "libc10.",
+    "libgomp",
+    "libiomp",
+    "libmkl",
+    "libdnnl",
+    "libopenblas",
+    "pyxllm_cpu_kernels",
+)
+ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "ONEDNN_", "DNNL_")
 # what the CPU computes in (its fused kernels take these two); float16 becomes bfloat16
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -15,6 +15,38 @@ from pyxllm.platforms.interface import (
     PlatformUnavailableError,
 )
 
+# What ``pyxllm env`` reports for this platform (``pyxllm.platforms.environment``): the package
+# that provides it (a CUDA or ROCm build of torch) and the name prefixes of its shared libraries
+# (the driver, the CUDA runtime and libraries, NCCL, torch's CUDA parts; ROCm's for a ROCm build;
+# flash-attn), and the environment variables that steer it.
+PACKAGE = "torch"
+SHARED_LIBRARIES = (
+    "libtorch_cuda",
+    "libc10_cuda",
+    "libcuda.",
+    "libcudart",
+    "libcublas",
+    "libcudnn",
+    "libcufft",
+    "libcurand",
+    "libcusolver",
+    "libcusparse",
+    "libcupti",
+    "libnccl",
+    "libnvrtc",
+    "libnvJitLink",
+    "libnvToolsExt",
+    "libtorch_hip",
+    "libc10_hip",
+    "libamdhip64",
+    "librccl",
+    "libMIOpen",
+    "librocblas",
+    "libhipblas",
+    "flash_attn",
+)
+ENV_PREFIXES = ("CUDA_", "NCCL_", "NVIDIA_", "HIP_", "ROCR_")
+
 CUDA_PLATFORM = Platform(
     name="cuda",
     torch_device="cuda",

@@ -30,3 +30,20 @@ ADAPTER = AdapterPackage(
     no_card_checks="MLU_VISIBLE_DEVICES and the driver (cnmon)",
 )
 is_available, load = ADAPTER.is_available, ADAPTER.load
+# What ``pyxllm env`` reports (``pyxllm.platforms.environment``): the package, and the name
+# prefixes of its shared libraries besides those in the package's directory (Cambricon's
+# runtime, driver, operator and collective libraries), and the environment variables that
+# steer it.
+PACKAGE = ADAPTER.package
+SHARED_LIBRARIES = (
+    "libtorch_mlu",
+    "libcnrt",
+    "libcndrv",
+    "libcnnl",
+    "libcncl",
+    "libcnpapi",
+    "libcndev",
+    "libcnbin",
+    "libmagicmind",
+)
+ENV_PREFIXES = ("MLU_", "CNCL_", "NEUWARE_")

@@ -32,3 +32,20 @@ ADAPTER = AdapterPackage(
     "toolkit's set_env.sh was sourced",
 )
 is_available, load = ADAPTER.is_available, ADAPTER.load
+# What ``pyxllm env`` reports (``pyxllm.platforms.environment``): the package, and the name
+# prefixes of its shared libraries besides those in the package's directory (the CANN toolkit's
+# runtime, graph engine, operator and collective libraries), and the environment variables that
+# steer it.
+PACKAGE = ADAPTER.package
+SHARED_LIBRARIES = (
+    "libtorch_npu",
+    "libascend",
+    "libacl",
+    "libhccl",
+    "libge_",
+    "libgraph.",
+    "libruntime.",
+    "libopapi",
+    "libnnopbase",
+)
+ENV_PREFIXES = ("ASCEND_", "HCCL_", "ACL_")

@@ -119,6 +119,50 @@ def _register_fakes() -> None:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def extension_name() -> str:
+    """The extension's name, ``pyxllm_cpu_kernels_<suffix>`` (the suffix keys the CPU's feature
+    flags, see :func:`_compile_flags`): its directory in torch's extension cache."""
+    return f"pyxllm_cpu_kernels_{_compile_flags()[2]}"
+
+
+def build_status() -> dict[str, str | None]:
+    """What :func:`load` would find, without building or loading anything (``pyxllm env``).
+
+    Returns:
+        ``mode``: ``fused`` or ``native`` (``$PYXLLM_CPU_KERNELS``); ``name``: the extension's
+        name; ``cache_dir``: its build directory in torch's extension cache (created if
+        missing, as torch does); ``library``: the built ``.so`` there, ``None`` before the
+        first build; ``compiler``: the C++ compiler torch would run (``$CXX``, else ``c++``)
+        as found on ``$PATH``, ``None`` when it is not there; ``status``: ``built``,
+        ``stale`` (older than the source: the next load rebuilds it), ``not built`` or
+        ``disabled``.
+    """
+    import shutil
+
+    from torch.utils.cpp_extension import _get_build_directory, get_cxx_compiler
+
+    name = extension_name()
+    cache_dir = _get_build_directory(name, verbose=False)
+    library = os.path.join(cache_dir, f"{name}.so")
+    built = os.path.isfile(library)
+    if os.environ.get(_ENV, "fused") == "native":
+        status = "disabled"
+    elif not built:
+        status = "not built"
+    elif os.path.getmtime(library) < os.path.getmtime(_SOURCE):
+        status = "stale"
+    else:
+        status = "built"
+    return {
+        "mode": "native" if status == "disabled" else "fused",
+        "status": status,
+        "name": name,
+        "cache_dir": cache_dir,
+        "library": library if built else None,
+        "compiler": shutil.which(get_cxx_compiler()),
+    }
+
+
 @functools.cache
 def load():
     """``torch.ops.pyxllm_cpu`` with the fused kernels built and loaded, or ``None`` (see the
@@ -129,13 +173,13 @@ def load():
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        cflags, ldflags, suffix = _compile_flags()
+        cflags, ldflags, _ = _compile_flags()
         _put_ninja_on_path()
         logger.info(
             "loading the fused CPU kernels (the first load in an environment builds them: 15-60 s)"
         )
         load_extension(
-            name=f"pyxllm_cpu_kernels_{suffix}",
+            name=extension_name(),
             sources=[str(_SOURCE)],
             extra_cflags=cflags,
             extra_ldflags=ldflags,
