@@ -607,7 +607,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
 
 def _add_tool_parsers(commands, fmt) -> dict[str, argparse.ArgumentParser]:
-    """``pyxllm env`` (:mod:`pyxllm.entrypoints.collect_env`), by name."""
+    """``pyxllm env`` (:mod:`pyxllm.entrypoints.collect_env`) and ``pyxllm chat``
+    (:mod:`pyxllm.entrypoints.chat_cli`), by name."""
+    from pyxllm.entrypoints.chat_cli import add_chat_args
     from pyxllm.entrypoints.collect_env import add_env_args
 
     env = commands.add_parser(
@@ -620,7 +622,16 @@ def _add_tool_parsers(commands, fmt) -> dict[str, argparse.ArgumentParser]:
         "package and the paths of its shared libraries loaded (as vllm collect-env).",
     )
     add_env_args(env)
-    return {"env": env}
+    chat = commands.add_parser(
+        "chat",
+        help="chat in the terminal with an OpenAI-compatible server",
+        allow_abbrev=False,
+        formatter_class=fmt,
+        description="Chat in the terminal with an OpenAI-compatible server (as vllm chat): "
+        "replies stream, the conversation is kept, /reset starts over, Ctrl-D quits.",
+    )
+    add_chat_args(chat)
+    return {"env": env, "chat": chat}
 
 
 def _add_bench_parsers(commands, fmt) -> argparse.ArgumentParser:

@@ -1,5 +1,5 @@
 """The ``pyxllm`` command: ``serve``, ``generate``, ``check-device``, ``bench``
-(serve|eval|perplexity|throughput|latency) and ``env``.
+(serve|eval|perplexity|throughput|latency), ``env`` and ``chat``.
 
 Flags are defined in :mod:`pyxllm.entrypoints.args`. A bad flag value exits with argparse's
 usage error (status 2); an error while loading the model (a ``ValueError`` or a missing file)
@@ -30,6 +30,7 @@ __all__ = [
     "run_check_device",
     "run_bench",
     "run_env",
+    "run_chat",
 ]
 
 
@@ -91,6 +92,19 @@ def _flag_error(message: str) -> str:
     return message
 
 
+def _sampling_params(args: argparse.Namespace, command: str):
+    """``SamplingParams`` of the ``--max-tokens``, ``--temperature`` and ``--top-p`` flags; a bad
+    value exits with ``command``'s usage error naming the flag."""
+    from pyxllm.sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
+        )
+    except ValueError as exc:
+        make_arg_parser().command_parsers[command].error(_flag_error(str(exc)))
+
+
 def run_generate(args: argparse.Namespace, config: EngineConfig, out=None) -> int:
     """``pyxllm generate``: stream one prompt's completion to ``out`` (stdout), then a newline.
 
@@ -98,15 +112,9 @@ def run_generate(args: argparse.Namespace, config: EngineConfig, out=None) -> in
     unset fields do), then ``SamplingParams``' defaults.
     """
     from pyxllm.engine.input_processor import ChatPrompt, TextPrompt
-    from pyxllm.sampling_params import SamplingParams
 
     out = out if out is not None else sys.stdout
-    try:  # bad flag values fail before the model loads
-        params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
-        )
-    except ValueError as exc:
-        make_arg_parser().command_parsers["generate"].error(_flag_error(str(exc)))
+    params = _sampling_params(args, "generate")  # bad flag values fail before the model loads
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     prompt = ChatPrompt([{"role": "user", "content": text}]) if args.chat else TextPrompt(text)
 
@@ -174,12 +182,22 @@ def run_env(args: argparse.Namespace, config: EngineConfig) -> int:
     return report(args)
 
 
+def run_chat(args: argparse.Namespace, config: EngineConfig) -> int:
+    """``pyxllm chat``: the terminal chat of :mod:`pyxllm.entrypoints.chat_cli`; its sampling
+    flags are checked first (as ``generate``'s)."""
+    from pyxllm.entrypoints.chat_cli import run_chat as chat
+
+    _sampling_params(args, "chat")
+    return chat(args)
+
+
 COMMANDS = {
     "serve": run_serve,
     "generate": run_generate,
     "check-device": run_check_device,
     "bench": run_bench,
     "env": run_env,
+    "chat": run_chat,
 }
 
 

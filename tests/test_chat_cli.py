@@ -1,0 +1,130 @@
+"""``pyxllm chat`` against a real server: driven through a pseudo-terminal (pexpect) as a person
+would type, each reply must equal the server's own greedy answer to the same conversation (the
+reference, asked with the openai SDK), which shows that the conversation is kept, ``/reset``
+clears it, and ``--system`` and the API key reach the server."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import openai
+import pexpect
+import pytest
+
+from pyxllm.entrypoints.cli import main
+from tests.utils import RemoteServer, free_port
+
+KEY = "sk-chat-cli-7c1d"
+ENGINE = ["--max-model-len", "512", "--kv-cache-memory", "0.25", "--dtype", "float32"]
+SAMPLING = {"temperature": 0, "max_tokens": 12}
+SAMPLING_FLAGS = ["--temperature", "0", "--max-tokens", "12"]
+CHAT = [sys.executable, "-m", "pyxllm.entrypoints.cli", "chat"]
+# the next prompt after a reply, maybe behind readline's terminal escapes
+NEXT_PROMPT = r"\r\n(?:\x1b\[[0-9;?]*[A-Za-z])*> "
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RemoteServer([*ENGINE, "--api-key", KEY], env={"OMP_NUM_THREADS": "1"}) as remote:
+        yield remote
+
+
+def reference(server: RemoteServer, messages: list[dict[str, str]]) -> str:
+    """The server's greedy reply to ``messages``, not streamed."""
+    client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(model=model, messages=messages, **SAMPLING)
+    return reply.choices[0].message.content
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def ask(child: pexpect.spawn, question: str) -> str:
+    """Type ``question`` and return the reply shown before the next prompt."""
+    child.sendline(question)
+    child.expect(NEXT_PROMPT)
+    shown = ANSI.sub("", child.before).replace("\r\n", "\n")
+    echoed, _, reply = shown.partition("\n")
+    assert echoed.endswith(question), shown
+    return reply
+
+
+def test_an_interactive_chat_keeps_the_conversation_until_reset(server):
+    first, second = "What is the capital of France?", "What did I just ask you?"
+    answer = reference(server, [user(first)])
+    with_history = reference(
+        server, [user(first), {"role": "assistant", "content": answer}, user(second)]
+    )
+    fresh = reference(server, [user(second)])
+    assert with_history != fresh  # else this test could not tell a kept conversation
+
+    child = pexpect.spawn(
+        CHAT[0],
+        [*CHAT[1:], "--base-url", server.base_url, *SAMPLING_FLAGS],
+        env={**os.environ, "OPENAI_API_KEY": KEY, "TERM": "dumb"},
+        encoding="utf-8",
+        timeout=60,
+        dimensions=(24, 250),
+    )
+    try:
+        child.expect_exact("Ctrl-D quits")
+        child.expect_exact("> ")
+        assert ask(child, first) == answer
+        assert ask(child, second) == with_history
+        child.sendline("/reset")
+        child.expect_exact("(conversation cleared)")
+        child.expect_exact("> ")
+        assert ask(child, second) == fresh
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
+
+
+def run_chat(capsys, *args: str) -> tuple[int, str, str]:
+    """``pyxllm chat *args`` in this process: ``(status, stdout, stderr)``."""
+    capsys.readouterr()
+    try:
+        status = main(["chat", *args])
+    except SystemExit as exc:  # a usage error
+        status = exc.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_quick_prints_one_reply_with_the_system_message(server, capsys):
+    system, question = "Answer in French.", "What is the capital of France?"
+    expected = reference(server, [{"role": "system", "content": system}, user(question)])
+    assert expected != reference(server, [user(question)])  # the system message matters
+
+    status, out, err = run_chat(
+        capsys, "--base-url", server.base_url, "--api-key", KEY, "--system", system,
+        "--quick", question, *SAMPLING_FLAGS,
+    )  # fmt: skip
+    assert status == 0, err
+    assert out == expected + "\n"
+
+
+def test_errors_name_the_flag_to_change(server, capsys, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    base = ["--base-url", server.base_url, "--quick", "Hi", *SAMPLING_FLAGS]
+    status, _, err = run_chat(capsys, *base, "--api-key", "sk-wrong")
+    assert status == 1
+    assert "error: --api-key: the server refused it (HTTP 401" in err and "sk-wrong" not in err
+
+    status, _, err = run_chat(capsys, *base, "--api-key", KEY, "--model", "no-such-model")
+    assert status == 1
+    assert "error: --model no-such-model" in err and "404" in err
+
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    status, _, err = run_chat(capsys, "--base-url", url, "--quick", "Hi")
+    assert status == 1 and f"error: --base-url {url}: cannot reach the server" in err
+
+    status, _, err = run_chat(capsys, *base, "--top-p", "0")
+    assert status == 2 and "--top-p: must be in (0, 1]" in err
