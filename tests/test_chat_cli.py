@@ -32,16 +32,31 @@ def server():
         yield remote
 
 
-def reference(server: RemoteServer, messages: list[dict[str, str]]) -> str:
-    """The server's greedy reply to ``messages``, not streamed."""
+def reference(server: RemoteServer, messages: list[dict[str, str]], **sampling) -> str:
+    """The server's greedy reply to ``messages`` (``SAMPLING`` unless given), not streamed."""
     client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0)
     model = client.models.list().data[0].id
-    reply = client.chat.completions.create(model=model, messages=messages, **SAMPLING)
+    reply = client.chat.completions.create(
+        model=model, messages=messages, **{**SAMPLING, **sampling}
+    )
     return reply.choices[0].message.content
 
 
 def user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
+
+
+def spawn_chat(server: RemoteServer, *args: str) -> pexpect.spawn:
+    """``pyxllm chat --base-url <server> *args`` on a pseudo-terminal, the key in
+    ``$OPENAI_API_KEY``."""
+    return pexpect.spawn(
+        CHAT[0],
+        [*CHAT[1:], "--base-url", server.base_url, *args],
+        env={**os.environ, "OPENAI_API_KEY": KEY, "TERM": "dumb"},
+        encoding="utf-8",
+        timeout=60,
+        dimensions=(24, 250),
+    )
 
 
 def ask(child: pexpect.spawn, question: str) -> str:
@@ -63,14 +78,7 @@ def test_an_interactive_chat_keeps_the_conversation_until_reset(server):
     fresh = reference(server, [user(second)])
     assert with_history != fresh  # else this test could not tell a kept conversation
 
-    child = pexpect.spawn(
-        CHAT[0],
-        [*CHAT[1:], "--base-url", server.base_url, *SAMPLING_FLAGS],
-        env={**os.environ, "OPENAI_API_KEY": KEY, "TERM": "dumb"},
-        encoding="utf-8",
-        timeout=60,
-        dimensions=(24, 250),
-    )
+    child = spawn_chat(server, *SAMPLING_FLAGS)
     try:
         child.expect_exact("Ctrl-D quits")
         child.expect_exact("> ")
@@ -85,6 +93,29 @@ def test_an_interactive_chat_keeps_the_conversation_until_reset(server):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
+
+
+def test_ctrl_c_stops_a_reply_and_drops_its_question(server):
+    story, question = "Write a very long story about a dragon who learns to cook.", "Hi"
+    child = spawn_chat(server, "--temperature", "0", "--max-tokens", "400")
+    try:
+        child.expect_exact("> ")
+        child.sendline(story)
+        child.expect_exact(story + "\r\n")
+        child.expect(r"\w+ ")  # the reply has begun; 400 tokens take seconds more
+        child.sendintr()
+        child.expect_exact("(stopped; that question is dropped)")
+        child.expect_exact("> ")
+        reply = ask(child, question)
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    # asked in a fresh conversation: the stopped question and its partial reply were dropped
+    fresh = reference(server, [user(question)], max_tokens=400)
+    assert reply == fresh
+    assert "stream closed early; aborting" in server.output()
 
 
 def run_chat(capsys, *args: str) -> tuple[int, str, str]:
