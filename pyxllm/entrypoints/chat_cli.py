@@ -154,7 +154,7 @@ class ChatSession:
 
 def describe_error(exc: openai.OpenAIError, base_url: str, model: str | None) -> str:
     """A one-line message for an error of the server or the connection, naming the flag to
-    change."""
+    change (``model``: the model asked for, ``None`` before one is known)."""
     if isinstance(exc, openai.APIConnectionError):
         cause = exc.__cause__ or exc  # the connection's own error (Connection refused, ...)
         return f"--base-url {base_url}: cannot reach the server ({cause})"
@@ -165,7 +165,10 @@ def describe_error(exc: openai.OpenAIError, base_url: str, model: str | None) ->
         if status in (401, 403):
             return f"--api-key: the server refused it (HTTP {status}: {message})"
         if status == 404:
-            return f"--model {model} or --base-url {base_url}: HTTP 404: {message}"
+            flags = (
+                f"--model {model} or --base-url {base_url}" if model else f"--base-url {base_url}"
+            )
+            return f"{flags}: HTTP 404: {message}"
         return f"HTTP {status}: {message}"
     return str(exc)
 
@@ -229,8 +232,9 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
         for name in ("temperature", "top_p", "max_tokens")
         if getattr(args, name) is not None
     }
+    model = args.model
     try:
-        model = args.model or first_model(client)
+        model = model or first_model(client)
         session = ChatSession(client, model, args.system, **options)
         if args.quick is None:
             if sys.stdin.isatty():
@@ -244,5 +248,5 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
         out.flush()
         return 0
     except openai.OpenAIError as exc:
-        print(f"error: {describe_error(exc, args.base_url, args.model)}", file=sys.stderr)
+        print(f"error: {describe_error(exc, args.base_url, model)}", file=sys.stderr)
         return 1
