@@ -321,75 +321,69 @@ class ResponseOutputItemEvent(ResponseStreamEvent):
     item: OutputItem
 
 
-class ResponseContentPartEvent(ResponseStreamEvent):
-    """``response.content_part.added`` and ``response.content_part.done``."""
+class ResponseItemEvent(ResponseStreamEvent):
+    """Base of the events about one output item: its ``item_id`` and ``output_index``."""
 
     item_id: str
     output_index: int
+
+
+class ResponseContentEvent(ResponseItemEvent):
+    """Base of the events about one content part of an item (pyxllm's items have one)."""
+
     content_index: int = 0
+
+
+class ResponseContentPartEvent(ResponseContentEvent):
+    """``response.content_part.added`` and ``response.content_part.done``."""
+
     part: ResponseOutputText | ResponseReasoningText
 
 
-class ResponseTextDeltaEvent(ResponseStreamEvent):
+class ResponseTextDeltaEvent(ResponseContentEvent):
     """``response.output_text.delta``: new text, with the ``logprobs`` of the tokens behind it
     (without their bytes; empty unless asked for)."""
 
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     delta: str
     logprobs: list[dict[str, Any]] = Field(default_factory=list)
 
 
-class ResponseTextDoneEvent(ResponseStreamEvent):
+class ResponseTextDoneEvent(ResponseContentEvent):
     """``response.output_text.done``: the message's whole text and its ``logprobs``."""
 
     type: Literal["response.output_text.done"] = "response.output_text.done"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     text: str
     logprobs: list[dict[str, Any]] = Field(default_factory=list)
 
 
-class ResponseReasoningTextDeltaEvent(ResponseStreamEvent):
+class ResponseReasoningTextDeltaEvent(ResponseContentEvent):
     """``response.reasoning_text.delta``: new reasoning text."""
 
     type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     delta: str
 
 
-class ResponseReasoningTextDoneEvent(ResponseStreamEvent):
+class ResponseReasoningTextDoneEvent(ResponseContentEvent):
     """``response.reasoning_text.done``: the whole reasoning text."""
 
     type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     text: str
 
 
-class ResponseFunctionCallArgumentsDeltaEvent(ResponseStreamEvent):
+class ResponseFunctionCallArgumentsDeltaEvent(ResponseItemEvent):
     """``response.function_call_arguments.delta``: a fragment of a call's arguments."""
 
     type: Literal["response.function_call_arguments.delta"] = (
         "response.function_call_arguments.delta"
     )
-    item_id: str
-    output_index: int
     delta: str
 
 
-class ResponseFunctionCallArgumentsDoneEvent(ResponseStreamEvent):
+class ResponseFunctionCallArgumentsDoneEvent(ResponseItemEvent):
     """``response.function_call_arguments.done``: a call's whole arguments text."""
 
     type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
-    item_id: str
-    output_index: int
     arguments: str
 
 

@@ -4,9 +4,9 @@ A Responses request is served by chat completions' code: it becomes a chat reque
 (:mod:`.responses_input`), goes through :meth:`OpenAIServingChat.prepare_chat` (sampling
 parameters, tools, the chat template, the input processor, a constraint compiled), runs as a
 chat request does, and what chat makes of the reply (reasoning split off, tool calls found)
-becomes output items (:mod:`.responses_output`). Errors name the Responses fields
-(``max_output_tokens``, ``input``, ``text.format.schema``, ``tools[0].parameters``) where chat's
-code names its own.
+becomes output items (:mod:`.responses_output`, :mod:`.responses_run`). Errors name the
+Responses fields (``max_output_tokens``, ``input``, ``text.format.schema``,
+``tools[0].parameters``) where chat's code names its own.
 
 Responses are kept (unless ``store: false``) in a :class:`ResponseStore` in memory, for
 ``previous_response_id`` and ``GET /v1/responses/{id}``: a conversation goes on from the stored
@@ -39,7 +39,7 @@ from pyxllm.entrypoints.openai.responses_input import (
     check_supported,
     input_messages,
 )
-from pyxllm.entrypoints.openai.responses_output import ResponseRun, ResponsesEvents
+from pyxllm.entrypoints.openai.responses_run import ResponseRun, ResponsesEvents
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.entrypoints.openai.serving_engine import ClientDisconnected
 from pyxllm.sampling_params import SamplingParams
