@@ -3,7 +3,8 @@
 the same conversation (greedy, so equal): text and item inputs, instructions, streaming (the
 SDK's own stream helper accumulates and checks the events), a conversation by
 ``previous_response_id``, the store (retrieve, delete, ``store: false``), function calls,
-``text.format``, logprobs, and the 400s and 404s; the store's bounds without a server."""
+``text.format``, logprobs, every raw body and event against the SDK's types, and the 400s and
+404s; without a server, a stream that fails or is cut short, and the store's bounds."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import TypeAdapter
 
+from pyxllm.engine.input_processor import EngineRequest
+from pyxllm.entrypoints.openai.errors import OpenAIError
+from pyxllm.entrypoints.openai.responses_run import ResponseRun, ResponsesEvents
+from pyxllm.entrypoints.openai.serving_chat import PreparedChat
 from pyxllm.entrypoints.openai.serving_responses import ResponseStore
+from pyxllm.entrypoints.openai.tools import ToolPlan
+from pyxllm.outputs import CompletionOutput
+from pyxllm.sampling_params import SamplingParams
 from tests.utils import RemoteServer, run_together
 
 MODEL = "smollm2-responses"
@@ -311,6 +320,68 @@ def test_text_format_json_schema_is_chat_response_format(client):
     assert response.text.format.type == "json_schema" and response.text.format.name == "city"
     if response.status == "completed":
         jsonschema.validate(json.loads(response.output_text), CITY)
+
+
+def sse_events(text: str) -> list[dict]:
+    """The ``data`` of each event of a Responses stream, checking its ``event:`` line."""
+    events = []
+    for block in filter(None, text.split("\n\n")):
+        kind, data = block.split("\n")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert kind == f"event: {events[-1]['type']}"
+    return events
+
+
+def test_bodies_and_events_have_the_sdk_shapes(server):
+    """Every body and event, raw, validates against the ``openai`` package's own types."""
+    tool = {"tools": [{"type": "function", **TOOL}], "tool_choice": "required"}
+    logprobs = {"include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    bodies = [
+        {"input": "Hi!", "max_output_tokens": 4, "temperature": 0, "stream": True, **logprobs},
+        {"input": "Weather in Oslo?", "max_output_tokens": 40, "stream": True, **tool},
+        {"input": "Hi!", "max_output_tokens": 2, "metadata": {"k": "v"}},
+    ]
+    answers = run_together(*[lambda body=body: post(server, body) for body in bodies])
+    events = [e for answer in answers[:2] for e in sse_events(answer.text)]
+    assert {"response.output_text.delta", "response.function_call_arguments.delta"} <= {
+        e["type"] for e in events
+    }
+    event_type = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    for event in events:
+        event_type.validate_python(event)
+    stored = httpx.get(server.url_for("v1", "responses", answers[2].json()["id"]))
+    for body in (answers[2].json(), stored.json()):
+        openai.types.responses.Response.model_validate(body)
+    assert stored.json() == answers[2].json()
+
+
+def scripted_stream() -> tuple[ResponsesEvents, list]:
+    """A stream's events object for a made-up request, and the responses it reports done."""
+    request = EngineRequest("resp_1", [1, 2, 3], None, SamplingParams(max_tokens=8), 0.0)
+    run = ResponseRun("resp_1", {"model": "m", "text": {"format": {"type": "text"}}}, 3, None)
+    done: list = []
+    return ResponsesEvents(
+        run, PreparedChat(request, None, ToolPlan("none")), "m", done.append
+    ), done
+
+
+def test_a_stream_that_fails_or_is_cut_short_ends_with_response_failed():
+    stream, done = scripted_stream()
+    partial = CompletionOutput(0, "Hel", [7])
+    text = "".join([*stream.opening(), stream.update(partial, None)])
+    text += "".join(stream.failed(OpenAIError("the engine died", 503)))
+    events = sse_events(text)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["message"] == events[-1]["response"]["error"]["message"] == "the engine died"
+    assert done == []  # a failed stream is not kept
+
+    stream, done = scripted_stream()  # the engine's outputs end without a finish reason
+    text = "".join([*stream.opening(), stream.update(partial, None), stream.aborted(0)])
+    last = sse_events(text + "".join(stream.closing(None)))[-1]
+    assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+    assert last["response"]["output"][0]["content"][0]["text"] == "Hel"
+    assert [r.status for r in done] == ["failed"]
 
 
 @pytest.mark.parametrize(

@@ -228,6 +228,9 @@ OutputItem = ResponseOutputMessage | ResponseReasoningItem | ResponseFunctionToo
 
 
 class InputTokensDetails(OpenAIBaseModel):
+    """The prompt tokens read from the cache and written to it."""
+
+    cache_write_tokens: int = 0
     cached_tokens: int = 0
 
 

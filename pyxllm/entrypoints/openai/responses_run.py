@@ -115,7 +115,8 @@ def response_usage(usage: UsageInfo, reasoning: int) -> ResponseUsage:
     reasoning."""
     return ResponseUsage(
         input_tokens=usage.prompt_tokens,
-        input_tokens_details=InputTokensDetails(cached_tokens=0),
+        # The engine does not report prefix cache hits per request yet (issue 20, section 2).
+        input_tokens_details=InputTokensDetails(cache_write_tokens=0, cached_tokens=0),
         output_tokens=usage.completion_tokens,
         output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
         total_tokens=usage.total_tokens,
