@@ -85,36 +85,6 @@ class OpenAIServingChat(OpenAIServing):
             params.skip_special_tokens = False
         return parser
 
-    async def create_chat_completion(
-        self, request: ChatCompletionRequest, raw_request: Request
-    ) -> Response:
-        """Answer one chat request (raises :class:`OpenAIError` for a bad request)."""
-        self.check_model(request.model)
-        self.check_health()
-        self.check_not_draining()
-        chat = await self.prepare_chat(request, f"chatcmpl-{uuid.uuid4().hex}")
-        engine_request, reasoning, tools = chat.engine_request, chat.reasoning, chat.tools
-        created = int(time.time())
-        if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            events = ChatEvents(engine_request, created, self.model_name, reasoning, tools)
-            return self.stream(engine_request, events, include_usage)
-        try:
-            final = await self.generate_full(engine_request, raw_request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        params = engine_request.sampling_params
-        response = ChatCompletionResponse(
-            id=engine_request.request_id,
-            created=created,
-            model=self.model_name,
-            choices=[self.full_choice(c, params, reasoning, tools) for c in final.outputs],
-            usage=usage_info(
-                len(engine_request.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
-            ),
-        )
-        return JSONResponse(response.model_dump(mode="json"))
-
     async def prepare_chat(self, request: ChatCompletionRequest, request_id: str) -> PreparedChat:
         """The engine request of a chat request (its sampling parameters, tools, prompt and
         reasoning parser), its constraint compiled: what chat completions and the Responses
@@ -161,6 +131,36 @@ class OpenAIServingChat(OpenAIServing):
         )
         await self.prepare(engine_request)
         return PreparedChat(engine_request, reasoning, tools)
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
+        """Answer one chat request (raises :class:`OpenAIError` for a bad request)."""
+        self.check_model(request.model)
+        self.check_health()
+        self.check_not_draining()
+        chat = await self.prepare_chat(request, f"chatcmpl-{uuid.uuid4().hex}")
+        engine_request, reasoning, tools = chat.engine_request, chat.reasoning, chat.tools
+        created = int(time.time())
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            events = ChatEvents(engine_request, created, self.model_name, reasoning, tools)
+            return self.stream(engine_request, events, include_usage)
+        try:
+            final = await self.generate_full(engine_request, raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        params = engine_request.sampling_params
+        response = ChatCompletionResponse(
+            id=engine_request.request_id,
+            created=created,
+            model=self.model_name,
+            choices=[self.full_choice(c, params, reasoning, tools) for c in final.outputs],
+            usage=usage_info(
+                len(engine_request.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
+            ),
+        )
+        return JSONResponse(response.model_dump(mode="json"))
 
     def full_choice(
         self,
