@@ -416,3 +416,45 @@ def test_a_constraint_applies_to_the_answer_not_the_reasoning(server, thinking_c
     off = {"chat_template_kwargs": {"enable_thinking": False}, **regex}
     message = chat(server, NEW_TOKENS, stream=False, **off)["choices"][0]["message"]
     assert re.fullmatch("[a-z]{3}", message["content"]) and message["reasoning_content"] is None
+
+
+def test_responses_api_gives_a_reasoning_item(server, thinking_checkpoint):
+    """The Responses API: a ``reasoning`` item holding chat's ``reasoning_content``, then a
+    message with its ``content``, streamed or not; ``reasoning_tokens`` count the output up to
+    and with ``</think>``. A later turn sent with the reasoning item renders as chat's
+    assistant turn with ``reasoning_content``."""
+    client = server.openai_client()
+    ask = {"model": client.models.list().data[0].id, "input": MESSAGES, "temperature": 0}
+    body = {"messages": MESSAGES, "max_tokens": NEW_TOKENS, "temperature": 0}
+    reference = httpx.post(server.url_for("v1", "chat", "completions"), json=body, timeout=60)
+    message = reference.json()["choices"][0]["message"]
+    response = client.responses.create(**ask, max_output_tokens=NEW_TOKENS)
+    reasoning, *rest = response.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert reasoning.content[0].text == message["reasoning_content"] and reasoning.summary == []
+    assert message["content"] and response.output_text == message["content"]
+    assert [item.type for item in rest] == ["message"]
+    details = response.usage.output_tokens_details
+    assert details.reasoning_tokens == thinking_checkpoint.close_at + 1
+    with client.responses.stream(**ask, max_output_tokens=NEW_TOKENS) as stream:
+        events = list(stream)
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == message["reasoning_content"]
+    final = events[-1].response
+    strip = {"id"}
+    assert [i.model_dump(exclude=strip) for i in final.output] == [
+        i.model_dump(exclude=strip) for i in response.output
+    ]
+    assert final.usage == response.usage
+    # sent back, the reasoning item is the assistant turn's reasoning_content
+    turns = [*MESSAGES, {"role": "assistant", "content": message["content"]}]
+    turns[-1]["reasoning_content"] = message["reasoning_content"]
+    turns.append({"role": "user", "content": "Thanks."})
+    body = {"messages": turns, "max_tokens": 3, "temperature": 0}
+    reference = httpx.post(server.url_for("v1", "chat", "completions"), json=body, timeout=60)
+    items = [*MESSAGES, *[i.model_dump(exclude_none=True) for i in response.output]]
+    items.append({"role": "user", "content": "Thanks."})
+    again = client.responses.create(**{**ask, "input": items}, max_output_tokens=3)
+    assert again.usage.input_tokens == reference.json()["usage"]["prompt_tokens"]
+    expected = reference.json()["choices"][0]["message"]["reasoning_content"] or ""
+    assert "".join(i.content[0].text for i in again.output if i.type == "reasoning") == expected

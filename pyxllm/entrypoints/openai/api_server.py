@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: ``build_app(engine, options)`` and
 ``run_server(config, options)`` (see :class:`~.server_options.ServerOptions`).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+(with ``GET`` and ``DELETE /v1/responses/{id}``), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health`` (200, or 503 when the engine loop died),
 ``GET /debug/stats`` (``engine.stats()``: running/waiting requests, KV blocks in use),
 ``GET /metrics`` (Prometheus text format, see :mod:`pyxllm.engine.metrics`), ``GET /version``,
@@ -42,10 +43,12 @@ from pyxllm.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from pyxllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pyxllm.entrypoints.openai.security import install_security
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pyxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pyxllm.entrypoints.openai.serving_tokenization import (
     DetokenizeRequest,
     OpenAIServingTokenization,
@@ -118,7 +121,7 @@ async def retrieve_model(model_id: str, raw_request: Request) -> JSONResponse:
 
 
 # the routes that run the engine, admitted by AdmissionControl
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 @router.post("/v1/chat/completions")
@@ -133,6 +136,27 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
     """OpenAI (legacy) text completions, streamed (SSE) or not."""
     handler: OpenAIServingCompletion = raw_request.app.state.openai_serving_completion
     return await handler.create_completion(request, raw_request)
+
+
+@router.post("/v1/responses")
+async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    """OpenAI's Responses API, streamed (SSE events) or not (see :mod:`.serving_responses`)."""
+    handler: OpenAIServingResponses = raw_request.app.state.openai_serving_responses
+    return await handler.create_response(request, raw_request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, raw_request: Request) -> JSONResponse:
+    """A stored response (404 when it is not stored)."""
+    handler: OpenAIServingResponses = raw_request.app.state.openai_serving_responses
+    return handler.retrieve(response_id, raw_request)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, raw_request: Request) -> JSONResponse:
+    """Forget a stored response (404 when it is not stored)."""
+    handler: OpenAIServingResponses = raw_request.app.state.openai_serving_responses
+    return handler.delete(response_id)
 
 
 @router.post("/tokenize")
@@ -175,6 +199,7 @@ def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
         engine.input_processor.structured_outputs.prepare()
     app.state.openai_serving_chat = OpenAIServingChat(engine, options)
     app.state.openai_serving_completion = OpenAIServingCompletion(engine, options)
+    app.state.openai_serving_responses = OpenAIServingResponses(app.state.openai_serving_chat)
     app.state.openai_serving_tokenization = OpenAIServingTokenization(
         engine, app.state.openai_serving_chat, options.enable_tokenizer_info_endpoint
     )

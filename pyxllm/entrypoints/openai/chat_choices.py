@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.entrypoints.openai.logprobs import chat_logprobs
 from pyxllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProbs,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
@@ -64,7 +65,12 @@ class ChatEvents(ChoiceEvents):
         for index in range(self.params.n):
             yield self.chunk(index, DeltaMessage(role="assistant", content=""))
 
-    def update(self, completion: CompletionOutput, output: RequestOutput) -> str | None:
+    def advance(
+        self, completion: CompletionOutput
+    ) -> tuple[DeltaMessage, ChatCompletionLogProbs | None, str | None]:
+        """What the choice's new state adds: ``(delta, logprobs of the new tokens, finish
+        reason)``, the delta's reasoning split off and tool calls found (the finish reason is
+        ``tool_calls`` when calls were sent, ``None`` until the choice finished)."""
         i, finished = completion.index, completion.finish_reason is not None
         delta = delta_message(self.texts[i], completion.text, finished, self.reasoning)
         logprobs = choice_logprobs(completion, self.params, self.num_sent[i])
@@ -77,6 +83,11 @@ class ChatEvents(ChoiceEvents):
             delta.content, delta.tool_calls = content or None, tool_calls or None
             if finish_reason == "stop" and calls.num_calls:
                 finish_reason = "tool_calls"
+        return delta, logprobs, finish_reason
+
+    def update(self, completion: CompletionOutput, output: RequestOutput) -> str | None:
+        i, finished = completion.index, completion.finish_reason is not None
+        delta, logprobs, finish_reason = self.advance(completion)
         if finished:
             return self.chunk(i, delta, logprobs, finish_reason, completion.stop_reason)
         if delta.content or delta.reasoning_content or delta.tool_calls:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pyxllm.engine.input_processor import ChatPrompt
+from pyxllm.engine.input_processor import ChatPrompt, EngineRequest
 from pyxllm.entrypoints.openai.chat_choices import (
     ChatEvents,
     chat_message,
@@ -35,6 +36,15 @@ from pyxllm.entrypoints.openai.tool_parsers import (
 from pyxllm.entrypoints.openai.tools import ToolPlan, plan_tools, template_messages, tool_specs
 from pyxllm.outputs import CompletionOutput
 from pyxllm.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class PreparedChat(NamedTuple):
+    """A chat request ready to run: the engine's request, the parser splitting off its
+    reasoning (``None``: nothing to split) and how its reply is read for tool calls."""
+
+    engine_request: EngineRequest
+    reasoning: ReasoningParser | None
+    tools: ToolPlan
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -75,13 +85,15 @@ class OpenAIServingChat(OpenAIServing):
             params.skip_special_tokens = False
         return parser
 
-    async def create_chat_completion(
-        self, request: ChatCompletionRequest, raw_request: Request
-    ) -> Response:
-        """Answer one chat request (raises :class:`OpenAIError` for a bad request)."""
-        self.check_model(request.model)
-        self.check_health()
-        self.check_not_draining()
+    async def prepare_chat(self, request: ChatCompletionRequest, request_id: str) -> PreparedChat:
+        """The engine request of a chat request (its sampling parameters, tools, prompt and
+        reasoning parser), its constraint compiled: what chat completions and the Responses
+        API (:mod:`.serving_responses`) run.
+
+        Raises:
+            OpenAIError, InvalidRequestError: a field that is out of range, cannot be honoured
+                or does not fit (400 naming it).
+        """
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
@@ -109,7 +121,7 @@ class OpenAIServingChat(OpenAIServing):
         tokens = await self.tokenize(self.chat_prompt(request, tools.mode != "none"))
         reasoning = self.request_reasoning_parser(request, params, list(tokens.token_ids))
         engine_request = self.processor.process(
-            f"chatcmpl-{uuid.uuid4().hex}",
+            request_id,
             tokens,
             params,
             max_tokens_param="max_tokens"
@@ -118,6 +130,17 @@ class OpenAIServingChat(OpenAIServing):
             constrain_after=() if reasoning is None else reasoning.end_token_ids(),
         )
         await self.prepare(engine_request)
+        return PreparedChat(engine_request, reasoning, tools)
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
+        """Answer one chat request (raises :class:`OpenAIError` for a bad request)."""
+        self.check_model(request.model)
+        self.check_health()
+        self.check_not_draining()
+        chat = await self.prepare_chat(request, f"chatcmpl-{uuid.uuid4().hex}")
+        engine_request, reasoning, tools = chat.engine_request, chat.reasoning, chat.tools
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)

@@ -130,12 +130,24 @@ class ChoiceEvents(abc.ABC):
 
     The skeleton calls :meth:`opening` once, :meth:`update` for each new output of a choice
     that has not finished, :meth:`aborted` for a choice the engine left unfinished, and
-    :meth:`usage` last when the request asked for it.
+    :meth:`closing` last (or :meth:`failed`, when an error ends the stream).
     """
 
     def opening(self) -> Iterator[str]:
         """Events before the first output (none by default)."""
         return iter(())
+
+    def closing(self, usage: UsageInfo | None) -> Iterator[str]:
+        """The last events: :meth:`usage` when the request asked for it (``usage`` is then
+        given), and ``[DONE]``."""
+        if usage is not None:
+            yield self.usage(usage)
+        yield SSE_DONE
+
+    def failed(self, error: OpenAIError) -> Iterator[str]:
+        """The events of an error after the stream started: an error event, and ``[DONE]``."""
+        yield sse(error_body(error.message, error.status_code, error.param))
+        yield SSE_DONE
 
     @abc.abstractmethod
     def update(self, completion: CompletionOutput, output: RequestOutput) -> str | None:
@@ -329,9 +341,9 @@ class OpenAIServing:
     ) -> AbortOnCloseStreamingResponse:
         """The SSE response of ``request``: ``events``' opening, one event per choice update
         (each choice ends with its finish reason, or an ``abort`` one if the engine's outputs
-        stop first), the usage when ``include_usage``, then ``[DONE]``. An error after the
-        stream started is sent as an error event before ``[DONE]``. The request is aborted
-        when the response ends before its last output (client gone, server error)."""
+        stop first), then ``events``' closing (given the usage when ``include_usage``). An
+        error after the stream started is sent as ``events.failed`` says. The request is
+        aborted when the response ends before its last output (client gone, server error)."""
         state = {"finished": False}
 
         async def body() -> AsyncIterator[str]:
@@ -349,17 +361,15 @@ class OpenAIServing:
                             yield event
                     state["finished"] |= output.finished
             except Exception as exc:  # noqa: BLE001 - reported in the stream, the server lives on
-                yield self.stream_error(exc)
-                yield SSE_DONE
+                for event in events.failed(self.stream_error(exc)):
+                    yield event
                 return
             for index, finished in enumerate(done):
                 if not finished:
                     yield events.aborted(index)
-            if include_usage:
-                yield events.usage(
-                    usage_info(len(request.prompt_token_ids), events.completion_tokens)
-                )
-            yield SSE_DONE
+            usage = usage_info(len(request.prompt_token_ids), events.completion_tokens)
+            for event in events.closing(usage if include_usage else None):
+                yield event
 
         def on_close() -> None:
             if not state["finished"]:
@@ -368,7 +378,6 @@ class OpenAIServing:
 
         return AbortOnCloseStreamingResponse(body(), on_close)
 
-    def stream_error(self, exc: Exception) -> str:
-        """The SSE event reporting an error that happened after the stream started."""
-        err = exc if isinstance(exc, OpenAIError) else self.engine_error(exc)
-        return sse(error_body(err.message, err.status_code, err.param))
+    def stream_error(self, exc: Exception) -> OpenAIError:
+        """The error to report of an exception raised after the stream started."""
+        return exc if isinstance(exc, OpenAIError) else self.engine_error(exc)

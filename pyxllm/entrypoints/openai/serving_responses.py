@@ -1,0 +1,260 @@
+"""``POST /v1/responses`` (OpenAI's Responses API), and ``GET``/``DELETE /v1/responses/{id}``.
+
+A Responses request is served by chat completions' code: it becomes a chat request
+(:mod:`.responses_input`), goes through :meth:`OpenAIServingChat.prepare_chat` (sampling
+parameters, tools, the chat template, the input processor, a constraint compiled), runs as a
+chat request does, and what chat makes of the reply (reasoning split off, tool calls found)
+becomes output items (:mod:`.responses_output`, :mod:`.responses_run`). Errors name the
+Responses fields (``max_output_tokens``, ``input``, ``text.format.schema``,
+``tools[0].parameters``) where chat's code names its own.
+
+Responses are kept (unless ``store: false``) in a :class:`ResponseStore` in memory, for
+``previous_response_id`` and ``GET /v1/responses/{id}``: a conversation goes on from the stored
+one (its input and output, not its ``instructions``, as with OpenAI).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pyxllm.engine.errors import InvalidRequestError
+from pyxllm.entrypoints.openai.errors import OpenAIError
+from pyxllm.entrypoints.openai.protocol_responses import (
+    ResponseFormatText,
+    ResponsesRequest,
+    ResponsesResponse,
+)
+from pyxllm.entrypoints.openai.responses_input import (
+    chat_request,
+    check_supported,
+    input_messages,
+)
+from pyxllm.entrypoints.openai.responses_run import ResponseRun, ResponsesEvents
+from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pyxllm.entrypoints.openai.serving_engine import ClientDisconnected
+from pyxllm.sampling_params import SamplingParams
+
+# How many responses the store keeps, and how many characters of conversation (JSON) in all;
+# past either, the oldest are dropped first.
+MAX_STORED_RESPONSES = 1024
+MAX_STORED_CHARS = 64 * 2**20
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    """A kept response: its body, and its conversation as chat messages (input and output,
+    without ``instructions``); ``size`` is both's length as JSON text."""
+
+    body: dict[str, Any]
+    messages: list[dict[str, Any]]
+    size: int
+
+
+class ResponseStore:
+    """Responses kept in memory, bounded by count and by size; the oldest go first.
+
+    Args:
+        max_responses: the most responses kept.
+        max_chars: the most characters (of the bodies and conversations as JSON) kept; a
+            response larger than this alone is not kept.
+    """
+
+    def __init__(
+        self, max_responses: int = MAX_STORED_RESPONSES, max_chars: int = MAX_STORED_CHARS
+    ) -> None:
+        self.max_responses, self.max_chars = max_responses, max_chars
+        self.entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.chars = 0
+
+    def put(self, response_id: str, body: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        """Keep a response, evicting the oldest ones past the bounds."""
+        size = len(json.dumps(body)) + len(json.dumps(messages))
+        if size > self.max_chars:
+            return
+        self.entries[response_id] = StoredResponse(body, messages, size)
+        self.chars += size
+        while len(self.entries) > self.max_responses or self.chars > self.max_chars:
+            self.chars -= self.entries.popitem(last=False)[1].size
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        """The kept response, ``None`` when it is not (never was, evicted, or deleted)."""
+        return self.entries.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        """Forget a response; False when it was not kept."""
+        entry = self.entries.pop(response_id, None)
+        if entry is not None:
+            self.chars -= entry.size
+        return entry is not None
+
+
+_TOOL_PARAMETERS = re.compile(r"\btools\[(\d+)\]\.function\.parameters\b")
+_RENAMES = (
+    (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
+    (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "text.format.schema"),
+    (re.compile(r"\bresponse_format\b"), "text.format"),
+    (re.compile(r"^messages(\[\d+\])?"), "input"),
+)
+
+
+def responses_field(text: str | None) -> str | None:
+    """A chat error's message or field with Responses' field names
+    (``max_completion_tokens`` -> ``max_output_tokens`` ...)."""
+    if text is None:
+        return None
+    text = _TOOL_PARAMETERS.sub(r"tools[\1].parameters", text)
+    for pattern, name in _RENAMES:
+        text = pattern.sub(name, text)
+    return text
+
+
+@contextmanager
+def responses_field_names() -> Iterator[None]:
+    """Re-raise chat's request errors with the Responses field names."""
+    try:
+        yield
+    except OpenAIError as exc:
+        raise OpenAIError(
+            responses_field(exc.message), exc.status_code, responses_field(exc.param), exc.headers
+        ) from exc
+    except InvalidRequestError as exc:
+        raise OpenAIError(responses_field(str(exc)), 400, responses_field(exc.param)) from exc
+
+
+class OpenAIServingResponses:
+    """Serves the Responses API through a chat completions handler (its engine, parsers and
+    checks; see the module docstring).
+
+    Args:
+        chat: the server's chat completions handler.
+        store: where responses are kept (a new, empty one by default).
+    """
+
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
+        self.chat = chat
+        self.store = store if store is not None else ResponseStore()
+
+    async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
+        """Answer one Responses request, streamed (SSE events) or not.
+
+        Raises:
+            OpenAIError: 400 naming a field that is invalid or cannot be honoured, 404 for an
+                unknown model or ``previous_response_id``, 503 when the engine cannot serve.
+        """
+        chat = self.chat
+        chat.check_model(request.model)
+        chat.check_health()
+        chat.check_not_draining()
+        check_supported(request)
+        conversation = self.history(request.previous_response_id)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        with responses_field_names():
+            conversation = conversation + input_messages(request.input)
+            prepared = await chat.prepare_chat(chat_request(request, conversation), response_id)
+        engine_request = prepared.engine_request
+        echo = self.echo(request, engine_request.sampling_params)
+        prompt_tokens = len(engine_request.prompt_token_ids)
+        run = ResponseRun(response_id, echo, prompt_tokens, prepared.reasoning)
+
+        def keep(response: ResponsesResponse) -> None:
+            if request.store is not False and response.status != "failed":
+                messages = [*conversation, run.output.assistant_message()]
+                self.store.put(response.id, response.model_dump(mode="json"), messages)
+
+        if request.stream:
+            events = ResponsesEvents(run, prepared, chat.model_name, keep)
+            return chat.stream(engine_request, events, include_usage=False)
+        try:
+            with responses_field_names():
+                final = await chat.generate_full(engine_request, raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        completion = final.outputs[0]
+        choice = chat.full_choice(
+            completion, engine_request.sampling_params, prepared.reasoning, prepared.tools
+        )
+        message = choice.message
+        logprobs = choice.logprobs.content if choice.logprobs is not None else None
+        run.output.whole(message.reasoning_content, message.content, logprobs, message.tool_calls)
+        response = run.finish(completion, choice.finish_reason)
+        keep(response)
+        return JSONResponse(response.model_dump(mode="json"))
+
+    def history(self, previous_response_id: str | None) -> list[dict[str, Any]]:
+        """The conversation a request goes on from (empty without ``previous_response_id``).
+
+        Raises:
+            OpenAIError: 404 naming ``previous_response_id`` when it is not kept.
+        """
+        if previous_response_id is None:
+            return []
+        stored = self.store.get(previous_response_id)
+        if stored is None:
+            raise OpenAIError(
+                f"Previous response with id '{previous_response_id}' not found.",
+                404,
+                "previous_response_id",
+            )
+        return stored.messages
+
+    def echo(self, request: ResponsesRequest, params: SamplingParams) -> dict[str, Any]:
+        """The response fields that repeat the request (sampling values as applied)."""
+        text_format = (request.text and request.text.format) or ResponseFormatText(type="text")
+        choice = request.tool_choice
+        return {
+            "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens,
+            "max_tool_calls": request.max_tool_calls,
+            "metadata": request.metadata or {},
+            "model": self.chat.model_name,
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "previous_response_id": request.previous_response_id,
+            "prompt_cache_key": request.prompt_cache_key,
+            "safety_identifier": request.safety_identifier,
+            "store": request.store is not False,
+            "temperature": params.temperature,
+            "text": {
+                "format": text_format.model_dump(by_alias=True, exclude_none=True),
+                "verbosity": "medium",
+            },
+            "tool_choice": choice.model_dump(exclude_none=True)
+            if choice is not None and not isinstance(choice, str)
+            else choice or "auto",
+            "tools": [tool.model_dump() for tool in request.tools or ()],
+            "top_logprobs": request.top_logprobs,
+            "top_p": params.top_p,
+            "user": request.user,
+        }
+
+    def retrieve(self, response_id: str, raw_request: Request) -> JSONResponse:
+        """``GET /v1/responses/{id}``: a kept response's body.
+
+        Raises:
+            OpenAIError: 404 when it is not kept; 400 naming a query parameter (``stream``,
+                ``include``, ``starting_after``: replaying a response's events is not served).
+        """
+        for name in raw_request.query_params:
+            raise OpenAIError(f"{name}: not supported when retrieving a response", 400, name)
+        return JSONResponse(self._stored(response_id).body)
+
+    def delete(self, response_id: str) -> JSONResponse:
+        """``DELETE /v1/responses/{id}``: forget a kept response (404 when it is not kept)."""
+        self._stored(response_id)
+        self.store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    def _stored(self, response_id: str):
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise OpenAIError(f"Response with id '{response_id}' not found.", 404, "response_id")
+        return stored
