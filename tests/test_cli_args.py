@@ -49,7 +49,7 @@ def expect_usage_error(capsys, argv: list[str]) -> str:
         ("max_model_len", "1024", 1024),
         ("block_size", "32", 32),
         ("kv_cache_memory", "0.5", 0.5),
-        ("served_model_name", "my-model", "my-model"),
+        ("served_model_name", "my-model", ("my-model",)),
         ("dtype", "bfloat16", "bfloat16"),
         ("seed", "-3", -3),
     ],

@@ -131,12 +131,27 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    """``usage.prompt_tokens_details``: ``cached_tokens``, the prompt tokens served from the
+    prefix cache (OpenAI's field; sent with ``--enable-prompt-tokens-details``, as vLLM)."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
-    """Token counts of one request."""
+    """Token counts of one request; ``prompt_tokens_details`` is left out when ``None``."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_null_details(self, handler):
+        data = handler(self)
+        if data.get("prompt_tokens_details", 0) is None:
+            del data["prompt_tokens_details"]
+        return data
 
 
 class StreamOptions(OpenAIBaseModel):
