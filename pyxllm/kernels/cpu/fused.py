@@ -170,6 +170,17 @@ def _libraries(directory: Path | None) -> dict[Path, float]:
     return {path: path.stat().st_mtime for path in directory.glob("*.so")}
 
 
+def load_message(
+    before: dict[Path, float], after: dict[Path, float], seconds: float, directory: Path | None
+) -> str:
+    """The log line of a load that took ``seconds``: built, when a library in the build
+    ``directory`` is new or changed since ``before`` (:func:`_libraries` before and
+    ``after`` the load), else loaded from the cache."""
+    if any(before.get(path) != mtime for path, mtime in after.items()):
+        return f"fused CPU kernels built in {seconds:.1f} s ({directory})"
+    return f"fused CPU kernels: loaded the cached build in {seconds:.1f} s ({directory})"
+
+
 @functools.cache
 def load():
     """``torch.ops.pyxllm_cpu`` with the fused kernels built and loaded, or ``None`` (see the
@@ -202,13 +213,7 @@ def load():
             verbose=False,
         )
         seconds = time.perf_counter() - start
-        after = _libraries(directory)
-        if any(before.get(path) != mtime for path, mtime in after.items()):
-            logger.info("fused CPU kernels built in %.1f s (%s)", seconds, directory)
-        else:
-            logger.info(
-                "fused CPU kernels: loaded the cached build in %.1f s (%s)", seconds, directory
-            )
+        logger.info("%s", load_message(before, _libraries(directory), seconds, directory))
         _register_fakes()
         return torch.ops.pyxllm_cpu
     except Exception as exc:  # noqa: BLE001 - any build failure means: fall back to native
