@@ -575,8 +575,7 @@ def _add_logging_args(group) -> None:
         type=_optional(_positive(_int)),
         default=None,
         metavar="N",
-        help="most characters of a prompt (and token ids) a --enable-log-requests line shows "
-        "(default: all)",
+        help="most characters of a prompt's text a --enable-log-requests line shows (default: all)",
     )
 
 
