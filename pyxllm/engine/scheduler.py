@@ -27,7 +27,12 @@ from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 
 
 class Scheduler:
-    """Holds the waiting queue and the running list; plans steps and records their results."""
+    """Holds the waiting queue and the running list; plans steps and records their results.
+
+    Each step computes at most ``config.token_budget(max_model_len)`` tokens
+    (``--max-tokens-per-batch``; without chunked prefill and without that flag, enough for a
+    whole ``max_model_len`` prompt).
+    """
 
     def __init__(
         self,
