@@ -226,3 +226,17 @@ def test_the_load_message_says_whether_the_kernels_were_built(tmp_path):
     assert rebuilt == f"fused CPU kernels built in 31.0 s ({tmp_path})"
     first = fused.load_message({}, fused._libraries(tmp_path), 42.0, tmp_path)
     assert first.startswith("fused CPU kernels built in 42.0 s")
+
+
+def test_chunked_prefill_off_with_the_default_budget_starts():
+    """A new user's ``--no-enable-chunked-prefill`` (the default model: max_model_len 8192)
+    used to stop with "2048 is below --max-model-len"; now each step may take a whole prompt."""
+    from pyxllm.config import EngineConfig
+    from pyxllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(enable_chunked_prefill=False, kv_cache_memory=0.05))
+    try:
+        assert engine.max_model_len == 8192
+        assert engine.scheduler.max_tokens == 8192
+    finally:
+        engine.shutdown()

@@ -58,8 +58,9 @@ ENGINE_HELP = {
     "tokenizer's (default: the model's)",
     "tokenizer_revision": "branch, tag or commit of a --tokenizer model id (default: main)",
     "served_model_name": "the names clients send as `model`, one or several (`--served-model-name "
-    "a b`: both are accepted, responses report the first) (default: the model id, else the "
-    "model file's or directory's name)",
+    "a b`: both are accepted, responses report the first; it takes every word up to the next "
+    "flag, so a positional MODEL goes before it) (default: the model id, else the model file's "
+    "or directory's name)",
     "model_impl": "which code runs the model: pyxllm's own (also: python), transformers' (any "
     "causal LM transformers has, on pyxllm's paged attention), or auto: pyxllm's where it has "
     "the architecture, else transformers' (see README, Models)",
