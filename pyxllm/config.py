@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any
 
 from pyxllm.speculative_config import SpeculativeConfig
 
@@ -20,6 +22,18 @@ GRAPH_BACKENDS = ("eager", "compile", "graph")
 CPU_KV_CACHE_GIB = 2.0
 # grammar libraries for structured outputs (pyxllm.engine.structured_output), the default first
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
+# the per-step token budget when --max-tokens-per-batch is not given (see EngineConfig.token_budget)
+DEFAULT_MAX_TOKENS_PER_BATCH = 2048
+# --generation-config's words (vLLM's); anything else is a directory
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+# vLLM's (and xLLM's) names of EngineConfig fields, accepted as flags and as LLM(...) keywords
+FIELD_ALIASES = {
+    "max_num_seqs": "max_seqs_per_batch",
+    "max_num_batched_tokens": "max_tokens_per_batch",
+    "enable_prefix_caching": "enable_prefix_cache",
+    "master_node_addr": "master_addr",
+}
+GIB = 2**30
 # which code runs the model (vLLM's --model-impl); xLLM's "python" is pyxllm's own
 MODEL_IMPLS = ("auto", "pyxllm", "transformers")
 MODEL_IMPL_ALIASES = {"python": "pyxllm"}
@@ -55,7 +69,16 @@ class EngineConfig:
       ``transformers`` (transformers' model code with pyxllm's paged attention, see
       ``pyxllm.models.transformers_backend``), or ``auto``: native where pyxllm has the
       architecture, else transformers.
+    - ``served_model_name``: the names clients may send as ``model`` (a string is one name);
+      the first is the one responses report. ``None``: derived from ``model``.
     - ``max_model_len``: ``None`` takes the model's ``max_position_embeddings``.
+    - ``max_tokens_per_batch``: ``None`` is :data:`DEFAULT_MAX_TOKENS_PER_BATCH`, raised to
+      ``max_model_len`` without chunked prefill (see :meth:`token_budget`).
+    - ``generation_config``: where request defaults come from (vLLM's flag): ``auto``, the
+      model's ``generation_config.json``; ``vllm``, none (``SamplingParams``' defaults); or a
+      directory holding a ``generation_config.json`` to read instead of the model's.
+    - ``chat_template``: a file holding a Jinja chat template, or the template itself, used
+      instead of the tokenizer's (vLLM's ``--chat-template``, see :func:`load_chat_template`).
     - ``speculative_config``: speculative decoding, vLLM's JSON object (text, or a dict in
       Python; stored as text), see :class:`~pyxllm.speculative_config.SpeculativeConfig`;
       ``None``: off.
@@ -92,14 +115,14 @@ class EngineConfig:
     gguf_file: str | None = None
     tokenizer: str | None = None
     tokenizer_revision: str | None = None
-    served_model_name: str | None = None
+    served_model_name: tuple[str, ...] | None = None
     model_impl: str = "auto"
     dtype: str = "auto"
     quantization: str | None = None
     device: str = "auto"
     graph_backend: str = "eager"
     max_seqs_per_batch: int = 64
-    max_tokens_per_batch: int = 2048
+    max_tokens_per_batch: int | None = None
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: float | None = None
@@ -114,6 +137,49 @@ class EngineConfig:
     dist_init_timeout: float = 120.0
     structured_outputs_backend: str = "llguidance"
     speculative_config: str | None = None
+    generation_config: str = "auto"
+    chat_template: str | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """The config of keyword arguments in pyxllm's or vLLM's names (:data:`FIELD_ALIASES`,
+        and ``kv_cache_memory_bytes``, vLLM's KV cache size in bytes), as ``LLM(...)`` takes
+        them.
+
+        Raises:
+            TypeError: an unknown keyword, or one field given under two names.
+            ValueError: a value out of range (naming the flag).
+        """
+        for alias, name in FIELD_ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"got both {alias!r} and {name!r}; give one of them")
+                kwargs[name] = kwargs.pop(alias)
+        nbytes = kwargs.pop("kv_cache_memory_bytes", None)
+        if nbytes is not None:
+            if kwargs.get("kv_cache_memory") is not None:
+                raise ValueError(
+                    "--kv-cache-memory-bytes: give it or --kv-cache-memory (GiB), not both"
+                )
+            if nbytes <= 0:
+                raise ValueError(f"--kv-cache-memory-bytes: must be > 0, got {nbytes}")
+            kwargs["kv_cache_memory"] = nbytes / GIB
+        return cls(**kwargs)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every ``served_model_name`` (empty when none was given)."""
+        return self.served_model_name or ()
+
+    def token_budget(self, max_model_len: int | None = None) -> int:
+        """Tokens one engine step may compute: ``max_tokens_per_batch`` when given, else
+        :data:`DEFAULT_MAX_TOKENS_PER_BATCH`, raised to ``max_model_len`` without chunked
+        prefill (a whole prompt must then fit one step; vLLM's rule)."""
+        if self.max_tokens_per_batch is not None:
+            return self.max_tokens_per_batch
+        if self.enable_chunked_prefill or max_model_len is None:
+            return DEFAULT_MAX_TOKENS_PER_BATCH
+        return max(DEFAULT_MAX_TOKENS_PER_BATCH, max_model_len)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -187,7 +253,7 @@ class EngineConfig:
                 f"{self.quantization!r}"
             )
         for name in ("max_seqs_per_batch", "max_tokens_per_batch", "block_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(
                     f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}"
                 )
@@ -218,3 +284,51 @@ class EngineConfig:
         self.model_impl = impl
         if self.speculative_config is not None:  # checked now, one line naming the key
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config).to_json()
+        self._check_frontend()
+
+    def _check_frontend(self) -> None:
+        """Normalize ``served_model_name`` to a tuple; check ``generation_config`` and
+        ``chat_template`` before any model loads."""
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = (names,)
+        if names is not None:
+            names = tuple(names)
+            if not names or not all(isinstance(n, str) and n.strip() for n in names):
+                raise ValueError(
+                    f"--served-model-name: names must be non-empty strings, got {names!r}"
+                )
+        self.served_model_name = names
+        mode = self.generation_config
+        if mode not in GENERATION_CONFIG_MODES:
+            path = os.path.join(os.path.expanduser(mode), "generation_config.json")
+            if not os.path.isfile(path):
+                raise ValueError(
+                    f"--generation-config: {mode!r} is neither auto, vllm nor a directory "
+                    "holding a generation_config.json"
+                )
+        load_chat_template(self.chat_template)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """The chat template ``--chat-template`` gives (vLLM's rule): the text of the file ``value``
+    names, else ``value`` itself when it looks like a template (it has ``{``, ``}`` or a
+    newline; backslash escapes such as ``\\n`` are decoded, as a shell passes them); ``None``
+    for ``None``.
+
+    Raises:
+        ValueError: ``value`` looks like a path (no template characters) but cannot be read.
+    """
+    if value is None:
+        return None
+    try:
+        with open(os.path.expanduser(value), encoding="utf-8") as file:
+            return file.read()
+    except OSError as exc:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(
+                f"--chat-template: {value!r} looks like a file path but cannot be read "
+                f"({exc.strerror or exc}); give a file or the template text"
+            ) from None
+    # non-Latin-1 characters pass through as escapes, so only the backslash escapes change
+    return value.encode("latin-1", "backslashreplace").decode("unicode_escape")

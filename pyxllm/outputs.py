@@ -59,6 +59,10 @@ class RequestOutput:
     distribution of token ``j + 1`` given tokens ``0..j``, so ``row[j, prompt_token_ids[j + 1]]``
     is vLLM's ``prompt_logprobs[j + 1][prompt_token_ids[j + 1]].logprob`` (vLLM's
     ``prompt_logprobs=-1`` gives the same values as ``vocab_size`` dicts per token).
+
+    ``num_cached_tokens`` (vLLM's field): the prompt tokens found in the prefix cache when the
+    request was first scheduled (whole blocks, never the last prompt token; with ``n > 1``,
+    the first sample's); ``None`` until it is scheduled.
     """
 
     request_id: str
@@ -68,3 +72,4 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_tensor: torch.Tensor | None = None
+    num_cached_tokens: int | None = None

@@ -23,6 +23,7 @@ CLI_MODULES = {
     "entrypoints/cli.py",
     "entrypoints/args.py",
     "entrypoints/check_device.py",
+    "entrypoints/flag_tables.py",
     "__main__.py",
 }
 ALLOWED = {

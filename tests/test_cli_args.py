@@ -49,7 +49,7 @@ def expect_usage_error(capsys, argv: list[str]) -> str:
         ("max_model_len", "1024", 1024),
         ("block_size", "32", 32),
         ("kv_cache_memory", "0.5", 0.5),
-        ("served_model_name", "my-model", "my-model"),
+        ("served_model_name", "my-model", ("my-model",)),
         ("dtype", "bfloat16", "bfloat16"),
         ("seed", "-3", -3),
     ],
@@ -368,3 +368,220 @@ def test_generate_end_to_end_subprocess():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout
     assert proc.stdout.endswith("\n")
+
+
+# --- vLLM's flags and keywords (issue 20) ---------------------------------------------------
+
+
+def test_several_served_model_names():
+    assert parse("--served-model-name", "a", "b").served_model_name == ("a", "b")
+    assert parse("--served_model_name=only").served_model_names == ("only",)
+    assert EngineConfig(served_model_name="one").served_model_name == ("one",)
+    assert EngineConfig().served_model_names == ()
+
+
+def test_served_model_name_needs_a_name(capsys):
+    err = expect_usage_error(capsys, ["serve", "--served-model-name"])
+    assert "--served-model-name" in err
+
+
+@pytest.mark.parametrize(
+    "text, gib",
+    [
+        ("1073741824", 1.0),
+        ("512M", 0.5),
+        ("2G", 2.0),
+        ("1.5g", 1.5e9 / 2**30),
+        ("250m", 250e6 / 2**30),
+    ],
+)
+def test_kv_cache_memory_bytes_is_vllms_size_in_bytes(text, gib):
+    assert parse("--kv-cache-memory-bytes", text).kv_cache_memory == pytest.approx(gib)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--kv-cache-memory-bytes", "1.5G"], "decimals go with the decimal suffixes"),
+        (["--kv-cache-memory-bytes", "lots"], "--kv-cache-memory-bytes"),
+        (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes: must be > 0"),
+        (
+            ["--kv-cache-memory-bytes", "1G", "--kv-cache-memory", "1"],
+            "--kv-cache-memory-bytes: give it or --kv-cache-memory (GiB), not both",
+        ),
+    ],
+)
+def test_bad_kv_cache_memory_bytes_is_a_usage_error(capsys, argv, needle):
+    assert needle in expect_usage_error(capsys, ["serve", *argv])
+
+
+def test_llm_takes_vllms_keyword_names(monkeypatch):
+    """``LLM(...)`` reads vLLM's keywords as the flags do (the engine is replaced: only the
+    config it gets matters here)."""
+    from pyxllm.entrypoints import llm as llm_module
+
+    monkeypatch.setattr(llm_module, "LLMEngine", lambda config: config)
+    config = llm_module.LLM(
+        enable_prefix_caching=False,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        kv_cache_memory_bytes=2**29,
+        served_model_name=["a", "b"],
+    ).llm_engine
+    assert (config.enable_prefix_cache, config.max_seqs_per_batch) == (False, 4)
+    assert (config.max_tokens_per_batch, config.kv_cache_memory) == (256, 0.5)
+    assert config.served_model_name == ("a", "b")
+    with pytest.raises(TypeError, match="enable_prefix_caching"):
+        llm_module.LLM(enable_prefix_caching=True, enable_prefix_cache=True)
+    with pytest.raises(TypeError, match="no_such_setting"):
+        llm_module.LLM(no_such_setting=1)
+
+
+def test_chunked_prefill_off_raises_the_default_budget_to_max_model_len():
+    from pyxllm.engine.kv_cache_manager import KVCacheManager
+    from pyxllm.engine.scheduler import Scheduler
+
+    off = parse("--no-enable-chunked-prefill")
+    assert off.max_tokens_per_batch is None
+    assert (off.token_budget(8192), off.token_budget(1024)) == (8192, 2048)
+    assert parse().token_budget(8192) == 2048
+    given = parse("--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096")
+    assert given.token_budget(8192) == 4096  # an explicit budget is kept (and then refused)
+    # the scheduler takes the whole long prompt in one step
+    scheduler = Scheduler(off, KVCacheManager(num_blocks=256, block_size=16), max_model_len=3000)
+    request = _request("long", list(range(1, 2901)))
+    scheduler.add_request(request)
+    (sequence,) = scheduler.schedule().sequences
+    assert len(sequence.token_ids) == 2900
+
+
+def _request(request_id: str, prompt_token_ids: list[int]):
+    from pyxllm.engine.detokenizer import IncrementalDetokenizer
+    from pyxllm.engine.request import Request
+    from pyxllm.sampling_params import SamplingParams
+
+    tokenizer = types.SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "")
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+    return Request(request_id, None, prompt_token_ids, SamplingParams(max_tokens=1), detokenizer)
+
+
+def test_generation_config_modes(tmp_path, capsys):
+    from pyxllm.weights import load_generation_defaults
+    from pyxllm.weights.source import ModelSource
+
+    model, other = tmp_path / "model", tmp_path / "other"
+    model.mkdir(), other.mkdir()
+    (model / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_k": 20, "eos_token_id": [2, 7]}'
+    )
+    (other / "generation_config.json").write_text(
+        '{"temperature": 0.3, "max_new_tokens": 9, "eos_token_id": 5}'
+    )
+    source, config = ModelSource("hf", model, "model"), types.SimpleNamespace(eos_token_id=2)
+    auto = load_generation_defaults(source, config, "auto")
+    assert (auto.sampling, auto.eos_token_ids) == ({"temperature": 0.6, "top_k": 20}, (2, 7))
+    vllm = load_generation_defaults(source, config, "vllm")  # no defaults, the same EOS ids
+    assert (vllm.sampling, vllm.eos_token_ids) == ({}, (2, 7))
+    folder = load_generation_defaults(source, config, str(other))
+    assert (folder.sampling, folder.eos_token_ids) == (
+        {"temperature": 0.3, "max_tokens": 9},
+        (2, 5),
+    )
+    assert parse().generation_config == "auto"
+    assert parse("--generation-config", "vllm").generation_config == "vllm"
+    assert parse("--generation-config", str(other)).generation_config == str(other)
+    err = expect_usage_error(capsys, ["serve", "--generation-config", str(tmp_path)])
+    assert "--generation-config: " in err and "generation_config.json" in err
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path, capsys):
+    from pyxllm.config import load_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}\n")
+    assert parse("--chat-template", str(path)).chat_template == str(path)
+    assert load_chat_template(str(path)) == "{{ messages[0]['content'] }}\n"
+    literal = "{% for m in messages %}{{ m.content }}\\n{% endfor %}"  # as a shell passes it
+    assert parse("--chat-template", literal).chat_template == literal
+    assert load_chat_template(literal) == "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    assert load_chat_template(None) is None
+    err = expect_usage_error(capsys, ["serve", "--chat-template", str(tmp_path / "nope.jinja")])
+    assert "--chat-template: " in err and "looks like a file path" in err
+
+
+def test_server_logging_and_proxy_flags():
+    args, _ = parse_args(
+        [
+            *("serve", "--root-path", "/api", "--enable-log-requests", "--max-log-len", "80"),
+            "--enable-prompt-tokens-details",
+        ]
+    )
+    assert (args.root_path, args.enable_log_requests, args.max_log_len) == ("/api", True, 80)
+    assert args.enable_prompt_tokens_details is True
+    defaults, _ = parse_args(["serve"])
+    assert (defaults.root_path, defaults.enable_log_requests, defaults.max_log_len) == (
+        "",
+        False,
+        None,
+    )
+    assert defaults.enable_prompt_tokens_details is False
+
+
+def test_serve_help_groups_flags_as_vllm_does(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    titles = [line[:-1] for line in out.splitlines() if line.endswith(" flags:")]
+    assert titles == [
+        "server flags",
+        "security flags",
+        "limits and shutdown flags",
+        "logging flags",
+        "model flags",
+        "cache flags",
+        "scheduler flags",
+        "parallel flags",
+        "device flags",
+        "decoding flags",
+    ]
+    scheduler = out[out.index("scheduler flags:") : out.index("parallel flags:")]
+    assert "--max-num-seqs" in scheduler and "--max-num-batched-tokens" in scheduler
+
+
+# --- the README's flag tables are the parser's ---------------------------------------------
+
+
+def test_readme_flag_tables_are_written_from_the_parser():
+    from pyxllm.entrypoints.flag_tables import readme_section, serve_tables
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme_section(readme) == serve_tables(), (
+        "the README's flag tables differ from `pyxllm serve --help`; rewrite them with "
+        "`.venv/bin/python -m pyxllm.entrypoints.flag_tables README.md`"
+    )
+
+
+def test_every_readme_flag_row_is_a_flag_and_every_flag_has_a_row():
+    import re
+
+    from pyxllm.entrypoints.flag_tables import readme_section
+
+    section = readme_section((ROOT / "README.md").read_text(encoding="utf-8"))
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    in_readme = {name for row in rows for name in re.findall(r"`(--[\w-]+)`", row.split("|")[1])}
+    parser = make_arg_parser().command_parsers["serve"]
+    options = parser._option_string_actions
+    assert in_readme <= set(options)
+    primary = {
+        action.option_strings[0]
+        for action in parser._actions
+        if action.option_strings
+        and action.help
+        and not action.help.startswith("same as --")
+        and action.option_strings[0] != "-h"
+    }
+    assert primary <= in_readme, sorted(primary - in_readme)
+    # the two a new user found apart: --seed's meaning, --dist-init-timeout's row
+    seed = next(row for row in rows if row.startswith("| `--seed`"))
+    assert options["--seed"].help in seed
+    assert any(row.startswith("| `--dist-init-timeout`") for row in rows)

@@ -22,7 +22,7 @@ from pyxllm.entrypoints.openai.responses_run import ResponseRun, ResponsesEvents
 from pyxllm.entrypoints.openai.serving_chat import PreparedChat
 from pyxllm.entrypoints.openai.serving_responses import ResponseStore
 from pyxllm.entrypoints.openai.tools import ToolPlan
-from pyxllm.outputs import CompletionOutput
+from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.sampling_params import SamplingParams
 from tests.utils import RemoteServer, run_together
 
@@ -156,7 +156,24 @@ def test_text_input_is_answered_as_chat_answers_it_streamed_or_not(client):
     sent = [lp.token for e in deltas for lp in e.logprobs]  # the last token (EOS) has no text
     assert sent == [t for t, _, _ in logprobs][: len(sent)] and len(sent) >= len(deltas)
     assert without_ids(final) == without_ids(response)
-    assert final.usage == response.usage and final.status == response.status
+    cache_blind = {"input_tokens_details"}  # the second time, the prompt is in the prefix cache
+    assert final.usage.model_dump(exclude=cache_blind) == response.usage.model_dump(
+        exclude=cache_blind
+    )
+    assert final.status == response.status
+
+
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(client):
+    """``input_tokens_details.cached_tokens``: none the first time a prompt is seen, whole
+    blocks of it (16 tokens) when it comes again, streamed or not."""
+    text = "Summarize this line: " + "the cat sat on the warm mat by the door. " * 8
+    first = create(client, input=text, max_output_tokens=2)
+    again = create(client, input=text, max_output_tokens=2)
+    _, streamed_again = streamed(client, input=text, max_output_tokens=2)
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    for response in (again, streamed_again):
+        cached = response.usage.input_tokens_details.cached_tokens
+        assert 0 < cached < response.usage.input_tokens and cached % 16 == 0
 
 
 def test_a_conversation_goes_on_from_previous_response_id(client):
@@ -368,7 +385,8 @@ def scripted_stream() -> tuple[ResponsesEvents, list]:
 def test_a_stream_that_fails_or_is_cut_short_ends_with_response_failed():
     stream, done = scripted_stream()
     partial = CompletionOutput(0, "Hel", [7])
-    text = "".join([*stream.opening(), stream.update(partial, None)])
+    output = RequestOutput("r", None, [1, 2], [partial])
+    text = "".join([*stream.opening(), stream.update(partial, output)])
     text += "".join(stream.failed(OpenAIError("the engine died", 503)))
     events = sse_events(text)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -377,7 +395,7 @@ def test_a_stream_that_fails_or_is_cut_short_ends_with_response_failed():
     assert done == []  # a failed stream is not kept
 
     stream, done = scripted_stream()  # the engine's outputs end without a finish reason
-    text = "".join([*stream.opening(), stream.update(partial, None), stream.aborted(0)])
+    text = "".join([*stream.opening(), stream.update(partial, output), stream.aborted(0)])
     last = sse_events(text + "".join(stream.closing(None)))[-1]
     assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
     assert last["response"]["output"][0]["content"][0]["text"] == "Hel"

@@ -158,6 +158,7 @@ def stub_app_client(**options):
     engine = SimpleNamespace(
         input_processor=SimpleNamespace(structured_outputs=None),
         model_name="m",
+        served_model_names=("m",),
         max_model_len=8,
         max_num_seqs=1,
         tokenizer=SimpleNamespace(hf=None),

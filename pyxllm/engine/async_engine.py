@@ -69,8 +69,9 @@ class AsyncEngine:
     """Runs an ``LLMEngine`` in a background thread and streams its outputs to coroutines.
 
     Attributes:
-        input_processor, tokenizer, model_name, max_model_len: those of the engine (the
-            processor is thread-safe: callers process a request, then :meth:`generate` it).
+        input_processor, tokenizer, model_name, served_model_names, max_model_len: those of
+            the engine (the processor is thread-safe: callers process a request, then
+            :meth:`generate` it).
         max_num_seqs: the most requests the engine runs at once (``--max-seqs-per-batch``).
         metrics: the engine's :class:`~pyxllm.engine.metrics.EngineMetrics` (thread-safe to scrape).
     """
@@ -80,6 +81,7 @@ class AsyncEngine:
         self.input_processor = engine.input_processor
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
+        self.served_model_names = engine.served_model_names
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.config.max_seqs_per_batch
         self.metrics = engine.metrics

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pyxllm.config import EngineConfig
+from pyxllm.config import DEFAULT_MAX_TOKENS_PER_BATCH, EngineConfig, load_chat_template
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.input_processor import EngineRequest, InputProcessor
 from pyxllm.engine.kv_cache_manager import KVCacheManager
@@ -66,19 +66,25 @@ class LLMEngine:
         )
         model_config = load_model_config(source)
         self.max_model_len = _resolve_max_model_len(config, model_config)
-        if not config.enable_chunked_prefill and config.max_tokens_per_batch < self.max_model_len:
+        budget = config.token_budget(self.max_model_len)
+        if not config.enable_chunked_prefill and budget < self.max_model_len:
             raise ValueError(
-                f"--max-tokens-per-batch: {config.max_tokens_per_batch} is below --max-model-len "
+                f"--max-tokens-per-batch: {budget} is below --max-model-len "
                 f"({self.max_model_len}); without chunked prefill a whole prompt must fit one step"
             )
-        defaults = load_generation_defaults(source, model_config)
+        defaults = load_generation_defaults(source, model_config, config.generation_config)
         tokenizer_source = source
         if config.tokenizer is not None:  # --tokenizer: another directory, GGUF file or model id
             tokenizer_source = resolve_tokenizer_source(
                 config.tokenizer, config.tokenizer_revision, config.download_dir
             )
-        self.tokenizer = Tokenizer(load_hf_tokenizer(tokenizer_source), defaults.eos_token_ids)
-        self.model_name = config.served_model_name or source.name
+        hf_tokenizer = load_hf_tokenizer(tokenizer_source)
+        if config.chat_template is not None:
+            hf_tokenizer.chat_template = load_chat_template(config.chat_template)
+        self.tokenizer = Tokenizer(hf_tokenizer, defaults.eos_token_ids)
+        # clients may send any of served_model_names as "model"; responses report the first
+        self.served_model_names = config.served_model_names or (source.name,)
+        self.model_name = self.served_model_names[0]
         set_current_platform(platform)
         # one process's UniprocExecutor, or under tensor parallelism rank 0's MultiprocExecutor
         self.executor: Executor = build_executor(config, model_config, source, platform)
@@ -102,7 +108,13 @@ class LLMEngine:
             generation_defaults=defaults.sampling,
             structured_outputs=self.structured_outputs,
         )
-        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
+        if config.max_tokens_per_batch is None and budget > DEFAULT_MAX_TOKENS_PER_BATCH:
+            logger.info(
+                "without chunked prefill a whole prompt is computed in one step: up to %d tokens "
+                "a step (--max-model-len; --max-tokens-per-batch sets it)",
+                budget,
+            )
         self.speculative = config.speculative
         self.proposer = None if self.speculative is None else self._make_proposer(config)
         self.metrics = EngineMetrics(self.model_name, self.scheduler, self.kv_cache_manager)
@@ -384,6 +396,7 @@ class LLMEngine:
             request.status.finished,
             request.prompt_logprobs,
             request.prompt_logprobs_tensor(),
+            request.num_cached_tokens,
         )
 
     def stats(self) -> dict[str, int | float]:

@@ -39,6 +39,7 @@ class ParentRequest:
         self.outputs = [CompletionOutput(index=i, text="", token_ids=[]) for i in range(params.n)]
         self.finished = [False] * params.n
         self.prompt_logprobs = self.prompt_logprobs_tensor = None
+        self.num_cached_tokens: int | None = None
 
     def child_params(self, index: int) -> SamplingParams:
         """The sampling parameters of child ``index``: ``n=1``, ``seed + index``, and prompt
@@ -60,6 +61,8 @@ class ParentRequest:
             self.prompt_logprobs = child.prompt_logprobs
         if child.prompt_logprobs_tensor is not None:
             self.prompt_logprobs_tensor = child.prompt_logprobs_tensor
+        if completion.index == 0:  # the prompt is counted once: as the first sample's
+            self.num_cached_tokens = child.num_cached_tokens
 
     def output(self) -> RequestOutput:
         """The parent's output: every child's latest completion, finished when all are."""
@@ -71,6 +74,7 @@ class ParentRequest:
             all(self.finished),
             self.prompt_logprobs,
             self.prompt_logprobs_tensor,
+            self.num_cached_tokens,
         )
 
 

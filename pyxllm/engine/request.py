@@ -52,6 +52,8 @@ class Request:
             the reasoning), the matcher waits: no mask, no tokens fed; then it is emptied.
         spec_token_ids: draft tokens proposed for the next step (speculative decoding), not
             part of ``token_ids`` until the target model accepts them.
+        num_cached_tokens: prompt tokens its first scheduling found in the prefix cache
+            (``None`` before; a preempted request keeps its first figure, as in vLLM).
     """
 
     request_id: str
@@ -75,6 +77,7 @@ class Request:
     matcher: GrammarMatcher | None = field(default=None, repr=False)
     constrain_after: tuple[int, ...] = ()
     spec_token_ids: list[int] = field(default_factory=list, repr=False)
+    num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

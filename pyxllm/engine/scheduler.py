@@ -27,11 +27,21 @@ from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 
 
 class Scheduler:
-    """Holds the waiting queue and the running list; plans steps and records their results."""
+    """Holds the waiting queue and the running list; plans steps and records their results.
 
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+    Each step computes at most ``config.token_budget(max_model_len)`` tokens
+    (``--max-tokens-per-batch``; without chunked prefill and without that flag, enough for a
+    whole ``max_model_len`` prompt).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int | None = None,
+    ) -> None:
         self.max_seqs = config.max_seqs_per_batch
-        self.max_tokens = config.max_tokens_per_batch
+        self.max_tokens = config.token_budget(max_model_len)
         self.chunked_prefill = config.enable_chunked_prefill
         self.kv = kv_cache_manager
         self.waiting: deque[Request] = deque()
@@ -95,6 +105,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new, 0))

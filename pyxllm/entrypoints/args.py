@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import ssl
 import types
 import typing
@@ -23,6 +24,7 @@ import typing
 from pyxllm.config import (
     DEVICES,
     DTYPES,
+    FIELD_ALIASES,
     MODEL_IMPL_ALIASES,
     MODEL_IMPLS,
     QUANTIZATIONS,
@@ -36,58 +38,84 @@ from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
 from pyxllm.weights.source import is_model_id
 
 # Help per EngineConfig field; a field missing here still becomes a flag, with generic help.
+# These texts are also the README's flag tables (pyxllm/entrypoints/flag_tables.py), so a
+# "(default: ...)" at the end of one is that table's default column.
 ENGINE_HELP = {
-    "model": "a .gguf file, a Hugging Face model directory or model id ORG/NAME (from the "
-    "Hugging Face cache, else downloaded; default: the embedded SmolLM2-135M-Instruct GGUF)",
+    "model": "a .gguf file, a Hugging Face directory (config.json, *.safetensors, tokenizer "
+    "files) or a Hugging Face model id ORG/NAME, taken from the Hugging Face cache when it is "
+    "there, else downloaded into it (with HF_HUB_OFFLINE=1, the cache only); `pyxllm serve "
+    "MODEL` gives it too (default: the embedded SmolLM2-135M-Instruct GGUF)",
     "revision": "branch, tag or commit of a Hugging Face model id (default: main)",
-    "download_dir": "Hugging Face cache for model ids (default: $HF_HUB_CACHE)",
+    "download_dir": "the Hugging Face cache model ids are read from and downloaded into "
+    "(default: $HF_HUB_CACHE)",
     "gguf_file": "the model is this .gguf file inside --model, a directory or model id (from an "
-    "id, only this file and the *.json files are downloaded)",
+    "id, only this file and the repository's *.json files are downloaded); served as the id, "
+    "from a directory as the file's name without .gguf; a file not there fails naming the "
+    ".gguf files that are (--model path/to/file.gguf works too)",
     "tokenizer": "load the tokenizer and chat template from this directory, .gguf file or model "
-    "id instead of the model's (for a GGUF model: instead of its embedded vocabulary)",
+    "id (its tokenizer files only) instead of the model's; for a GGUF model, instead of its "
+    "embedded vocabulary; generation stops on the model's end-of-sequence ids and this "
+    "tokenizer's (default: the model's)",
     "tokenizer_revision": "branch, tag or commit of a --tokenizer model id (default: main)",
-    "served_model_name": "model name reported by the API (default: derived from --model)",
+    "served_model_name": "the names clients send as `model`, one or several (`--served-model-name "
+    "a b`: both are accepted, responses report the first; it takes every word up to the next "
+    "flag, so a positional MODEL goes before it) (default: the model id, else the model file's "
+    "or directory's name)",
     "model_impl": "which code runs the model: pyxllm's own (also: python), transformers' (any "
     "causal LM transformers has, on pyxllm's paged attention), or auto: pyxllm's where it has "
-    "the architecture, else transformers'",
-    "dtype": "weight and activation dtype; auto picks the model's dtype for the device",
+    "the architecture, else transformers' (see README, Models)",
+    "dtype": "weight and activation dtype; auto: on the CPU bfloat16 where it has avx512_bf16 "
+    "or amx_bf16, else float32, elsewhere the checkpoint's declared dtype (on the CPU float16 "
+    "runs as bfloat16, with a warning)",
     "quantization": "quantization of the linear layers: weight-only int8 (per channel) or int4 "
-    "(groups of 32; exact for GGUF Q4_1 weights), or w8a8 (int8 weights and per-token int8 "
-    "activations, int8 matmuls: fastest for large batches); the LM head is w8a8 with each "
+    "(groups of 32; exact for GGUF Q4_1 weights; the fastest single stream), or w8a8 (int8 "
+    "weights and per-token int8 activations, int8 matmuls: the fastest from a few concurrent "
+    "requests up and for long prompts); the LM head is w8a8 with each; see README, Performance "
     "(default: none, weights in --dtype)",
-    "device": "device to run on; auto picks cuda, then npu (torch_npu), then mlu (torch_mlu), "
-    "else cpu",
-    "graph_backend": "how the model runs: eager, compile (torch.compile) or graph (decode steps "
-    "captured once: CUDA/ACL graphs, TorchScript traces on the CPU; prefill eager); also "
-    "off/none, inductor, cudagraphs/aclgraph",
-    "max_seqs_per_batch": "most sequences scheduled in one engine step",
-    "max_tokens_per_batch": "most tokens (prefill + decode) scheduled in one engine step",
-    "max_model_len": "context limit in tokens (default: the model's max_position_embeddings)",
+    "max_model_len": "context limit: the longest prompt plus completion, in tokens; auto: the "
+    "model's (default: the model's max_position_embeddings)",
+    "seed": "seed of the random draws of requests that give no seed of their own (one generator "
+    "they share, so their samples also depend on what else runs; a request's own seed gives "
+    "the same text whatever else runs)",
+    "generation_config": "where request defaults (temperature, top_p, top_k, min_p, "
+    "repetition_penalty, max_tokens from max_new_tokens) come from, as vLLM's flag: auto, the "
+    "model's generation_config.json; vllm, none of it (SamplingParams' defaults); or DIR, the "
+    "generation_config.json in that directory",
+    "chat_template": "the chat template, instead of the tokenizer's: a file holding a Jinja "
+    "template, or the template text itself (vLLM's flag) (default: the tokenizer's)",
     "block_size": "tokens per KV-cache block",
-    "kv_cache_memory": "memory for the KV cache, in GiB (default: 2 on cpu; on an accelerator, "
-    "what --gpu-memory-utilization leaves after the weights)",
+    "kv_cache_memory": "memory for the KV cache, in GiB, per tensor-parallel rank (default: 2 "
+    "on the CPU; on an accelerator what --gpu-memory-utilization leaves after the weights)",
     "gpu_memory_utilization": "fraction of an accelerator's memory this engine may use in all; "
     "the KV cache gets what the weights leave of it",
-    "enable_chunked_prefill": "split long prompts across steps, sharing the token budget "
-    "with decodes",
     "enable_prefix_cache": "reuse the KV blocks of a prompt prefix computed before (by any "
     "request); outputs are the same either way",
-    "seed": "random seed of the engine",
-    "tensor_parallel_size": "split the model over N ranks (tensor parallelism); on one node, N-1 "
-    "worker processes are spawned here",
+    "max_seqs_per_batch": "most sequences running at once (in one engine step)",
+    "max_tokens_per_batch": "most tokens (decodes and prefill chunks) computed in one engine "
+    "step (default: 2048; without chunked prefill --max-model-len when that is more, as vLLM)",
+    "enable_chunked_prefill": "split long prompts across steps, sharing each step's token "
+    "budget with running decodes; off, a whole prompt is computed in one step",
+    "tensor_parallel_size": "split the model over N ranks (tensor parallelism); on one node, "
+    "N-1 worker processes are spawned here; on a CPU host they share its cores (see README, "
+    "Tensor parallelism)",
     "nnodes": "number of nodes, one rank each, started by hand (xLLM's --nnodes)",
     "node_rank": "this node's rank in [0, nnodes); rank 0 serves HTTP, the others only compute",
-    "master_addr": "host:port of node 0, where the ranks meet (xLLM's --master_node_addr); "
-    "default with one node: 127.0.0.1 and a free port",
+    "master_addr": "host:port of node 0, where the ranks meet (xLLM's --master_node_addr) "
+    "(default: with one node, 127.0.0.1 and a free port)",
     "dist_init_timeout": "seconds a rank waits at start-up for the master address and the "
     "other ranks before giving up",
+    "device": "device to run on; auto picks cuda, then npu (torch_npu), then mlu (torch_mlu), "
+    "else cpu (see README, Devices and runners)",
+    "graph_backend": "how the model runs: eager, compile (torch.compile) or graph (decode steps "
+    "captured once: CUDA/ACL graphs, TorchScript traces on the CPU; prefill eager); also "
+    "off/none, inductor, cudagraphs/aclgraph (see README, Devices and runners)",
     "structured_outputs_backend": "grammar library enforcing response_format, structured_outputs "
-    "and required tool calls",
+    "and tool calls",
     "speculative_config": "speculative decoding as a JSON object (vLLM's keys): "
-    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-    '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": PATH, '
-    '"num_speculative_tokens": 4}\'; "disable_by_batch_size": N turns it off for steps with '
-    "more running sequences (default: off)",
+    '\'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup; prompt_lookup_min '
+    'and prompt_lookup_max, default 3 and 5) or \'{"method": "draft_model", "model": PATH, '
+    '"num_speculative_tokens": 4}\'; "disable_by_batch_size": N (default 4) turns it off for '
+    "steps with more running sequences; see README, Speculative decoding (default: off)",
 }
 ENGINE_CHOICES = {
     "dtype": DTYPES,
@@ -99,10 +127,7 @@ ENGINE_CHOICES = {
 # extra spellings of a flag (vLLM's and xLLM's names, short forms)
 ENGINE_ALIASES = {
     "tensor_parallel_size": ["--tp"],
-    "master_addr": flag_names("master_node_addr"),
-    "max_seqs_per_batch": flag_names("max_num_seqs"),
-    "max_tokens_per_batch": flag_names("max_num_batched_tokens"),
-    "enable_prefix_cache": flag_names("enable_prefix_caching"),
+    **{field: flag_names(alias) for alias, field in FIELD_ALIASES.items()},
 }
 ENGINE_METAVARS = {
     "model": "PATH|ID",
@@ -118,6 +143,44 @@ ENGINE_METAVARS = {
     "graph_backend": "KIND",
     "gpu_memory_utilization": "FRACTION",
     "speculative_config": "JSON",
+    "generation_config": "auto|vllm|DIR",
+    "chat_template": "FILE|TEMPLATE",
+}
+# The engine flags in argument groups, as vLLM groups its configs (ModelConfig, CacheConfig,
+# SchedulerConfig, ParallelConfig, ...); a field in none of them goes to "other engine flags".
+ENGINE_GROUPS = {
+    "model flags": (
+        "model",
+        "revision",
+        "download_dir",
+        "gguf_file",
+        "tokenizer",
+        "tokenizer_revision",
+        "served_model_name",
+        "model_impl",
+        "dtype",
+        "quantization",
+        "max_model_len",
+        "seed",
+        "generation_config",
+        "chat_template",
+    ),
+    "cache flags": (
+        "block_size",
+        "kv_cache_memory",
+        "gpu_memory_utilization",
+        "enable_prefix_cache",
+    ),
+    "scheduler flags": ("max_seqs_per_batch", "max_tokens_per_batch", "enable_chunked_prefill"),
+    "parallel flags": (
+        "tensor_parallel_size",
+        "nnodes",
+        "node_rank",
+        "master_addr",
+        "dist_init_timeout",
+    ),
+    "device flags": ("device", "graph_backend"),
+    "decoding flags": ("structured_outputs_backend", "speculative_config"),
 }
 
 
@@ -148,13 +211,35 @@ def _optional(convert):
 _CONVERTERS = {int: _int, float: _float, str: str}
 
 
+def human_readable_int(text: str) -> int:
+    """An integer, or one with vLLM's suffixes: ``k``, ``m``, ``g``, ``t`` powers of 1000
+    (``25.6k`` = 25600), ``K``, ``M``, ``G``, ``T`` powers of 1024 (``4G``, no decimals)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    if match is None:
+        raise ValueError(text)
+    number, suffix = match.groups()
+    if suffix and suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: decimals go with the decimal suffixes k, m, g, t only"
+        )
+    return int(number) * (1024 ** ("KMGT".index(suffix) + 1) if suffix else 1)
+
+
+human_readable_int.__name__ = "int"
+
+
 def _field_type(hint) -> tuple[type, bool]:
-    """``(base type, accepts None)`` of a dataclass field annotation."""
+    """``(base type, accepts None)`` of a dataclass field annotation; ``tuple[str, ...]`` is
+    ``(tuple, ...)``, a flag taking one or more values."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(args) == 1:
-            return args[0], True
+            return _field_type(args[0])[0], True
+    if origin is tuple and typing.get_args(hint) == (str, ...):
+        return tuple, False
     if hint in (bool, *_CONVERTERS):
         return hint, False
     raise TypeError(f"config field of type {hint!r} has no command-line form; add one in args.py")
@@ -163,47 +248,83 @@ def _field_type(hint) -> tuple[type, bool]:
 def _metavar(name: str, base: type) -> str | None:
     if name in ENGINE_CHOICES:
         return None  # argparse shows {a,b,c}
-    default = {str: name.upper(), int: "N", float: "X"}[base]
+    default = {str: name.upper(), int: "N", float: "X", tuple: name.upper()}[base]
     return ENGINE_METAVARS.get(name, default)
 
 
-def add_engine_args(parser, config_cls: type = EngineConfig) -> None:
-    """Add one flag per field of ``config_cls`` (a dataclass) to ``parser`` or an argument group.
+def _add_kv_cache_memory_bytes(group) -> None:
+    """vLLM's ``--kv-cache-memory-bytes``, resolved by :meth:`EngineConfig.from_kwargs`."""
+    group.add_argument(
+        *flag_names("kv_cache_memory_bytes"),
+        dest="kv_cache_memory_bytes",
+        type=human_readable_int,
+        default=None,
+        metavar="BYTES",
+        help="the KV cache's size in bytes, vLLM's form of --kv-cache-memory: a number, or one "
+        "with a suffix k, m, g (powers of 1000) or K, M, G (powers of 1024), as vLLM reads it",
+    )
 
-    Types (``bool``, ``int``, ``float``, ``str``, optionally ``| None``) and defaults come from
-    the dataclass; help, choices and metavars from the tables above.
+
+def add_engine_args(parser: argparse.ArgumentParser, config_cls: type = EngineConfig) -> None:
+    """Add one flag per field of ``config_cls`` (a dataclass) to ``parser``, in the argument
+    groups of :data:`ENGINE_GROUPS`.
+
+    Types (``bool``, ``int``, ``float``, ``str``, optionally ``| None``; ``tuple[str, ...]``
+    takes one or more values) and defaults come from the dataclass; help, choices and metavars
+    from the tables above.
     """
     hints = typing.get_type_hints(config_cls)
-    for field in dataclasses.fields(config_cls):
-        default = field.default
-        if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
-            default = field.default_factory()
-        if default is dataclasses.MISSING:
-            raise TypeError(f"config field {field.name!r} needs a default to become a flag")
-        base, nullable = _field_type(hints[field.name])
-        help_text = ENGINE_HELP.get(field.name, field.name.replace("_", " "))
-        if base is bool:
-            add_bool_flag(parser, field.name, default, help_text, ENGINE_ALIASES.get(field.name))
+    fields = {field.name: field for field in dataclasses.fields(config_cls)}
+    grouped = {name for names in ENGINE_GROUPS.values() for name in names}
+    groups = {
+        title: [name for name in names if name in fields] for title, names in ENGINE_GROUPS.items()
+    }
+    groups["other engine flags"] = [name for name in fields if name not in grouped]
+    for title, names in groups.items():
+        if not names:
             continue
-        convert = _CONVERTERS[base]
-        if nullable and base is not str:
-            convert = _optional(convert)
-        parser.add_argument(
-            *flag_names(field.name),
-            *ENGINE_ALIASES.get(field.name, ()),
-            dest=field.name,
-            type=convert,
-            default=default,
-            choices=ENGINE_CHOICES.get(field.name),
-            help=help_text,
-            metavar=_metavar(field.name, base),
-        )
+        group = parser.add_argument_group(title)
+        for name in names:
+            _add_field_flag(group, fields[name], hints[name])
+            if name == "kv_cache_memory":
+                _add_kv_cache_memory_bytes(group)
+
+
+def _add_field_flag(group, field: dataclasses.Field, hint) -> None:
+    """The flag of one config field (see :func:`add_engine_args`)."""
+    default = field.default
+    if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
+        default = field.default_factory()
+    if default is dataclasses.MISSING:
+        raise TypeError(f"config field {field.name!r} needs a default to become a flag")
+    base, nullable = _field_type(hint)
+    help_text = ENGINE_HELP.get(field.name, field.name.replace("_", " "))
+    if base is bool:
+        add_bool_flag(group, field.name, default, help_text, ENGINE_ALIASES.get(field.name))
+        return
+    convert = _CONVERTERS[str if base is tuple else base]
+    if nullable and base not in (str, tuple):
+        convert = _optional(convert)
+    group.add_argument(
+        *flag_names(field.name),
+        *ENGINE_ALIASES.get(field.name, ()),
+        dest=field.name,
+        type=convert,
+        nargs="+" if base is tuple else None,
+        default=default,
+        choices=ENGINE_CHOICES.get(field.name),
+        help=help_text,
+        metavar=_metavar(field.name, base),
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The :class:`EngineConfig` of parsed flags; raises ``ValueError`` naming a bad flag."""
     names = [f.name for f in dataclasses.fields(EngineConfig)]
-    return EngineConfig(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+    kwargs = {n: getattr(args, n) for n in names if hasattr(args, n)}
+    return EngineConfig.from_kwargs(
+        **kwargs, kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None)
+    )
 
 
 def _port(text: str) -> int:
@@ -249,8 +370,9 @@ def _add_security_args(group) -> None:
         default=None,
         metavar="KEY",
         help="require `Authorization: Bearer KEY` on every route but /health, /version, the "
-        "API docs and /metrics; repeat it or separate keys by commas for several (default: "
-        f"${API_KEY_ENV}, comma-separated, else no key; the variable keeps keys out of ps)",
+        "API docs and /metrics; repeat it or separate keys by commas for several; the "
+        f"variable ${API_KEY_ENV} keeps keys out of ps (see README, Exposing the server) "
+        f"(default: ${API_KEY_ENV}, comma-separated, else no key)",
     )
     add_bool_flag(group, "protect_metrics", False, "require the API key on /metrics too")
     group.add_argument(
@@ -281,7 +403,7 @@ def _add_security_args(group) -> None:
         default=None,
         choices=(0, 1, 2),
         help="client certificates: 0 not asked for, 1 optional, 2 required (Python's "
-        "ssl.CERT_*; default: 2 with --ssl-ca-certs, else 0)",
+        "ssl.CERT_*) (default: 2 with --ssl-ca-certs, else 0)",
     )
     group.add_argument(
         *flag_names("allowed_origins"),
@@ -369,7 +491,7 @@ def _positive(convert):
 
 
 def _add_limit_args(group) -> None:
-    """``serve``'s request limits, admission control, shutdown and logging flags (see
+    """``serve``'s request limits, admission control and shutdown flags (see
     :class:`~pyxllm.entrypoints.openai.server_options.ServerOptions`)."""
     defaults = ServerOptions()
     group.add_argument(
@@ -386,7 +508,7 @@ def _add_limit_args(group) -> None:
         type=_positive(_int),
         default=defaults.limits.max_request_body_bytes,
         metavar="BYTES",
-        help="largest request body; above it a 413",
+        help="largest request body; above it a 413 (default: 8388608, 8 MiB)",
     )
     group.add_argument(
         *flag_names("max_waiting_requests"),
@@ -405,14 +527,22 @@ def _add_limit_args(group) -> None:
         metavar="SECONDS",
         help="on SIGTERM, how long running requests may finish before they are aborted",
     )
+
+
+def _add_logging_args(group) -> None:
+    """``serve``'s logging flags: stats lines, access log, request log (see
+    :class:`~pyxllm.entrypoints.openai.server_options.ServerOptions`)."""
+    defaults = ServerOptions()
     group.add_argument(
         *flag_names("stats_interval"),
         dest="stats_interval",
         type=_positive(_float),
         default=defaults.stats_interval,
         metavar="SECONDS",
-        help="how often the log shows throughput, running and waiting requests, KV cache usage "
-        "and speculative acceptance while there is work",
+        help="how often, while there is work, the log shows one line with prompt and generation "
+        "tokens/s, running, waiting and preempted requests, KV cache usage and prefix cache hit "
+        "rate (and with speculative decoding a line with the acceptance rates), as vLLM logs "
+        "them",
     )
     add_bool_flag(
         group, "disable_log_stats", False, "log no stats lines (vLLM's --disable-log-stats)"
@@ -421,21 +551,32 @@ def _add_limit_args(group) -> None:
         group,
         "disable_uvicorn_access_log",
         False,
-        "log no line per HTTP request (client, method, path, status, duration)",
+        "log no line per HTTP request (client, method, path, status, duration in ms; logger "
+        "pyxllm.access, written when the response's last byte is sent, so a stream's line has "
+        "the whole stream's time) (default: off, a line per request)",
     )
     group.add_argument(
         *flag_names("uvicorn_log_level"),
         dest="uvicorn_log_level",
         default=defaults.log_level,
         choices=("critical", "error", "warning", "info", "debug", "trace"),
-        help="uvicorn's own log level (pyxllm logs the start-up URL and each request itself)",
+        help="uvicorn's own log level (pyxllm logs the start-up URL and the requests itself)",
     )
     add_bool_flag(
         group,
-        "trust_request_chat_template",
+        "enable_log_requests",
         False,
-        "let a request bring its own chat template (chat_template, or chat_template_kwargs' "
-        "chat_template); otherwise a 400",
+        "log a line when a request arrives (id, prompt length, sampling parameters, prompt "
+        "text) and one when it finishes (tokens, finish reason, time to first token, end to "
+        "end), as vLLM's flag",
+    )
+    group.add_argument(
+        *flag_names("max_log_len"),
+        dest="max_log_len",
+        type=_optional(_positive(_int)),
+        default=None,
+        metavar="N",
+        help="most characters of a prompt's text a --enable-log-requests line shows (default: all)",
     )
 
 
@@ -448,8 +589,8 @@ def _engine_flags_help() -> str:
         allow_abbrev=False,
         formatter_class=HelpFormatter,
     )
-    add_engine_args(parser.add_argument_group("engine flags (serve and generate)"))
-    return parser.format_help().strip()
+    add_engine_args(parser)
+    return "engine flags (serve, generate, check-device, bench):\n\n" + parser.format_help().strip()
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
@@ -483,13 +624,27 @@ def make_arg_parser() -> argparse.ArgumentParser:
     )
     server = serve.add_argument_group("server flags")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    server.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
+    server.add_argument(
+        "--port",
+        type=_port,
+        default=8000,
+        help="TCP port to listen on (bound before the model loads: a port in use fails at once)",
+    )
+    server.add_argument(
+        *flag_names("root_path"),
+        dest="root_path",
+        default="",
+        metavar="PATH",
+        help="the path prefix a reverse proxy serves the API under (/api: routes answer at /v1 "
+        "and /api/v1, the API docs point to /api/openapi.json) (default: none)",
+    )
     server.add_argument(
         *flag_names("reasoning_parser"),
         dest="reasoning_parser",
         default=None,
         choices=reasoning_parser_names(),
-        help="split chat output into reasoning_content and content",
+        help="split chat output into message.reasoning_content (the thinking) and content: "
+        "qwen3, or deepseek_r1",
     )
     add_bool_flag(
         server,
@@ -504,7 +659,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         default=None,
         choices=tool_parser_names(),
         help="the format of the model's own tool calls: hermes (Qwen2.5/Qwen3's <tool_call> "
-        "tags; also what the default model is asked to write) or llama3_json",
+        "tags; also what the default model is asked to write) or llama3_json (Llama 3.x)",
     )
     add_bool_flag(
         server, "disable_web_ui", False, "serve no chat page at / (nor its files at /static/)"
@@ -515,9 +670,24 @@ def make_arg_parser() -> argparse.ArgumentParser:
         False,
         "answer GET /tokenizer_info (the tokenizer's configuration and chat template, as vLLM)",
     )
+    add_bool_flag(
+        server,
+        "enable_prompt_tokens_details",
+        False,
+        "add usage.prompt_tokens_details.cached_tokens (OpenAI's field: the prompt tokens "
+        "served from the prefix cache) to chat and completion responses, streamed usage too",
+    )
+    add_bool_flag(
+        server,
+        "trust_request_chat_template",
+        False,
+        "let a request bring its own chat template (chat_template, or chat_template_kwargs' "
+        "chat_template); otherwise a 400",
+    )
     _add_security_args(serve.add_argument_group("security flags"))
-    _add_limit_args(serve.add_argument_group("limits, shutdown and logging flags"))
-    add_engine_args(serve.add_argument_group("engine flags"))
+    _add_limit_args(serve.add_argument_group("limits and shutdown flags"))
+    _add_logging_args(serve.add_argument_group("logging flags"))
+    add_engine_args(serve)
 
     generate = commands.add_parser(
         "generate",
@@ -554,7 +724,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
     add_bool_flag(
         sampling, "chat", True, "apply the model's chat template to the prompt as one user message"
     )
-    add_engine_args(generate.add_argument_group("engine flags"))
+    add_engine_args(generate)
 
     check = commands.add_parser(
         "check-device",
@@ -592,7 +762,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         default="eager,graph,compile",
         help="comma-separated runners to compare (those the device lacks are skipped)",
     )
-    add_engine_args(check.add_argument_group("engine flags"))
+    add_engine_args(check)
     check.set_defaults(dtype="float32")
 
     bench = _add_bench_parsers(commands, fmt)
@@ -681,7 +851,7 @@ def _add_bench_parsers(commands, fmt) -> argparse.ArgumentParser:
         "tool; with --kl-base, the KL divergence of the run's distributions from the base's.",
     )
     add_perplexity_args(perplexity.add_argument_group("benchmark flags"))
-    add_engine_args(perplexity.add_argument_group("engine flags"))
+    add_engine_args(perplexity)
     for kind, text in (
         ("throughput", "offline throughput of the LLM API"),
         ("latency", "batch-1 time to first token and decode rate"),
@@ -690,7 +860,7 @@ def _add_bench_parsers(commands, fmt) -> argparse.ArgumentParser:
             kind, help=text, allow_abbrev=False, formatter_class=fmt, description=text + "."
         )
         add_offline_args(sub.add_argument_group("benchmark flags"), kind)
-        add_engine_args(sub.add_argument_group("engine flags"))
+        add_engine_args(sub)
     return bench
 
 

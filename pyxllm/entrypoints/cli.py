@@ -76,6 +76,10 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
+        root_path=args.root_path,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     run_server(config, options)
     # The engine is shut down; what is left is freed as the process exits. Frozen, the

@@ -26,14 +26,17 @@ class LLM:
         model: ``None`` (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file, a Hugging Face
             directory or a Hugging Face model id ``ORG/NAME``.
         **kwargs: any other ``EngineConfig`` field (``tokenizer``, ``gguf_file``, ``revision``,
-            ``dtype``, ``max_model_len``, ``kv_cache_memory``, ...).
+            ``dtype``, ``max_model_len``, ``kv_cache_memory``, ...), also under vLLM's names
+            (``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``,
+            ``kv_cache_memory_bytes``; see :meth:`EngineConfig.from_kwargs`).
 
     Raises:
+        TypeError: an unknown keyword, or one setting under two names.
         ValueError: a bad setting or a model that cannot be loaded (the message says which and why).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

@@ -116,6 +116,8 @@ class MultiprocExecutor(Executor):
         self.channel, self._closed = None, False
         check_tp_fits(model_config, platform, self.world_size, config.model_impl)
         spawn = config.nnodes == 1
+        if spawn and (warning := platform.tp_cores_warning(self.world_size)):
+            logger.warning("%s", warning)
         master = config.master_addr or f"127.0.0.1:{free_local_port()}"
         self._threads = torch.get_num_threads()
         try:

@@ -77,6 +77,21 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+def physical_cores() -> int:
+    """The physical cores under this process's usable CPUs (hyper-threads of one core count
+    once; Linux's ``/sys`` topology, else :func:`usable_cores`)."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ()
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(topology + "physical_package_id") as p, open(topology + "core_id") as c:
+                cores.add((p.read().strip(), c.read().strip()))
+        except OSError:
+            return usable_cores()
+    return len(cores) or usable_cores()
+
+
 @dataclass(frozen=True, slots=True)
 class Platform:
     """A device platform: the one place that knows device-specific choices.
@@ -173,6 +188,24 @@ class Platform:
         if self.is_accelerator:
             return current
         return max(1, min(current, usable_cores() // max(1, local_world_size)))
+
+    def tp_cores_warning(self, local_world_size: int) -> str | None:
+        """On the CPU, why ``local_world_size`` TP ranks on this host will be slow: more ranks
+        than physical cores (each then gets less than a core; see :meth:`threads_per_rank`);
+        ``None`` when they fit, and on an accelerator."""
+        if self.is_accelerator or local_world_size <= 1:
+            return None
+        cores = physical_cores()
+        if local_world_size <= cores:
+            return None
+        return (
+            f"--tensor-parallel-size {local_world_size} on the CPU: {local_world_size} ranks "
+            f"share {cores} physical core{'s' if cores != 1 else ''} ({usable_cores()} usable "
+            f"CPUs), {self.threads_per_rank(local_world_size)} thread each, so they take turns on "
+            "the cores and every layer waits for two all-reduces between them: expect it to be "
+            "several times slower than --tensor-parallel-size 1 (3 ranks on 2 cores took 7x as "
+            "long), with a KV cache of --kv-cache-memory per rank; see README, Tensor parallelism"
+        )
 
     def check_runner(self, kind: str) -> None:
         """Refuse a ``--graph-backend`` this platform does not run (never replaced silently).

@@ -129,13 +129,17 @@ def _ids(value: Any) -> list[int]:
 
 
 def load_generation_defaults(
-    source: ModelSource | str | Path | None, config: Any
+    source: ModelSource | str | Path | None, config: Any, generation_config: str = "auto"
 ) -> GenerationDefaults:
     """Collect the EOS ids and sampling defaults of a model (see :class:`GenerationDefaults`).
 
     Args:
         source: the model.
         config: its config (from :func:`load_model_config`); its ``eos_token_id`` is included.
+        generation_config: vLLM's ``--generation-config``: ``auto`` reads the model's
+            ``generation_config.json``; ``vllm`` takes only its EOS ids, no sampling defaults;
+            any other value is a directory whose ``generation_config.json`` is read instead of
+            the model's (also for a GGUF model, which has none).
 
     Raises:
         ModelLoadError: a ``generation_config.json`` that is not a JSON object.
@@ -147,22 +151,24 @@ def load_generation_defaults(
         meta = open_gguf(source.path).metadata
         for key in _GGUF_EOS_KEYS:
             eos += _ids(meta.get(key))
+    if generation_config in ("auto", "vllm"):
+        path = None if source.kind == "gguf" else source.path / "generation_config.json"
     else:
-        path = source.path / "generation_config.json"
-        if path.is_file():
-            try:
-                generation = json.loads(path.read_text())
-                if not isinstance(generation, dict):
-                    raise ValueError("not a JSON object")
-            except (OSError, ValueError) as e:
-                raise ModelLoadError(
-                    f"{path} is not a valid generation config ({e}); fix or delete it."
-                ) from e
-            eos += _ids(generation.get("eos_token_id"))
-            for key, name in _SAMPLING_KEYS.items():
-                value = generation.get(key)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    sampling[name] = value
+        path = Path(generation_config).expanduser() / "generation_config.json"
+    if path is not None and path.is_file():
+        try:
+            generation = json.loads(path.read_text())
+            if not isinstance(generation, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(
+                f"{path} is not a valid generation config ({e}); fix or delete it."
+            ) from e
+        eos += _ids(generation.get("eos_token_id"))
+        for key, name in _SAMPLING_KEYS.items() if generation_config != "vllm" else ():
+            value = generation.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                sampling[name] = value
     return GenerationDefaults(tuple(dict.fromkeys(eos)), sampling)
 
 

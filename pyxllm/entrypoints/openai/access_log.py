@@ -37,7 +37,7 @@ class AccessLog:
                 return
             logged = True
             host, port = scope.get("client") or ("-", 0)
-            path = scope.get("root_path", "") + scope["path"]
+            path = scope["path"]  # as the client sent it (ASGI: with any root_path in it)
             if scope.get("query_string"):
                 path += "?" + scope["query_string"].decode("latin-1")
             logger.info(

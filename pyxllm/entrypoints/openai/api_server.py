@@ -17,9 +17,11 @@ the rank; should the graceful stop hang, the process exits with status 1 after 2
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -61,11 +63,14 @@ logger = logging.getLogger(__name__)
 router = APIRouter(route_class=OpenAIRoute)
 
 
-def _model_card(raw_request: Request) -> ModelCard:
+def _model_cards(raw_request: Request) -> list[ModelCard]:
+    """One card per served name (``--served-model-name a b``), the first first."""
     engine = raw_request.app.state.engine
-    return ModelCard(
-        id=engine.model_name, root=engine.model_name, max_model_len=engine.max_model_len
-    )
+    names = engine.served_model_names
+    return [
+        ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
+        for name in names
+    ]
 
 
 @router.get("/health")
@@ -107,17 +112,17 @@ async def version() -> JSONResponse:
 
 @router.get("/v1/models")
 async def show_available_models(raw_request: Request) -> JSONResponse:
-    """The served model, in OpenAI's list shape."""
-    return JSONResponse(ModelList(data=[_model_card(raw_request)]).model_dump(mode="json"))
+    """The served model (one entry per served name), in OpenAI's list shape."""
+    return JSONResponse(ModelList(data=_model_cards(raw_request)).model_dump(mode="json"))
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, raw_request: Request) -> JSONResponse:
-    """One model's card; 404 for a name other than the served one."""
-    card = _model_card(raw_request)
-    if model_id != card.id:
-        raise OpenAIError(f"The model `{model_id}` does not exist.", 404, "model")
-    return JSONResponse(card.model_dump(mode="json"))
+    """One model's card; 404 for a name other than the served ones."""
+    for card in _model_cards(raw_request):
+        if model_id == card.id:
+            return JSONResponse(card.model_dump(mode="json"))
+    raise OpenAIError(f"The model `{model_id}` does not exist.", 404, "model")
 
 
 # the routes that run the engine, admitted by AdmissionControl
@@ -192,7 +197,11 @@ def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
         ValueError: an unknown reasoning or tool-call parser name.
     """
     options = options or ServerOptions()
-    app = FastAPI(title="pyxllm", summary="OpenAI-compatible API of a pyxllm engine")
+    app = FastAPI(
+        title="pyxllm",
+        summary="OpenAI-compatible API of a pyxllm engine",
+        root_path=options.root_path,
+    )
     app.include_router(router)
     app.state.engine = engine
     if engine.input_processor.structured_outputs is not None:  # ready for the first constraint
@@ -289,13 +298,41 @@ def _ensure_logging() -> None:
         ours.setLevel(logging.INFO)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening: connections are refused until
+    the server starts), so a port in use fails before the model loads.
+
+    Raises:
+        ValueError: the address is in use or cannot be bound (naming ``--port`` or ``--host``).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"--port {port}: {host}:{port} is already in use (another server?); choose "
+                "another --port or stop what listens there"
+            ) from None
+        raise ValueError(
+            f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})"
+        ) from None
+    return sock
+
+
 def run_server(config: EngineConfig, options: ServerOptions | None = None) -> None:
     """Load the engine, serve it over HTTP as ``options`` say until SIGINT/SIGTERM, then shut
     the engine down. pyxllm logs one line with the URLs (the API's, the chat page's) once it
     listens.
 
+    The address is bound before the model loads, so a port in use fails at once.
+
     Raises:
-        ValueError: an unknown reasoning or tool-call parser name (before the model loads).
+        ValueError: an unknown reasoning or tool-call parser name, or an address that cannot
+            be bound (both before the model loads).
         DistributedError: the server stopped because a tensor-parallel worker died (naming it).
     """
     from pyxllm.distributed.errors import DistributedError
@@ -309,7 +346,12 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
     if options.tool_call_parser:
         get_tool_parser(options.tool_call_parser)
     _ensure_logging()
-    engine = AsyncEngine.from_config(config, options.stats_interval)
+    sock = bind_socket(options.host, options.port)
+    try:
+        engine = AsyncEngine.from_config(config, options.stats_interval)
+    except BaseException:
+        sock.close()
+        raise
     server = None
     try:
         app = build_app(engine, options)
@@ -317,8 +359,11 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
         shown_host = f"[{host}]" if ":" in host else host
         scheme = "https" if options.ssl_certfile else "http"
         root = f"{scheme}://{shown_host}:{port}/"
+        names = engine.served_model_names
         banner = (
             f"serving {engine.model_name} (max_model_len={engine.max_model_len}) at {root}v1"
+            + (f"; also served as {', '.join(names[1:])}" if len(names) > 1 else "")
+            + (f"; routes also under --root-path {options.root_path}" if options.root_path else "")
             + ("; an API key is required" if options.api_keys else "")
             + (f"; chat page at {root}" if options.web_ui else "")
         )
@@ -337,8 +382,9 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
         )
         server = _Server(uv_config, banner, engine)
         with _signals_handled_by_uvicorn():
-            server.run()
+            server.run(sockets=[sock])
     finally:
+        sock.close()
         engine.shutdown()
         logger.info("server stopped")
     if server.fatal:

@@ -10,6 +10,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pyxllm.entrypoints.openai.errors import error_response
 
 
+def route_path(scope: Scope) -> str:
+    """The path a route matches: ``scope["path"]`` without the app's ``root_path`` prefix
+    (``--root-path``; a proxy may pass the prefix on or strip it), as Starlette's router
+    matches it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
 class BodySizeLimit:
     """Answers 413 (OpenAI's error shape) for a request body over ``max_bytes`` bytes.
 
@@ -63,7 +73,8 @@ class AdmissionControl:
         self.in_progress = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+        generation = scope["type"] == "http" and scope["method"] == "POST"
+        if not generation or route_path(scope) not in self.paths:
             await self.app(scope, receive, send)
             return
         if self.in_progress >= self.max_requests:

@@ -11,7 +11,7 @@ is not JSON), as vLLM does.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -81,15 +81,25 @@ def _body_fault(value: Any, path: str, depth: int) -> tuple[str, str] | None:
     return None
 
 
-class StreamChunkModel(OpenAIBaseModel):
-    """A stream chunk: ``usage`` appears only in the last chunk (with ``include_usage``)."""
+class OmitNoneModel(OpenAIBaseModel):
+    """A response model whose fields named in ``omit_if_none`` are left out while ``None``
+    (OpenAI sends no ``null`` for them)."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ()
 
     @model_serializer(mode="wrap")
-    def _drop_null_usage(self, handler):
+    def _omit_none(self, handler):
         data = handler(self)
-        if data.get("usage", 0) is None:
-            del data["usage"]
+        for name in self.omit_if_none:
+            if data.get(name, 0) is None:
+                del data[name]
         return data
+
+
+class StreamChunkModel(OmitNoneModel):
+    """A stream chunk: ``usage`` appears only in the last chunk (with ``include_usage``)."""
+
+    omit_if_none = ("usage",)
 
 
 # --- errors -------------------------------------------------------------------------------
@@ -131,12 +141,21 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class UsageInfo(OpenAIBaseModel):
-    """Token counts of one request."""
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    """``usage.prompt_tokens_details``: ``cached_tokens``, the prompt tokens served from the
+    prefix cache (OpenAI's field; sent with ``--enable-prompt-tokens-details``, as vLLM)."""
 
+    cached_tokens: int = 0
+
+
+class UsageInfo(OmitNoneModel):
+    """Token counts of one request; ``prompt_tokens_details`` is left out when ``None``."""
+
+    omit_if_none = ("prompt_tokens_details",)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class StreamOptions(OpenAIBaseModel):

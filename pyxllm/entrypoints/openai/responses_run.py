@@ -79,10 +79,11 @@ class ResponseRun:
         )
 
     def finish(
-        self, completion: CompletionOutput | None, finish_reason: str | None
+        self, completion: CompletionOutput | None, finish_reason: str | None, cached_tokens: int
     ) -> ResponsesResponse:
         """Close the output and return the final response: ``completed``, ``incomplete``
-        (``max_output_tokens`` reached) or ``failed`` (the engine stopped the request)."""
+        (``max_output_tokens`` reached) or ``failed`` (the engine stopped the request);
+        ``cached_tokens``: the prompt tokens served from the prefix cache."""
         status = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}.get(
             finish_reason or "", "failed"
         )
@@ -95,7 +96,7 @@ class ResponseRun:
         )
         fields: dict[str, Any] = {
             "usage": response_usage(
-                usage_info(self.prompt_tokens, len(token_ids)),
+                usage_info(self.prompt_tokens, len(token_ids), cached_tokens),
                 reasoning_tokens(token_ids, self.reasoning, reasoning_text),
             )
         }
@@ -111,12 +112,15 @@ class ResponseRun:
 
 
 def response_usage(usage: UsageInfo, reasoning: int) -> ResponseUsage:
-    """The Responses ``usage`` of chat's ``usage``, ``reasoning`` of its output tokens being
-    reasoning."""
+    """The Responses ``usage`` of chat's ``usage`` (with its ``prompt_tokens_details``),
+    ``reasoning`` of its output tokens being reasoning. ``cache_write_tokens`` is 0: the prefix
+    cache fills as a side effect, no request pays to write it."""
+    details = usage.prompt_tokens_details
     return ResponseUsage(
         input_tokens=usage.prompt_tokens,
-        # The engine does not report prefix cache hits per request yet (issue 20, section 2).
-        input_tokens_details=InputTokensDetails(cache_write_tokens=0, cached_tokens=0),
+        input_tokens_details=InputTokensDetails(
+            cache_write_tokens=0, cached_tokens=details.cached_tokens if details else 0
+        ),
         output_tokens=usage.completion_tokens,
         output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
         total_tokens=usage.total_tokens,
@@ -150,6 +154,7 @@ class ResponsesEvents(ChatEvents):
         run.output.emit = self.emit
         self.completion: CompletionOutput | None = None
         self.finish_reason: str | None = None
+        self.cached_tokens = 0
 
     def emit(self, event: ResponseStreamEvent) -> None:
         """Number ``event`` and serialize it now (the objects it shows change later)."""
@@ -170,6 +175,7 @@ class ResponsesEvents(ChatEvents):
     def update(self, completion: CompletionOutput, output: RequestOutput) -> str | None:
         delta, logprobs, finish_reason = self.advance(completion)
         self.completion, self.finish_reason = completion, finish_reason
+        self.cached_tokens = output.num_cached_tokens or 0
         out = self.run.output
         out.reasoning(delta.reasoning_content or "")
         out.text(delta.content or "", logprobs.content if logprobs else None)
@@ -182,7 +188,7 @@ class ResponsesEvents(ChatEvents):
         return ""  # the engine's outputs ended without a finish reason: closing says failed
 
     def closing(self, usage: UsageInfo | None) -> Iterator[str]:
-        response = self.run.finish(self.completion, self.finish_reason)
+        response = self.run.finish(self.completion, self.finish_reason, self.cached_tokens)
         self.on_done(response)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}
         self.emit(

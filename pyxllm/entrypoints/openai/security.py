@@ -47,6 +47,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pyxllm.entrypoints.openai.errors import error_response
+from pyxllm.entrypoints.openai.limits import route_path
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 
 OPEN_PATHS = frozenset(
@@ -92,7 +93,7 @@ class APIKeyMiddleware:
 
     def is_open(self, scope: Scope) -> bool:
         """Whether the request may go through without a key."""
-        if scope["path"] in self._open:
+        if route_path(scope) in self._open:
             return True
         if self._allow_preflight and scope.get("method") == "OPTIONS":
             names = {name for name, _ in scope.get("headers", ())}

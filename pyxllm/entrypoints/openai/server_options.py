@@ -67,6 +67,14 @@ class ServerOptions:
         web_ui: whether ``GET /`` serves the chat page (:mod:`.web_ui`; ``--disable-web-ui``).
         enable_tokenizer_info_endpoint: whether ``GET /tokenizer_info`` answers (vLLM's flag;
             off by default: it shows the chat template).
+        root_path: the path prefix a proxy serves the API under (``--root-path``, FastAPI's
+            ``root_path``): routes answer with and without it, and the API docs use it.
+        enable_log_requests: whether each request gets a log line when it arrives and one when
+            it finishes (:mod:`.request_logger`).
+        max_log_len: the most characters (and token ids) of a prompt those lines show;
+            ``None``: all.
+        enable_prompt_tokens_details: whether ``usage`` carries ``prompt_tokens_details``
+            (``cached_tokens``: the prompt tokens served from the prefix cache).
     """
 
     host: str = "127.0.0.1"
@@ -92,3 +100,7 @@ class ServerOptions:
     stats_interval: float | None = 10.0
     web_ui: bool = True
     enable_tokenizer_info_endpoint: bool = False
+    root_path: str = ""
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+    enable_prompt_tokens_details: bool = False

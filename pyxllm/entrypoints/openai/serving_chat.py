@@ -23,11 +23,7 @@ from pyxllm.entrypoints.openai.protocol import (
 )
 from pyxllm.entrypoints.openai.reasoning import ReasoningParser, get_reasoning_parser
 from pyxllm.entrypoints.openai.server_options import ServerOptions
-from pyxllm.entrypoints.openai.serving_engine import (
-    ClientDisconnected,
-    OpenAIServing,
-    usage_info,
-)
+from pyxllm.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
 from pyxllm.entrypoints.openai.tool_parsers import (
     ToolParser,
     get_tool_parser,
@@ -156,9 +152,7 @@ class OpenAIServingChat(OpenAIServing):
             created=created,
             model=self.model_name,
             choices=[self.full_choice(c, params, reasoning, tools) for c in final.outputs],
-            usage=usage_info(
-                len(engine_request.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
-            ),
+            usage=self.usage(engine_request, sum(len(c.token_ids) for c in final.outputs), final),
         )
         return JSONResponse(response.model_dump(mode="json"))
 

@@ -25,7 +25,6 @@ from pyxllm.entrypoints.openai.serving_engine import (
     ClientDisconnected,
     OpenAIServing,
     sse,
-    usage_info,
 )
 from pyxllm.outputs import CompletionOutput, RequestOutput
 
@@ -77,7 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
             created=created,
             model=self.model_name,
             choices=[choices.full(completion, final) for completion in final.outputs],
-            usage=usage_info(len(engine_request.prompt_token_ids), choices.completion_tokens),
+            usage=self.usage(engine_request, choices.completion_tokens, final),
         )
         return JSONResponse(response.model_dump(mode="json"))
 

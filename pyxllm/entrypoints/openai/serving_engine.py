@@ -16,7 +16,8 @@ from starlette.types import Receive, Scope, Send
 
 from pyxllm.engine.input_processor import ChatPrompt, EngineRequest, TextPrompt, TokensPrompt
 from pyxllm.entrypoints.openai.errors import OpenAIError, error_body, param_from_message
-from pyxllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from pyxllm.entrypoints.openai.protocol import PromptTokenUsageInfo, SamplingFields, UsageInfo
+from pyxllm.entrypoints.openai.request_logger import RequestLogger, RequestWatch
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.structured_outputs import requested_constraint
 from pyxllm.outputs import CompletionOutput, RequestOutput
@@ -53,12 +54,18 @@ def sse(payload) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    """The ``usage`` of a request from its token counts."""
+def usage_info(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> UsageInfo:
+    """The ``usage`` of a request from its token counts; with ``cached_tokens`` (the prompt
+    tokens served from the prefix cache) also ``prompt_tokens_details``."""
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=None
+        if cached_tokens is None
+        else PromptTokenUsageInfo(cached_tokens=cached_tokens),
     )
 
 
@@ -184,6 +191,12 @@ class OpenAIServing:
         self.limits = self.options.limits
         self.max_n = self.limits.max_n or engine.max_num_seqs
         self.draining = False
+        self.served_model_names: tuple[str, ...] = engine.served_model_names
+        self.request_logger = (
+            RequestLogger(engine.tokenizer, self.options.max_log_len)
+            if self.options.enable_log_requests
+            else None
+        )
 
     async def tokenize(self, prompt: str | TextPrompt | ChatPrompt) -> TokensPrompt:
         """``processor.tokenize(prompt)`` on the tokenizer thread, off the event loop (a chat
@@ -199,13 +212,22 @@ class OpenAIServing:
     # --- checks -------------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is the served name (a missing model means the served one)."""
-        if model is not None and model != self.model_name:
+        """404 unless ``model`` is one of the served names (a missing model means the first)."""
+        if model is not None and model not in self.served_model_names:
+            names = ", ".join(f"`{name}`" for name in self.served_model_names)
             raise OpenAIError(
-                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                404,
-                "model",
+                f"The model `{model}` does not exist; this server serves {names}.", 404, "model"
             )
+
+    def usage(
+        self, request: EngineRequest, completion_tokens: int, output: RequestOutput | None
+    ) -> UsageInfo:
+        """The request's ``usage``; with ``--enable-prompt-tokens-details`` also the prompt
+        tokens its ``output`` says came from the prefix cache."""
+        cached = None
+        if self.options.enable_prompt_tokens_details:
+            cached = (output.num_cached_tokens if output is not None else None) or 0
+        return usage_info(len(request.prompt_token_ids), completion_tokens, cached)
 
     def check_health(self) -> None:
         """503 when the engine loop has died."""
@@ -300,21 +322,31 @@ class OpenAIServing:
 
     async def prepare(self, request: EngineRequest) -> EngineRequest:
         """Wait, off the event loop, for the request's constraint to compile, so that one that
-        does not is a 400 before the response starts (``InvalidRequestError``)."""
+        does not is a 400 before the response starts (``InvalidRequestError``); then write
+        its arrival line (``--enable-log-requests``)."""
         if request.grammar is not None:
             await request.grammar.wait()
+        if self.request_logger is not None:
+            self.request_logger.log_inputs(request)
         return request
+
+    def watch(self, request: EngineRequest) -> RequestWatch | None:
+        """The watch writing the request's closing line (``--enable-log-requests``), else
+        ``None``."""
+        return None if self.request_logger is None else self.request_logger.watch(request)
 
     async def generate_full(self, request: EngineRequest, raw_request: Request) -> RequestOutput:
         """Run a request to its end; raises :class:`ClientDisconnected` (after aborting the
         request) if the client goes away first, :class:`OpenAIError` if the engine refuses it."""
-        finished = False
+        finished, watch = False, self.watch(request)
 
         async def drain() -> RequestOutput:
             nonlocal finished
             final = None
             async for output in self.engine.generate(request):
                 final = output
+                if watch is not None:
+                    watch.observe(output)
             finished = True
             return final
 
@@ -335,6 +367,8 @@ class OpenAIServing:
                 drain_task.cancel()
             if not finished:
                 self.abort(request.request_id)
+            if watch is not None:
+                watch.close()
 
     def stream(
         self, request: EngineRequest, events: ChoiceEvents, include_usage: bool
@@ -345,13 +379,18 @@ class OpenAIServing:
         error after the stream started is sent as ``events.failed`` says. The request is
         aborted when the response ends before its last output (client gone, server error)."""
         state = {"finished": False}
+        watch, last = self.watch(request), None
 
         async def body() -> AsyncIterator[str]:
+            nonlocal last
             for event in events.opening():
                 yield event
             done = [False] * request.sampling_params.n
             try:
                 async for output in self.engine.generate(request):
+                    last = output
+                    if watch is not None:
+                        watch.observe(output)
                     for completion in output.outputs:
                         if done[completion.index]:
                             continue
@@ -367,11 +406,13 @@ class OpenAIServing:
             for index, finished in enumerate(done):
                 if not finished:
                     yield events.aborted(index)
-            usage = usage_info(len(request.prompt_token_ids), events.completion_tokens)
+            usage = self.usage(request, events.completion_tokens, last)
             for event in events.closing(usage if include_usage else None):
                 yield event
 
         def on_close() -> None:
+            if watch is not None:
+                watch.close()
             if not state["finished"]:
                 logger.info("stream closed early; aborting %s", request.request_id)
                 self.abort(request.request_id)

@@ -17,10 +17,14 @@ this kernel 26 and 34 ms (and the LM head's 113 MB in 7 ms instead of 14).
 
 The build (g++ and ninja, 15-60 s on 2 cores) is cached in torch's extension directory
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), keyed by the source, the
-flags and the include paths, so it happens once per machine and environment; concurrent first
-loads wait on torch's lock. Where it fails (no compiler), :func:`load` returns ``None`` after one
-warning, and with ``PYXLLM_CPU_KERNELS=native`` without trying; the CPU platform then keeps the
-native kernels.
+flags and the include paths, so it happens once per machine and environment; the log says
+whether a load built the kernels or took the cached build, and how long it took. Concurrent
+first loads wait on torch's lock file (``lock`` in the build directory); a build that was killed
+leaves it behind, and torch would wait on it for ever, so a load that finds it logs its path and
+gives up once the lock is ``PYXLLM_CPU_KERNELS_LOCK_TIMEOUT`` seconds old (default 600; a build
+takes about a minute). Where it fails (no compiler, a stale lock), :func:`load` returns ``None``
+after one warning, and with ``PYXLLM_CPU_KERNELS=native`` without trying; the CPU platform then
+keeps the native kernels.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -42,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _ENV = "PYXLLM_CPU_KERNELS"
+_LOCK_TIMEOUT_ENV = "PYXLLM_CPU_KERNELS_LOCK_TIMEOUT"
 # the kernels below, bound in place of the native ones of the same names
 KERNELS = (
     "apply_rotary_emb",
@@ -163,6 +169,62 @@ def build_status() -> dict[str, str | None]:
     }
 
 
+def _build_directory(name: str) -> Path | None:
+    """torch's build directory of extension ``name`` (``None`` if this torch hides it)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(name, verbose=False))
+    except (ImportError, TypeError, OSError):
+        return None
+
+
+def wait_for_build_lock(lock: Path, timeout: float, poll: float = 0.5) -> None:
+    """Wait while ``lock`` (torch's build lock file) exists, logging its path once.
+
+    Raises:
+        TimeoutError: the lock is ``timeout`` seconds old or more (its mtime): a build that was
+            killed left it, or a build runs that long; the message names the file.
+    """
+    logged = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age >= timeout:
+            raise TimeoutError(
+                f"the build lock {lock} is {age:.0f} s old: a build that was killed left it "
+                f"behind (delete it if no build is running; {_LOCK_TIMEOUT_ENV} sets this limit)"
+            )
+        if not logged:
+            logger.info(
+                "waiting for another process's build of the fused CPU kernels (lock file %s; "
+                "if no build is running, a killed one left it: delete it)",
+                lock,
+            )
+            logged = True
+        time.sleep(poll)
+
+
+def _libraries(directory: Path | None) -> dict[Path, float]:
+    """The built libraries in ``directory`` and their modification times."""
+    if directory is None or not directory.is_dir():
+        return {}
+    return {path: path.stat().st_mtime for path in directory.glob("*.so")}
+
+
+def load_message(
+    before: dict[Path, float], after: dict[Path, float], seconds: float, directory: Path | None
+) -> str:
+    """The log line of a load that took ``seconds``: built, when a library in the build
+    ``directory`` is new or changed since ``before`` (:func:`_libraries` before and
+    ``after`` the load), else loaded from the cache."""
+    if any(before.get(path) != mtime for path, mtime in after.items()):
+        return f"fused CPU kernels built in {seconds:.1f} s ({directory})"
+    return f"fused CPU kernels: loaded the cached build in {seconds:.1f} s ({directory})"
+
+
 @functools.cache
 def load():
     """``torch.ops.pyxllm_cpu`` with the fused kernels built and loaded, or ``None`` (see the
@@ -175,17 +237,27 @@ def load():
 
         cflags, ldflags, _ = _compile_flags()
         _put_ninja_on_path()
-        logger.info(
-            "loading the fused CPU kernels (the first load in an environment builds them: 15-60 s)"
-        )
+        name = extension_name()
+        directory = _build_directory(name)
+        before = _libraries(directory)
+        if directory is not None:
+            wait_for_build_lock(directory / "lock", float(os.environ.get(_LOCK_TIMEOUT_ENV, 600)))
+        if not before:
+            logger.info(
+                "building the fused CPU kernels in %s (the first load in an environment: 15-60 s)",
+                directory or "torch's extension directory",
+            )
+        start = time.perf_counter()
         load_extension(
-            name=extension_name(),
+            name=name,
             sources=[str(_SOURCE)],
             extra_cflags=cflags,
             extra_ldflags=ldflags,
             is_python_module=False,
             verbose=False,
         )
+        seconds = time.perf_counter() - start
+        logger.info("%s", load_message(before, _libraries(directory), seconds, directory))
         _register_fakes()
         return torch.ops.pyxllm_cpu
     except Exception as exc:  # noqa: BLE001 - any build failure means: fall back to native
