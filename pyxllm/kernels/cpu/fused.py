@@ -40,13 +40,17 @@ from pyxllm.kernels.cpu.features import cpu_feature_line
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "int4_linear.cpp")
+)
 _ENV = "PYXLLM_CPU_KERNELS"
 # the kernels below, bound in place of the native ones of the same names
 KERNELS = (
     "apply_rotary_emb",
     "fused_add_rms_norm",
+    "int4_linear",
     "linear",
+    "pack_int4_weight",
     "paged_attention_decode",
     "reshape_and_cache",
     "rms_norm",
@@ -56,7 +60,7 @@ KERNELS = (
 
 
 def _compile_flags() -> tuple[list[str], list[str], str]:
-    """``(extra_cflags, extra_ldflags, suffix)``.
+    """``(extra_cflags, extra_ldflags, cpu_suffix)``.
 
     ``-ffp-contract=off`` keeps float32 results equal to the reference's where the arithmetic is
     the same (no fused multiply-add). On x86-64/aarch64 Linux: ``-march=native``, with a suffix
@@ -82,6 +86,37 @@ def _put_ninja_on_path() -> None:
     path = os.environ.get("PATH", "")
     if ninja.BIN_DIR not in path.split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join(filter(None, [ninja.BIN_DIR, path]))
+
+
+def _build_directory(cpu_suffix: str) -> tuple[str, Path, list[str]]:
+    """``(name, directory, sources)`` of the build: the name keyed by the CPU's flags, Python's
+    and torch's versions and the sources' contents; the directory under torch's extension root
+    (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``); the sources copied into it.
+
+    Why copies: ninja rebuilds when a source's path changes, and torch keys its cache by name
+    only, so two checkouts of pyxllm (a clean clone and a working tree, or two branches) rebuilt
+    over each other on every load (~35 s each), and a checkout with other sources could load a
+    build without its kernels. Keyed by content and compiled from one path, each version of the
+    sources is built once per machine and environment, whichever checkout loads it first.
+    """
+    from torch.utils.cpp_extension import get_default_build_root
+
+    digest = hashlib.sha1(f"{cpu_suffix} {sys.version} {torch.__version__}".encode())
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    name = f"pyxllm_cpu_kernels_{digest.hexdigest()[:12]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    directory = Path(root) / name
+    (directory / "src").mkdir(parents=True, exist_ok=True)
+    copies = []
+    for source in _SOURCES:
+        copy = directory / "src" / source.name
+        if not copy.exists():  # written whole, then renamed: a concurrent load sees all or none
+            partial = copy.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_bytes(source.read_bytes())
+            partial.replace(copy)
+        copies.append(str(copy))
+    return name, directory, copies
 
 
 def _register_fakes() -> None:
@@ -118,6 +153,10 @@ def _register_fakes() -> None:
     def _(x, weight, bias):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
+    @torch.library.register_fake(lib + "int4_linear")
+    def _(x, packed, scales_and_zeros, group_size, bias):
+        return x.new_empty(*x.shape[:-1], packed.shape[0] * INT4_TILE)
+
 
 @functools.cache
 def load():
@@ -129,14 +168,16 @@ def load():
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        cflags, ldflags, suffix = _compile_flags()
+        cflags, ldflags, cpu_suffix = _compile_flags()
+        name, directory, sources = _build_directory(cpu_suffix)
         _put_ninja_on_path()
         logger.info(
             "loading the fused CPU kernels (the first load in an environment builds them: 15-60 s)"
         )
         load_extension(
-            name=f"pyxllm_cpu_kernels_{suffix}",
-            sources=[str(_SOURCE)],
+            name=name,
+            sources=sources,
+            build_directory=str(directory),
             extra_cflags=cflags,
             extra_ldflags=ldflags,
             is_python_module=False,
@@ -259,3 +300,56 @@ def w8a8_linear(
             ``hadamard_block`` that is not a power of two dividing ``K``.
     """
     return torch.ops.pyxllm_cpu.w8a8_linear.default(x, qweight, weight_scales, bias, hadamard_block)
+
+
+# output features per tile of ``int4_linear``'s packed weights (its kTile)
+INT4_TILE = 16
+
+
+def pack_int4_weight(
+    q: torch.Tensor, scales_and_zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` (``[N, K]``, values ``0..15``) and ``scales_and_zeros`` (``[K/32, N, 2]``) in
+    :func:`int4_linear`'s layout, tiles of 16 output features with each tile's groups of 32
+    input features one after the other (``csrc/int4_linear.cpp``): ``[N/16, 8 K]`` uint8, two
+    weights a byte, and ``[N/16, K/32, 16, 2]``.
+
+    Raises:
+        ValueError: ``N`` not a multiple of 16 or ``K`` not a multiple of 32.
+    """
+    n, k = q.shape
+    if n % INT4_TILE or k % 32:
+        raise ValueError(
+            f"int4 weights need a multiple of {INT4_TILE} output and 32 input features on CPU, "
+            f"got {n} x {k}"
+        )
+    tiles, groups = n // INT4_TILE, k // 32
+    # [tile, lane, group, chunk, nibble, byte] -> [tile, group, chunk, lane, byte, nibble]
+    t = q.to(torch.uint8).view(tiles, INT4_TILE, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    packed = (t[..., 0] | (t[..., 1] << 4)).contiguous().view(tiles, k * INT4_TILE // 2)
+    pairs = scales_and_zeros.view(groups, tiles, INT4_TILE, 2).transpose(0, 1).contiguous()
+    return packed, pairs
+
+
+def int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``pyxllm.kernels.native.int4_linear``'s weights with int8 activations (W4A8): each row's
+    groups of 32 activations quantized as llama.cpp's Q8_1 (``scale = max |x| / 127``), integer
+    dot products per group (VNNI where the CPU has it), see ``csrc/int4_linear.cpp``. One pass
+    over the weights serves up to 8 rows, and a row's result does not depend on the other rows.
+
+    Args:
+        x: ``[..., K]`` float32 or bfloat16; packed, scales_and_zeros: from
+            :func:`pack_int4_weight`, the latter in ``x.dtype``; group_size: 32; bias: ``[N]`` or
+            None.
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+    Raises:
+        RuntimeError: a shape, dtype or group size the kernel does not take.
+    """
+    return torch.ops.pyxllm_cpu.int4_linear.default(x, packed, scales_and_zeros, group_size, bias)
