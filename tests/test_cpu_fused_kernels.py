@@ -14,9 +14,11 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pyxllm.kernels import native
 from pyxllm.kernels.cpu import fused
+from pyxllm.kernels.native.quantized import dequantize_int4
 
 pytestmark = pytest.mark.skipif(
     fused.load() is None, reason="the fused CPU kernels could not be built here"
@@ -135,6 +137,107 @@ def test_w8a8_linear_matches_native_exactly(dtype):
         fused.w8a8_linear(x, q, scales.to(dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="input features"):
         fused.w8a8_linear(x[..., :64], q, scales)
+
+
+def w4a8_reference(x: torch.Tensor, q: torch.Tensor, scales_and_zeros: torch.Tensor):
+    """``(y, terms, bound)``: ``int4_linear``'s arithmetic in float64 (csrc/int4_linear.cpp),
+    each row's groups of 32 as ``x / s ~= q1 + q2 / 254`` (both int8, ``s = max |x| / 127``,
+    quantized in float32 as the kernel does), the integer dot products with the weights' q,
+    then the group's scale and zero; ``terms``, the sum of those two products' magnitudes over
+    the groups (float32 rounds each, and they cancel: ``(q - 8) * scale + zero`` has a large
+    zero); ``bound``, that of ``y``'s difference from float activations: ``|x - s (q1 + q2 /
+    254)| <= s / 508`` per activation, times the group's ``sum |W|``."""
+    rows, k = x.shape
+    n, groups = q.shape[0], k // 32
+    xg = x.float().view(rows, groups, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    v = xg * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q1 = torch.round(v)
+    q2 = torch.round((v - q1) * 254)
+    step = (amax.double() / 127).squeeze(-1)  # [rows, groups]
+    qg = q.double().view(n, groups, 32)
+    scale, zero = (scales_and_zeros[..., i].double().t() for i in (0, 1))  # [N, groups]
+    dots = torch.einsum("rgk,ngk->rng", q1.double() + q2.double() / 254, qg) * step.unsqueeze(1)
+    products = (dots * scale, (zero - 8 * scale) * xg.double().sum(-1).unsqueeze(1))
+    y = (products[0] + products[1]).sum(-1)
+    terms = (products[0].abs() + products[1].abs()).sum(-1)
+    weight = (qg - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)  # [N, groups, 32]
+    bound = torch.einsum("rg,ng->rn", step / 508, weight.abs().sum(-1))
+    return y, terms, bound
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_linear_is_the_w4a8_arithmetic_and_near_float_activations(dtype):
+    """Against the same arithmetic in float64: within float32's rounding of it (bfloat16: and
+    the output's rounding); that arithmetic against float activations times the same weights:
+    within the activations' two-part rounding bound; with a bias, a 3-D strided input, a group
+    of zeros and no rows."""
+    from pyxllm.layers.quantization import quantize_int4_groups
+
+    g = torch.Generator().manual_seed(4)
+    for rows, k, n in [(1, 576, 192), (8, 1536, 96), (21, 64, 32)]:
+        q, scales_and_zeros = quantize_int4_groups(torch.randn(n, k, generator=g) * 0.05)
+        scales_and_zeros = scales_and_zeros.to(dtype)
+        packed, pairs = fused.pack_int4_weight(q, scales_and_zeros)
+        x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(dtype)
+        x[0, :32] = 0  # a group of zeros: scale 0, no division by it
+        want, terms, bound = w4a8_reference(x, q, scales_and_zeros)
+        # float32 rounds each group's two products, their sum and the running sum: at most
+        # (k/32 + 2) roundings of eps/2 of the terms; then the output is rounded to its dtype
+        rounding = (k // 32 + 2) * torch.finfo(torch.float32).eps * terms
+        ulp = 0.0 if dtype == torch.float32 else 2.0**-8
+        got = fused.int4_linear(x, packed, pairs, 32)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        assert bool(((got.double() - want).abs() <= rounding + ulp * want.abs()).all())
+        exact = F.linear(x.double(), dequantize_int4(q, scales_and_zeros.double(), 32))
+        assert bool(((want - exact).abs() <= bound + 1e-12).all())
+        bias = torch.randn(n, generator=g).to(dtype)
+        with_bias = fused.int4_linear(x, packed, pairs, 32, bias).double()
+        want = want + bias.double()
+        add = torch.finfo(torch.float32).eps + 2 * ulp  # the bias added in float32, rounded
+        assert bool(((with_bias - want).abs() <= rounding + add * want.abs()).all())
+    strided = torch.randn(2, 3, 2 * k, generator=g).to(dtype)[..., ::2]
+    assert torch.equal(
+        fused.int4_linear(strided, packed, pairs, 32),
+        fused.int4_linear(strided.contiguous(), packed, pairs, 32),
+    )
+    assert fused.int4_linear(strided, packed, pairs, 32).shape == (2, 3, n)
+    assert fused.int4_linear(x[:0], packed, pairs, 32).shape == (0, n)
+
+
+def test_int4_linear_gives_a_row_the_same_bits_in_any_batch():
+    """Every row is computed by the same instructions whatever the other rows are (so a
+    sequence verifying speculative drafts gets the logits it gets one token at a time)."""
+    from pyxllm.layers.quantization import quantize_int4_groups
+
+    g = torch.Generator().manual_seed(5)
+    q, scales_and_zeros = quantize_int4_groups(torch.randn(64, 576, generator=g))
+    packed, pairs = fused.pack_int4_weight(q, scales_and_zeros.bfloat16())
+    x = torch.randn(20, 576, generator=g).bfloat16()
+    alone = torch.cat([fused.int4_linear(row[None], packed, pairs, 32) for row in x])
+    for rows in (2, 7, 8, 9, 20):
+        assert torch.equal(fused.int4_linear(x[:rows], packed, pairs, 32), alone[:rows])
+    assert torch.equal(fused.int4_linear(x.flip(0), packed, pairs, 32), alone.flip(0))
+
+
+def test_int4_linear_refuses_what_it_cannot_compute():
+    from pyxllm.layers.quantization import quantize_int4_groups
+
+    q, scales_and_zeros = quantize_int4_groups(torch.randn(32, 64))
+    packed, pairs = fused.pack_int4_weight(q, scales_and_zeros)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="groups of 32"):
+        fused.int4_linear(x, packed, pairs, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        fused.int4_linear(x[:, :48], packed, pairs, 32)
+    with pytest.raises(RuntimeError, match="scales_and_zeros must be"):
+        fused.int4_linear(x, packed, pairs.bfloat16(), 32)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        fused.int4_linear(x, packed[:, :100], pairs, 32)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        fused.int4_linear(x, packed, pairs, 32, torch.zeros(5))
+    with pytest.raises(ValueError, match="multiple of 16 output and 32 input"):
+        fused.pack_int4_weight(q[:, :40], scales_and_zeros)
 
 
 @pytest.mark.parametrize("rows", range(1, fused.SMALL_LINEAR_ROWS + 1))

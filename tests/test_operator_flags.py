@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from pyxllm.kernels.cpu import fused
+from pyxllm.kernels.cpu import build
 from pyxllm.platforms import resolve_platform
 from pyxllm.platforms.interface import physical_cores
 from tests.utils import RemoteServer, free_port
@@ -200,7 +200,7 @@ def test_a_stale_build_lock_is_named_and_given_up_on(tmp_path):
     old = time.time() - 3600
     os.utime(lock, (old, old))
     with pytest.raises(TimeoutError, match=re.escape(str(lock))):
-        fused.wait_for_build_lock(lock, timeout=600)
+        build.wait_for_build_lock(lock, timeout=600)
 
 
 def test_a_live_build_lock_is_waited_for_naming_it(tmp_path, caplog):
@@ -208,8 +208,8 @@ def test_a_live_build_lock_is_waited_for_naming_it(tmp_path, caplog):
     lock.touch()
     threading.Timer(0.3, lock.unlink).start()
     start = time.monotonic()
-    with caplog.at_level("INFO", logger=fused.__name__):
-        fused.wait_for_build_lock(lock, timeout=600, poll=0.05)
+    with caplog.at_level("INFO", logger=build.__name__):
+        build.wait_for_build_lock(lock, timeout=600, poll=0.05)
     assert time.monotonic() - start >= 0.25
     assert any(str(lock) in record.getMessage() for record in caplog.records)
 
@@ -217,14 +217,14 @@ def test_a_live_build_lock_is_waited_for_naming_it(tmp_path, caplog):
 def test_the_load_message_says_whether_the_kernels_were_built(tmp_path):
     library = tmp_path / "pyxllm_cpu_kernels_x.so"
     library.write_bytes(b"first build")
-    before = fused._libraries(tmp_path)
-    cached = fused.load_message(before, fused._libraries(tmp_path), 0.2, tmp_path)
+    before = build.libraries(tmp_path)
+    cached = build.load_message(before, build.libraries(tmp_path), 0.2, tmp_path)
     assert cached == f"fused CPU kernels: loaded the cached build in 0.2 s ({tmp_path})"
     later = time.time() + 5
     os.utime(library, (later, later))  # rebuilt (the source or flags changed)
-    rebuilt = fused.load_message(before, fused._libraries(tmp_path), 31.0, tmp_path)
+    rebuilt = build.load_message(before, build.libraries(tmp_path), 31.0, tmp_path)
     assert rebuilt == f"fused CPU kernels built in 31.0 s ({tmp_path})"
-    first = fused.load_message({}, fused._libraries(tmp_path), 42.0, tmp_path)
+    first = build.load_message({}, build.libraries(tmp_path), 42.0, tmp_path)
     assert first.startswith("fused CPU kernels built in 42.0 s")
 
 

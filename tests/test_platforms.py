@@ -151,12 +151,15 @@ def test_device_kernel_packages_import_only_with_their_library(no_device_package
 
 def test_a_platforms_own_kernels_replace_the_native_ones():
     from pyxllm.kernels import native
-    from pyxllm.kernels.cpu import quantized
+    from pyxllm.kernels.cpu import fused, quantized
     from pyxllm.kernels.cuda import paged_cache
 
     cpu_ops = kernels.bind(CPU_PLATFORM.kernels_module)
-    for name in ("int4_linear", "int8_linear", "pack_int4_weight"):  # ATen's CPU kernels
-        assert getattr(cpu_ops, name) is getattr(quantized, name), name
+    assert cpu_ops.int8_linear is quantized.int8_linear  # ATen's CPU kernel
+    # int4: the fused W4A8 kernel with its own packing, else ATen's kernel and packing
+    int4 = fused if fused.load() is not None else quantized
+    for name in ("int4_linear", "pack_int4_weight"):
+        assert getattr(cpu_ops, name) is getattr(int4, name), name
     cuda_ops = kernels.bind(CUDA_PLATFORM.kernels_module)
     assert cuda_ops.reshape_and_cache is paged_cache.reshape_and_cache  # capturable
     assert kernels.bind(MLU_PLATFORM.kernels_module).reshape_and_cache is native.reshape_and_cache

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from pyxllm.config import EngineConfig
 from pyxllm.kernels import cpu as cpu_ops
 from pyxllm.kernels import native
+from pyxllm.kernels.cpu import fused
+from pyxllm.kernels.cpu import quantized as aten
 from pyxllm.kernels.native.quantized import dequantize_int4
 from pyxllm.layers.quantization import quantize_int4_groups, quantize_int8_per_channel
 
@@ -81,8 +83,9 @@ def test_w8a8_error_is_within_the_activation_rounding_bound():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_int4_cpu_kernel_computes_q_minus_8_times_scale_plus_zero(dtype, tol):
-    """``torch._weight_int4pack_mm_for_cpu`` reads groups as ``(q - 8) * scale + zero``
-    (scales_and_zeros ``[K/32, N, 2]``): the layout the GGUF Q4_1 mapping relies on."""
+    """``torch._weight_int4pack_mm_for_cpu`` and the fused W4A8 kernel read groups as
+    ``(q - 8) * scale + zero`` (scales_and_zeros ``[K/32, N, 2]``): the layout the GGUF Q4_1
+    mapping relies on."""
     torch.manual_seed(0)
     w, x = torch.randn(64, 128), torch.randn(3, 128).to(dtype)
     q, scales_and_zeros = quantize_int4_groups(w)
@@ -90,17 +93,19 @@ def test_int4_cpu_kernel_computes_q_minus_8_times_scale_plus_zero(dtype, tol):
     dequantized = dequantize_int4(q, scales_and_zeros, 32)
     assert (dequantized - w).abs().max() <= scales_and_zeros[..., 0].max() / 2 + 1e-6
     expected = F.linear(x.float(), dequantized)
-    for ops in (native, cpu_ops):
-        got = ops.int4_linear(x, ops.pack_int4_weight(q), scales_and_zeros.to(dtype), 32)
+    kernels = (native, aten, fused) if fused.load() is not None else (native, aten)
+    for ops in kernels:  # fused: int8 activations in two parts, ~15 bits (test_cpu_fused_kernels)
+        got = ops.int4_linear(x, *ops.pack_int4_weight(q, scales_and_zeros.to(dtype)), 32)
         assert got.dtype == dtype and got.shape == (3, 64)
         torch.testing.assert_close(
             got.float(), expected, rtol=tol, atol=tol * expected.abs().max().item()
         )
 
 
-def test_int4_pack_refuses_a_row_count_the_cpu_kernel_cannot_tile():
-    with pytest.raises(ValueError, match="multiple of 16"):
-        cpu_ops.pack_int4_weight(torch.zeros(40, 64, dtype=torch.uint8))
+def test_int4_pack_refuses_a_row_count_the_cpu_kernels_cannot_tile():
+    for pack in (aten.pack_int4_weight, fused.pack_int4_weight):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            pack(torch.zeros(40, 64, dtype=torch.uint8), torch.zeros(2, 40, 2))
 
 
 def test_int4_recovers_gguf_q4_1_blocks_exactly(default_gguf_path):

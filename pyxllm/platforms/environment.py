@@ -312,12 +312,12 @@ def cpu_environment() -> dict:
     dispatch to: ``AVX512``, ``AVX2``, ...), ``default_dtype`` (what ``--dtype auto`` means
     here for a checkpoint without a dtype, or the error of a bad
     ``$PYXLLM_CPU_DEFAULT_DTYPE``), ``fused_kernels``
-    (``pyxllm.kernels.cpu.fused.build_status``)."""
+    (``pyxllm.kernels.cpu.build.build_status``)."""
     import platform as host
 
     import torch
 
-    from pyxllm.kernels.cpu import fused
+    from pyxllm.kernels.cpu import build
     from pyxllm.kernels.cpu.features import KEY_FEATURES, cpu_flags, cpu_model_name
     from pyxllm.platforms.cpu import cpu_default_dtype
 
@@ -332,5 +332,5 @@ def cpu_environment() -> dict:
         "features": {name: name in flags for name in KEY_FEATURES},
         "torch_capability": torch.backends.cpu.get_cpu_capability(),
         "default_dtype": default_dtype,
-        "fused_kernels": fused.build_status(),
+        "fused_kernels": build.build_status(),
     }

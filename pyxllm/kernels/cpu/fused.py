@@ -15,79 +15,40 @@ development machine's AVX2 CPU, over weights streaming from memory as a model's 
 of SmolLM2's projections, 424 MB of float32), MKL took 53 ms for one row and 101 ms for five;
 this kernel 26 and 34 ms (and the LM head's 113 MB in 7 ms instead of 14).
 
-The build (g++ and ninja, 15-60 s on 2 cores) is cached in torch's extension directory
-(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), keyed by the source, the
-flags and the include paths, so it happens once per machine and environment; the log says
-whether a load built the kernels or took the cached build, and how long it took. Concurrent
-first loads wait on torch's lock file (``lock`` in the build directory); a build that was killed
-leaves it behind, and torch would wait on it for ever, so a load that finds it logs its path and
-gives up once the lock is ``PYXLLM_CPU_KERNELS_LOCK_TIMEOUT`` seconds old (default 600; a build
-takes about a minute). Where it fails (no compiler, a stale lock), :func:`load` returns ``None``
-after one warning, and with ``PYXLLM_CPU_KERNELS=native`` without trying; the CPU platform then
-keeps the native kernels.
+One is ``int4_linear`` (``csrc/int4_linear.cpp``), ``--quantization int4``'s matmul with int8
+activations, whose one pass over the weights serves up to 8 rows.
+
+The library is built on first use and cached (``pyxllm.kernels.cpu.build``). Where that fails
+(no compiler, a stale lock), :func:`load` returns ``None`` after one warning, and with
+``PYXLLM_CPU_KERNELS=native`` without trying; the CPU platform then keeps the native kernels.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import platform
-import sys
-import time
-from pathlib import Path
 
 import torch
 
 from pyxllm.kernels import native
-from pyxllm.kernels.cpu.features import cpu_feature_line
+from pyxllm.kernels.cpu import build
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-_ENV = "PYXLLM_CPU_KERNELS"
-_LOCK_TIMEOUT_ENV = "PYXLLM_CPU_KERNELS_LOCK_TIMEOUT"
 # the kernels below, bound in place of the native ones of the same names
 KERNELS = (
     "apply_rotary_emb",
     "fused_add_rms_norm",
+    "int4_linear",
     "linear",
+    "pack_int4_weight",
     "paged_attention_decode",
     "reshape_and_cache",
     "rms_norm",
     "silu_and_mul",
     "w8a8_linear",
 )
-
-
-def _compile_flags() -> tuple[list[str], list[str], str]:
-    """``(extra_cflags, extra_ldflags, suffix)``.
-
-    ``-ffp-contract=off`` keeps float32 results equal to the reference's where the arithmetic is
-    the same (no fused multiply-add). On x86-64/aarch64 Linux: ``-march=native``, with a suffix
-    from the CPU's feature flags so a home directory shared by different CPUs keeps one build
-    each; and ``-fopenmp``, without which ``at::parallel_for`` runs on one thread (the library
-    resolves to the ``libgomp.so.1`` torch already loaded, so there is one OpenMP runtime).
-    """
-    flags = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
-    if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64"):
-        suffix = hashlib.sha1(cpu_feature_line().encode()).hexdigest()[:8]
-        return [*flags, "-march=native", "-fopenmp"], ["-fopenmp"], suffix
-    return flags, [], "generic"
-
-
-def _put_ninja_on_path() -> None:
-    """torch's extension loader runs ``ninja`` from ``$PATH``; the ``ninja`` wheel (a dependency)
-    installs it in the environment's ``bin``, which is not on ``$PATH`` when the environment
-    is not activated (``.venv/bin/pyxllm serve``)."""
-    try:
-        import ninja
-    except ImportError:
-        return
-    path = os.environ.get("PATH", "")
-    if ninja.BIN_DIR not in path.split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join(filter(None, [ninja.BIN_DIR, path]))
 
 
 def _register_fakes() -> None:
@@ -124,140 +85,20 @@ def _register_fakes() -> None:
     def _(x, weight, bias):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
-
-def extension_name() -> str:
-    """The extension's name, ``pyxllm_cpu_kernels_<suffix>`` (the suffix keys the CPU's feature
-    flags, see :func:`_compile_flags`): its directory in torch's extension cache."""
-    return f"pyxllm_cpu_kernels_{_compile_flags()[2]}"
-
-
-def build_status() -> dict[str, str | None]:
-    """What :func:`load` would find, without building or loading anything (``pyxllm env``).
-
-    Returns:
-        ``mode``: ``fused`` or ``native`` (``$PYXLLM_CPU_KERNELS``); ``name``: the extension's
-        name; ``cache_dir``: its build directory in torch's extension cache (created if
-        missing, as torch does); ``library``: the built ``.so`` there, ``None`` before the
-        first build; ``compiler``: the C++ compiler torch would run (``$CXX``, else ``c++``)
-        as found on ``$PATH``, ``None`` when it is not there; ``status``: ``built``,
-        ``stale`` (older than the source: the next load rebuilds it), ``not built`` or
-        ``disabled``.
-    """
-    import shutil
-
-    from torch.utils.cpp_extension import _get_build_directory, get_cxx_compiler
-
-    name = extension_name()
-    cache_dir = _get_build_directory(name, verbose=False)
-    library = os.path.join(cache_dir, f"{name}.so")
-    built = os.path.isfile(library)
-    if os.environ.get(_ENV, "fused") == "native":
-        status = "disabled"
-    elif not built:
-        status = "not built"
-    elif os.path.getmtime(library) < os.path.getmtime(_SOURCE):
-        status = "stale"
-    else:
-        status = "built"
-    return {
-        "mode": "native" if status == "disabled" else "fused",
-        "status": status,
-        "name": name,
-        "cache_dir": cache_dir,
-        "library": library if built else None,
-        "compiler": shutil.which(get_cxx_compiler()),
-    }
-
-
-def _build_directory(name: str) -> Path | None:
-    """torch's build directory of extension ``name`` (``None`` if this torch hides it)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return Path(_get_build_directory(name, verbose=False))
-    except (ImportError, TypeError, OSError):
-        return None
-
-
-def wait_for_build_lock(lock: Path, timeout: float, poll: float = 0.5) -> None:
-    """Wait while ``lock`` (torch's build lock file) exists, logging its path once.
-
-    Raises:
-        TimeoutError: the lock is ``timeout`` seconds old or more (its mtime): a build that was
-            killed left it, or a build runs that long; the message names the file.
-    """
-    logged = False
-    while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age >= timeout:
-            raise TimeoutError(
-                f"the build lock {lock} is {age:.0f} s old: a build that was killed left it "
-                f"behind (delete it if no build is running; {_LOCK_TIMEOUT_ENV} sets this limit)"
-            )
-        if not logged:
-            logger.info(
-                "waiting for another process's build of the fused CPU kernels (lock file %s; "
-                "if no build is running, a killed one left it: delete it)",
-                lock,
-            )
-            logged = True
-        time.sleep(poll)
-
-
-def _libraries(directory: Path | None) -> dict[Path, float]:
-    """The built libraries in ``directory`` and their modification times."""
-    if directory is None or not directory.is_dir():
-        return {}
-    return {path: path.stat().st_mtime for path in directory.glob("*.so")}
-
-
-def load_message(
-    before: dict[Path, float], after: dict[Path, float], seconds: float, directory: Path | None
-) -> str:
-    """The log line of a load that took ``seconds``: built, when a library in the build
-    ``directory`` is new or changed since ``before`` (:func:`_libraries` before and
-    ``after`` the load), else loaded from the cache."""
-    if any(before.get(path) != mtime for path, mtime in after.items()):
-        return f"fused CPU kernels built in {seconds:.1f} s ({directory})"
-    return f"fused CPU kernels: loaded the cached build in {seconds:.1f} s ({directory})"
+    @torch.library.register_fake(lib + "int4_linear")
+    def _(x, packed, scales_and_zeros, group_size, bias):
+        return x.new_empty(*x.shape[:-1], packed.shape[0] * INT4_TILE)
 
 
 @functools.cache
 def load():
     """``torch.ops.pyxllm_cpu`` with the fused kernels built and loaded, or ``None`` (see the
     module docstring); tried at most once per process."""
-    if os.environ.get(_ENV, "fused") == "native":
-        logger.info("%s=native: using the pure-PyTorch CPU kernels", _ENV)
+    if os.environ.get(build.MODE_ENV, "fused") == "native":
+        logger.info("%s=native: using the pure-PyTorch CPU kernels", build.MODE_ENV)
         return None
     try:
-        from torch.utils.cpp_extension import load as load_extension
-
-        cflags, ldflags, _ = _compile_flags()
-        _put_ninja_on_path()
-        name = extension_name()
-        directory = _build_directory(name)
-        before = _libraries(directory)
-        if directory is not None:
-            wait_for_build_lock(directory / "lock", float(os.environ.get(_LOCK_TIMEOUT_ENV, 600)))
-        if not before:
-            logger.info(
-                "building the fused CPU kernels in %s (the first load in an environment: 15-60 s)",
-                directory or "torch's extension directory",
-            )
-        start = time.perf_counter()
-        load_extension(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=cflags,
-            extra_ldflags=ldflags,
-            is_python_module=False,
-            verbose=False,
-        )
-        seconds = time.perf_counter() - start
-        logger.info("%s", load_message(before, _libraries(directory), seconds, directory))
+        build.build_and_load()
         _register_fakes()
         return torch.ops.pyxllm_cpu
     except Exception as exc:  # noqa: BLE001 - any build failure means: fall back to native
@@ -375,3 +216,56 @@ def w8a8_linear(
             ``hadamard_block`` that is not a power of two dividing ``K``.
     """
     return torch.ops.pyxllm_cpu.w8a8_linear.default(x, qweight, weight_scales, bias, hadamard_block)
+
+
+# output features per tile of ``int4_linear``'s packed weights (its kTile)
+INT4_TILE = 16
+
+
+def pack_int4_weight(
+    q: torch.Tensor, scales_and_zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` (``[N, K]``, values ``0..15``) and ``scales_and_zeros`` (``[K/32, N, 2]``) in
+    :func:`int4_linear`'s layout, tiles of 16 output features with each tile's groups of 32
+    input features one after the other (``csrc/int4_linear.cpp``): ``[N/16, 8 K]`` uint8, two
+    weights a byte, and ``[N/16, K/32, 16, 2]``.
+
+    Raises:
+        ValueError: ``N`` not a multiple of 16 or ``K`` not a multiple of 32.
+    """
+    n, k = q.shape
+    if n % INT4_TILE or k % 32:
+        raise ValueError(
+            f"int4 weights need a multiple of {INT4_TILE} output and 32 input features on CPU, "
+            f"got {n} x {k}"
+        )
+    tiles, groups = n // INT4_TILE, k // 32
+    # [tile, lane, group, chunk, nibble, byte] -> [tile, group, chunk, lane, byte, nibble]
+    t = q.to(torch.uint8).view(tiles, INT4_TILE, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    packed = (t[..., 0] | (t[..., 1] << 4)).contiguous().view(tiles, k * INT4_TILE // 2)
+    pairs = scales_and_zeros.view(groups, tiles, INT4_TILE, 2).transpose(0, 1).contiguous()
+    return packed, pairs
+
+
+def int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``pyxllm.kernels.native.int4_linear``'s weights with int8 activations (W4A8): each row's
+    groups of 32 activations quantized as llama.cpp's Q8_1 (``scale = max |x| / 127``), integer
+    dot products per group (VNNI where the CPU has it), see ``csrc/int4_linear.cpp``. One pass
+    over the weights serves up to 8 rows, and a row's result does not depend on the other rows.
+
+    Args:
+        x: ``[..., K]`` float32 or bfloat16; packed, scales_and_zeros: from
+            :func:`pack_int4_weight`, the latter in ``x.dtype``; group_size: 32; bias: ``[N]`` or
+            None.
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+    Raises:
+        RuntimeError: a shape, dtype or group size the kernel does not take.
+    """
+    return torch.ops.pyxllm_cpu.int4_linear.default(x, packed, scales_and_zeros, group_size, bias)

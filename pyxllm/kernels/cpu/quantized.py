@@ -25,8 +25,11 @@ def int8_linear(
     return y if bias is None else y + bias
 
 
-def pack_int4_weight(q: torch.Tensor) -> torch.Tensor:
-    """``q`` (``[N, K]``, values ``0..15``) packed for ``int4_linear``: ``[N, K/2]`` uint8.
+def pack_int4_weight(
+    q: torch.Tensor, scales_and_zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` (``[N, K]``, values ``0..15``) packed for ``int4_linear`` (``[N, K/2]`` uint8), and
+    ``scales_and_zeros`` as given.
 
     Raises:
         ValueError: ``N`` is not a multiple of 16 (the kernel's tile).
@@ -35,7 +38,8 @@ def pack_int4_weight(q: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"int4 weights need a multiple of 16 output features on CPU, got {q.shape[0]}"
         )
-    return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    return packed, scales_and_zeros
 
 
 def int4_linear(

@@ -9,8 +9,9 @@ Formats (chosen so the CPU kernels of ATen take them as they are, see ``kernels.
   ``[K / group_size, N, 2]`` (scale, zero), in the activations' dtype. This is the layout and
   formula of ``torch._weight_int4pack_mm_for_cpu`` (checked against it in
   tests/test_quantization.py).
-  The reference keeps ``q`` unpacked, one ``uint8`` per weight; a platform packs it its own way
-  (``pack_int4_weight``), and only its own ``int4_linear`` reads the packed form.
+  The reference keeps ``q`` unpacked, one ``uint8`` per weight; a platform packs ``q`` and the
+  scales its own way (``pack_int4_weight``), and only its own ``int4_linear`` reads the packed
+  form.
 - w8a8 (int8 weights and int8 activations): the int8 weight format above with ``scales`` in
   float32, and activations quantized per token when the layer runs (symmetric, dynamic:
   ``scale[m] = max_k |x[m, k]| / 127``), so the matmul itself is int8 x int8 -> int32, the
@@ -43,9 +44,12 @@ def int8_linear(
     return y if bias is None else y + bias
 
 
-def pack_int4_weight(q: torch.Tensor) -> torch.Tensor:
-    """The reference's int4 storage: ``q`` (``[N, K]``, values ``0..15``) as ``uint8``, unpacked."""
-    return q.to(torch.uint8)
+def pack_int4_weight(
+    q: torch.Tensor, scales_and_zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's int4 storage: ``q`` (``[N, K]``, values ``0..15``) as ``uint8``, unpacked,
+    and ``scales_and_zeros`` (``[K/G, N, 2]``) as given."""
+    return q.to(torch.uint8), scales_and_zeros
 
 
 def dequantize_int4(
@@ -69,7 +73,7 @@ def int4_linear(
     """``y = x @ W.T + bias`` with ``W`` dequantized from ``pack_int4_weight``'s output.
 
     Args:
-        x: ``[..., K]``; packed: from ``pack_int4_weight``; scales_and_zeros: ``[K/G, N, 2]`` in
+        x: ``[..., K]``; packed, scales_and_zeros: from ``pack_int4_weight``, the latter in
             ``x.dtype``; group_size: ``G`` (32); bias: ``[N]`` or None.
     Returns:
         ``[..., N]`` in ``x.dtype``.

@@ -97,8 +97,8 @@ class Int8LinearMethod(UnquantizedLinearMethod):
 
 
 class Int4LinearMethod(UnquantizedLinearMethod):
-    """Weight-only int4 in groups of 32: buffers ``qweight`` (packed by ``ops.pack_int4_weight``)
-    and ``scales_and_zeros [K/32, N, 2]``."""
+    """Weight-only int4 in groups of 32: buffers ``qweight`` and ``scales_and_zeros``, the
+    platform kernel's layout of ``quantize_int4_groups``' output (``ops.pack_int4_weight``)."""
 
     name = "int4"
     group_size = INT4_GROUP_SIZE
@@ -106,8 +106,10 @@ class Int4LinearMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.data
         q, scales_and_zeros = quantize_int4_groups(weight, self.group_size)
-        packed = kernels.ops.pack_int4_weight(q)
-        replace_weight(layer, qweight=packed, scales_and_zeros=scales_and_zeros.to(weight.dtype))
+        packed, scales_and_zeros = kernels.ops.pack_int4_weight(
+            q, scales_and_zeros.to(weight.dtype)
+        )
+        replace_weight(layer, qweight=packed, scales_and_zeros=scales_and_zeros)
         layer.quant_method = self
 
     def apply(
