@@ -205,17 +205,36 @@ def test_int4_linear_is_the_w4a8_arithmetic_and_near_float_activations(dtype):
     assert fused.int4_linear(x[:0], packed, pairs, 32).shape == (0, n)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_linear_of_many_rows_is_a_gemm_on_the_dequantized_weights(dtype):
+    """Above 32 rows (a prefill) the kernel dequantizes the weights and runs a GEMM: the
+    reference's result (dequantize, ``F.linear``) up to the rounding of the weights to the
+    dtype and of the sums."""
+    from pyxllm.layers.quantization import quantize_int4_groups
+
+    g = torch.Generator().manual_seed(6)
+    q, scales_and_zeros = quantize_int4_groups(torch.randn(96, 576, generator=g) * 0.05)
+    scales_and_zeros = scales_and_zeros.to(dtype)
+    x, bias = torch.randn(40, 576, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    got = fused.int4_linear(x, *fused.pack_int4_weight(q, scales_and_zeros), 32, bias)
+    want = native.int4_linear(x, *native.pack_int4_weight(q, scales_and_zeros), 32, bias)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 def test_int4_linear_gives_a_row_the_same_bits_in_any_batch():
-    """Every row is computed by the same instructions whatever the other rows are (so a
-    sequence verifying speculative drafts gets the logits it gets one token at a time)."""
+    """Up to 32 rows, every row is computed by the same instructions whatever the other rows
+    are (so a sequence verifying speculative drafts gets the logits it gets one token at a
+    time)."""
     from pyxllm.layers.quantization import quantize_int4_groups
 
     g = torch.Generator().manual_seed(5)
     q, scales_and_zeros = quantize_int4_groups(torch.randn(64, 576, generator=g))
     packed, pairs = fused.pack_int4_weight(q, scales_and_zeros.bfloat16())
-    x = torch.randn(20, 576, generator=g).bfloat16()
+    x = torch.randn(32, 576, generator=g).bfloat16()
     alone = torch.cat([fused.int4_linear(row[None], packed, pairs, 32) for row in x])
-    for rows in (2, 7, 8, 9, 20):
+    for rows in (2, 7, 8, 9, 20, 32):
         assert torch.equal(fused.int4_linear(x[:rows], packed, pairs, 32), alone[:rows])
     assert torch.equal(fused.int4_linear(x.flip(0), packed, pairs, 32), alone.flip(0))
 

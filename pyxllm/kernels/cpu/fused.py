@@ -15,8 +15,8 @@ development machine's AVX2 CPU, over weights streaming from memory as a model's 
 of SmolLM2's projections, 424 MB of float32), MKL took 53 ms for one row and 101 ms for five;
 this kernel 26 and 34 ms (and the LM head's 113 MB in 7 ms instead of 14).
 
-One is ``int4_linear`` (``csrc/int4_linear.cpp``), ``--quantization int4``'s matmul with int8
-activations, whose one pass over the weights serves up to 8 rows.
+One is ``int4_linear`` (``csrc/int4_linear.cpp``), ``--quantization int4``'s matmul: int8
+activations in two parts and integer dot products, one pass over the weights for up to 8 rows.
 
 The library is built on first use and cached (``pyxllm.kernels.cpu.build``). Where that fails
 (no compiler, a stale lock), :func:`load` returns ``None`` after one warning, and with
@@ -254,10 +254,11 @@ def int4_linear(
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``pyxllm.kernels.native.int4_linear``'s weights with int8 activations (W4A8): each row's
-    groups of 32 activations quantized as llama.cpp's Q8_1 (``scale = max |x| / 127``), integer
+    """``pyxllm.kernels.native.int4_linear``'s weights with int8 activations (W4A8) up to 32
+    rows: each row's groups of 32 activations quantized to two int8 parts (~15 bits), integer
     dot products per group (VNNI where the CPU has it), see ``csrc/int4_linear.cpp``. One pass
     over the weights serves up to 8 rows, and a row's result does not depend on the other rows.
+    Above 32 rows, the dequantized weights in a BLAS GEMM.
 
     Args:
         x: ``[..., K]`` float32 or bfloat16; packed, scales_and_zeros: from

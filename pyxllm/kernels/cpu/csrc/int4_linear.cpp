@@ -3,19 +3,24 @@
 //
 // Weights: groups of 32 input features, W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n] with q
 // in 0..15 (the format of pyxllm.kernels.native.quantized, GGUF Q4_1's blocks exactly).
-// Activations: each row's groups of 32 quantized to int8 when the layer runs (xs = max |x| / 127,
-// xq = rint(x / xs); llama.cpp quantizes its activations the same way, Q8_1, for its Q4_1 dot
-// products). Per group the dot product is then an integer one, u8 x s8 -> int32, and
-//   y[m, n] = sum_g scale[g, n] * xs[m, g] * sum_k q[n, k] xq[m, k] + (zero[g, n] - 8 scale[g, n]) * xsum[m, g]
+// Activations: each row's groups of 32 quantized to int8 in two parts when the layer runs:
+// s = max |x| / 127, x / s ~= q1 + q2 / 254 with q1 = rint(x / s), q2 = rint((x / s - q1) * 254),
+// so an activation is off by at most s / 508 (~15 bits; llama.cpp quantizes its activations to
+// q1 alone, Q8_1, which cost this model's logits twice bfloat16's error). Per group the dot
+// product is then an integer one, u8 x s8 -> int32 (254 * sum q q1 + sum q q2), and
+//   y[m, n] = sum_g scale[g, n] * s[m, g] / 254 * (254 sum_k q[n, k] q1[m, k] + sum_k q[n, k] q2[m, k])
+//             + (zero[g, n] - 8 scale[g, n]) * xsum[m, g]
 // with xsum the group's float sum of x. The integer sums run on AVX512-VNNI (vpdpbusd, 16 output
 // features per instruction), AVX-VNNI or AVX2 (vpmaddubsw + vpmaddwd), else plain vector code.
 //
 // Why: decode and speculative verification run a few rows through every weight, so a step costs
 // one pass over the weights; int4 weights are an eighth of float32's bytes, and with integer dot
-// products the arithmetic of up to 8 rows fits in the time that pass takes (ATen's int4 kernel
-// takes ~2.8x its one-row time over 8 rows). Every row is computed by the same instructions in the
-// same order whatever the other rows are, so a row's result does not depend on its batch: a
-// sequence verifying drafts gets exactly the logits it gets one token at a time.
+// products the arithmetic of a few rows overlaps that pass (ATen's int4 kernel takes ~2.2x its
+// one-row time over 8 rows, and needs bfloat16 activations to be fast). Up to kGemmRows rows,
+// every row is computed by the same instructions in the same order whatever the other rows are,
+// so a row's result does not depend on its batch: a sequence verifying drafts gets exactly the
+// logits it gets one token at a time. Above that (a prefill), the arithmetic dominates and the
+// weights are dequantized (transposed, [K, N]) for a BLAS GEMM (oneDNN's AMX or AVX-512 kernels).
 //
 // Packed layout (pyxllm.kernels.cpu.fused.pack_int4_weight): [N/16][K/32][4 chunks][16 lanes][4
 // bytes]; byte j of lane l in chunk c of group g holds q[16 t + l][32 g + 8 c + j] in its low
@@ -47,6 +52,7 @@ constexpr int64_t kTile = 16;                 // output features per tile
 constexpr int64_t kGroupBytes = kTile * kGroup / 2;
 constexpr int64_t kChunkBytes = kGroupBytes / 4;
 constexpr int kRowBlock = 8;                  // rows computed together in one pass over a tile
+constexpr int64_t kGemmRows = 32;             // above this many rows: dequantize, then a GEMM
 constexpr int64_t kSerialMacs = int64_t{1} << 18;  // below this, no thread pool
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -208,6 +214,44 @@ void int4_linear_rows(T* y, const T* x, const uint8_t* w, const T* pairs, const 
   });
 }
 
+// Stores kLanes floats as T (bfloat16: rounded to nearest even, as c10::BFloat16 rounds a finite
+// value).
+inline void store_lanes(float* dst, FloatV v) { std::memcpy(dst, &v, sizeof v); }
+inline void store_lanes(BFloat16* dst, FloatV v) {
+  typedef uint16_t HalfV __attribute__((vector_size(kLanes * 2)));
+  IntV u;
+  std::memcpy(&u, &v, sizeof u);
+  const IntV rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+  const HalfV h = __builtin_convertvector(rounded & 0xFFFF, HalfV);
+  std::memcpy(dst, &h, sizeof h);
+}
+
+// The weights as T, transposed: wt[k][n] = (q[n][k] - 8) * scale + zero ([K, N], so that each
+// lane block's kLanes outputs of one input feature are one vector store).
+template <typename T>
+void dequantize_transposed(T* wt, const uint8_t* w, const T* pairs, int64_t k, int64_t n) {
+  const int64_t groups = k / kGroup, tiles = n / kTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t lane0 = 0; lane0 < kTile; lane0 += kLanes)
+        for (int64_t g = 0; g < groups; ++g) {
+          FloatV scale, zero;
+          load_scales(pairs + ((t * groups + g) * kTile + lane0) * 2, scale, zero);
+          const FloatV low = zero - 8.f * scale;
+          const uint8_t* wg = w + (t * groups + g) * kGroupBytes + lane0 * 4;
+          T* out = wt + g * kGroup * n + t * kTile + lane0;
+          for (int c = 0; c < 4; ++c) {
+            IntV packed;
+            std::memcpy(&packed, wg + c * kChunkBytes, sizeof packed);
+            for (int j = 0; j < 8; ++j) {  // input feature 8 c + j: low nibbles j < 4, then high
+              const IntV q = (packed >> (j < 4 ? 8 * j : 8 * (j - 4) + 4)) & 0xF;
+              store_lanes(out + (8 * c + j) * n, __builtin_convertvector(q, FloatV) * scale + low);
+            }
+          }
+        }
+  });
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
                        int64_t group_size, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(group_size == kGroup, "int4_linear: groups of ", kGroup, " input features only, got ", group_size);
@@ -235,6 +279,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   if (rows == 0) return out.view(out_shape);
   auto run = [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
+    if (rows > kGemmRows) {  // a prefill: the arithmetic dominates, and BLAS does it fastest
+      at::Tensor wt = at::empty({k, n}, x.options());
+      dequantize_transposed<T>(wt.data_ptr<T>(), packed.data_ptr<uint8_t>(), scales_and_zeros.data_ptr<T>(), k, n);
+      if (b.defined()) {
+        at::addmm_out(out, b, x2, wt);
+      } else {
+        at::mm_out(out, x2, wt);
+      }
+      return;
+    }
     int4_linear_rows<T>(out.data_ptr<T>(), x2.data_ptr<T>(), packed.data_ptr<uint8_t>(),
                         scales_and_zeros.data_ptr<T>(), b.defined() ? b.data_ptr<T>() : nullptr, rows, k, n);
   };
