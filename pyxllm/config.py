@@ -12,6 +12,9 @@ from pyxllm.speculative_config import SpeculativeConfig
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 DTYPES = ("auto", *COMPUTE_DTYPES)
 QUANTIZATIONS = ("int8", "int4", "w8a8")  # see pyxllm.layers.quantization
+# the KV cache's element type: auto (the compute dtype) or int8 with a scale per token and head
+# (see pyxllm.kernels.native.paged_attention); vLLM's fp8 has no CPU kernel
+KV_CACHE_DTYPES = ("auto", "int8")
 # The device platforms, each the module ``pyxllm.platforms.<name>``: the CPU first, then the
 # accelerators in the order ``--device auto`` tries them (see pyxllm.platforms).
 PLATFORMS = ("cpu", "cuda", "npu", "mlu")
@@ -98,6 +101,10 @@ class EngineConfig:
       W8A8 with each of them.
     - ``kv_cache_memory``: ``None`` sizes the cache from ``gpu_memory_utilization`` on an
       accelerator and takes ``CPU_KV_CACHE_GIB`` on the CPU.
+    - ``kv_cache_dtype``: ``auto`` keeps K and V in ``dtype``; ``int8`` stores each token's K
+      (and V) row of a head as int8 with its own float32 scale (``max |x| / 127``): ~half the
+      bytes of bfloat16, so about twice the tokens fit in ``kv_cache_memory`` and decode
+      attention reads half as much. Attention backends without it refuse it at start-up.
     - Tensor parallelism (see ``pyxllm.executor.multiproc``): ``tensor_parallel_size`` N > 1 on
       one node spawns N-1 worker processes here. ``nnodes`` N > 1 runs one rank per node, started
       by hand with ``node_rank`` 0..N-1 and the same ``master_addr`` (``host:port`` of node 0,
@@ -126,6 +133,7 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: float | None = None
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enable_chunked_prefill: bool = True
     enable_prefix_cache: bool = True
@@ -251,6 +259,12 @@ class EngineConfig:
             raise ValueError(
                 f"--quantization: must be one of {', '.join(QUANTIZATIONS)}, got "
                 f"{self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            fp8 = " (fp8 has no CPU kernel in pyxllm; int8 halves the cache as fp8 does)"
+            raise ValueError(
+                f"--kv-cache-dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r}" + (fp8 if "fp8" in str(self.kv_cache_dtype) else "")
             )
         for name in ("max_seqs_per_batch", "max_tokens_per_batch", "block_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:

@@ -129,7 +129,10 @@ class TorchPagedAttentionStep:
 
 class TorchPagedAttentionBackend:
     """Builds a ``TorchPagedAttentionStep`` from each step's input batch (an
-    :class:`~pyxllm.attention.abstract.AttentionBackend`)."""
+    :class:`~pyxllm.attention.abstract.AttentionBackend`). Its kernels read int8 caches too
+    (``--kv-cache-dtype int8``)."""
+
+    supports_int8_kv_cache = True
 
     def build_decode(
         self, slot_mapping, block_tables, seq_lens, max_seq_len: int

@@ -25,6 +25,7 @@ from pyxllm.config import (
     DEVICES,
     DTYPES,
     FIELD_ALIASES,
+    KV_CACHE_DTYPES,
     MODEL_IMPL_ALIASES,
     MODEL_IMPLS,
     QUANTIZATIONS,
@@ -86,6 +87,9 @@ ENGINE_HELP = {
     "block_size": "tokens per KV-cache block",
     "kv_cache_memory": "memory for the KV cache, in GiB, per tensor-parallel rank (default: 2 "
     "on the CPU; on an accelerator what --gpu-memory-utilization leaves after the weights)",
+    "kv_cache_dtype": "element type of the KV cache: auto (--dtype) or int8 (a float32 scale per "
+    "token and head: about half bfloat16's bytes, so ~2x the tokens fit; CPU attention only; "
+    "see README, KV cache)",
     "gpu_memory_utilization": "fraction of an accelerator's memory this engine may use in all; "
     "the KV cache gets what the weights leave of it",
     "enable_prefix_cache": "reuse the KV blocks of a prompt prefix computed before (by any "
@@ -121,6 +125,7 @@ ENGINE_CHOICES = {
     "dtype": DTYPES,
     "device": DEVICES,
     "quantization": (*QUANTIZATIONS, "none"),
+    "kv_cache_dtype": KV_CACHE_DTYPES,
     "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS,
     "model_impl": (*MODEL_IMPLS, *MODEL_IMPL_ALIASES),
 }
@@ -168,6 +173,7 @@ ENGINE_GROUPS = {
     "cache flags": (
         "block_size",
         "kv_cache_memory",
+        "kv_cache_dtype",
         "gpu_memory_utilization",
         "enable_prefix_cache",
     ),

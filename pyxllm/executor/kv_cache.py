@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pyxllm.kernels.native.paged_attention import INT8_KV_SCALE_BYTES
 from pyxllm.layers.attention import Attention
 
 
@@ -14,7 +15,9 @@ from pyxllm.layers.attention import Attention
 class KVCacheSpec:
     """Shape of one layer's cache block and what a block costs across all layers.
 
-    Per layer, K and V are each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    Per layer, K and V are each ``[num_blocks, block_size, num_kv_heads, row]`` of ``dtype``:
+    ``row`` is ``head_dim``, or ``head_dim + 4`` for an int8 cache (each row's float32 scale
+    after it, see ``pyxllm.kernels.native.paged_attention``).
     """
 
     num_layers: int
@@ -29,10 +32,15 @@ class KVCacheSpec:
         return cls(len(layers), block_size, layers[0].num_kv_heads, layers[0].head_dim, dtype)
 
     @property
+    def row(self) -> int:
+        """Elements of one token's K (or V) row of one head."""
+        return self.head_dim + (INT8_KV_SCALE_BYTES if self.dtype == torch.int8 else 0)
+
+    @property
     def bytes_per_block(self) -> int:
         """Bytes of K and V for one block in every layer."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.row * elem
 
     def num_blocks_for(self, budget_bytes: float) -> int:
         """How many blocks fit in ``budget_bytes``.
@@ -54,8 +62,8 @@ def allocate_kv_caches(
     spec: KVCacheSpec, num_blocks: int, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed ``(k_cache, v_cache)`` per layer, each ``[num_blocks, block_size, num_kv_heads,
-    head_dim]``."""
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    spec.row]``."""
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.row)
     return [
         (
             torch.zeros(shape, dtype=spec.dtype, device=device),

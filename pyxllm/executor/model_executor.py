@@ -133,16 +133,21 @@ class ModelExecutor:
         load_weights(self.model, weights)
         quantize_model(self.model, config.quantization)
 
-        self.kv_spec = KVCacheSpec.from_model(self.model, config.block_size, self.dtype)
+        cache_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
+        self.kv_spec = KVCacheSpec.from_model(self.model, config.block_size, cache_dtype)
         budget = platform.kv_cache_bytes(
             config.kv_cache_memory, config.gpu_memory_utilization, self.device
         )
         # every TP rank must hold the same blocks: take the smallest count any rank can afford
         self.num_kv_blocks = tensor_model_parallel_min(self.kv_spec.num_blocks_for(budget))
         self.kv_caches = allocate_kv_caches(self.kv_spec, self.num_kv_blocks, self.device)
-        self.attn_backend: AttentionBackend = load_class(
-            platform.select_attention_backend(config.block_size)
-        )()
+        backend_cls = load_class(platform.select_attention_backend(config.block_size))
+        if cache_dtype == torch.int8 and not getattr(backend_cls, "supports_int8_kv_cache", False):
+            raise ValueError(
+                f"--kv-cache-dtype int8: the {platform.name} platform's attention backend "
+                f"({backend_cls.__name__}) has no int8 KV cache; use --kv-cache-dtype auto"
+            )
+        self.attn_backend: AttentionBackend = backend_cls()
         max_model_len = (
             config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
         )

@@ -6,6 +6,13 @@ Cache layout (as in vLLM and DESIGN.md): per layer, ``k_cache`` and ``v_cache`` 
 ``block * block_size + offset``. Grouped-query attention (num_heads a multiple of num_kv_heads)
 is handled by repeating each KV head for its query heads.
 
+An int8 cache (``--kv-cache-dtype int8``) holds each token's row of a head as ``head_dim`` int8
+values and then its float32 scale's 4 bytes: ``[num_blocks, block_size, num_kv_heads,
+head_dim + 4]``, the row ``x`` stored as ``q = rint(x * (127 / max |x|))`` with scale
+``max |x| / 127`` (a row of zeros: scale 0), read back as ``q * scale``
+(:func:`quantize_kv`, :func:`dequantize_kv`). Keeping the scale beside its row keeps one
+tensor per K and per V, so every path that moves cache blocks moves the scales with them.
+
 Two per-layer options, as transformers' attention functions take them:
 
 - ``sliding_window`` ``W``: the token at position ``q`` attends only to positions ``k`` with
@@ -20,6 +27,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# bytes of the float32 scale after each head row of an int8 cache
+INT8_KV_SCALE_BYTES = 4
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., head_dim]`` (float) as int8 cache rows ``[..., head_dim + 4]``: the int8 values,
+    then the row's float32 scale as 4 bytes (see the module docstring)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # tensor / tensor: a true division (a Python number over a tensor is a reciprocal times it,
+    # 1 ulp off at times, and the fused kernel writes the same bytes as this)
+    full_scale = torch.full_like(amax, 127.0)
+    q = torch.round(xf * torch.where(amax > 0, full_scale / amax, torch.zeros_like(amax)))
+    scale = (amax / full_scale).contiguous().view(torch.int8)  # [..., 4]: the float32's bytes
+    return torch.cat((q.to(torch.int8), scale), dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows as ``dtype``: int8 rows ``[..., head_dim + 4]`` as ``q * scale`` (computed in
+    float32) ``[..., head_dim]``; float rows converted."""
+    if rows.dtype != torch.int8:
+        return rows.to(dtype)
+    head_dim = rows.shape[-1] - INT8_KV_SCALE_BYTES
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)  # [..., 1]
+    return (rows[..., :head_dim].float() * scale).to(dtype)
+
 
 def reshape_and_cache(
     key: torch.Tensor,
@@ -32,15 +65,16 @@ def reshape_and_cache(
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_dim]``.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (int8: ``head_dim +
+            4``, quantized rows), written in place.
         slot_mapping: ``[num_tokens]`` int64 flat slots; a negative slot (padding) writes nothing.
     """
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for x, cache in ((key, k_cache), (value, v_cache)):
+        rows = quantize_kv(x) if cache.dtype == torch.int8 else x.to(cache.dtype)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
 
 
 def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -130,8 +164,8 @@ def paged_attention_decode(
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     block_ids = block_tables[:, : (max_seq_len + block_size - 1) // block_size].reshape(-1)
-    keys = _gather_heads_first(k_cache, block_ids, batch, max_seq_len).to(query.dtype)
-    values = _gather_heads_first(v_cache, block_ids, batch, max_seq_len).to(query.dtype)
+    keys = dequantize_kv(_gather_heads_first(k_cache, block_ids, batch, max_seq_len), query.dtype)
+    values = dequantize_kv(_gather_heads_first(v_cache, block_ids, batch, max_seq_len), query.dtype)
     q = (query * scale).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = soft_cap(torch.matmul(q, keys.transpose(-1, -2)), logits_soft_cap)  # [B, kv, group, L]
     if attn_mask is None:
@@ -159,7 +193,8 @@ def paged_attention_prefill(
     ``i`` of the chunk attends to every context token at position ``<= context_len - query_len +
     i``.
     When nothing was cached before (``context_len == query_len``) the step's own ``key``/``value``
-    are used; otherwise the context is read from the cache (where this step's K/V already are).
+    are used (with an int8 cache, as the cache holds them: quantized and back); otherwise the
+    context is read from the cache (where this step's K/V already are).
 
     Args:
         query: ``[query_len, num_heads, head_dim]``; key, value: ``[query_len, num_kv_heads,
@@ -171,6 +206,10 @@ def paged_attention_prefill(
     Returns:
         ``[query_len, num_heads, head_dim]``.
     """
+    if k_cache.dtype == torch.int8:
+        # attend to what the cache holds, as decodes and later chunks will: the same values
+        # whether a prompt is prefilled whole, in chunks or after a prefix-cache hit
+        key, value = (dequantize_kv(quantize_kv(x), x.dtype) for x in (key, value))
     # SDPA takes its flash kernel on the CPU only for 4-D inputs (3-D ones fall back to the
     # math path: 1.6-1.8x slower here), hence the batch dimension of one.
     query_len, group = query.shape[0], query.shape[1] // key.shape[1]
@@ -191,7 +230,9 @@ def paged_attention_prefill(
         first_block = start // block_size  # blocks wholly before the window are not read
         table, offset = block_table[first_block:], first_block * block_size
         k, v = (
-            _gather_context(c, table, context_len - offset)[start - offset :]
+            dequantize_kv(
+                _gather_context(c, table, context_len - offset)[start - offset :], key.dtype
+            )
             for c in (k_cache, v_cache)
         )
     k, v = (_repeat_kv(x.transpose(0, 1), group).to(query.dtype).unsqueeze(0) for x in (k, v))

@@ -384,30 +384,76 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary_emb(const at::Tensor& q, const a
 }
 
 // ---------------------------------------------------------------------------------------------
-// Paged KV cache. Layout [num_blocks, block_size, num_kv_heads, head_dim]; a token's flat slot
-// is block * block_size + offset, and its K (or V) row of num_kv_heads * head_dim values is
-// contiguous at that slot.
+// Paged KV cache. Layout [num_blocks, block_size, num_kv_heads, row]; a token's flat slot
+// is block * block_size + offset, and its K (or V) row of num_kv_heads * row values is contiguous
+// at that slot. row is head_dim, or for an int8 cache head_dim + 4: each head's int8 values, then
+// that row's float32 scale (q = rint(x * (127 / max |x|)), scale max |x| / 127; 0 for a row of
+// zeros), as pyxllm.kernels.native.paged_attention.quantize_kv writes it.
+constexpr int64_t kKvScaleBytes = 4;
+
+// One head row of a token as int8 values and their scale (the same float32 operations as the
+// reference, so the same bytes).
+template <typename T>
+void quantize_kv_row(int8_t* dst, const T* src, int64_t head_dim) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(static_cast<float>(src[d])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
+  for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<int8_t>(std::rint(static_cast<float>(src[d]) * inv));
+  std::memcpy(dst + head_dim, &scale, kKvScaleBytes);
+}
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                        const at::Tensor& slot_mapping) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "reshape_and_cache: caches must be contiguous");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 ? v_cache.scalar_type() == at::kChar
+                   : key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
               "reshape_and_cache: K/V and cache dtypes differ");
-  const int64_t tokens = key.size(0), row = k_cache.size(2) * k_cache.size(3);
+  const int64_t tokens = key.size(0), heads = key.size(1), head_dim = key.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim + (int8 ? kKvScaleBytes : 0),
+              "reshape_and_cache: the cache's rows do not fit head_dim ", head_dim);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  at::Tensor kc = key.reshape({tokens, row}).contiguous(), vc = value.reshape({tokens, row}).contiguous();
+  at::Tensor kc = key.contiguous(), vc = value.contiguous();
   at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t* s = slots.data_ptr<int64_t>();
-  const int64_t bytes = row * key.element_size();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(s[t] < num_slots, "reshape_and_cache: slot ", s[t], " is outside the cache");
+  if (int8) {
+    const int64_t row = heads * (head_dim + kKvScaleBytes);
+    PYXLLM_DISPATCH_FLOAT(key.scalar_type(), "reshape_and_cache", [&] {
+      for (int64_t t = 0; t < tokens; ++t) {
+        if (s[t] < 0) continue;  // padding
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t src = (t * heads + h) * head_dim, dst = s[t] * row + h * (head_dim + kKvScaleBytes);
+          quantize_kv_row(k_cache.data_ptr<int8_t>() + dst, kc.data_ptr<scalar_t>() + src, head_dim);
+          quantize_kv_row(v_cache.data_ptr<int8_t>() + dst, vc.data_ptr<scalar_t>() + src, head_dim);
+        }
+      }
+    });
+    return;
+  }
+  const int64_t bytes = heads * head_dim * key.element_size();
   auto* kd = static_cast<char*>(k_cache.data_ptr());
   auto* vd = static_cast<char*>(v_cache.data_ptr());
   const auto* ks = static_cast<const char*>(kc.data_ptr());
   const auto* vs = static_cast<const char*>(vc.data_ptr());
   for (int64_t t = 0; t < tokens; ++t) {
     if (s[t] < 0) continue;  // padding
-    TORCH_CHECK(s[t] < num_slots, "reshape_and_cache: slot ", s[t], " is outside the cache");
     std::memcpy(kd + s[t] * bytes, ks + t * bytes, bytes);
     std::memcpy(vd + s[t] * bytes, vs + t * bytes, bytes);
   }
+}
+
+// A cached head row as float32: float/bfloat16 rows converted, int8 rows times their scale.
+template <typename C>
+inline void load_kv_row(float* dst, const C* src, int64_t head_dim) {
+  Rows<C>::load(dst, src, head_dim);
+}
+template <>
+inline void load_kv_row<int8_t>(float* dst, const int8_t* src, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, src + head_dim, kKvScaleBytes);
+  for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
 }
 
 // rows[l] = the offset in a [num_blocks, block_size, kv_row] cache of head_offset within the K/V
@@ -595,20 +641,22 @@ void attend_one_kv_head_bf16(BFloat16* out, const BFloat16* q, const BFloat16* k
 // of query heads sharing that KV head runs over them. Scores and softmax stay float32. Matches
 // pyxllm.kernels.native.paged_attention_decode, which also scales the query in T first (but
 // rounds scores and probabilities to T as well).
-template <typename T>
-void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+template <typename T, typename C>
+void decode_attention(T* out, const T* query, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                       const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t q_stride_b,
                       int64_t q_stride_h, float scale, int64_t sliding_window) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t kv_row = num_kv_heads * head_dim;  // values per cached token
+  const int64_t head_row = head_dim + (std::is_same_v<C, int8_t> ? kKvScaleBytes : 0);
+  const int64_t kv_row = num_kv_heads * head_row;  // values per cached token
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, seq_lens[b]);
   const int64_t splits = batch < at::get_num_threads() ? num_kv_heads : 1;  // KV-head ranges per sequence
   const int64_t kv_per_task = num_kv_heads / splits;
   const int64_t tasks = batch * splits;
-  // float32 attends to the cache rows in place; bfloat16 (without AVX512-BF16) to converted copies
-  constexpr bool in_place = std::is_same_v<T, float>;
+  // float32 attends to the cache rows in place; bfloat16 (without AVX512-BF16) and int8 caches to
+  // converted copies
+  constexpr bool in_place = std::is_same_v<T, float> && std::is_same_v<C, float>;
   const bool vectorized = head_dim == 64 || head_dim == 128;
   at::parallel_for(0, tasks, grain_for(tasks, 2 * kv_per_task * group * max_len * head_dim, kSerialAttention), [&](int64_t begin, int64_t end) {
     // scratch left uninitialized (a std::vector would zero it, every call)
@@ -617,7 +665,7 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
         scores(new float[group * (max_len + 8)]), q(new float[group * head_dim]), o(new float[group * head_dim]);
     std::unique_ptr<int64_t[]> rows(new int64_t[max_len + 8]);
 #if defined(__AVX512BF16__)
-    constexpr bool bf16_dots = std::is_same_v<T, BFloat16>;
+    constexpr bool bf16_dots = std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16>;
     std::vector<uint32_t> probs(group * (max_len / 2 + 1));
     std::vector<float> inv(group);
     std::vector<BFloat16> qh(group * head_dim);
@@ -635,13 +683,14 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
           Rows<T>::round(qg, head_dim);
         }
         T* head_out = out + (b * num_heads + kvh * group) * head_dim;
-        cache_rows(rows.get(), table, start, len, block_size, kv_row, kvh * head_dim);
+        cache_rows(rows.get(), table, start, len, block_size, kv_row, kvh * head_row);
 #if defined(__AVX512BF16__)
         if constexpr (bf16_dots) {
           if (len > 0 && (head_dim == 64 || head_dim == 128)) {
             Rows<BFloat16>::store(qh.data(), q.get(), group * head_dim);
             (head_dim == 64 ? attend_one_kv_head_bf16<64> : attend_one_kv_head_bf16<128>)(
-                head_out, qh.data(), k_cache, v_cache, rows.get(), len, group, scores.get(), probs.data(),
+                head_out, qh.data(), reinterpret_cast<const BFloat16*>(k_cache),
+                reinterpret_cast<const BFloat16*>(v_cache), rows.get(), len, group, scores.get(), probs.data(),
                 inv.data());
             continue;
           }
@@ -651,8 +700,8 @@ void decode_attention(T* out, const T* query, const T* k_cache, const T* v_cache
         const float* v = reinterpret_cast<const float*>(v_cache);
         if (copies) {
           for (int64_t l = 0; l < len; ++l) {
-            Rows<T>::load(kf.get() + l * head_dim, k_cache + rows[l], head_dim);
-            Rows<T>::load(vf.get() + l * head_dim, v_cache + rows[l], head_dim);
+            load_kv_row(kf.get() + l * head_dim, k_cache + rows[l], head_dim);
+            load_kv_row(vf.get() + l * head_dim, v_cache + rows[l], head_dim);
             rows[l] = l * head_dim;
           }
           k = kf.get();
@@ -676,18 +725,29 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& k_c
                                   int64_t sliding_window) {
   TORCH_CHECK(query.dim() == 3 && query.stride(-1) == 1, "paged_attention_decode: query must be [batch, heads, head_dim]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_decode: caches must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
+  const bool int8 = k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || (k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type()),
               "paged_attention_decode: query and cache dtypes differ");
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim + (int8 ? kKvScaleBytes : 0),
+              "paged_attention_decode: the cache's rows do not fit head_dim ", head_dim);
   const int64_t num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention_decode: heads must be a multiple of KV heads");
   at::Tensor tables = block_tables.to(at::kLong).contiguous(), lens = seq_lens.to(at::kLong).contiguous();
   at::Tensor out = at::empty({batch, num_heads, head_dim}, query.options());
   PYXLLM_DISPATCH_FLOAT(query.scalar_type(), "paged_attention_decode", [&] {
-    decode_attention<scalar_t>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                               v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                               batch, num_heads, num_kv_heads, head_dim, k_cache.size(1), tables.size(1),
-                               query.stride(0), query.stride(1), static_cast<float>(scale), sliding_window);
+    auto run = [&](auto* cache_tag) {
+      using C = std::remove_const_t<std::remove_pointer_t<decltype(cache_tag)>>;
+      decode_attention<scalar_t, C>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), k_cache.data_ptr<C>(),
+                                    v_cache.data_ptr<C>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), batch,
+                                    num_heads, num_kv_heads, head_dim, k_cache.size(1), tables.size(1),
+                                    query.stride(0), query.stride(1), static_cast<float>(scale), sliding_window);
+    };
+    if (int8) {
+      run(static_cast<int8_t*>(nullptr));
+    } else {
+      run(static_cast<scalar_t*>(nullptr));
+    }
   });
   return out;
 }
