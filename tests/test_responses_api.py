@@ -24,7 +24,7 @@ from pyxllm.entrypoints.openai.serving_responses import ResponseStore
 from pyxllm.entrypoints.openai.tools import ToolPlan
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.sampling_params import SamplingParams
-from tests.utils import RemoteServer, run_together
+from tests.utils import RemoteServer, run_together, tool_calling_server_args
 
 MODEL = "smollm2-responses"
 WEATHER = {
@@ -47,18 +47,7 @@ CITY = {
 
 @pytest.fixture(scope="module")
 def server():
-    args = [
-        "--served-model-name",
-        MODEL,
-        "--max-model-len",
-        "2048",
-        "--kv-cache-memory",
-        "0.25",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-    ]
-    with RemoteServer(args) as remote:
+    with RemoteServer(tool_calling_server_args(MODEL)) as remote:
         yield remote
 
 

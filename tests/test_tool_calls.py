@@ -19,7 +19,7 @@ from pyxllm.entrypoints.openai.tool_parsers.constrained import NamedCallParser, 
 from pyxllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pyxllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pyxllm.entrypoints.openai.tools import plan_tools
-from tests.utils import RemoteServer, run_together
+from tests.utils import RemoteServer, run_together, tool_calling_server_args
 
 WEATHER = {
     "type": "object",
@@ -179,18 +179,7 @@ MODEL = "smollm2-tools"
 
 @pytest.fixture(scope="module")
 def server():
-    args = [
-        "--served-model-name",
-        MODEL,
-        "--max-model-len",
-        "2048",
-        "--kv-cache-memory",
-        "0.25",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-    ]
-    with RemoteServer(args) as remote:
+    with RemoteServer(tool_calling_server_args(MODEL)) as remote:
         yield remote
 
 

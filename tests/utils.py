@@ -25,6 +25,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def tool_calling_server_args(model: str) -> list[str]:
+    """Flags of a server on the default model serving tool calls (hermes' parser) under
+    ``model``, as the tool-calling and Responses tests start it."""
+    return [
+        "--served-model-name",
+        model,
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory",
+        "0.25",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ]
+
+
 class RemoteServer:
     """``python -m pyxllm.entrypoints.cli serve --port <free port> *args`` in a subprocess.
 
