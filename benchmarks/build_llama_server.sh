@@ -6,8 +6,8 @@
 #   benchmarks/build_llama_server.sh [--with-amx] [--force] [--cache-dir DIR] [--jobs N]
 #
 # Prints the directory holding the two binaries (last line of output). Skips the build when both
-# are already there (--force rebuilds). About 4-6 minutes on 2 cores; on a shared machine run it
-# as `nice -n 19 benchmarks/build_llama_server.sh`.
+# are already there (--force rebuilds). About 13 CPU-minutes of compiling plus a 76 MB download;
+# on a shared machine run it as `nice -n 19 benchmarks/build_llama_server.sh`.
 #
 #   --with-amx      keep llama.cpp's AMX kernels (see below); built into DIR-amx by default
 #   --force         rebuild even when the binaries exist
