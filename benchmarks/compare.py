@@ -1,27 +1,38 @@
-"""pyxllm against transformers and llama-cpp-python on the same model and prompts, in one run.
+"""pyxllm against transformers, llama-cpp-python and llama.cpp's server on the same model and
+prompts, in one run.
 
-Figures (each printed with pyxllm's ratio to each peer that ran):
+Sections (each printed with pyxllm's ratio to each peer that ran; ``--only`` and ``--skip``
+take comma-separated names):
 
-1. Offline throughput, ``--num-prompts`` prompts of ``--input-len`` tokens generating exactly
-   ``--output-len`` tokens each (greedy): transformers ``generate`` in bfloat16, batches of
-   ``--hf-batch-size`` (16) with left padding; llama-cpp-python one request at a time on the
-   GGUF (on ``--llamacpp-prompts`` of them: it has no batching); pyxllm's ``LLM`` (``--dtype
-   auto``: bfloat16 on CPUs with native bf16), with float weights and with ``--quantization
-   w8a8`` (int8 matmuls). pyxllm runs ``--graph-backend graph`` throughout.
-2. Batch 1: prefill rate of one prompt and decode rate of ``--output-len`` tokens; pyxllm with
-   ``--quantization int4`` (the GGUF's Q4_1 weights, exactly) and with float weights.
-3. Serving, ``--concurrency`` (8) clients: ``pyxllm serve --quantization w8a8`` against
-   ``python -m llama_cpp.server`` (extra ``llamacpp``), both driven by ``pyxllm bench serve``'s
-   client: aggregate output tok/s and median TTFT.
-4. Speculative decoding, batch 1, input-grounded prompts (``speculative.py``'s): pyxllm float32
+1. ``offline``: pyxllm's offline throughput, ``--num-prompts`` prompts of ``--input-len``
+   tokens generating exactly ``--output-len`` tokens each (greedy), with pyxllm's ``LLM``
+   (``--dtype auto``: bfloat16 on CPUs with native bf16), with float weights and with
+   ``--quantization w8a8`` (int8 matmuls); and its batch-1 figures: prefill rate of one prompt
+   and decode rate of ``--output-len`` tokens, with ``--quantization int4`` (the GGUF's Q4_1
+   weights, exactly) and with float weights. pyxllm runs ``--graph-backend graph`` throughout.
+   The peers of these rows: ``transformers`` (``generate`` in bfloat16, batches of
+   ``--hf-batch-size`` (16) with left padding) and ``llamacpp`` (llama-cpp-python one request
+   at a time on the GGUF, on ``--llamacpp-prompts`` of them: it has no batching).
+2. ``serving``, ``--concurrency`` (8) clients: ``pyxllm serve --quantization w8a8`` against
+   ``python -m llama_cpp.server`` (extra ``llamacpp``; it runs one request at a time), both
+   driven by ``pyxllm bench serve``'s client: aggregate output tok/s and median TTFT.
+3. ``llama-server``: the same client against ``pyxllm serve`` and llama.cpp's own server with
+   parallel slots and continuous batching, at 100-token prompts with 8 and 32 clients and
+   1000-token prompts with 8 (``--llama-server-workloads``, ``--requests-per-client``);
+   ``long-context``: batch 1 at ``--long-context`` (4096) tokens of context, llama-bench
+   ``pp4096`` and ``tg128 @ d4096`` against pyxllm int4 (see ``llama_server.py``). Their
+   binaries come from ``benchmarks/build_llama_server.sh`` (``--llama-server-dir``).
+4. ``speculative``, batch 1, input-grounded prompts (``speculative.py``'s): pyxllm float32
    without and with n-gram speculation, llama-cpp-python without and with its prompt-lookup
-   decoding, 256 new tokens each (``speculative.py``'s).
+   decoding, 256 new tokens each.
 
-Peers that are not installed are skipped with a message. Every engine gets ``--threads``
-threads (default: all cores). Run from the repository root::
+Peers that are not installed or built are skipped with a message. Every engine gets
+``--threads`` threads (default: all cores). Run from the repository root::
 
-    .venv/bin/python benchmarks/compare.py                      # all three, ~5 min on 2 cores
+    .venv/bin/python benchmarks/compare.py                      # every section
     .venv/bin/python benchmarks/compare.py --skip serving --result-file compare.json
+    benchmarks/build_llama_server.sh && \
+        .venv/bin/python benchmarks/compare.py --only llama-server,long-context --threads 2
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -176,15 +188,26 @@ def pyxllm_figures(prompts, output_len: int, fresh) -> dict:
     return figures
 
 
-def _start(cmd: list[str], port: int, threads: int) -> subprocess.Popen:
+def start_server(name: str, cmd: list[str], port: int, threads: int) -> subprocess.Popen:
+    """Start the server ``cmd`` with ``threads`` OpenMP threads and wait until it answers ``GET
+    http://127.0.0.1:{port}/v1/models`` (at most 300 s). Its output goes to a temporary file,
+    whose tail the error shows if it exits first.
+
+    Raises:
+        RuntimeError: the server exited during start-up.
+        TimeoutError: it did not answer within 300 s.
+    """
     import httpx
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    output = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, env=env, stdout=output, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[2]} exited with status {proc.returncode}")
+            output.seek(0)
+            tail = output.read().decode(errors="replace")[-2000:]
+            raise RuntimeError(f"{name} exited with status {proc.returncode}:\n{tail}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
                 return proc
@@ -192,12 +215,49 @@ def _start(cmd: list[str], port: int, threads: int) -> subprocess.Popen:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise TimeoutError(f"{cmd[2]} did not start")
+    raise TimeoutError(f"{name} did not start within 300 s")
 
 
-def serving(prompts, output_len: int, concurrency: int, threads: int, llamacpp: bool) -> dict:
-    """Aggregate output tok/s and median TTFT of each server under ``concurrency`` clients."""
-    path, results = default_gguf_path(), {}
+def measure_server(
+    name: str,
+    cmd: list[str],
+    port: int,
+    threads: int,
+    loads: dict[str, tuple[list, int, int]],
+    warmup: list,
+) -> dict[str, dict]:
+    """Start the server ``cmd``, send it the ``warmup`` prompts (4 new tokens, 2 clients), then
+    each load ``label: (prompts, output_len, clients)`` in turn through ``pyxllm bench
+    serve``'s client, and stop it. Returns ``label: figures``: aggregate output tok/s, median
+    TTFT and TPOT in ms, completed and failed requests, output tokens."""
+    proc = start_server(name, cmd, port, threads)
+    results = {}
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        asyncio.run(run_benchmark(url, warmup, 4, 2))
+        for label, (prompts, output_len, clients) in loads.items():
+            records, duration = asyncio.run(run_benchmark(url, prompts, output_len, clients))
+            m = compute_metrics(records, duration)
+            results[label] = {
+                "output_tok_s": m.output_throughput,
+                "median_ttft_ms": m.ttft_ms["median"],
+                "median_tpot_ms": m.tpot_ms["median"],
+                "completed": m.completed,
+                "failed": m.failed,
+                "total_output_tokens": m.total_output_tokens,
+            }
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return results
+
+
+def serving(
+    prompts, warmup, output_len: int, concurrency: int, threads: int, llamacpp: bool
+) -> dict:
+    """Aggregate output tok/s and median TTFT of pyxllm's and (with ``llamacpp``) the
+    llama-cpp-python server under ``concurrency`` clients, after the ``warmup`` prompts."""
+    path = default_gguf_path()
     servers = {
         "pyxllm": [
             sys.executable,
@@ -230,24 +290,17 @@ def serving(prompts, output_len: int, concurrency: int, threads: int, llamacpp: 
             "--n_ctx",
             "2048",
         ]
-    for name, cmd in servers.items():
-        port = int(cmd[cmd.index("--port") + 1])
-        proc = _start(cmd, port, threads)
-        try:
-            url = f"http://127.0.0.1:{port}/v1"
-            asyncio.run(run_benchmark(url, prompts[:2], 4, 2))  # warm-up
-            records, duration = asyncio.run(run_benchmark(url, prompts, output_len, concurrency))
-            m = compute_metrics(records, duration)
-            results[name] = {
-                "output_tok_s": m.output_throughput,
-                "median_ttft_ms": m.ttft_ms["median"],
-                "completed": m.completed,
-                "failed": m.failed,
-            }
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-    return results
+    return {
+        name: measure_server(
+            name,
+            cmd,
+            int(cmd[cmd.index("--port") + 1]),
+            threads,
+            {"load": (prompts, output_len, concurrency)},
+            warmup,
+        )["load"]
+        for name, cmd in servers.items()
+    }
 
 
 def ratio_lines(
@@ -266,7 +319,38 @@ def ratio_lines(
     return lines
 
 
+SECTIONS = (
+    "offline",
+    "transformers",
+    "llamacpp",
+    "serving",
+    "speculative",
+    "llama-server",
+    "long-context",
+)
+
+
+def sections_to_run(
+    parser: argparse.ArgumentParser, only: str, skip: str
+) -> tuple[set[str], set[str]]:
+    """``(sections to run, sections skipped)``: those ``--only`` names (default: all) less those
+    ``--skip`` names; an unknown name is a usage error naming its flag."""
+    chosen = {}
+    for flag, text in (("--only", only), ("--skip", skip)):
+        chosen[flag] = set(filter(None, text.split(",")))
+        unknown = chosen[flag] - set(SECTIONS)
+        if unknown:
+            parser.error(
+                f"{flag}: unknown section {', '.join(sorted(unknown))} "
+                f"(choose from {', '.join(SECTIONS)})"
+            )
+    return (chosen["--only"] or set(SECTIONS)) - chosen["--skip"], chosen["--skip"]
+
+
 def main() -> None:
+    import llama_server  # here: it imports this module's helpers
+    import speculative
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=100)
@@ -279,22 +363,51 @@ def main() -> None:
     parser.add_argument("--serving-prompts", type=int, default=24)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument(
-        "--skip", default="", help="comma-separated: transformers,llamacpp,serving,speculative"
+        "--only", default="", help=f"comma-separated sections: {','.join(SECTIONS)}"
+    )
+    parser.add_argument("--skip", default="", help="comma-separated sections not to run")
+    parser.add_argument(
+        "--llama-server-dir",
+        default=str(llama_server.DEFAULT_BIN_DIR),
+        help="where benchmarks/build_llama_server.sh put llama-server and llama-bench",
+    )
+    parser.add_argument(
+        "--llama-server-workloads",
+        default=llama_server.DEFAULT_WORKLOADS,
+        help="PROMPT_TOKENSxCLIENTS, comma-separated",
+    )
+    parser.add_argument("--requests-per-client", type=int, default=3)
+    parser.add_argument("--long-context", type=int, default=4096, help="tokens of context")
+    parser.add_argument(
+        "--long-context-reps", type=int, default=3, help="timed requests / llama-bench repetitions"
     )
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
-    skip = set(filter(None, args.skip.split(",")))
-    import speculative  # here: it imports this module's helpers
+    sections, skipped = sections_to_run(parser, args.only, args.skip)
+    try:
+        workloads = llama_server.parse_workloads(args.llama_server_workloads)
+    except ValueError as e:
+        parser.error(str(e))
+    for flag in ("requests_per_client", "long_context", "long_context_reps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
 
     torch.set_num_threads(args.threads)
     # find, not import: llama.cpp's library brings its own OpenMP runtime, whose threads compete
     # with torch's for the cores (pyxllm's batch-1 figures halved when it was imported first)
-    if importlib.util.find_spec("llama_cpp") is None:
+    llamacpp = "llamacpp" not in skipped and importlib.util.find_spec("llama_cpp") is not None
+    if {"llamacpp", "serving"} & sections and not llamacpp and "llamacpp" not in skipped:
         log(
             "llama-cpp-python is not installed (pip install 'pyxllm[llamacpp]', a source build of "
             "minutes): skipped"
         )
-        skip.add("llamacpp")
+    if not llamacpp:
+        sections.discard("llamacpp")
+    binaries = None
+    if {"llama-server", "long-context"} & sections:
+        binaries = llama_server.find_binaries(args.llama_server_dir)
+        if binaries is None:
+            sections -= {"llama-server", "long-context"}
     from pyxllm.benchmarks.prompts import load_tokenizer
 
     path, tokenizer = default_gguf_path(), load_tokenizer(None)
@@ -303,45 +416,116 @@ def main() -> None:
     fresh = [
         p[1] for p in make_prompts(tokenizer, 2, args.input_len, "random", seed=1)
     ]  # batch-1 figures
+    names = ", ".join(s for s in SECTIONS if s in sections) or "none"
     log(
-        f"{len(ids)} prompts of ~{args.input_len} tokens, {args.output_len} new tokens each, "
-        f"{args.threads} threads"
+        f"sections: {names}; {len(ids)} prompts of ~{args.input_len} tokens, {args.output_len} "
+        f"new tokens each, {args.threads} threads"
     )
-    results = {"pyxllm": pyxllm_figures(ids, args.output_len, fresh)}
-    log("pyxllm:", json.dumps(results["pyxllm"]))
-    gc.collect()
-    if "speculative" not in skip:
+    results = {}
+    if "offline" in sections:
+        results["pyxllm"] = pyxllm_figures(ids, args.output_len, fresh)
+        log("pyxllm:", json.dumps(results["pyxllm"]))
+        gc.collect()
+    if "speculative" in sections:
         results["speculative"] = speculative.pyxllm_figures()
         log("speculative:", json.dumps(results["speculative"]))
         gc.collect()
-    if "transformers" not in skip:
+    if "transformers" in sections:
         results["transformers"] = hf_throughput(path, ids, args.output_len, args.hf_batch_size)
         log("transformers:", json.dumps(results["transformers"]))
         gc.collect()
-    if "llamacpp" not in skip:
+    if "llamacpp" in sections:
         results["llama.cpp"] = llamacpp_figures(
             path, ids, args.output_len, args.threads, args.llamacpp_prompts, fresh
         )
         log("llama.cpp:", json.dumps(results["llama.cpp"]))
-        if "speculative" not in skip:
+        if "speculative" in sections:
             results["speculative"].update(speculative.llamacpp_figures(args.threads))
         gc.collect()
-    if "serving" not in skip:
+    if "long-context" in sections:
+        results["long-context"] = {
+            "pyxllm": llama_server.pyxllm_long_context(
+                tokenizer, args.long_context, args.output_len, args.long_context_reps
+            ),
+            "llama-bench": llama_server.llama_bench(
+                binaries["llama-bench"],
+                args.long_context,
+                args.output_len,
+                args.long_context_reps,
+                args.threads,
+            ),
+        }
+        log("long-context:", json.dumps(results["long-context"]))
+        gc.collect()
+    if "serving" in sections:
         results["serving"] = serving(
             prompts[: args.serving_prompts],
+            make_prompts(tokenizer, 2, args.input_len, "random", seed=2),
             args.output_len,
             args.concurrency,
             args.threads,
-            "llamacpp" not in skip,
+            llamacpp,
         )
         log("serving:", json.dumps(results["serving"]))
-    ours, hf, lc = results["pyxllm"], results.get("transformers", {}), results.get("llama.cpp", {})
+    if "llama-server" in sections:
+        results["llama-server"] = llama_server.serving(
+            binaries["llama-server"],
+            tokenizer,
+            workloads,
+            args.output_len,
+            args.requests_per_client,
+            args.threads,
+        )
     lines = ["", "=== pyxllm vs peers (ratios > 1: pyxllm better) ==="]
+    lines += offline_rows(results)
+    serve = results.get("serving", {})
+    if "pyxllm" in serve:
+        lines += ratio_lines(
+            f"Serving, {args.concurrency} clients, output",
+            serve["pyxllm"]["output_tok_s"],
+            {"llama-cpp-python server": serve.get("llama.cpp", {}).get("output_tok_s")},
+            "tok/s",
+        )
+        lines += ratio_lines(
+            "Serving, median TTFT",
+            serve["pyxllm"]["median_ttft_ms"],
+            {"llama-cpp-python server": serve.get("llama.cpp", {}).get("median_ttft_ms")},
+            "ms",
+            lower_better=True,
+        )
+    lines += llama_server.ratio_rows(results, args.output_len, args.long_context)
+    spec = results.get("speculative", {})
+    if spec:
+        lines += ratio_lines(
+            "Speculative decoding, grounded batch 1 (float32, n-gram)",
+            spec["with"],
+            {
+                "pyxllm without speculation": spec["without"],
+                "llama.cpp prompt lookup": spec.get("llama.cpp prompt lookup"),
+                "llama.cpp": spec.get("llama.cpp"),
+            },
+            "tok/s",
+        )
+    log("\n".join(lines))
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def offline_rows(results: dict) -> list[str]:
+    """The offline and batch-1 summary lines (none without pyxllm's offline figures)."""
+    ours, hf, lc = (
+        results.get("pyxllm"),
+        results.get("transformers", {}),
+        results.get("llama.cpp", {}),
+    )
+    if ours is None:
+        return []
     offline_peers = {
         "transformers bf16 batch 16": hf.get("output_tok_s"),
         "llama.cpp sequential": lc.get("output_tok_s"),
     }
-    lines += ratio_lines(
+    lines = ratio_lines(
         f"Offline throughput ({ours['dtype']})", ours["output_tok_s"], offline_peers, "output tok/s"
     )
     lines += ratio_lines(
@@ -363,37 +547,7 @@ def main() -> None:
             {"llama.cpp Q4_1": lc.get("prefill_tok_s")},
             "tok/s",
         )
-    serve = results.get("serving", {})
-    if "pyxllm" in serve:
-        lines += ratio_lines(
-            f"Serving, {args.concurrency} clients, output",
-            serve["pyxllm"]["output_tok_s"],
-            {"llama-cpp-python server": serve.get("llama.cpp", {}).get("output_tok_s")},
-            "tok/s",
-        )
-        lines += ratio_lines(
-            "Serving, median TTFT",
-            serve["pyxllm"]["median_ttft_ms"],
-            {"llama-cpp-python server": serve.get("llama.cpp", {}).get("median_ttft_ms")},
-            "ms",
-            lower_better=True,
-        )
-    spec = results.get("speculative", {})
-    if spec:
-        lines += ratio_lines(
-            "Speculative decoding, grounded batch 1 (float32, n-gram)",
-            spec["with"],
-            {
-                "pyxllm without speculation": spec["without"],
-                "llama.cpp prompt lookup": spec.get("llama.cpp prompt lookup"),
-                "llama.cpp": spec.get("llama.cpp"),
-            },
-            "tok/s",
-        )
-    log("\n".join(lines))
-    if args.result_file:
-        with open(args.result_file, "w") as f:
-            json.dump(results, f, indent=2)
+    return lines
 
 
 if __name__ == "__main__":

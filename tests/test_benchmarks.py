@@ -184,6 +184,8 @@ def test_bench_throughput_and_latency_run(tmp_path, capsys):
                 "0",
                 "--quantization",
                 "int4",
+                "--enable-prefix-cache",
+                "false",
                 *ENGINE,
                 "--result-file",
                 str(tmp_path / "l.json"),
@@ -195,5 +197,40 @@ def test_bench_throughput_and_latency_run(tmp_path, capsys):
     assert (
         lat["quantization"] == "int4" and lat["ttft_ms_mean"] > 0 and lat["decode_tokens_per_s"] > 0
     )
+    assert lat["enable_prefix_cache"] is False and lat["prefix_cache_hit_tokens"] == 0
     out = capsys.readouterr().out
-    assert "Throughput:" in out and "Latency (batch 1" in out
+    assert "Throughput:" in out and "Latency (batch 1" in out and "prefix cache off" in out
+
+
+def test_bench_latency_prefills_a_fresh_prompt_per_request(tmp_path, capsys, monkeypatch):
+    """With the prefix cache on, every request of ``bench latency`` (warm-up included) gets a
+    prompt of its own: the engine's prefix-cache hit counter does not move during the timed
+    requests, though it counts their lookups; sending a timed prompt again is a hit, so the
+    check can fail."""
+    from pyxllm.benchmarks import latency
+
+    timed_request, seen = latency._timed_request, []
+
+    def spy(engine, token_ids, max_tokens, request_id):
+        before = engine.stats()
+        result = timed_request(engine, token_ids, max_tokens, request_id)
+        seen.append((engine, request_id, list(token_ids), before, engine.stats()))
+        return result
+
+    monkeypatch.setattr(latency, "_timed_request", spy)
+    args = ["bench", "latency", "--input-len", "40", "--output-len", "2", "--num-iters", "2"]
+    assert main([*args, *ENGINE, "--result-file", str(tmp_path / "l.json")]) == 0
+    assert [s[1] for s in seen] == ["warmup-0", "latency-0", "latency-1"]
+    engine, block = seen[0][0], seen[0][0].kv_cache_manager.block_size
+    prompts = [s[2] for s in seen]
+    assert all(len(p) >= 2 * block for p in prompts), [len(p) for p in prompts]
+    for _, _, ids, before, after in seen[1:]:
+        assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == len(ids)
+        assert after["prefix_cache_hits"] == before["prefix_cache_hits"]
+    lat = json.loads((tmp_path / "l.json").read_text())
+    assert lat["enable_prefix_cache"] is True and lat["prefix_cache_hit_tokens"] == 0
+    assert lat["num_iters"] == 2 and lat["prefill_tokens_per_s"] > 0
+    assert "prefix cache on, 0 prompt tokens" in capsys.readouterr().out
+    hits = engine.stats()["prefix_cache_hits"]
+    timed_request(engine, prompts[-1], 2, "again")
+    assert engine.stats()["prefix_cache_hits"] - hits >= 2 * block
