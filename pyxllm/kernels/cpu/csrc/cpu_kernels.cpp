@@ -22,7 +22,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__) || defined(__AVX512VNNI__)
+#if defined(__AVX2__) || defined(__AVX512BF16__) || defined(__AVX512VNNI__)
 #include <immintrin.h>
 #endif
 
@@ -530,6 +530,76 @@ void attend_one_kv_head(float* out, const float* q, const float* k, const float*
   }
 }
 
+// attend_one_kv_head over an int8 cache (rows of 8 * C int8 values and their float32 scale):
+// each tile's 8 key rows converted to float32 (times their scales) into an L1 buffer once, for
+// all query heads; each value row converted as the weighted sum takes it. Reading the int8 rows
+// in place keeps the context's bytes at about half bfloat16's (a float32 copy of a 4096-token
+// context is 1 MB per head, which went through L2 twice).
+// 8 int8 values as float32 (vpmovsxbd + vcvtdq2ps; GCC's vector extensions make 8 scalar
+// conversions of an 8-byte vector).
+inline Vec8 load8_int8(const int8_t* p) {
+#if defined(__AVX2__)
+  return (Vec8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  Vec8 v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+inline float row_scale(const int8_t* row, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, row + head_dim, sizeof scale);
+  return scale;
+}
+
+template <int C>
+void attend_one_kv_head_int8(float* out, const float* q, const int8_t* k, const int8_t* v, const int64_t* rows,
+                             int64_t len, int64_t group, float* scores) {
+  constexpr int64_t D = 8 * C;
+  const int64_t stride = (len + 7) / 8 * 8;
+  alignas(64) float tile_keys[8 * D];
+  for (int64_t l = 0; l < len; l += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const int8_t* row = k + rows[l + kBitReversed8[j]];
+      const float scale = row_scale(row, D);
+      for (int c = 0; c < C; ++c) {
+        const Vec8 kv = load8_int8(row + 8 * c) * scale;
+        std::memcpy(tile_keys + j * D + 8 * c, &kv, sizeof kv);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * D;
+      Vec8 acc[8] = {};
+      for (int c = 0; c < C; ++c) {
+        const Vec8 qc = load8(qg + 8 * c);
+        for (int j = 0; j < 8; ++j) acc[j] += qc * load8(tile_keys + j * D + 8 * c);
+      }
+      const Vec8 tile = hsum8_bit_reversed(acc);
+      std::memcpy(scores + g * stride + l, &tile, sizeof tile);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sc = scores + g * stride;
+    const float peak = len ? *std::max_element(sc, sc + len) : 0.f;
+    exp_shifted(sc, len, peak);
+    const float inv = len ? 1.f / sum(sc, len) : 0.f;
+    for (int c0 = 0; c0 < C; c0 += 8) {
+      constexpr int kAcc = C < 8 ? C : 8;
+      Vec8 acc[kAcc] = {};
+      for (int64_t l = 0; l < len; ++l) {
+        const int8_t* row = v + rows[l];
+        const float weight = sc[l] * row_scale(row, D);
+        for (int c = 0; c < kAcc; ++c) acc[c] += weight * load8_int8(row + 8 * (c0 + c));
+      }
+      for (int c = 0; c < kAcc; ++c) {
+        acc[c] *= inv;
+        std::memcpy(out + g * D + 8 * (c0 + c), &acc[c], sizeof(Vec8));
+      }
+    }
+  }
+}
+
 // Any head_dim: the same computation with plain loops.
 void attend_one_kv_head_any(float* out, const float* q, const float* kf, const float* vf, int64_t len, int64_t group,
                             int64_t head_dim, float* scores) {
@@ -660,7 +730,7 @@ void decode_attention(T* out, const T* query, const C* k_cache, const C* v_cache
   const bool vectorized = head_dim == 64 || head_dim == 128;
   at::parallel_for(0, tasks, grain_for(tasks, 2 * kv_per_task * group * max_len * head_dim, kSerialAttention), [&](int64_t begin, int64_t end) {
     // scratch left uninitialized (a std::vector would zero it, every call)
-    const bool copies = !(in_place && vectorized);
+    const bool copies = !(in_place && vectorized) && !(std::is_same_v<C, int8_t> && vectorized);
     std::unique_ptr<float[]> kf(new float[copies ? max_len * head_dim : 0]), vf(new float[copies ? max_len * head_dim : 0]),
         scores(new float[group * (max_len + 8)]), q(new float[group * head_dim]), o(new float[group * head_dim]);
     std::unique_ptr<int64_t[]> rows(new int64_t[max_len + 8]);
@@ -696,6 +766,15 @@ void decode_attention(T* out, const T* query, const C* k_cache, const C* v_cache
           }
         }
 #endif
+        if constexpr (std::is_same_v<C, int8_t>) {
+          if (len > 0 && vectorized) {
+            for (int64_t l = len; l < len + 8; ++l) rows[l] = rows[len - 1];  // tile padding
+            (head_dim == 64 ? attend_one_kv_head_int8<8> : attend_one_kv_head_int8<16>)(
+                o.get(), q.get(), k_cache, v_cache, rows.get(), len, group, scores.get());
+            Rows<T>::store(head_out, o.get(), group * head_dim);
+            continue;
+          }
+        }
         const float* k = reinterpret_cast<const float*>(k_cache);
         const float* v = reinterpret_cast<const float*>(v_cache);
         if (copies) {
