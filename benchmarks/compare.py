@@ -22,9 +22,9 @@ take comma-separated names):
    ``long-context``: batch 1 at ``--long-context`` (4096) tokens of context, llama-bench
    ``pp4096`` and ``tg128 @ d4096`` against pyxllm int4 (see ``llama_server.py``). Their
    binaries come from ``benchmarks/build_llama_server.sh`` (``--llama-server-dir``).
-4. ``speculative``, batch 1, input-grounded prompts (``speculative.py``'s): pyxllm float32
+4. ``speculative``, batch 1, input-grounded prompts (``speculative.py``'s): pyxllm int4
    without and with n-gram speculation, llama-cpp-python without and with its prompt-lookup
-   decoding, 256 new tokens each.
+   decoding (after every pyxllm run in this process), 256 new tokens each.
 
 Peers that are not installed or built are skipped with a message. Every engine gets
 ``--threads`` threads (default: all cores). Run from the repository root::
@@ -396,7 +396,11 @@ def main() -> None:
     # find, not import: llama.cpp's library brings its own OpenMP runtime, whose threads compete
     # with torch's for the cores (pyxllm's batch-1 figures halved when it was imported first)
     llamacpp = "llamacpp" not in skipped and importlib.util.find_spec("llama_cpp") is not None
-    if {"llamacpp", "serving"} & sections and not llamacpp and "llamacpp" not in skipped:
+    if (
+        {"llamacpp", "serving", "speculative"} & sections
+        and not llamacpp
+        and "llamacpp" not in skipped
+    ):
         log(
             "llama-cpp-python is not installed (pip install 'pyxllm[llamacpp]', a source build of "
             "minutes): skipped"
@@ -430,18 +434,6 @@ def main() -> None:
         results["speculative"] = speculative.pyxllm_figures()
         log("speculative:", json.dumps(results["speculative"]))
         gc.collect()
-    if "transformers" in sections:
-        results["transformers"] = hf_throughput(path, ids, args.output_len, args.hf_batch_size)
-        log("transformers:", json.dumps(results["transformers"]))
-        gc.collect()
-    if "llamacpp" in sections:
-        results["llama.cpp"] = llamacpp_figures(
-            path, ids, args.output_len, args.threads, args.llamacpp_prompts, fresh
-        )
-        log("llama.cpp:", json.dumps(results["llama.cpp"]))
-        if "speculative" in sections:
-            results["speculative"].update(speculative.llamacpp_figures(args.threads))
-        gc.collect()
     if "long-context" in sections:
         results["long-context"] = {
             "pyxllm": llama_server.pyxllm_long_context(
@@ -457,6 +449,19 @@ def main() -> None:
         }
         log("long-context:", json.dumps(results["long-context"]))
         gc.collect()
+    if "transformers" in sections:
+        results["transformers"] = hf_throughput(path, ids, args.output_len, args.hf_batch_size)
+        log("transformers:", json.dumps(results["transformers"]))
+        gc.collect()
+    if "llamacpp" in sections:
+        results["llama.cpp"] = llamacpp_figures(
+            path, ids, args.output_len, args.threads, args.llamacpp_prompts, fresh
+        )
+        log("llama.cpp:", json.dumps(results["llama.cpp"]))
+        gc.collect()
+    if "speculative" in sections and llamacpp:  # after every in-process pyxllm run (see above)
+        results["speculative"].update(speculative.llamacpp_figures(args.threads))
+        log("speculative, llama.cpp:", json.dumps(results["speculative"]))
     if "serving" in sections:
         results["serving"] = serving(
             prompts[: args.serving_prompts],
@@ -497,7 +502,7 @@ def main() -> None:
     spec = results.get("speculative", {})
     if spec:
         lines += ratio_lines(
-            "Speculative decoding, grounded batch 1 (float32, n-gram)",
+            "Speculative decoding, grounded batch 1 (int4, n-gram)",
             spec["with"],
             {
                 "pyxllm without speculation": spec["without"],
