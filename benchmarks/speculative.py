@@ -41,16 +41,15 @@ import torch
 from compare import log
 
 ROOT = Path(__file__).resolve().parent.parent
-# float32 weights (their small-batch linear kernel reads the weights once for a verifying
-# step's rows; ATen's int4 kernel takes ~2.3x its one-row time over five rows)
-# and decode and verification steps replayed from TorchScript traces
-QUANTIZATION, GRAPH_BACKEND = "none", "graph"
+# int4 weights (the fused W4A8 kernel reads them once for all of a verifying step's rows, and a
+# row's result does not depend on the others, so verification reproduces decoding exactly) and
+# decode and verification steps replayed from TorchScript traces
+QUANTIZATION, GRAPH_BACKEND = "int4", "graph"
 # new tokens per batch-1 request (the issue's range is 128-256: at 256 a 450-token prompt's
-# float32 prefill is a smaller share of each request's time), and per request of the 32
+# prefill is a smaller share of each request's time), and per request of the 32
 OUTPUT_LEN, CONCURRENT_OUTPUT_LEN = 256, 64
-# drafts per step: 1 + 7 = 8 rows, the most the float32 small-batch linear kernel takes in one
-# pass over the weights (kSmallLinearRows); on the grounded prompts, one thread, two alternate
-# runs each, k = 4, 5, 6, 7 gave 28.6, 28.1, 30.0, 32.7 tok/s
+# drafts per step: 1 + 7 = 8 rows, the most the int4 kernel computes in one pass over a weight
+# tile (kRowBlock)
 NUM_SPECULATIVE_TOKENS = 7
 CHAT = [
     "What are three good habits for staying healthy?",
@@ -171,7 +170,7 @@ def llamacpp_grounded(prompts: list[str], output_len: int, threads: int, lookup:
 
 def pyxllm_figures(output_len: int = OUTPUT_LEN) -> dict:
     """compare.py's speculative section, pyxllm's half: grounded batch-1 output tok/s without
-    and with n-gram speculation (k = NUM_SPECULATIVE_TOKENS, pyxllm's lookup lengths), float32,
+    and with n-gram speculation (k = NUM_SPECULATIVE_TOKENS, pyxllm's lookup lengths), int4,
     graph runner."""
     engine = engine_kwargs(QUANTIZATION, GRAPH_BACKEND)
     off = run(grounded_prompts(), output_len, None, False, **engine)
