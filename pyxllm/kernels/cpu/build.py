@@ -3,9 +3,9 @@ extension loader (g++ and ninja, 15-60 s on 2 cores).
 
 The build is cached under torch's extension root (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) in a directory named by a digest of the CPU's feature flags,
-Python's and torch's versions and the sources' contents, into which the sources are copied
-before compiling. So each version of the sources is built once per machine and environment,
-whichever checkout of pyxllm loads it first: keyed by name only (torch's cache) and compiled
+Python's and torch's versions, torch's location and the sources' contents, into which the
+sources are copied before compiling. So each version of the sources is built once per machine
+and environment, whichever checkout of pyxllm loads it first: keyed by name only (torch's cache) and compiled
 from each checkout's own path (which ninja sees as a change), a clean clone and a working tree,
 or two branches, rebuilt over each other on every load (~35 s each), and a checkout with other
 sources could load a build without its kernels.
@@ -59,9 +59,12 @@ def compile_flags() -> tuple[list[str], list[str]]:
 
 def extension_name() -> str:
     """``pyxllm_cpu_kernels_<digest>``: the digest of the CPU's feature flags, the compile
-    flags, Python's and torch's versions and the sources' contents."""
+    flags, Python's and torch's versions, torch's location (its headers' include path, which
+    ninja sees as part of each command: two environments sharing one build rebuilt it in turn)
+    and the sources' contents."""
     digest = hashlib.sha1(
-        f"{cpu_feature_line()} {compile_flags()} {sys.version} {torch.__version__}".encode()
+        f"{cpu_feature_line()} {compile_flags()} {sys.version} {torch.__version__} "
+        f"{torch.__file__}".encode()
     )
     for source in SOURCES:
         digest.update(source.read_bytes())
