@@ -218,6 +218,7 @@ class EngineConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}"
                 )
+        self._check_ray()
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(
                 f"--node-rank: must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, got "
@@ -241,7 +242,6 @@ class EngineConfig:
             raise ValueError(
                 f"--dist-init-timeout: must be > 0 seconds, got {self.dist_init_timeout}"
             )
-        self._check_ray()
 
     def _check_ray(self) -> None:
         from pyxllm.distributed.ray_utils import PLACEMENT_STRATEGIES, import_ray

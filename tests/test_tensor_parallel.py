@@ -77,21 +77,29 @@ def tiny(tmp_path_factory, hf_gguf_tokenizer):
 
 def greedy_tokens(model, tp: int, **engine) -> tuple[list[list[int]], int]:
     """Greedy tokens of PROMPTS with ``tp`` ranks (and ``engine`` settings), and the engine's KV
-    block count; the engine (and its workers) is shut down before returning."""
+    block count; the engine (and its workers) is shut down before returning.
+
+    With ``distributed_executor_backend="ray"`` it checks that every rank has an actor, on a
+    node of its own under ``ray_placement_strategy="STRICT_SPREAD"``."""
     llm = LLM(model=model, tensor_parallel_size=tp, **ENGINE, **engine)
     engine = llm.llm_engine
+    executor, ray = engine.executor, engine.config.distributed_executor_backend == "ray"
     try:
-        assert isinstance(engine.executor, UniprocExecutor if tp == 1 else MultiprocExecutor)
-        if tp > 1:
-            assert sorted(engine.executor.procs) == list(range(1, tp))
-            assert all(p.is_alive() for p in engine.executor.procs.values())
+        assert isinstance(executor, UniprocExecutor if tp == 1 else MultiprocExecutor)
+        if tp > 1 and ray:
+            assert list(executor.placement) == list(range(tp))
+            if engine.config.ray_placement_strategy == "STRICT_SPREAD":
+                assert len({info["node_id"] for info in executor.placement.values()}) == tp
+        elif tp > 1:
+            assert sorted(executor.procs) == list(range(1, tp))
+            assert all(p.is_alive() for p in executor.procs.values())
         outs = llm.generate(PROMPTS, PARAMS)
         assert re.fullmatch(r"[0-9]{3} [0-9]{4}", outs[-1].outputs[0].text)
-        return [list(o.outputs[0].token_ids) for o in outs], engine.executor.num_kv_blocks
+        return [list(o.outputs[0].token_ids) for o in outs], executor.num_kv_blocks
     finally:
         engine.shutdown()
         if tp > 1:
-            assert all(p.exitcode == 0 for p in engine.executor.procs.values())
+            assert all(p.exitcode == 0 for p in executor.procs.values())
 
 
 def test_smollm2_tp3_greedy_equals_tp1():

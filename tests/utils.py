@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -276,8 +277,8 @@ class RayCluster:
         return "\n".join(out)
 
     def stop(self) -> None:
-        """Leave the cluster, SIGTERM every node (each drains and ends its own processes), then
-        kill what is left of their process groups."""
+        """Leave the cluster, SIGTERM every node (each drains and ends its own processes), kill
+        what is left of their process groups, and delete the temp dir."""
         import ray
 
         ray.shutdown()
@@ -294,6 +295,7 @@ class RayCluster:
             except ProcessLookupError:
                 pass
             proc.wait(timeout=10)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)  # the nodes' logs and sockets
 
     def __exit__(self, *exc_info) -> None:
         self.stop()

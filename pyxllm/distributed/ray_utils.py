@@ -52,10 +52,12 @@ def import_ray():
     return ray
 
 
-def connect_ray(address: str | None) -> bool:
+def connect_ray(address: str | None, local_cpus: int | None = None) -> bool:
     """Join the Ray cluster at ``address`` (``host:port`` of its head) unless this process has
     already joined one; ``None`` is Ray's own rule: ``RAY_ADDRESS``, else the cluster ``ray
-    start`` started on this node, else a new local instance.
+    start`` started on this node, else a new local instance. A local instance gets
+    ``local_cpus`` logical CPUs when that is more than this host's cores, so that ranks sharing
+    them still fit (as ``mp`` spawns them; a warning says so).
 
     Returns:
         Whether this call joined (the caller then leaves with :func:`disconnect_ray`).
@@ -65,9 +67,24 @@ def connect_ray(address: str | None) -> bool:
     ray = import_ray()
     if ray.is_initialized():
         return False
+    cores = os.cpu_count() or 1
+    cpus = local_cpus if local_cpus and local_cpus > cores else None
     where = address or os.environ.get("RAY_ADDRESS") or "this node's or a new local cluster"
     try:
-        ray.init(address=address, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, num_cpus=cpus, logging_level=logging.WARNING)
+        except ValueError:  # an existing cluster: its CPUs are its nodes' to say
+            if cpus is None:
+                raise
+            ray.init(address=address, logging_level=logging.WARNING)
+        else:
+            if cpus is not None:  # accepted: a local instance was started
+                logger.warning(
+                    "started a local Ray instance with %d logical CPUs on %d cores: the ranks "
+                    "take turns on the cores (see README, Tensor parallelism)",
+                    cpus,
+                    cores,
+                )
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise DistributedError(
             f"--ray-address: could not join the Ray cluster at {where} ({exc}); start it with "
@@ -108,8 +125,9 @@ def node_info() -> dict[str, Any]:
 
 
 def describe_node(info: Mapping[str, Any]) -> str:
-    """``node 10.0.0.2 (id 3f2a91c0)``, from a :func:`node_info` result."""
-    return f"node {info['node_ip']} (id {info['node_id'][:8]})"
+    """``node 3f2a91c0 at 10.0.0.2`` (the node id's first digits, the node's address), from a
+    :func:`node_info` result."""
+    return f"node {info['node_id'][:8]} at {info['node_ip']}"
 
 
 def _fmt(resources: Mapping[str, float]) -> str:
@@ -256,7 +274,15 @@ def start_actors(
 
 
 def actor_error_summary(exc: BaseException) -> str:
-    """One line for a Ray error (an actor's death, a task's exception): its type and the first
-    line that says something."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
+    """One line for a Ray error: for a task that raised, what it raised; for an actor's death,
+    Ray's first line and its reason (``ActorDiedError: The actor died unexpectedly before
+    finishing this task. The actor is dead because it was killed by `ray.kill`.``)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):  # a RayTaskError: the exception of the task itself
+        exc = cause
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    # an actor's death continues with indented "key: value" lines, then the reason
+    reason = next((line.strip() for line in lines[1:] if not line[0].isspace()), "")
+    return f"{type(exc).__name__}: {' '.join(filter(None, [lines[0].strip(), reason]))[:300]}"

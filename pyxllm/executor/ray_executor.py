@@ -112,9 +112,10 @@ class RayDistributedExecutor(MultiprocExecutor):
         self._owns_ray = self._owns_pg = False
         ray = ray_utils.import_ray()
         deadline = time.monotonic() + config.dist_init_timeout
-        self._owns_ray = ray_utils.connect_ray(config.ray_address)
         strategy = config.ray_placement_strategy or "PACK"
         bundles = [rank_bundle(platform, self.world_size, strategy)] * self.world_size
+        cpus = int(sum(bundle.get("CPU", 0) for bundle in bundles))
+        self._owns_ray = ray_utils.connect_ray(config.ray_address, local_cpus=cpus)
         here = ray.get_runtime_context().get_node_id()
         self._pg = ray.util.get_current_placement_group()
         self._owns_pg = self._pg is None
