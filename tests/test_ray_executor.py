@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 
-import httpx
-import openai
 import pytest
 from model_fixtures import build_checkpoint
 
@@ -31,7 +30,7 @@ from pyxllm import LLM
 from pyxllm.distributed.errors import DistributedError
 from pyxllm.distributed.ray_utils import describe_shortfall
 from tests.test_tensor_parallel import ENGINE, greedy_tokens
-from tests.utils import RayCluster, RemoteServer
+from tests.utils import RayCluster, RemoteServer, kill_mid_stream
 
 ray = pytest.importorskip("ray")
 
@@ -167,25 +166,8 @@ def test_a_killed_actor_fails_the_request_and_the_server_exits_naming_it(cluster
     )
     with server:
         assert "Ray actors on" in server.output()
-        chunks = 0
-        stream = server.openai_client().completions.create(
-            model="tp", prompt="Count:", max_tokens=240, temperature=0, stream=True
-        )
-        with pytest.raises(openai.APIError, match="TP worker rank 1"):
-            for _ in stream:
-                chunks += 1
-                if chunks == 1:  # mid-run
-                    ray.kill(_rank_actor(1), no_restart=True)
-        assert chunks < 240
-        unhealthy, deadline = [], time.monotonic() + 15
-        while server.proc.poll() is None and time.monotonic() < deadline:
-            try:
-                response = httpx.get(server.url_for("health"), timeout=1)
-                if response.status_code == 503:
-                    unhealthy.append(response.json()["error"]["message"])
-            except httpx.HTTPError:  # the server is closing
-                pass
-            time.sleep(0.1)
+        kill = partial(ray.kill, _rank_actor(1), no_restart=True)
+        unhealthy = kill_mid_stream(server, kill, "TP worker rank 1")
         assert server.proc.poll() == 1
     assert unhealthy and all("TP worker rank 1 (Ray actor, pid" in m for m in unhealthy)
     output = server.output()

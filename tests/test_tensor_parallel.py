@@ -20,9 +20,9 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import httpx
-import openai
 import pytest
 import torch
 from model_fixtures import build_checkpoint
@@ -45,7 +45,7 @@ from pyxllm.weights import (
     load_model_config,
     resolve_model_source,
 )
-from tests.utils import RemoteServer, free_port
+from tests.utils import RemoteServer, free_port, kill_mid_stream
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "My phone number is"]
@@ -354,25 +354,9 @@ def test_killed_worker_makes_the_server_unhealthy_and_exit(two_nodes):
     """README, "Tensor parallelism": if a worker dies, the in-flight request fails, ``/health``
     answers 503 (naming the rank) for about a second, then the server exits with status 1
     naming the rank."""
-    server, chunks = two_nodes.server, 0
-    stream = server.openai_client().completions.create(
-        model="tp", prompt="Count:", max_tokens=240, temperature=0, stream=True
-    )
-    with pytest.raises(openai.APIError, match="TP worker rank 1"):
-        for _ in stream:
-            chunks += 1
-            if chunks == 1:  # mid-run
-                two_nodes.worker.send_signal(signal.SIGKILL)
-    assert chunks < 240
-    unhealthy, deadline = [], time.monotonic() + 15
-    while server.proc.poll() is None and time.monotonic() < deadline:
-        try:
-            response = httpx.get(server.url_for("health"), timeout=1)
-            if response.status_code == 503:
-                unhealthy.append(response.json()["error"]["message"])
-        except httpx.HTTPError:  # the server is closing
-            pass
-        time.sleep(0.1)
+    server = two_nodes.server
+    kill = partial(two_nodes.worker.send_signal, signal.SIGKILL)
+    unhealthy = kill_mid_stream(server, kill, "TP worker rank 1")
     assert server.proc.poll() == 1
     assert unhealthy and all("TP worker rank 1 died" in m for m in unhealthy), unhealthy
     output = server.output()

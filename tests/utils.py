@@ -157,6 +157,38 @@ class RemoteServer:
         return self.proc.returncode
 
 
+def kill_mid_stream(
+    server: RemoteServer, kill, error_match: str, model: str = "tp", exit_timeout: float = 15.0
+) -> list[str]:
+    """Stream a long completion from ``server``, call ``kill()`` once its first chunk arrives
+    (e.g. kill a tensor-parallel worker), and check that the stream then fails before its end
+    with an error matching ``error_match``; then poll ``GET /health`` until the server exits (at
+    most ``exit_timeout`` seconds). Returns the error messages of the 503 answers seen."""
+    import openai
+    import pytest
+
+    chunks, max_tokens = 0, 240
+    stream = server.openai_client().completions.create(
+        model=model, prompt="Count:", max_tokens=max_tokens, temperature=0, stream=True
+    )
+    with pytest.raises(openai.APIError, match=error_match):
+        for _ in stream:
+            chunks += 1
+            if chunks == 1:  # mid-run
+                kill()
+    assert chunks < max_tokens
+    unhealthy, deadline = [], time.monotonic() + exit_timeout
+    while server.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            response = httpx.get(server.url_for("health"), timeout=1)
+            if response.status_code == 503:
+                unhealthy.append(response.json()["error"]["message"])
+        except httpx.HTTPError:  # the server is closing
+            pass
+        time.sleep(0.1)
+    return unhealthy
+
+
 def run_together(*calls):
     """Call each of ``calls`` (no arguments) at the same time, each on its own thread, and
     return their results in order (re-raising the first exception). A server batches
@@ -203,8 +235,14 @@ class RayCluster:
     def __init__(self, num_cpus: int, resources: dict[str, float] | None = None):
         self.num_cpus, self.resources = num_cpus, resources or {}
         self.temp_dir = tempfile.mkdtemp(prefix="pyxllm-ray-", dir="/tmp")  # short: socket paths
+        # Ray's token authentication off, as `ray start` has it without a token: said for every
+        # process, or a ~/.ray/auth_token (which a local `ray.init()` writes) would turn it on
+        # for some of them (the token mode is read when Ray is imported, too early to set here)
+        self.auth = {"RAY_AUTH_MODE": "disabled"}
         self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+        self.env.update(self.auth)
         self.env.pop("RAY_ADDRESS", None)
+        self._saved_env = {k: os.environ.get(k) for k in self.auth}
         self.procs: list[subprocess.Popen] = []
         self.address = f"127.0.0.1:{free_port()}"
 
@@ -239,6 +277,7 @@ class RayCluster:
     def __enter__(self) -> RayCluster:
         import ray
 
+        os.environ.update(self.auth)  # this process joins as a driver
         port = self.address.rpartition(":")[2]
         self._start(
             ["--head", "--port", port, "--temp-dir", self.temp_dir, "--include-dashboard=false"]
@@ -282,6 +321,11 @@ class RayCluster:
         import ray
 
         ray.shutdown()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
