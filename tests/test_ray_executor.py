@@ -7,6 +7,8 @@ there is no dashboard, the object stores are 100 MB.
 - SmolLM2 at ``--tp 3`` (PACK) gives tp=1's greedy tokens; a tiny Qwen3 at ``--tp 2`` with
   STRICT_SPREAD puts one rank on each node and gives tp=1's tokens (the checks of
   tests/test_tensor_parallel.py's ``greedy_tokens``);
+- an engine in an actor placed in a group's bundle 0 (as data-parallel replicas are to be
+  placed) puts its ranks in that group;
 - a placement group that cannot be placed fails within ``--dist-init-timeout``, naming what is
   missing, and frees what it held;
 - a server whose rank-1 actor is killed mid-request fails that request, answers 503 on
@@ -24,12 +26,13 @@ import time
 from functools import partial
 
 import pytest
+import torch
 from model_fixtures import build_checkpoint
 
 from pyxllm import LLM
 from pyxllm.distributed.errors import DistributedError
 from pyxllm.distributed.ray_utils import describe_shortfall
-from tests.test_tensor_parallel import ENGINE, greedy_tokens
+from tests.test_tensor_parallel import ENGINE, PARAMS, PROMPTS, greedy_tokens
 from tests.utils import RayCluster, RemoteServer, kill_mid_stream
 
 ray = pytest.importorskip("ray")
@@ -52,6 +55,12 @@ def tiny_qwen3(tmp_path_factory, hf_gguf_tokenizer):
     return str(
         build_checkpoint("qwen3", tmp_path_factory.mktemp("ray_qwen3"), hf_gguf_tokenizer)[0]
     )
+
+
+@pytest.fixture(scope="module")
+def tiny_tp1(tiny_qwen3):
+    """The tiny Qwen3's greedy tokens at tp=1 (``greedy_tokens``' prompts)."""
+    return greedy_tokens(tiny_qwen3, 1)[0]
 
 
 def _ray(cluster: RayCluster, **engine) -> dict:
@@ -119,13 +128,44 @@ def test_smollm2_tp3_on_ray_greedy_equals_tp1(cluster):
     assert all(len(set(t)) >= 3 for t in ref)  # real continuations, not one repeated token
 
 
-def test_tiny_qwen3_tp2_one_rank_per_node_equals_tp1(cluster, tiny_qwen3):
+def test_tiny_qwen3_tp2_one_rank_per_node_equals_tp1(cluster, tiny_qwen3, tiny_tp1):
     """STRICT_SPREAD on the two nodes: rank 0 on the node this process joined, rank 1 on the
     other (``greedy_tokens`` checks that their nodes differ)."""
-    ref, _ = greedy_tokens(tiny_qwen3, 1)
     got, _ = greedy_tokens(tiny_qwen3, 2, **_ray(cluster, ray_placement_strategy="STRICT_SPREAD"))
-    assert got == ref
-    assert len({tuple(t) for t in ref}) == len(ref)
+    assert got == tiny_tp1
+    assert len({tuple(t) for t in tiny_tp1}) == len(tiny_tp1)
+
+
+def test_an_engine_placed_in_a_group_puts_its_ranks_in_that_group(cluster, tiny_qwen3, tiny_tp1):
+    """How an engine replica is placed on Ray: an actor started in bundle 0 of a group of
+    ``--tp`` bundles (taking no CPU itself: rank 0's actor holds the bundle) builds its engine
+    with its ranks in that group, leaves the group to its owner, and gives tp=1's tokens."""
+
+    from pyxllm.distributed import ray_utils
+
+    class Replica:  # defined here: Ray sends it by value to a worker that cannot import tests
+        def generate(self, model, prompts, params, engine):
+            torch.set_num_threads(1)
+            llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **engine)
+            try:
+                executor, group = llm.llm_engine.executor, ray.util.get_current_placement_group()
+                assert executor.placement_group.id == group.id
+                outs = llm.generate(prompts, params)
+                return [list(o.outputs[0].token_ids) for o in outs]
+            finally:
+                llm.llm_engine.shutdown()
+
+    bundles = [{"CPU": 1.0}] * 2
+    here = ray.get_runtime_context().get_node_id()
+    group = ray_utils.reserve_placement_group(bundles, "PACK", 30, first_node=here)
+    try:
+        replica = ray_utils.start_actors(Replica, group, [{"CPU": 0.0}])[0]
+        tokens = ray.get(replica.generate.remote(tiny_qwen3, PROMPTS, PARAMS, ENGINE), timeout=120)
+        assert tokens == tiny_tp1
+        assert _free_cpus(2.0) == 2.0  # the group's 2 are still held
+        ray.kill(replica)
+    finally:
+        ray_utils.remove_placement_group(group)
 
 
 def test_an_unplaceable_group_fails_within_the_timeout_naming_the_resources(cluster):
@@ -140,10 +180,16 @@ def test_an_unplaceable_group_fails_within_the_timeout_naming_the_resources(clus
     assert "Ray could not place 3 bundles of {CPU: 1} (STRICT_SPREAD) within" in str(e.value)
     assert "STRICT_SPREAD needs 3 nodes with {CPU: 1} each, the cluster has 2" in str(e.value)
     assert 3 <= elapsed < 15, elapsed
-    deadline = time.monotonic() + 10  # the withdrawn group's CPUs are free again
-    while ray.available_resources().get("CPU") != 4.0 and time.monotonic() < deadline:
+    assert _free_cpus(4.0) == 4.0  # the withdrawn group's CPUs are free again
+
+
+def _free_cpus(expected: float, timeout: float = 10.0) -> float:
+    """The cluster's free CPUs once they are ``expected`` (Ray's count lags a little), or after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while ray.available_resources().get("CPU") != expected and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ray.available_resources().get("CPU") == 4.0
+    return ray.available_resources().get("CPU")
 
 
 def _rank_actor(rank: int):

@@ -9,8 +9,9 @@ Start-up, within ``--dist-init-timeout``:
    :meth:`~pyxllm.platforms.interface.Platform.threads_per_rank` cores), placed with
    ``--ray-placement-strategy`` (``PACK`` by default), bundle 0 on this node: this process
    computes rank 0, as with ``mp``. A process that already runs in a placement group (an actor
-   placed by someone else, e.g. a data-parallel replica) uses that group instead; its bundle 0
-   must be on this node;
+   placed by someone else, e.g. a data-parallel replica) uses that group instead, ``--tp``
+   bundles shaped as :func:`rank_bundle` says: start it in bundle 0 asking for no resources of
+   its own (``start_actors(cls, group, [{"CPU": 0}])``), since rank 0's actor holds them;
 3. start one :class:`RayWorker` actor per bundle; each says where it runs
    (:func:`~pyxllm.distributed.ray_utils.node_info`). Rank 0's actor only holds its bundle (and
    names the card this process takes); the others run :func:`~pyxllm.executor.worker.run_worker`
@@ -93,6 +94,8 @@ class RayDistributedExecutor(MultiprocExecutor):
         placement: rank -> where its actor runs (:func:`~pyxllm.distributed.ray_utils.node_info`:
             ``node_id``, ``node_ip``, ``hostname``, ``pid``, ``accelerators``).
         actors: the rank actors, rank 0's first.
+        placement_group: the group the ranks are placed in, bundle ``r`` rank ``r``'s: reserved
+            here (and freed at :meth:`shutdown`), or the one this process was placed in.
 
     Raises:
         ValueError: Ray is not installed, or the model does not split.
@@ -108,7 +111,7 @@ class RayDistributedExecutor(MultiprocExecutor):
 
     def _start_workers(self, config: EngineConfig, platform) -> tuple[str, int, int]:
         self.actors, self.placement, self._runs = [], {}, {}
-        self._pg = self._watcher = None
+        self.placement_group = self._watcher = None
         self._owns_ray = self._owns_pg = False
         ray = ray_utils.import_ray()
         deadline = time.monotonic() + config.dist_init_timeout
@@ -117,15 +120,15 @@ class RayDistributedExecutor(MultiprocExecutor):
         cpus = int(sum(bundle.get("CPU", 0) for bundle in bundles))
         self._owns_ray = ray_utils.connect_ray(config.ray_address, local_cpus=cpus)
         here = ray.get_runtime_context().get_node_id()
-        self._pg = ray.util.get_current_placement_group()
-        self._owns_pg = self._pg is None
+        self.placement_group = ray.util.get_current_placement_group()
+        self._owns_pg = self.placement_group is None
         if self._owns_pg:
-            self._pg = ray_utils.reserve_placement_group(
+            self.placement_group = ray_utils.reserve_placement_group(
                 bundles, strategy, config.dist_init_timeout, first_node=here
             )
         tag = uuid.uuid4().hex[:8]
         names = [f"pyxllm-tp-rank{rank}-{tag}" for rank in range(self.world_size)]
-        self.actors = ray_utils.start_actors(RayWorker, self._pg, bundles, names)
+        self.actors = ray_utils.start_actors(RayWorker, self.placement_group, bundles, names)
         self._await_placement(ray, deadline)
         if self.placement[0]["node_id"] != here:
             raise DistributedError(
@@ -233,8 +236,8 @@ class RayDistributedExecutor(MultiprocExecutor):
                 )
             for actor in self.actors:
                 ray.kill(actor)
-            if self._pg is not None and self._owns_pg:
-                ray_utils.remove_placement_group(self._pg)
+            if self.placement_group is not None and self._owns_pg:
+                ray_utils.remove_placement_group(self.placement_group)
         except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
             logger.warning("stopping the Ray actors: %s", ray_utils.actor_error_summary(e))
         finally:
