@@ -37,6 +37,9 @@ FIELD_ALIASES = {
     "master_node_addr": "master_addr",
 }
 GIB = 2**30
+# who starts and places the tensor-parallel ranks (pyxllm.executor): processes of this host
+# (spawned, or started by hand with --nnodes), or Ray actors (pyxllm.executor.ray_executor)
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # which code runs the model (vLLM's --model-impl); xLLM's "python" is pyxllm's own
 MODEL_IMPLS = ("auto", "pyxllm", "transformers")
 MODEL_IMPL_ALIASES = {"python": "pyxllm"}
@@ -111,6 +114,11 @@ class EngineConfig:
       where rank 0 serves HTTP); ``tensor_parallel_size`` is then 1 or N. ``dist_init_timeout``
       (seconds) bounds how long a rank waits for the master address and the other ranks.
       ``kv_cache_memory`` is per rank.
+    - ``distributed_executor_backend``: ``mp`` places the ranks as above; ``ray`` places them as
+      Ray actors on the cluster at ``ray_address`` (``None``: ``RAY_ADDRESS``, else the cluster
+      ``ray start`` started on this node, else a new local one), one placement-group bundle per
+      rank placed with ``ray_placement_strategy`` (``None``: ``PACK``); see
+      ``pyxllm.executor.ray_executor``. ``dist_init_timeout`` then bounds the whole start-up.
 
     Raises:
         ValueError: a value out of range; the message names the flag.
@@ -143,6 +151,9 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str | None = None
     dist_init_timeout: float = 120.0
+    distributed_executor_backend: str = "mp"
+    ray_address: str | None = None
+    ray_placement_strategy: str | None = None
     structured_outputs_backend: str = "llguidance"
     speculative_config: str | None = None
     generation_config: str = "auto"
@@ -207,6 +218,7 @@ class EngineConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}"
                 )
+        self._check_ray()
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(
                 f"--node-rank: must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, got "
@@ -230,6 +242,37 @@ class EngineConfig:
             raise ValueError(
                 f"--dist-init-timeout: must be > 0 seconds, got {self.dist_init_timeout}"
             )
+
+    def _check_ray(self) -> None:
+        from pyxllm.distributed.ray_utils import PLACEMENT_STRATEGIES, import_ray
+
+        backend = self.distributed_executor_backend
+        if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                "--distributed-executor-backend: must be one of "
+                f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {backend!r}"
+            )
+        strategy = self.ray_placement_strategy
+        if strategy is not None and strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"--ray-placement-strategy: must be one of {', '.join(PLACEMENT_STRATEGIES)}, "
+                f"got {strategy!r}"
+            )
+        if backend != "ray":
+            for name in ("ray_address", "ray_placement_strategy"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"--{name.replace('_', '-')}: applies to --distributed-executor-backend "
+                        "ray only"
+                    )
+            return
+        for name, given in (("nnodes", self.nnodes > 1), ("master_addr", self.master_addr)):
+            if given:
+                raise ValueError(
+                    f"--{name.replace('_', '-')}: not with --distributed-executor-backend ray, "
+                    "which places the ranks and finds their address itself (give --tp N only)"
+                )
+        import_ray()
 
     def _check_sources(self) -> None:
         if self.gguf_file is not None and self.model is None:

@@ -180,6 +180,7 @@ def init_distributed(
     timeout_s: float,
     local_rank: int = 0,
     check_alive: Callable[[], None] | None = None,
+    join_hint: str | None = None,
 ):
     """Join the ``world_size`` ranks at ``master_addr`` and set this process's TP state.
 
@@ -189,6 +190,8 @@ def init_distributed(
         timeout_s: how long to wait for the master (rank > 0) or for every rank (rank 0).
         local_rank: this rank's index on its host (its card).
         check_alive: rank 0 calls it while waiting; it raises when a spawned rank has died.
+        join_hint: what rank 0's time-out message advises (default: how to start the ranks by
+            hand).
     Returns:
         The ``TCPStore``, also kept for :func:`get_store`.
     Raises:
@@ -219,11 +222,12 @@ def init_distributed(
             if check_alive is not None:
                 check_alive()
             if time.monotonic() >= deadline:
+                hint = join_hint or (
+                    f"start them with --nnodes {world_size} --node-rank i --master-addr {where}"
+                )
                 raise DistributedError(
                     f"rank 0: only {joined} of {world_size - 1} other ranks joined at {where} "
-                    "within "
-                    f"{timeout_s:g} s; start them with --nnodes {world_size} --node-rank i "
-                    f"--master-addr {where}"
+                    f"within {timeout_s:g} s; {hint}"
                 )
             time.sleep(JOIN_POLL_S)
     else:

@@ -23,6 +23,7 @@ import typing
 
 from pyxllm.config import (
     DEVICES,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPES,
     FIELD_ALIASES,
     KV_CACHE_DTYPES,
@@ -32,6 +33,7 @@ from pyxllm.config import (
     STRUCTURED_OUTPUTS_BACKENDS,
     EngineConfig,
 )
+from pyxllm.distributed.ray_utils import PLACEMENT_STRATEGIES
 from pyxllm.entrypoints.flags import HelpFormatter, add_bool_flag, flag_names
 from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
 from pyxllm.entrypoints.openai.server_options import ServerOptions
@@ -107,7 +109,15 @@ ENGINE_HELP = {
     "master_addr": "host:port of node 0, where the ranks meet (xLLM's --master_node_addr) "
     "(default: with one node, 127.0.0.1 and a free port)",
     "dist_init_timeout": "seconds a rank waits at start-up for the master address and the "
-    "other ranks before giving up",
+    "other ranks before giving up; with Ray, the whole start-up (placement group, actors)",
+    "distributed_executor_backend": "who starts the tensor-parallel ranks: mp, processes "
+    "(spawned on this host, or one per node started by hand with --nnodes), or ray, actors "
+    "placed on a Ray cluster (pip install 'pyxllm[ray]'; see README, Ray)",
+    "ray_address": "host:port of the Ray cluster's head to join (default: $RAY_ADDRESS, else the "
+    "cluster `ray start` started on this node, else a new local one)",
+    "ray_placement_strategy": "how Ray places the ranks' bundles (one per rank, rank 0's on "
+    "this node): PACK, as few nodes as possible; STRICT_SPREAD, one rank per node; or SPREAD, "
+    "STRICT_PACK (default: PACK)",
     "device": "device to run on; auto picks cuda, then npu (torch_npu), then mlu (torch_mlu), "
     "else cpu (see README, Devices and runners)",
     "graph_backend": "how the model runs: eager, compile (torch.compile) or graph (decode steps "
@@ -128,6 +138,8 @@ ENGINE_CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS,
     "model_impl": (*MODEL_IMPLS, *MODEL_IMPL_ALIASES),
+    "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
+    "ray_placement_strategy": PLACEMENT_STRATEGIES,
 }
 # extra spellings of a flag (vLLM's and xLLM's names, short forms)
 ENGINE_ALIASES = {
@@ -145,6 +157,7 @@ ENGINE_METAVARS = {
     "kv_cache_memory": "GIB",
     "master_addr": "HOST:PORT",
     "dist_init_timeout": "SECONDS",
+    "ray_address": "HOST:PORT",
     "graph_backend": "KIND",
     "gpu_memory_utilization": "FRACTION",
     "speculative_config": "JSON",
@@ -184,6 +197,9 @@ ENGINE_GROUPS = {
         "node_rank",
         "master_addr",
         "dist_init_timeout",
+        "distributed_executor_backend",
+        "ray_address",
+        "ray_placement_strategy",
     ),
     "device flags": ("device", "graph_backend"),
     "decoding flags": ("structured_outputs_backend", "speculative_config"),

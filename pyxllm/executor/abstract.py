@@ -4,7 +4,9 @@ The engine's scheduler is the same for one process and for several tensor-parall
 the executor differs (vLLM's ``vllm/v1/executor/abstract.py``):
 
 - :class:`~pyxllm.executor.uniproc.UniprocExecutor`: one process, one rank (``--tp 1``);
-- :class:`~pyxllm.executor.multiproc.MultiprocExecutor`: rank 0 of several, driving the workers.
+- :class:`~pyxllm.executor.multiproc.MultiprocExecutor`: rank 0 of several, driving the workers;
+- :class:`~pyxllm.executor.ray_executor.RayDistributedExecutor`: the same, the workers placed as
+  Ray actors (``--distributed-executor-backend ray``).
 
 Both wrap rank 0's :class:`~pyxllm.executor.model_executor.ModelExecutor` (the model, its KV
 cache, runner and sampler) as :attr:`Executor.driver`.
@@ -68,17 +70,24 @@ def build_executor(
     config: EngineConfig, model_config, source: ModelSource, platform: Platform
 ) -> Executor:
     """A :class:`~pyxllm.executor.uniproc.UniprocExecutor` for one rank, else rank 0's
-    :class:`~pyxllm.executor.multiproc.MultiprocExecutor` (``config.world_size`` > 1).
+    :class:`~pyxllm.executor.multiproc.MultiprocExecutor` (``config.world_size`` > 1), or its
+    :class:`~pyxllm.executor.ray_executor.RayDistributedExecutor` with
+    ``--distributed-executor-backend ray``.
 
     Raises:
         ValueError: see the executors (an unsupported model, a model that does not split, ...).
-        DistributedError: a rank did not join within ``--dist-init-timeout``.
+        DistributedError: a rank did not join within ``--dist-init-timeout`` (with Ray: or the
+            placement group was not placed, naming the missing resources).
     """
     # imported here: both implementations import this module for the protocol
     if config.world_size == 1:
         from pyxllm.executor.uniproc import UniprocExecutor
 
         return UniprocExecutor(config, model_config, source, platform)
+    if config.distributed_executor_backend == "ray":
+        from pyxllm.executor.ray_executor import RayDistributedExecutor
+
+        return RayDistributedExecutor(config, model_config, source, platform)
     from pyxllm.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(config, model_config, source, platform)

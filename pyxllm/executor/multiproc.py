@@ -104,6 +104,7 @@ class MultiprocExecutor(Executor):
     Attributes:
         failure: ``None`` while every worker lives, else the message naming the failed rank.
         procs: rank -> spawned ``multiprocessing.Process`` (empty when launched by hand).
+        placed: how the workers were placed, in words (for the start-up log line).
         driver: rank 0's :class:`ModelExecutor`; ``dtype``, ``num_kv_blocks`` are its.
 
     Raises:
@@ -111,27 +112,27 @@ class MultiprocExecutor(Executor):
         DistributedError: a rank did not join within ``--dist-init-timeout``, or died starting.
     """
 
+    # what rank 0 advises when the other ranks do not join in time (None: init_distributed's)
+    join_hint: str | None = None
+
     def __init__(self, config: EngineConfig, model_config, source, platform) -> None:
         self.world_size, self.failure, self.procs = config.world_size, None, {}
         self.channel, self._closed = None, False
         check_tp_fits(model_config, platform, self.world_size, config.model_impl)
-        spawn = config.nnodes == 1
-        if spawn and (warning := platform.tp_cores_warning(self.world_size)):
-            logger.warning("%s", warning)
-        master = config.master_addr or f"127.0.0.1:{free_local_port()}"
         self._threads = torch.get_num_threads()
         try:
-            if spawn:
-                self._spawn(config, master)
+            master, threads, local_rank = self._start_workers(config, platform)
             store = init_distributed(
                 platform,
                 0,
                 self.world_size,
                 master,
                 config.dist_init_timeout,
+                local_rank,
                 check_alive=self.check_health,
+                join_hint=self.join_hint,
             )
-            torch.set_num_threads(platform.threads_per_rank(self.world_size if spawn else 1))
+            torch.set_num_threads(threads)
             self.channel = ControlServer(
                 parse_master_addr(master)[0],
                 store,
@@ -151,12 +152,23 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         self.encoder = PlanEncoder()
-        logger.info(
-            "tensor parallel: %d ranks at %s (%s)",
-            self.world_size,
-            master,
-            "spawned here" if spawn else "one per node",
-        )
+        logger.info("tensor parallel: %d ranks at %s (%s)", self.world_size, master, self.placed)
+
+    def _start_workers(self, config: EngineConfig, platform) -> tuple[str, int, int]:
+        """Start ranks ``1..N-1`` (spawned here; with ``--nnodes`` they are started by hand) and
+        set :attr:`placed` (how, in words).
+
+        Returns:
+            ``(master address, rank 0's torch threads, rank 0's local rank)``.
+        """
+        spawn = config.nnodes == 1
+        if spawn and (warning := platform.tp_cores_warning(self.world_size)):
+            logger.warning("%s", warning)
+        master = config.master_addr or f"127.0.0.1:{free_local_port()}"
+        self.placed = "spawned here" if spawn else "one per node"
+        if spawn:
+            self._spawn(config, master)
+        return master, platform.threads_per_rank(self.world_size if spawn else 1), 0
 
     def _spawn(self, config: EngineConfig, master: str) -> None:
         from pyxllm.executor.worker import worker_main
@@ -182,28 +194,38 @@ class MultiprocExecutor(Executor):
 
     def _on_worker_failure(self, rank: int, error: str | None) -> None:
         """Called by the control channel's watcher thread: record which rank failed and how."""
-        proc = self.procs.get(rank)
-        if proc is not None:
-            proc.join(timeout=EXIT_STATUS_WAIT_S)
-        pid = f" (pid {proc.pid})" if proc is not None else ""
-        how = (
-            f"failed: {error}"
-            if error
-            else "died" + _describe_exit(proc.exitcode if proc else None)
-        )
+        how = f"failed: {error}" if error else "died" + self._exit_detail(rank)
         if self.failure is None:
-            self.failure = f"TP worker rank {rank}{pid} {how}"
+            self.failure = f"TP worker rank {rank}{self._whereabouts(rank)} {how}"
             logger.error(self.failure)
+
+    def _exit_detail(self, rank: int) -> str:
+        """How worker ``rank`` ended, e.g. `` (killed by SIGKILL)``, once it has (waiting up to
+        ``EXIT_STATUS_WAIT_S``); empty when unknown (a rank started by hand)."""
+        proc = self.procs.get(rank)
+        if proc is None:
+            return ""
+        proc.join(timeout=EXIT_STATUS_WAIT_S)
+        return _describe_exit(proc.exitcode)
+
+    def _whereabouts(self, rank: int) -> str:
+        """Where worker ``rank`` runs, e.g. `` (pid 1234)``; empty when unknown."""
+        proc = self.procs.get(rank)
+        return f" (pid {proc.pid})" if proc is not None else ""
 
     def check_health(self) -> None:
         """Raises :class:`WorkerDiedError` once a worker has failed; also polls spawned workers."""
         if self.failure is None:
-            for rank, proc in self.procs.items():
-                if proc.exitcode is not None and not self._closed:
-                    died = _describe_exit(proc.exitcode)
-                    self.failure = f"TP worker rank {rank} (pid {proc.pid}) died{died}"
+            self._poll_workers()
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
+
+    def _poll_workers(self) -> None:
+        """Record the failure of a spawned worker that has exited."""
+        for rank, proc in self.procs.items():
+            if proc.exitcode is not None and not self._closed:
+                died = _describe_exit(proc.exitcode)
+                self.failure = f"TP worker rank {rank} (pid {proc.pid}) died{died}"
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         """Send ``plan`` to the workers and run it on every rank; rank 0's sampled tokens.
@@ -237,6 +259,12 @@ class MultiprocExecutor(Executor):
         self._closed = True
         if self.channel is not None:
             self.channel.close(to_wire(StopMessage()))
+        self._stop_workers()
+        destroy_distributed()
+        torch.set_num_threads(self._threads)
+
+    def _stop_workers(self) -> None:
+        """After the stop message: wait for the spawned workers, terminating stragglers."""
         for proc in self.procs.values():
             proc.join(timeout=STOP_WAIT_S)
             if proc.exitcode is None:
@@ -244,5 +272,3 @@ class MultiprocExecutor(Executor):
                 proc.join(timeout=TERMINATE_WAIT_S)
             if proc.exitcode is None:
                 proc.kill()
-        destroy_distributed()
-        torch.set_num_threads(self._threads)

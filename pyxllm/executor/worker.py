@@ -1,13 +1,15 @@
 """A tensor-parallel worker rank: join the ranks, load this rank's shard, run what rank 0 sends.
 
-Runs in a process spawned by rank 0 (``--tensor-parallel-size N``) or started by hand on its
-node (``pyxllm serve --nnodes N --node-rank i --master-addr host:port`` with ``i > 0``: no HTTP
-server, no tokenizer, no scheduler). The loop: receive a plan from the control channel, decode it
-(:class:`~pyxllm.executor.plan_codec.PlanDecoder`), execute it (the forward's collectives pair
-with the other ranks'; this rank never samples), repeat. It ends on rank 0's stop message
-(status 0), or when rank 0's connection closes (rank 0 died: status 1). A failure is reported
-to rank 0 before the worker exits, so rank 0 can name it. A spawned worker ignores SIGINT: a
-Ctrl-C in the terminal reaches every process of the group, and rank 0 stops the workers itself.
+Runs in a process spawned by rank 0 (``--tensor-parallel-size N``), in a Ray actor
+(``--distributed-executor-backend ray``, see :mod:`pyxllm.executor.ray_executor`), or started by
+hand on its node (``pyxllm serve --nnodes N --node-rank i --master-addr host:port`` with
+``i > 0``): no HTTP server, no tokenizer, no scheduler. The loop: receive a plan from the
+control channel, decode it (:class:`~pyxllm.executor.plan_codec.PlanDecoder`), execute it (the
+forward's collectives pair with the other ranks'; this rank never samples), repeat. It ends on
+rank 0's stop message (status 0), or when rank 0's connection closes (rank 0 died: status 1). A
+failure is reported to rank 0 before the worker exits, so rank 0 can name it. A spawned worker
+ignores SIGINT: a Ctrl-C in the terminal reaches every process of the group, and rank 0 stops
+the workers itself.
 """
 
 from __future__ import annotations
@@ -41,8 +43,12 @@ def run_worker(
     master_addr: str,
     local_rank: int = 0,
     local_world_size: int = 1,
+    num_threads: int | None = None,
 ) -> int:
     """Be TP rank ``rank`` (> 0) of ``world_size`` until rank 0 stops it; returns the exit status.
+
+    It computes with ``num_threads`` torch threads, by default its share of this host's cores
+    (``local_world_size`` ranks run here).
 
     Raises:
         DistributedError: the master address was not reachable within ``--dist-init-timeout``.
@@ -57,7 +63,7 @@ def run_worker(
     init_distributed(platform, rank, world_size, master_addr, config.dist_init_timeout, local_rank)
     channel = None
     try:
-        torch.set_num_threads(platform.threads_per_rank(local_world_size))
+        torch.set_num_threads(num_threads or platform.threads_per_rank(local_world_size))
         channel = ControlClient(
             parse_master_addr(master_addr)[0], get_store(), rank, config.dist_init_timeout
         )

@@ -59,6 +59,7 @@ CUDA_PLATFORM = Platform(
     ),
     graph_capture=DeviceGraphs("CUDAGraph"),
     visible_devices_env="CUDA_VISIBLE_DEVICES",
+    ray_resource="GPU",
 )
 
 

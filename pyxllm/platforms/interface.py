@@ -116,6 +116,9 @@ class Platform:
             has no ``graph``.
         visible_devices_env: the variable that lists the cards every rank sees
             (``CUDA_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``); ``None`` on CPU.
+        ray_resource: the Ray resource one rank reserves (``--distributed-executor-backend
+            ray``; vLLM's ``ray_device_key``): one ``GPU``/``NPU``/``MLU`` per rank, or on the
+            CPU its threads' worth of ``CPU``.
     """
 
     name: str
@@ -129,6 +132,7 @@ class Platform:
     fused_attention: tuple[FusedAttention, ...] = ()
     graph_capture: DeviceGraphs | TorchScriptTraces | None = None
     visible_devices_env: str | None = None
+    ray_resource: str = "CPU"
 
     def __post_init__(self) -> None:
         if ("graph" in self.runners) != (self.graph_capture is not None):

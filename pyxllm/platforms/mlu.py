@@ -18,6 +18,7 @@ MLU_PLATFORM = Platform(
     dist_backend="cncl",
     default_dtype=torch.float16,
     visible_devices_env="MLU_VISIBLE_DEVICES",
+    ray_resource="MLU",
 )
 
 # torch_mlu is not on PyPI: Cambricon publishes wheels per torch release

@@ -20,6 +20,7 @@ NPU_PLATFORM = Platform(
     fused_attention=(FusedAttention("torch_npu", "pyxllm.attention.npu:NPUAttentionBackend"),),
     graph_capture=DeviceGraphs("NPUGraph"),
     visible_devices_env="ASCEND_RT_VISIBLE_DEVICES",
+    ray_resource="NPU",
 )
 
 ADAPTER = AdapterPackage(
