@@ -5,10 +5,10 @@ The build is cached under torch's extension root (``$TORCH_EXTENSIONS_DIR``, def
 ``~/.cache/torch_extensions``) in a directory named by a digest of the CPU's feature flags,
 Python's and torch's versions, torch's location and the sources' contents, into which the
 sources are copied before compiling. So each version of the sources is built once per machine
-and environment, whichever checkout of pyxllm loads it first: keyed by name only (torch's cache) and compiled
-from each checkout's own path (which ninja sees as a change), a clean clone and a working tree,
-or two branches, rebuilt over each other on every load (~35 s each), and a checkout with other
-sources could load a build without its kernels.
+and environment, whichever checkout of pyxllm loads it first: keyed by name only (torch's
+cache) and compiled from each checkout's own path (which ninja sees as a change), a clean clone
+and a working tree, or two branches, rebuilt over each other on every load (~35 s each), and a
+checkout with other sources could load a build without its kernels.
 
 The log says whether a load built the kernels or took the cached build, and how long it took.
 Concurrent first loads wait on torch's lock file (``lock`` in the build directory); a build
