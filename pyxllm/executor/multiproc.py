@@ -85,7 +85,9 @@ def check_tp_fits(model_config, platform, tp_size: int, model_impl: str = "auto"
         model_cls(model_config)
 
 
-def _describe_exit(code: int | None) -> str:
+def describe_exit(code: int | None) -> str:
+    """How a process with exit status ``code`` ended, as `` (exit code 1)`` or
+    `` (killed by SIGKILL)``; empty while it runs (``None``)."""
     if code is None:
         return ""
     if code < 0:
@@ -187,9 +189,7 @@ class MultiprocExecutor(Executor):
             proc.join(timeout=EXIT_STATUS_WAIT_S)
         pid = f" (pid {proc.pid})" if proc is not None else ""
         how = (
-            f"failed: {error}"
-            if error
-            else "died" + _describe_exit(proc.exitcode if proc else None)
+            f"failed: {error}" if error else "died" + describe_exit(proc.exitcode if proc else None)
         )
         if self.failure is None:
             self.failure = f"TP worker rank {rank}{pid} {how}"
@@ -200,7 +200,7 @@ class MultiprocExecutor(Executor):
         if self.failure is None:
             for rank, proc in self.procs.items():
                 if proc.exitcode is not None and not self._closed:
-                    died = _describe_exit(proc.exitcode)
+                    died = describe_exit(proc.exitcode)
                     self.failure = f"TP worker rank {rank} (pid {proc.pid}) died{died}"
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
