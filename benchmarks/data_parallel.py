@@ -3,14 +3,15 @@ routing against round robin.
 
 Every server is a ``pyxllm serve`` on the default model with ``--threads`` OpenMP threads in all
 (default: every core), driven by ``pyxllm bench serve``'s client (streamed completions, greedy,
-``ignore_eos``), ``--concurrency`` (32) clients, after one untimed warm-up request:
+``ignore_eos``), ``--concurrency`` (32) clients, after an untimed warm-up request on each
+replica:
 
 1. Scaling: ``--num-prompts`` random prompts of ``--input-len`` tokens, ``--output-len`` new
    tokens each, on ``--data-parallel-size 1`` (one engine on every core) and on
    ``--data-parallel-size 2`` (two replicas, half the cores each). Output tok/s, median TTFT
    and TPOT.
 2. Routing, on a shared-prefix load: ``--groups`` system prompts of ``--prefix-len`` tokens,
-   each followed by a short question of its own, the groups interleaved, on
+   each followed by a short question of its own, the groups in a random order, on
    ``--data-parallel-size 2`` with ``--dp-routing cache_aware`` and with ``round_robin`` (a
    fresh server each, so both start cold). The prefix-cache hit rate (the replicas' hits over
    their queries, in tokens, from ``/metrics``), median TTFT and output tok/s.
@@ -28,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import sys
 
 import httpx
@@ -50,9 +52,10 @@ QUESTIONS = (
 def shared_prefix_prompts(
     tokenizer, groups: int, prefix_len: int, num_prompts: int
 ) -> list[tuple[str, list[int]]]:
-    """``num_prompts`` prompts cycling through ``groups`` system prompts of about
-    ``prefix_len`` tokens (each opens with its own number, so no two share a first KV block),
-    each followed by a question of its own."""
+    """``num_prompts`` prompts over ``groups`` system prompts of about ``prefix_len`` tokens
+    (each opens with its own number, so no two share a first KV block), as many of each, each
+    followed by a question of its own, in a seeded random order (cycling through the groups
+    in order would hand round robin a group per replica)."""
     passage = tokenizer.encode(PASSAGE, add_special_tokens=False)
     body = passage * (prefix_len // len(passage) + 2)
     prefixes = []
@@ -63,6 +66,7 @@ def shared_prefix_prompts(
     for i in range(num_prompts):
         text = f"{prefixes[i % groups]}\nQuestion {i}: {QUESTIONS[i % len(QUESTIONS)]}"
         prompts.append((text, tokenizer.encode(text, add_special_tokens=False)))
+    random.Random(0).shuffle(prompts)
     return prompts
 
 
@@ -77,8 +81,9 @@ def prefix_cache_totals(url: str) -> tuple[float, float]:
     return totals["vllm:prefix_cache_hits_total"], totals["vllm:prefix_cache_queries_total"]
 
 
-def serve_and_measure(args, flags: list[str], prompts) -> dict:
-    """Start a server with ``flags``, warm it up, run ``prompts`` through it; its figures."""
+def serve_and_measure(args, flags: list[str], prompts, replicas: int) -> dict:
+    """Start a server with ``flags`` (``replicas`` of them), warm each replica up, run
+    ``prompts`` through it; its figures."""
     cmd = [
         sys.executable,
         "-m",
@@ -96,7 +101,9 @@ def serve_and_measure(args, flags: list[str], prompts) -> dict:
     root, base = f"http://127.0.0.1:{PORT}", f"http://127.0.0.1:{PORT}/v1"
     proc = _start(cmd, PORT, args.threads)
     try:
-        asyncio.run(run_benchmark(base, [("A short warm-up prompt.", [])], 4, 1))
+        # as many at once as replicas: every routing policy sends one to each
+        warm_up = [(f"Warm-up prompt {i}.", []) for i in range(replicas)]
+        asyncio.run(run_benchmark(base, warm_up, 4, replicas))
         hits0, queries0 = prefix_cache_totals(root)
         records, duration = asyncio.run(
             run_benchmark(base, prompts, args.output_len, args.concurrency)
@@ -136,12 +143,12 @@ def main() -> None:
     random_prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, "random", 0)
     shared = shared_prefix_prompts(tokenizer, args.groups, args.prefix_len, args.num_prompts)
     runs = {
-        "dp1": serve_and_measure(args, ["--data-parallel-size", "1"], random_prompts),
-        "dp2": serve_and_measure(args, ["--data-parallel-size", "2"], random_prompts),
+        "dp1": serve_and_measure(args, ["--data-parallel-size", "1"], random_prompts, 1),
+        "dp2": serve_and_measure(args, ["--data-parallel-size", "2"], random_prompts, 2),
     }
     for policy in ("cache_aware", "round_robin"):
         flags = ["--data-parallel-size", "2", "--dp-routing", policy]
-        runs[policy] = serve_and_measure(args, flags, shared)
+        runs[policy] = serve_and_measure(args, flags, shared, 2)
 
     log(
         f"{args.concurrency} clients, {args.threads} threads in all; scaling: "
