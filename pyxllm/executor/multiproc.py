@@ -98,6 +98,18 @@ def describe_exit(code: int | None) -> str:
     return f" (exit code {code})"
 
 
+def stop_process(proc: multiprocessing.Process, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for ``proc`` to exit (it was asked to), then SIGTERM it
+    and wait ``TERMINATE_WAIT_S`` more, then SIGKILL it."""
+    proc.join(timeout=timeout)
+    if proc.exitcode is None:
+        proc.terminate()
+        proc.join(timeout=TERMINATE_WAIT_S)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join(timeout=TERMINATE_WAIT_S)
+
+
 class MultiprocExecutor(Executor):
     """Rank 0's :class:`~pyxllm.executor.abstract.Executor` under tensor parallelism (vLLM's
     ``MultiprocExecutor``): runs each step on its own rank's :attr:`driver` after sending the
@@ -238,11 +250,6 @@ class MultiprocExecutor(Executor):
         if self.channel is not None:
             self.channel.close(to_wire(StopMessage()))
         for proc in self.procs.values():
-            proc.join(timeout=STOP_WAIT_S)
-            if proc.exitcode is None:
-                proc.terminate()
-                proc.join(timeout=TERMINATE_WAIT_S)
-            if proc.exitcode is None:
-                proc.kill()
+            stop_process(proc, STOP_WAIT_S)
         destroy_distributed()
         torch.set_num_threads(self._threads)

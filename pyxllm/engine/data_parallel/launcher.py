@@ -23,14 +23,10 @@ from typing import Protocol
 
 from pyxllm.config import EngineConfig
 from pyxllm.engine.data_parallel.replica import ReplicaSpec, replica_main
-from pyxllm.executor.multiproc import describe_exit
+from pyxllm.executor.multiproc import describe_exit, stop_process
 from pyxllm.platforms.interface import physical_core_groups
 
 logger = logging.getLogger(__name__)
-
-# Stopping a spawned replica: after the stop message it gets this long to exit, then as long
-# again after SIGTERM before SIGKILL (seconds).
-TERMINATE_WAIT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,14 +148,7 @@ class ProcessHandle:
         return None if code is None else describe_exit(code)
 
     def stop(self, timeout: float) -> None:
-        proc = self.process
-        proc.join(timeout=timeout)
-        if proc.exitcode is None:
-            proc.terminate()
-            proc.join(timeout=TERMINATE_WAIT_S)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join(timeout=TERMINATE_WAIT_S)
+        stop_process(self.process, timeout)
 
 
 class MultiprocReplicaLauncher:
