@@ -205,11 +205,14 @@ def replica_metric(server: RemoteServer, name: str, **labels: str) -> dict[str |
     }
 
 
-def complete(server: RemoteServer, prompt: str, max_tokens: int = 8) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+def complete_json(server: RemoteServer, body: dict) -> dict:
     response = httpx.post(server.url_for("v1", "completions"), json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
+
+
+def complete(server: RemoteServer, prompt: str, max_tokens: int = 8) -> dict:
+    return complete_json(server, {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
 
 
 def chat(server: RemoteServer, question: str) -> dict:
@@ -223,19 +226,46 @@ def chat(server: RemoteServer, question: str) -> dict:
     return response.json()
 
 
-def test_greedy_outputs_equal_one_engines(cache_server):
-    from pyxllm import LLM, SamplingParams
+@pytest.fixture(scope="module")
+def offline():
+    """One engine in this process, configured as each replica is: the DP=1 reference."""
+    from pyxllm import LLM
+
+    llm = LLM(max_model_len=512, kv_cache_memory=0.1)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def test_greedy_outputs_equal_one_engines(cache_server, offline):
+    from pyxllm import SamplingParams
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         served = list(pool.map(lambda p: complete(cache_server, p)["choices"][0]["text"], PROMPTS))
-    llm = LLM(max_model_len=512, kv_cache_memory=0.1)
-    try:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8))
-    finally:
-        llm.llm_engine.shutdown()
+    outputs = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8))
     assert served == [output.outputs[0].text for output in outputs]
     routed = [replica["routed_requests"] for replica in stats(cache_server)["replicas"]]
     assert all(routed) and sum(routed) == len(PROMPTS), routed
+
+
+def test_seeded_samples_logprobs_and_constraints_cross_to_the_replicas(cache_server, offline):
+    from pyxllm import SamplingParams
+
+    prompt = "The weather today is"
+    body = {"prompt": prompt, "max_tokens": 6, "n": 2, "temperature": 0.9, "seed": 11}
+    choices = complete_json(cache_server, {**body, "logprobs": 1})["choices"]
+    params = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=6)
+    expected = offline.generate([prompt], params)[0].outputs
+    assert [c["text"] for c in choices] == [o.text for o in expected]
+    assert all(len(c["logprobs"]["tokens"]) == 6 for c in choices)
+    # a constraint is compiled again by the replica that runs it
+    body = {"prompt": "Is the sky blue? Answer:", "max_tokens": 4, "temperature": 0}
+    body["structured_outputs"] = {"choice": [" yes", " no"]}
+    before = [r["routed_requests"] for r in stats(cache_server)["replicas"]]
+    with ThreadPoolExecutor(2) as pool:  # at once: the least loaded rule gives each replica one
+        answers = list(pool.map(lambda _: complete_json(cache_server, body), range(2)))
+    assert all(a["choices"][0]["text"] in (" yes", " no") for a in answers), answers
+    after = [r["routed_requests"] for r in stats(cache_server)["replicas"]]
+    assert [a - b for a, b in zip(after, before)] == [1, 1]
 
 
 def test_a_shared_system_prompt_stays_on_one_replica_under_cache_aware(cache_server):
