@@ -71,6 +71,8 @@ SCRAPE_TIMEOUT_S = 5.0
 EXIT_STATUS_WAIT_S = 1.0
 # shutdown: a replica gets this long to exit after its stop message
 STOP_WAIT_S = 10.0
+# a failed start-up: the other replicas get this long to exit by themselves
+START_ABORT_WAIT_S = 5.0
 
 
 class ReplicaClient:
@@ -248,10 +250,11 @@ class DataParallelEngine:
             replicas = self._accept(listener, handles)
             self._wait_ready(replicas)
         except BaseException:
+            listener.close()  # replicas that have not connected yet fail to, and exit
             for replica in replicas.values():
-                replica.channel.close()
+                replica.channel.close()  # the others see it and exit
             for handle in handles:
-                handle.stop(0)
+                handle.stop(START_ABORT_WAIT_S)
             raise
         finally:
             listener.close()

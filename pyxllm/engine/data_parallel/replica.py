@@ -204,7 +204,7 @@ def _exit_if_server_goes(channel: Channel, loaded: threading.Event) -> None:
     while not loaded.is_set():
         if channel.poll(HEALTH_POLL_S) and not loaded.is_set():
             logger.error("the API server went away while this replica was loading; exiting")
-            os._exit(1)
+            _exit(1)
 
 
 def run_replica(spec: ReplicaSpec) -> int:
@@ -225,17 +225,20 @@ def run_replica(spec: ReplicaSpec) -> int:
             target=_exit_if_server_goes, args=(channel, loaded), name="pyxllm-dp-watchdog"
         )
         watchdog.start()
+        engine, failure = None, None
         try:
             from pyxllm.engine.llm_engine import LLMEngine
 
             engine = LLMEngine(spec.config)
         except Exception as exc:  # noqa: BLE001 - reported to the server, which names it
             logger.debug("replica %d failed to load", spec.index, exc_info=True)
-            channel.send(StartFailedMessage(f"{type(exc).__name__}: {exc}"))
-            return 1
+            failure = f"{type(exc).__name__}: {exc}"
         finally:
             loaded.set()
             watchdog.join()
+        if failure is not None:
+            channel.send(StartFailedMessage(failure))
+            return 1
         import torch
 
         replica = _Replica(engine, channel, spec.stats_interval)
@@ -269,7 +272,13 @@ def replica_main(spec: ReplicaSpec) -> None:
     except Exception as e:  # noqa: BLE001 - one line, not a traceback; the server names it too
         print(f"error: data-parallel replica {spec.index}: {e}", file=sys.stderr, flush=True)
         code = 1
-    atexit._run_exitfuncs()  # multiprocessing's finalizers, then skip torch's slow teardown
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """End the process now: multiprocessing's finalizers (semaphores) and the other exit hooks,
+    then no interpreter teardown (torch's is slow, and nothing is left to save)."""
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
