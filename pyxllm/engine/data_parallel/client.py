@@ -98,6 +98,7 @@ class ReplicaClient:
 
     @property
     def alive(self) -> bool:
+        """Whether the replica is in rotation (it has not died or been stopped)."""
         return self.failure is None
 
     def send(self, message: object) -> None:
@@ -127,6 +128,8 @@ class ReplicaClient:
         return future
 
     def resolve_scrape(self, seq: int, reply: ScrapeReply | BaseException) -> None:
+        """Hand scrape ``seq`` its reply (or the error ending it); a scrape given up on is
+        ignored."""
         with self._lock:
             future = self._scrapes.pop(seq, None)
         if future is None:
@@ -137,6 +140,7 @@ class ReplicaClient:
             future.set_result(reply)
 
     def fail_scrapes(self, exc: BaseException) -> None:
+        """End every scrape still waiting with ``exc`` (the replica is gone)."""
         with self._lock:
             pending, self._scrapes = self._scrapes, {}
         for future in pending.values():
@@ -153,6 +157,7 @@ class _InFlight:
 
     @property
     def weight(self) -> int:
+        """What the request counts in its replica's load: its samples."""
         return self.request.sampling_params.n
 
 

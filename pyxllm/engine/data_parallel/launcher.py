@@ -139,15 +139,18 @@ class ProcessHandle:
 
     @property
     def pid(self) -> int | None:
+        """The process id (``None`` before it starts)."""
         return self.process.pid
 
     def exit_description(self, wait: float = 0.0) -> str | None:
+        """See :meth:`ReplicaHandle.exit_description`."""
         if wait > 0:
             self.process.join(timeout=wait)
         code = self.process.exitcode
         return None if code is None else describe_exit(code)
 
     def stop(self, timeout: float) -> None:
+        """See :meth:`ReplicaHandle.stop`."""
         stop_process(self.process, timeout)
 
 
@@ -162,9 +165,11 @@ class MultiprocReplicaLauncher:
         self._context = multiprocessing.get_context("spawn")
 
     def placements(self, size: int, config: EngineConfig) -> list[Placement]:
+        """See :func:`plan_placements`."""
         return plan_placements(self.platform, size, config.tensor_parallel_size)
 
     def launch(self, spec: ReplicaSpec) -> ProcessHandle:
+        """Spawn the replica's process (see :func:`~.replica.replica_main`)."""
         # not a daemon: a replica spawns its own TP workers; it exits when the server's
         # connection closes, however the server ends
         process = self._context.Process(

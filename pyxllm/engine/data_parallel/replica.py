@@ -105,15 +105,18 @@ class _ChannelSink:
             pass
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Send a step's outputs, without the prompts the server already has."""
         stripped = [dataclasses.replace(o, prompt=None, prompt_token_ids=[]) for o in outputs]
         self._send(OutputsMessage(stripped))
 
     def fail(self, request_id: str, exc: Exception) -> None:
+        """Say why a request ended without output (refused: a 400; failed: a 500)."""
         param = exc.param if isinstance(exc, InvalidRequestError) else None
         invalid = isinstance(exc, ValueError)
         self._send(FailedMessage(request_id, str(exc), invalid, param))
 
     def died(self, exc: BaseException) -> None:
+        """Say the engine loop died (the replica exits next)."""
         self._send(DeadMessage(f"engine loop died: {type(exc).__name__}: {exc}"))
 
 
@@ -150,12 +153,14 @@ class _Replica:
         self.loop.add(request)
 
     def abort(self, message: AbortMessage) -> None:
+        """Abort requests, also those still waiting for their grammar."""
         for request_id in message.request_ids:
             with self._lock:
                 self._compiling.discard(request_id)
             self.loop.abort(request_id)
 
     def scrape(self, message: ScrapeMessage) -> ScrapeReply:
+        """The engine's stats and Prometheus text (both safe to read from this thread)."""
         from prometheus_client import generate_latest
 
         text = generate_latest(self.engine.metrics.registry).decode()
@@ -193,6 +198,7 @@ class _Replica:
                 return 0
 
     def shutdown(self) -> None:
+        """Stop the engine loop, then the engine (its TP workers, grammar threads)."""
         self.loop.stop(LOOP_JOIN_TIMEOUT_S)
         self.engine.shutdown()
 

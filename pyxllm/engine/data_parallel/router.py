@@ -87,6 +87,7 @@ class PrefixIndex:
             self._blocks.popitem(last=False)
 
     def clear(self) -> None:
+        """Forget every block."""
         self._blocks.clear()
 
 

@@ -152,6 +152,7 @@ class Channel:
             return True  # recv() will report the end
 
     def close(self) -> None:
+        """Close the connection (the peer reads end-of-file); idempotent."""
         try:
             self.conn.close()
         except OSError:
