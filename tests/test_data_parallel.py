@@ -172,6 +172,46 @@ def test_merged_metrics_label_each_replica_and_total_them():
     }
 
 
+def test_outputs_cross_as_deltas_and_are_rebuilt_whole():
+    from types import SimpleNamespace
+
+    from pyxllm import SamplingParams
+    from pyxllm.engine.data_parallel.client import _InFlight
+    from pyxllm.engine.data_parallel.replica import _ChannelSink
+    from pyxllm.engine.input_processor import EngineRequest
+    from pyxllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+    messages = []
+    engine = SimpleNamespace(requests={"r": None}, parents={})
+    sink = _ChannelSink(SimpleNamespace(send=messages.append), engine)
+    request = EngineRequest("r", [5, 6, 7], "a prompt", SamplingParams(n=2), 0.0)
+    in_flight = _InFlight(request, 0, stream=None)
+    prompt_logprobs = [None, {6: Logprob(-1.0)}, {7: Logprob(-2.0)}]
+
+    def full(step: int, finished: bool = False) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                i,
+                "".join(f"<{i}.{t}>" for t in range(step)),
+                [10 * i + t for t in range(step)],
+                "length" if finished else None,
+                logprobs=[{10 * i + t: Logprob(-0.5 * t)} for t in range(step)],
+            )
+            for i in range(2)
+        ]
+        return RequestOutput("r", "a prompt", [5, 6, 7], completions, finished, prompt_logprobs)
+
+    for step in range(1, 5):
+        whole = full(step, finished=step == 4)
+        sink.deliver([whole])
+        delta = messages[-1].outputs[0]
+        assert delta.prompt_token_ids == [] and delta.prompt is None
+        assert [len(c.token_ids) for c in delta.outputs] == [1, 1]
+        assert (delta.prompt_logprobs is None) == (step > 1)
+        assert in_flight.merge(delta) == whole
+    assert sink._sent == {}  # a finished request is forgotten
+
+
 # --- servers ----------------------------------------------------------------------------------
 
 

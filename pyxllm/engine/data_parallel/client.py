@@ -4,8 +4,9 @@ one of ``--data-parallel-size`` replica processes chosen by the :class:`.Router`
 
 The server tokenizes and validates requests itself (an
 :class:`~pyxllm.engine.frontend.EngineFrontend`, no weights), sends each ``EngineRequest`` to
-its replica over that replica's :mod:`.wire` channel, and a reader thread per replica hands the
-outputs streamed back to the request's queue (vLLM's engine-core client per replica). Aborts
+its replica over that replica's :mod:`.wire` channel, and a reader thread per replica rebuilds
+the outputs streamed back (each step's additions) and hands them to the request's queue (vLLM's
+engine-core client per replica). Aborts
 (a client gone, a stream closed early) go to the replica running the request, which frees its
 KV blocks.
 
@@ -27,7 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_connections
 
 from pyxllm.config import EngineConfig
@@ -59,7 +60,7 @@ from pyxllm.engine.data_parallel.wire import (
 from pyxllm.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from pyxllm.engine.frontend import EngineFrontend
 from pyxllm.engine.input_processor import EngineRequest
-from pyxllm.outputs import RequestOutput
+from pyxllm.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -149,16 +150,48 @@ class ReplicaClient:
 
 @dataclass(slots=True)
 class _InFlight:
-    """A request running on a replica."""
+    """A request running on a replica, and its outputs so far (by completion index)."""
 
     request: EngineRequest
     replica: int
     stream: RequestStream
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    first: RequestOutput | None = None
 
     @property
     def weight(self) -> int:
         """What the request counts in its replica's load: its samples."""
         return self.request.sampling_params.n
+
+    def merge(self, delta: RequestOutput) -> RequestOutput:
+        """The whole output a replica's delta (see :class:`~.wire.OutputsMessage`) stands
+        for: each completion's earlier text, tokens and logprobs with the new ones appended,
+        the prompt and the first output's prompt logprobs put back."""
+        merged = []
+        for new in delta.outputs:
+            old = self.completions.get(new.index)
+            if old is not None:
+                new = CompletionOutput(
+                    new.index,
+                    old.text + new.text,
+                    old.token_ids + new.token_ids,
+                    new.finish_reason,
+                    new.stop_reason,
+                    None if new.logprobs is None else old.logprobs + new.logprobs,
+                )
+            self.completions[new.index] = new
+            merged.append(new)
+        first = self.first = self.first or delta
+        return RequestOutput(
+            delta.request_id,
+            self.request.prompt,
+            self.request.prompt_token_ids,
+            merged,
+            delta.finished,
+            first.prompt_logprobs,
+            first.prompt_logprobs_tensor,
+            delta.num_cached_tokens,
+        )
 
 
 class DataParallelEngine:
@@ -407,9 +440,7 @@ class DataParallelEngine:
                 for output in message.outputs:
                     in_flight = self._requests.get(output.request_id)
                     if in_flight is not None and in_flight.replica == replica.index:
-                        output.prompt = in_flight.request.prompt
-                        output.prompt_token_ids = in_flight.request.prompt_token_ids
-                        in_flight.stream.put(output)
+                        in_flight.stream.put(in_flight.merge(output))
             elif isinstance(message, FailedMessage):
                 in_flight = self._requests.get(message.request_id)
                 if in_flight is not None and in_flight.replica == replica.index:

@@ -5,7 +5,8 @@ its own process, serving the API server over one :mod:`.wire` channel.
 process here; a Ray actor later): it applies its placement (CPUs, threads, visible devices),
 connects back to the API server, loads the engine, then runs an
 :class:`~pyxllm.engine.engine_loop.EngineLoop` whose outputs it sends back, one message per
-step, while it reads requests, aborts and scrapes. A request with a constraint is queued once
+step holding what the step added to each (the server rebuilds the whole outputs), while it
+reads requests, aborts and scrapes. A request with a constraint is queued once
 its grammar has compiled here, off the engine loop. It stops on the server's stop message
 (status 0); when the server's connection closes (the server died) or its engine fails for good
 (a TP worker of this replica died), it exits with status 1, after saying why when it can.
@@ -47,6 +48,9 @@ logger = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.5
 # How long a stopping replica waits for its engine loop's step to end (seconds).
 LOOP_JOIN_TIMEOUT_S = 10.0
+# Requests whose sent outputs are remembered beyond twice the live ones before the aborted
+# ones are forgotten.
+PRUNE_SLACK = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +97,12 @@ def apply_placement(spec: ReplicaSpec) -> None:
 
 class _ChannelSink:
     """The engine loop's :class:`~pyxllm.engine.engine_loop.OutputSink`: everything goes to the
-    API server."""
+    API server, outputs as deltas (see :class:`~.wire.OutputsMessage`)."""
 
-    def __init__(self, channel: Channel) -> None:
-        self.channel = channel
+    def __init__(self, channel: Channel, engine) -> None:
+        self.channel, self.engine = channel, engine
+        # request id -> completion index -> (characters, tokens) sent; -1 -> prompt logprobs
+        self._sent: dict[str, dict[int, tuple[int, int]]] = {}
 
     def _send(self, message: object) -> None:
         try:
@@ -105,12 +111,45 @@ class _ChannelSink:
             pass
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
-        """Send a step's outputs, without the prompts the server already has."""
-        stripped = [dataclasses.replace(o, prompt=None, prompt_token_ids=[]) for o in outputs]
-        self._send(OutputsMessage(stripped))
+        """Send what a step added to each output."""
+        self._send(OutputsMessage([self._delta(output) for output in outputs]))
+        live = self.engine.requests.keys() | self.engine.parents.keys()
+        if len(self._sent) > 2 * len(live) + PRUNE_SLACK:  # forget the aborted ones
+            self._sent = {rid: sent for rid, sent in self._sent.items() if rid in live}
+
+    def _delta(self, output: RequestOutput) -> RequestOutput:
+        """``output`` without what was sent before: its prompt (the server has it), the text,
+        tokens and logprobs of earlier steps, the prompt logprobs after the first time."""
+        sent = self._sent.setdefault(output.request_id, {})
+        completions = []
+        for completion in output.outputs:
+            chars, tokens = sent.get(completion.index, (0, 0))
+            logprobs = completion.logprobs
+            completions.append(
+                dataclasses.replace(
+                    completion,
+                    text=completion.text[chars:],
+                    token_ids=completion.token_ids[tokens:],
+                    logprobs=None if logprobs is None else logprobs[tokens:],
+                )
+            )
+            sent[completion.index] = (len(completion.text), len(completion.token_ids))
+        first = sent.setdefault(-1, (0, 0)) == (0, 0)
+        sent[-1] = (1, 1)
+        if output.finished:
+            del self._sent[output.request_id]
+        return dataclasses.replace(
+            output,
+            prompt=None,
+            prompt_token_ids=[],
+            outputs=completions,
+            prompt_logprobs=output.prompt_logprobs if first else None,
+            prompt_logprobs_tensor=output.prompt_logprobs_tensor if first else None,
+        )
 
     def fail(self, request_id: str, exc: Exception) -> None:
         """Say why a request ended without output (refused: a 400; failed: a 500)."""
+        self._sent.pop(request_id, None)
         param = exc.param if isinstance(exc, InvalidRequestError) else None
         invalid = isinstance(exc, ValueError)
         self._send(FailedMessage(request_id, str(exc), invalid, param))
@@ -127,7 +166,7 @@ class _Replica:
         from pyxllm.engine.engine_loop import EngineLoop
 
         self.engine, self.channel = engine, channel
-        self.loop = EngineLoop(engine, _ChannelSink(channel), stats_interval)
+        self.loop = EngineLoop(engine, _ChannelSink(channel, engine), stats_interval)
         self._compiling: set[str] = set()  # ids of requests waiting for their grammar
         self._lock = threading.Lock()
 

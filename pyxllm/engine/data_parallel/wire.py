@@ -86,7 +86,10 @@ class StartFailedMessage:
 
 @dataclass(frozen=True, slots=True)
 class OutputsMessage:
-    """One engine step's outputs, each without its prompt text and ids (the server has them)."""
+    """One engine step's outputs as deltas: each output's completions hold only the text,
+    token ids and logprobs added since the request's previous output (the whole of them in
+    its first); the prompt text and ids are left out (the server has them), and so are the
+    prompt logprobs after the first output. The server appends them up again."""
 
     outputs: list[RequestOutput]
 
