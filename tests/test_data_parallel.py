@@ -212,6 +212,23 @@ def test_outputs_cross_as_deltas_and_are_rebuilt_whole():
     assert sink._sent == {}  # a finished request is forgotten
 
 
+def test_data_parallel_flags_and_their_errors(capsys):
+    from pyxllm.entrypoints.args import parse_args
+
+    args, _ = parse_args(["serve", "-dp", "2", "--dp-routing", "round_robin"])
+    assert (args.data_parallel_size, args.dp_routing) == (2, "round_robin")
+    args, _ = parse_args(["serve"])
+    assert (args.data_parallel_size, args.dp_routing) == (1, "cache_aware")
+    for argv, message in (
+        (["--data-parallel-size", "0"], "--data-parallel-size"),
+        (["--dp-routing", "random"], "--dp-routing"),
+        (["-dp", "2", "--nnodes", "2", "--master-addr", "10.0.0.1:1"], "cannot be combined"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["serve", *argv])
+        assert message in capsys.readouterr().err
+
+
 # --- servers ----------------------------------------------------------------------------------
 
 
