@@ -216,8 +216,9 @@ class DataParallelEngine:
         metrics: ``.registry`` merges the replicas' Prometheus metrics (:mod:`.metrics`).
 
     Raises:
-        ValueError: a bad flag or model (before any replica starts), or a replica's own
-            ``ValueError`` while loading.
+        ValueError: a bad policy or size (before any replica starts), a model this process
+            cannot load the tokenizer of, or a replica's own ``ValueError`` while loading (the
+            replicas are stopped first).
         DistributedError: a replica died or failed while starting (naming it).
     """
 
