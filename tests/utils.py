@@ -210,6 +210,7 @@ def stub_app_client(**options):
         served_model_names=("m",),
         max_model_len=8,
         max_num_seqs=1,
+        data_parallel_size=1,
         tokenizer=SimpleNamespace(hf=None),
     )
     return TestClient(build_app(engine, ServerOptions(**options)))

@@ -15,3 +15,9 @@ class InvalidRequestError(ValueError):
 class RequestFailedError(RuntimeError):
     """One request's own processing failed in the engine (its detokenizer, its constraint
     ...); the request was aborted, the engine serves on (the HTTP server answers 500 for it)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine that ran (or would run) a request is gone: a data-parallel replica died, or
+    none is left. The request is lost; another replica may serve it again (the HTTP server
+    answers 503)."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
-from pyxllm.config import DEFAULT_MAX_TOKENS_PER_BATCH, EngineConfig, load_chat_template
+from pyxllm.config import DEFAULT_MAX_TOKENS_PER_BATCH, EngineConfig
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
-from pyxllm.engine.input_processor import EngineRequest, InputProcessor
+from pyxllm.engine.frontend import EngineFrontend
+from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.engine.kv_cache_manager import KVCacheManager
 from pyxllm.engine.logprobs import record_logprobs
 from pyxllm.engine.metrics import EngineMetrics
@@ -15,38 +16,13 @@ from pyxllm.engine.parallel_sampling import ParentRequest, fold_children
 from pyxllm.engine.proposers import DraftModelSlots, NgramProposer
 from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
-from pyxllm.engine.structured_output import StructuredOutputManager
-from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.executor.abstract import Executor, build_executor
 from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.platforms import resolve_platform, set_current_platform
 from pyxllm.sampling_params import SamplingParams
-from pyxllm.weights import (
-    load_generation_defaults,
-    load_hf_tokenizer,
-    load_model_config,
-    resolve_model_source,
-    resolve_tokenizer_source,
-)
 
 logger = logging.getLogger("pyxllm")
-
-
-def _resolve_max_model_len(config: EngineConfig, model_config) -> int:
-    model_max = getattr(model_config, "max_position_embeddings", None)
-    if config.max_model_len is None:
-        if model_max is None:
-            raise ValueError(
-                "--max-model-len: the model config has no max_position_embeddings; set the flag"
-            )
-        return model_max
-    if model_max is not None and config.max_model_len > model_max:
-        raise ValueError(
-            f"--max-model-len: {config.max_model_len} exceeds the model's max_position_embeddings "
-            f"({model_max})"
-        )
-    return config.max_model_len
 
 
 class LLMEngine:
@@ -61,53 +37,22 @@ class LLMEngine:
         self.config = config
         platform = resolve_platform(config.device)  # a missing device package fails first
         platform.check_runner(config.graph_backend)
-        source = resolve_model_source(
-            config.model, config.revision, config.download_dir, config.gguf_file
-        )
-        model_config = load_model_config(source)
-        self.max_model_len = _resolve_max_model_len(config, model_config)
-        budget = config.token_budget(self.max_model_len)
-        if not config.enable_chunked_prefill and budget < self.max_model_len:
-            raise ValueError(
-                f"--max-tokens-per-batch: {budget} is below --max-model-len "
-                f"({self.max_model_len}); without chunked prefill a whole prompt must fit one step"
-            )
-        defaults = load_generation_defaults(source, model_config, config.generation_config)
-        tokenizer_source = source
-        if config.tokenizer is not None:  # --tokenizer: another directory, GGUF file or model id
-            tokenizer_source = resolve_tokenizer_source(
-                config.tokenizer, config.tokenizer_revision, config.download_dir
-            )
-        hf_tokenizer = load_hf_tokenizer(tokenizer_source)
-        if config.chat_template is not None:
-            hf_tokenizer.chat_template = load_chat_template(config.chat_template)
-        self.tokenizer = Tokenizer(hf_tokenizer, defaults.eos_token_ids)
-        # clients may send any of served_model_names as "model"; responses report the first
-        self.served_model_names = config.served_model_names or (source.name,)
-        self.model_name = self.served_model_names[0]
+        front = EngineFrontend.load(config)
+        self.max_model_len, self.tokenizer = front.max_model_len, front.tokenizer
+        self.served_model_names, self.model_name = front.served_model_names, front.model_name
         set_current_platform(platform)
         # one process's UniprocExecutor, or under tensor parallelism rank 0's MultiprocExecutor
-        self.executor: Executor = build_executor(config, model_config, source, platform)
+        self.executor: Executor = build_executor(config, front.model_config, front.source, platform)
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_kv_blocks,
             config.block_size,
             enable_prefix_cache=config.enable_prefix_cache,
         )
-        self.structured_outputs = StructuredOutputManager(
-            config.structured_outputs_backend,
-            self.tokenizer.hf,
-            model_config.vocab_size,
-            self.tokenizer.eos_token_ids,
+        self.structured_outputs = front.structured_output_manager()
+        self.input_processor = front.input_processor(
+            self.executor.num_kv_blocks, self.structured_outputs
         )
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            vocab_size=model_config.vocab_size,
-            max_model_len=self.max_model_len,
-            max_kv_blocks=self.executor.num_kv_blocks,
-            block_size=config.block_size,
-            generation_defaults=defaults.sampling,
-            structured_outputs=self.structured_outputs,
-        )
+        budget = config.token_budget(self.max_model_len)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         if config.max_tokens_per_batch is None and budget > DEFAULT_MAX_TOKENS_PER_BATCH:
             logger.info(

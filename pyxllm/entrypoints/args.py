@@ -34,6 +34,7 @@ from pyxllm.config import (
     EngineConfig,
 )
 from pyxllm.distributed.ray_utils import PLACEMENT_STRATEGIES
+from pyxllm.engine.data_parallel.router import ROUTING_POLICIES
 from pyxllm.entrypoints.flags import HelpFormatter, add_bool_flag, flag_names
 from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
 from pyxllm.entrypoints.openai.server_options import ServerOptions
@@ -287,9 +288,14 @@ def _add_kv_cache_memory_bytes(group) -> None:
     )
 
 
-def add_engine_args(parser: argparse.ArgumentParser, config_cls: type = EngineConfig) -> None:
+def add_engine_args(
+    parser: argparse.ArgumentParser,
+    config_cls: type = EngineConfig,
+    extra_flags: dict | None = None,
+) -> None:
     """Add one flag per field of ``config_cls`` (a dataclass) to ``parser``, in the argument
-    groups of :data:`ENGINE_GROUPS`.
+    groups of :data:`ENGINE_GROUPS`; ``extra_flags`` maps a group's title to a function adding
+    flags of the subcommand's own to that group (``serve``'s data-parallel flags).
 
     Types (``bool``, ``int``, ``float``, ``str``, optionally ``| None``; ``tuple[str, ...]``
     takes one or more values) and defaults come from the dataclass; help, choices and metavars
@@ -310,6 +316,8 @@ def add_engine_args(parser: argparse.ArgumentParser, config_cls: type = EngineCo
             _add_field_flag(group, fields[name], hints[name])
             if name == "kv_cache_memory":
                 _add_kv_cache_memory_bytes(group)
+        if extra_flags and title in extra_flags:
+            extra_flags[title](group)
 
 
 def _add_field_flag(group, field: dataclasses.Field, hint) -> None:
@@ -602,6 +610,31 @@ def _add_logging_args(group) -> None:
     )
 
 
+def _add_data_parallel_args(group) -> None:
+    """``serve``'s data-parallel flags (see :mod:`pyxllm.engine.data_parallel`), in the
+    parallel flags group."""
+    group.add_argument(
+        *flag_names("data_parallel_size"),
+        "-dp",
+        dest="data_parallel_size",
+        type=_positive(_int),
+        default=1,
+        metavar="N",
+        help="run N engine replicas behind this server, each its own process with its own "
+        "scheduler, KV cache (--kv-cache-memory each) and --tp ranks; on the CPU the cores are "
+        "divided between them (see README, Data parallelism)",
+    )
+    group.add_argument(
+        *flag_names("dp_routing"),
+        dest="dp_routing",
+        default="cache_aware",
+        choices=ROUTING_POLICIES,
+        help="which replica serves a request: cache_aware (the one whose prefix cache holds at "
+        "least 30 %% of its prompt, else the least loaded), least_loaded (fewest running plus "
+        "waiting requests) or round_robin",
+    )
+
+
 def _engine_flags_help() -> str:
     """The engine flags section, for the top-level ``pyxllm --help``."""
     parser = argparse.ArgumentParser(
@@ -709,7 +742,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
     _add_security_args(serve.add_argument_group("security flags"))
     _add_limit_args(serve.add_argument_group("limits and shutdown flags"))
     _add_logging_args(serve.add_argument_group("logging flags"))
-    add_engine_args(serve)
+    add_engine_args(serve, extra_flags={"parallel flags": _add_data_parallel_args})
 
     generate = commands.add_parser(
         "generate",
@@ -911,6 +944,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
             parser.command_parsers["serve"].error("--max-waiting-requests: must be >= 0")
         if args.shutdown_timeout < 0:
             parser.command_parsers["serve"].error("--shutdown-timeout: must be >= 0")
+        if args.data_parallel_size > 1 and args.nnodes > 1:
+            parser.command_parsers["serve"].error(
+                "--data-parallel-size: replicas run on this host; it cannot be combined with "
+                "--nnodes (tensor parallelism over nodes started by hand)"
+            )
     try:
         config = config_from_args(args)
     except ValueError as exc:

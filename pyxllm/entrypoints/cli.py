@@ -80,6 +80,8 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         enable_log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        data_parallel_size=args.data_parallel_size,
+        dp_routing=args.dp_routing,
     )
     run_server(config, options)
     # The engine is shut down; what is left is freed as the process exits. Frozen, the

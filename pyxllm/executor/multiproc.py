@@ -85,7 +85,9 @@ def check_tp_fits(model_config, platform, tp_size: int, model_impl: str = "auto"
         model_cls(model_config)
 
 
-def _describe_exit(code: int | None) -> str:
+def describe_exit(code: int | None) -> str:
+    """How a process with exit status ``code`` ended, as `` (exit code 1)`` or
+    `` (killed by SIGKILL)``; empty while it runs (``None``)."""
     if code is None:
         return ""
     if code < 0:
@@ -94,6 +96,18 @@ def _describe_exit(code: int | None) -> str:
         except ValueError:
             return f" (killed by signal {-code})"
     return f" (exit code {code})"
+
+
+def stop_process(proc: multiprocessing.Process, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for ``proc`` to exit (it was asked to), then SIGTERM it
+    and wait ``TERMINATE_WAIT_S`` more, then SIGKILL it."""
+    proc.join(timeout=timeout)
+    if proc.exitcode is None:
+        proc.terminate()
+        proc.join(timeout=TERMINATE_WAIT_S)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join(timeout=TERMINATE_WAIT_S)
 
 
 class MultiprocExecutor(Executor):
@@ -206,7 +220,7 @@ class MultiprocExecutor(Executor):
         if proc is None:
             return ""
         proc.join(timeout=EXIT_STATUS_WAIT_S)
-        return _describe_exit(proc.exitcode)
+        return describe_exit(proc.exitcode)
 
     def _whereabouts(self, rank: int) -> str:
         """Where worker ``rank`` runs, e.g. `` (pid 1234)``; empty when unknown."""
@@ -224,7 +238,7 @@ class MultiprocExecutor(Executor):
         """Record the failure of a spawned worker that has exited."""
         for rank, proc in self.procs.items():
             if proc.exitcode is not None and not self._closed:
-                died = _describe_exit(proc.exitcode)
+                died = describe_exit(proc.exitcode)
                 self.failure = f"TP worker rank {rank} (pid {proc.pid}) died{died}"
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
@@ -266,9 +280,4 @@ class MultiprocExecutor(Executor):
     def _stop_workers(self) -> None:
         """After the stop message: wait for the spawned workers, terminating stragglers."""
         for proc in self.procs.values():
-            proc.join(timeout=STOP_WAIT_S)
-            if proc.exitcode is None:
-                proc.terminate()
-                proc.join(timeout=TERMINATE_WAIT_S)
-            if proc.exitcode is None:
-                proc.kill()
+            stop_process(proc, STOP_WAIT_S)

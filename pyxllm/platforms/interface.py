@@ -77,19 +77,28 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def physical_cores() -> int:
-    """The physical cores under this process's usable CPUs (hyper-threads of one core count
-    once; Linux's ``/sys`` topology, else :func:`usable_cores`)."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ()
-    cores = set()
-    for cpu in cpus:
+def physical_core_groups(cpus: list[int] | None = None) -> list[tuple[int, ...]]:
+    """``cpus`` (default: this process's usable CPUs) grouped by physical core, hyper-threads of
+    one core together (Linux's ``/sys`` topology; one CPU per group where it cannot be read),
+    in the order of each group's first CPU."""
+    if cpus is None:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    groups: dict[tuple[str, str] | int, list[int]] = {}
+    for cpu in sorted(cpus):
         topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
         try:
             with open(topology + "physical_package_id") as p, open(topology + "core_id") as c:
-                cores.add((p.read().strip(), c.read().strip()))
+                key: tuple[str, str] | int = (p.read().strip(), c.read().strip())
         except OSError:
-            return usable_cores()
-    return len(cores) or usable_cores()
+            key = cpu
+        groups.setdefault(key, []).append(cpu)
+    return [tuple(group) for group in groups.values()]
+
+
+def physical_cores() -> int:
+    """The physical cores under this process's usable CPUs (hyper-threads of one core count
+    once; Linux's ``/sys`` topology, else :func:`usable_cores`)."""
+    return len(physical_core_groups()) or usable_cores()
 
 
 @dataclass(frozen=True, slots=True)

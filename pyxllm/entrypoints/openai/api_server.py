@@ -3,16 +3,21 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
 (with ``GET`` and ``DELETE /v1/responses/{id}``), ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health`` (200, or 503 when the engine loop died),
+``GET /v1/models/{id}``, ``GET /health`` (200, with a JSON body while data-parallel replicas
+are missing, or 503 when the engine loop died),
 ``GET /debug/stats`` (``engine.stats()``: running/waiting requests, KV blocks in use),
 ``GET /metrics`` (Prometheus text format, see :mod:`pyxllm.engine.metrics`), ``GET /version``,
 and vLLM's ``POST /tokenize`` and ``POST /detokenize`` (see :mod:`.serving_tokenization`);
 ``GET /`` is the chat page unless ``--disable-web-ui`` (see :mod:`.web_ui`).
 Who may call them (``--api-key``, CORS) is :mod:`.security`'s; TLS is uvicorn's.
 
-When the engine reports a fatal error (a tensor-parallel worker died), ``/health`` answers 503,
-the server stops about a second later and :func:`run_server` raises ``DistributedError`` naming
-the rank; should the graceful stop hang, the process exits with status 1 after 20 s.
+With ``--data-parallel-size N`` the engine is N replica processes behind a router
+(:mod:`pyxllm.engine.data_parallel`); the routes are the same.
+
+When the engine reports a fatal error (a tensor-parallel worker died, or every data-parallel
+replica), ``/health`` answers 503, the server stops about a second later and :func:`run_server`
+raises ``DistributedError`` naming the rank or replicas; should the graceful stop hang, the
+process exits with status 1 after 20 s.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from contextlib import contextmanager
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from pyxllm.config import EngineConfig
 from pyxllm.entrypoints.openai.access_log import AccessLog
@@ -75,26 +81,32 @@ def _model_cards(raw_request: Request) -> list[ModelCard]:
 
 @router.get("/health")
 async def health(raw_request: Request) -> Response:
-    """200 with an empty body while the engine is healthy, 503 otherwise."""
+    """200 with an empty body while the engine is healthy; 200 with a JSON body saying what is
+    gone while it serves degraded (a data-parallel replica died); 503 when it cannot serve."""
+    engine = raw_request.app.state.engine
     try:
-        raw_request.app.state.engine.check_health()
+        engine.check_health()
     except Exception as exc:  # noqa: BLE001 - any failure means "unhealthy"
         return error_response(f"the engine is not healthy: {exc}", 503)
-    return Response(status_code=200)
+    detail = engine.health_detail()
+    return Response(status_code=200) if detail is None else JSONResponse(detail)
 
 
 @router.get("/debug/stats")
 async def debug_stats(raw_request: Request) -> JSONResponse:
-    """The engine's counters: ``num_running``, ``num_waiting``, KV blocks total and used."""
-    return JSONResponse(raw_request.app.state.engine.stats())
+    """The engine's counters: ``num_running``, ``num_waiting``, KV blocks total and used (with
+    data parallelism, summed, and per replica under ``replicas``)."""
+    return JSONResponse(await run_in_threadpool(raw_request.app.state.engine.stats))
 
 
 @router.get("/metrics")
 async def metrics(raw_request: Request) -> Response:
-    """The engine's Prometheus metrics, in the text exposition format."""
+    """The engine's Prometheus metrics, in the text exposition format (collected off the event
+    loop: with data parallelism the replicas are asked)."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    body = generate_latest(raw_request.app.state.engine.metrics.registry)
+    registry = raw_request.app.state.engine.metrics.registry
+    body = await run_in_threadpool(generate_latest, registry)
     return Response(content=body, media_type=CONTENT_TYPE_LATEST)
 
 
@@ -188,8 +200,9 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> JSONRe
 
 
 def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an :class:`~pyxllm.engine.async_engine.AsyncEngine`)
-    with ``options`` (the defaults when ``None``; see :class:`ServerOptions`).
+    """The FastAPI app serving ``engine`` (an :class:`~pyxllm.engine.async_engine.AsyncEngine`,
+    or a :class:`~pyxllm.engine.data_parallel.client.DataParallelEngine`) with ``options`` (the
+    defaults when ``None``; see :class:`ServerOptions`).
 
     The app does not own the engine: whoever built the engine shuts it down.
 
@@ -217,7 +230,7 @@ def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=options.limits.max_request_body_bytes)
     app.add_middleware(
         AdmissionControl,
-        max_requests=engine.max_num_seqs + options.max_waiting_requests,
+        max_requests=engine.data_parallel_size * engine.max_num_seqs + options.max_waiting_requests,
         paths=GENERATION_PATHS,
     )
     install_security(app, options, install_web_ui(app) if options.web_ui else frozenset())
@@ -333,7 +346,8 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
     Raises:
         ValueError: an unknown reasoning or tool-call parser name, or an address that cannot
             be bound (both before the model loads).
-        DistributedError: the server stopped because a tensor-parallel worker died (naming it).
+        DistributedError: the server stopped because a tensor-parallel worker died, or every
+            data-parallel replica did (naming them).
     """
     from pyxllm.distributed.errors import DistributedError
     from pyxllm.engine.async_engine import AsyncEngine
@@ -348,7 +362,14 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
     _ensure_logging()
     sock = bind_socket(options.host, options.port)
     try:
-        engine = AsyncEngine.from_config(config, options.stats_interval)
+        if options.data_parallel_size > 1:
+            from pyxllm.engine.data_parallel.client import DataParallelEngine
+
+            engine = DataParallelEngine(
+                config, options.data_parallel_size, options.dp_routing, options.stats_interval
+            )
+        else:
+            engine = AsyncEngine.from_config(config, options.stats_interval)
     except BaseException:
         sock.close()
         raise

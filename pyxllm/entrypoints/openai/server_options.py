@@ -75,6 +75,10 @@ class ServerOptions:
             ``None``: all.
         enable_prompt_tokens_details: whether ``usage`` carries ``prompt_tokens_details``
             (``cached_tokens``: the prompt tokens served from the prefix cache).
+        data_parallel_size: engine replicas behind this server (``--data-parallel-size``; 1:
+            the engine runs in the server's process, see :mod:`pyxllm.engine.data_parallel`).
+        dp_routing: how a request's replica is chosen (``--dp-routing``: ``cache_aware``,
+            ``least_loaded`` or ``round_robin``).
     """
 
     host: str = "127.0.0.1"
@@ -104,3 +108,5 @@ class ServerOptions:
     enable_log_requests: bool = False
     max_log_len: int | None = None
     enable_prompt_tokens_details: bool = False
+    data_parallel_size: int = 1
+    dp_routing: str = "cache_aware"

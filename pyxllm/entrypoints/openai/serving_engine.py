@@ -14,6 +14,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pyxllm.engine.errors import EngineDeadError
 from pyxllm.engine.input_processor import ChatPrompt, EngineRequest, TextPrompt, TokensPrompt
 from pyxllm.entrypoints.openai.errors import OpenAIError, error_body, param_from_message
 from pyxllm.entrypoints.openai.protocol import PromptTokenUsageInfo, SamplingFields, UsageInfo
@@ -303,9 +304,12 @@ class OpenAIServing:
     # --- running a request ----------------------------------------------------------------------
 
     def engine_error(self, exc: Exception) -> OpenAIError:
-        """Map an exception from ``engine.generate``: ValueError -> 400, a dead engine -> 503."""
+        """Map an exception from ``engine.generate``: ValueError -> 400, a dead engine (or the
+        data-parallel replica that ran the request) -> 503."""
         if isinstance(exc, ValueError):
             return OpenAIError(str(exc), 400, param_from_message(str(exc)))
+        if isinstance(exc, EngineDeadError):
+            return OpenAIError(f"the engine is not healthy: {exc}", 503)
         try:
             self.engine.check_health()
         except Exception as health_exc:  # noqa: BLE001

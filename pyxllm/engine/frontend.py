@@ -1,0 +1,131 @@
+"""What an engine's front door needs of a model, without its weights: the checkpoint's config,
+the context limit, the generation defaults, the tokenizer and the served names.
+
+:class:`LLMEngine` builds its :class:`InputProcessor` from an :class:`EngineFrontend`; so does
+the data-parallel front (:mod:`pyxllm.engine.data_parallel`), which serves several engine
+replicas from one API process that never loads the model itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyxllm.config import EngineConfig, load_chat_template
+from pyxllm.engine.input_processor import InputProcessor
+from pyxllm.engine.structured_output import StructuredOutputManager
+from pyxllm.engine.tokenizer import Tokenizer
+from pyxllm.weights import (
+    load_generation_defaults,
+    load_hf_tokenizer,
+    load_model_config,
+    resolve_model_source,
+    resolve_tokenizer_source,
+)
+
+
+def resolve_max_model_len(config: EngineConfig, model_config) -> int:
+    """The context limit in tokens: ``--max-model-len``, else the model's
+    ``max_position_embeddings``.
+
+    Raises:
+        ValueError: the flag exceeds the model's limit, or neither is known (naming the flag).
+    """
+    model_max = getattr(model_config, "max_position_embeddings", None)
+    if config.max_model_len is None:
+        if model_max is None:
+            raise ValueError(
+                "--max-model-len: the model config has no max_position_embeddings; set the flag"
+            )
+        return model_max
+    if model_max is not None and config.max_model_len > model_max:
+        raise ValueError(
+            f"--max-model-len: {config.max_model_len} exceeds the model's max_position_embeddings "
+            f"({model_max})"
+        )
+    return config.max_model_len
+
+
+@dataclass(slots=True)
+class EngineFrontend:
+    """The model's config, context limit, request defaults, tokenizer and names (see
+    :meth:`load`).
+
+    Attributes:
+        config: the engine configuration it was loaded for.
+        source: where the model is (``pyxllm.weights.ModelSource``).
+        model_config: the checkpoint's config (``vocab_size``, ``max_position_embeddings`` ...).
+        max_model_len: the context limit in tokens.
+        defaults: the model's generation defaults (``pyxllm.weights.GenerationDefaults``).
+        tokenizer: the model's (or ``--tokenizer``'s) tokenizer and chat template.
+        served_model_names: the names clients may send as ``model``; the first is reported.
+    """
+
+    config: EngineConfig
+    source: object
+    model_config: object
+    max_model_len: int
+    defaults: object
+    tokenizer: Tokenizer
+    served_model_names: tuple[str, ...]
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> EngineFrontend:
+        """Resolve the model (downloading a model id's files when they are not cached) and
+        load its config and tokenizer, not its weights.
+
+        Raises:
+            ValueError: a model that cannot be found, a bad ``--max-model-len``, or a token
+                budget a whole prompt cannot fit without chunked prefill (naming the flag).
+        """
+        source = resolve_model_source(
+            config.model, config.revision, config.download_dir, config.gguf_file
+        )
+        model_config = load_model_config(source)
+        max_model_len = resolve_max_model_len(config, model_config)
+        budget = config.token_budget(max_model_len)
+        if not config.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"--max-tokens-per-batch: {budget} is below --max-model-len "
+                f"({max_model_len}); without chunked prefill a whole prompt must fit one step"
+            )
+        defaults = load_generation_defaults(source, model_config, config.generation_config)
+        tokenizer_source = source
+        if config.tokenizer is not None:  # --tokenizer: another directory, GGUF file or model id
+            tokenizer_source = resolve_tokenizer_source(
+                config.tokenizer, config.tokenizer_revision, config.download_dir
+            )
+        hf_tokenizer = load_hf_tokenizer(tokenizer_source)
+        if config.chat_template is not None:
+            hf_tokenizer.chat_template = load_chat_template(config.chat_template)
+        tokenizer = Tokenizer(hf_tokenizer, defaults.eos_token_ids)
+        # clients may send any of served_model_names as "model"; responses report the first
+        names = config.served_model_names or (source.name,)
+        return cls(config, source, model_config, max_model_len, defaults, tokenizer, names)
+
+    @property
+    def model_name(self) -> str:
+        """The name responses report (the first served name)."""
+        return self.served_model_names[0]
+
+    def structured_output_manager(self) -> StructuredOutputManager:
+        """A grammar compiler for this model's vocabulary (``--structured-outputs-backend``)."""
+        return StructuredOutputManager(
+            self.config.structured_outputs_backend,
+            self.tokenizer.hf,
+            self.model_config.vocab_size,
+            self.tokenizer.eos_token_ids,
+        )
+
+    def input_processor(
+        self, max_kv_blocks: int, structured_outputs: StructuredOutputManager | None
+    ) -> InputProcessor:
+        """The front door for an engine whose KV cache has ``max_kv_blocks`` blocks."""
+        return InputProcessor(
+            self.tokenizer,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            max_kv_blocks=max_kv_blocks,
+            block_size=self.config.block_size,
+            generation_defaults=self.defaults.sampling,
+            structured_outputs=structured_outputs,
+        )
