@@ -118,9 +118,7 @@ def test_an_adapter_that_sees_no_card_names_what_to_check(monkeypatch, device, c
 
 def test_the_engine_fails_at_start_up_before_loading_anything(no_device_packages, monkeypatch):
     loaded = []
-    monkeypatch.setattr(
-        "pyxllm.engine.llm_engine.resolve_model_source", lambda *a: loaded.append(a)
-    )
+    monkeypatch.setattr("pyxllm.engine.frontend.resolve_model_source", lambda *a: loaded.append(a))
     with pytest.raises(PlatformUnavailableError, match="torch_npu"):
         LLMEngine(EngineConfig(device="npu"))
     assert loaded == []

@@ -203,6 +203,7 @@ def fake_engine(tokenizer: Tokenizer) -> SimpleNamespace:
     )
     return SimpleNamespace(
         model_name="m",
+        served_model_names=("m",),
         max_model_len=64,
         max_num_seqs=4,
         tokenizer=tokenizer,
