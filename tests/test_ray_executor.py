@@ -28,7 +28,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-import httpx
 import pytest
 import torch
 from model_fixtures import build_checkpoint
@@ -236,7 +235,7 @@ def test_data_parallel_replicas_on_the_cluster(cluster, tiny_qwen3):
     nodes; concurrent greedy completions equal one engine's (DP=1, TP=1). Killing the actor of
     the replica running a stream fails that stream with a 503 naming the replica, ``/health``
     says degraded, the other replica serves on; stopping the server frees both groups."""
-    from tests.test_data_parallel import complete, read_stream_until_done, stats
+    from tests.test_data_parallel import complete, kill_replica_mid_stream, stats
 
     prompts = [f"Item {i}: the {color} door opens" for i, color in enumerate(["red", "old"] * 2)]
     llm = LLM(tiny_qwen3, **ENGINE)
@@ -261,22 +260,11 @@ def test_data_parallel_replicas_on_the_cluster(cluster, tiny_qwen3):
         assert {r["node_id"] for r in replicas} == nodes, (replicas, nodes)
         assert "Ray actor on node " in server.output()
 
-        body = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", server.url_for("v1", "completions"), json=body) as response:
-            lines = response.iter_lines()
-            while not next(lines).startswith("data:"):
-                pass
-            victim = next(r for r in stats(server)["replicas"] if r["num_running"] == 1)
-            index = victim["replica"]
-            ray.kill(_named_actor(f"pyxllm-dp-replica{index}-"), no_restart=True)
-            events = read_stream_until_done(lines)
-        assert events[-1]["error"]["code"] == 503, events[-1]
-        assert f"data-parallel replica {index} (pid" in events[-1]["error"]["message"]
-        health = httpx.get(server.url_for("health"), timeout=10)
-        assert health.status_code == 200
-        detail = health.json()
-        assert (detail["status"], detail["replicas_alive"]) == ("degraded", 1), detail
-        error = detail["replicas"][index]["error"]
+        def kill(replica: dict) -> None:
+            actor = _named_actor(f"pyxllm-dp-replica{replica['replica']}-")
+            ray.kill(actor, no_restart=True)
+
+        victim, error = kill_replica_mid_stream(server, kill, max_tokens=200)
         assert f"(pid {victim['pid']}, Ray actor on node {victim['node_id'][:8]} at " in error
         assert " died" in error, error
         for i in range(2):
