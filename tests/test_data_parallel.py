@@ -393,25 +393,33 @@ def read_stream_until_done(lines) -> list[dict]:
     return events
 
 
-def test_killed_replicas_leave_the_others_serving_then_503(rr_server):
-    """Ends ``rr_server``: keep it the module's last test."""
-    body = {"prompt": "Tell a long story:", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", rr_server.url_for("v1", "completions"), json=body) as response:
+def kill_replica_mid_stream(server: RemoteServer, kill, max_tokens: int = 400) -> tuple[dict, str]:
+    """Stream a long completion from a two-replica ``server``, ``kill(replica)`` the replica
+    running it (its ``/debug/stats`` entry) once the first chunk arrives, and check that the
+    stream ends with a 503 error naming that replica and that ``/health`` then answers 200,
+    degraded, one replica left. Returns the killed replica's entry and its ``/health`` error."""
+    body = {"prompt": "Tell a long story:", "max_tokens": max_tokens, "ignore_eos": True}
+    body["stream"] = True
+    with httpx.stream("POST", server.url_for("v1", "completions"), json=body) as response:
         lines = response.iter_lines()
         while not next(lines).startswith("data:"):
             pass
-        replicas = stats(rr_server)["replicas"]
-        victim = next(r for r in replicas if r["num_running"] == 1)
-        os.kill(victim["pid"], signal.SIGKILL)
+        victim = next(r for r in stats(server)["replicas"] if r["num_running"] == 1)
+        kill(victim)
         events = read_stream_until_done(lines)
     assert events[-1]["error"]["code"] == 503, events[-1]
-    assert f"replica {victim['replica']}" in events[-1]["error"]["message"]
-
-    health = httpx.get(rr_server.url_for("health"), timeout=10)
+    assert f"data-parallel replica {victim['replica']} (pid" in events[-1]["error"]["message"]
+    health = httpx.get(server.url_for("health"), timeout=10)
     assert health.status_code == 200
     detail = health.json()
-    assert (detail["status"], detail["replicas_alive"]) == ("degraded", 1)
-    assert "killed by SIGKILL" in detail["replicas"][victim["replica"]]["error"]
+    assert (detail["status"], detail["replicas_alive"]) == ("degraded", 1), detail
+    return victim, detail["replicas"][victim["replica"]]["error"]
+
+
+def test_killed_replicas_leave_the_others_serving_then_503(rr_server):
+    """Ends ``rr_server``: keep it the module's last test."""
+    victim, error = kill_replica_mid_stream(rr_server, lambda r: os.kill(r["pid"], signal.SIGKILL))
+    assert "killed by SIGKILL" in error
     for i in range(3):
         assert complete(rr_server, f"Still there {i}?", max_tokens=2)["choices"][0]["text"]
     survivor = stats(rr_server)["replicas"][1 - victim["replica"]]

@@ -10,7 +10,9 @@ there is no dashboard, the object stores are 100 MB.
 - an engine in an actor placed in a group's bundle 0 (as data-parallel replicas are to be
   placed) puts its ranks in that group;
 - a placement group that cannot be placed fails within ``--dist-init-timeout``, naming what is
-  missing, and frees what it held;
+  missing, and frees what it held; so do data-parallel replicas that do not all fit;
+- ``-dp 2 --tp 2`` puts one replica on each node, gives one engine's greedy completions, and
+  serves on (``/health`` degraded) when one replica's actor is killed;
 - a server whose rank-1 actor is killed mid-request fails that request, answers 503 on
   ``/health`` and exits 1 naming the rank and its node;
 - without Ray installed the flag fails with the install command; the flags' errors name them.
@@ -23,13 +25,14 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
 import torch
 from model_fixtures import build_checkpoint
 
-from pyxllm import LLM
+from pyxllm import LLM, SamplingParams
 from pyxllm.distributed.errors import DistributedError
 from pyxllm.distributed.ray_utils import describe_shortfall
 from tests.test_tensor_parallel import ENGINE, PARAMS, PROMPTS, greedy_tokens
@@ -192,12 +195,82 @@ def _free_cpus(expected: float, timeout: float = 10.0) -> float:
     return ray.available_resources().get("CPU")
 
 
-def _rank_actor(rank: int):
-    """The handle of the live rank actor named ``pyxllm-tp-rank<rank>-*`` (any namespace)."""
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["name"].startswith(f"pyxllm-tp-rank{rank}-"):
-            return ray.get_actor(entry["name"], namespace=entry["namespace"])
-    raise AssertionError(f"no actor of rank {rank}")
+def _named_actor(prefix: str):
+    """The handle of the one live actor whose name starts with ``prefix`` (any namespace), e.g.
+    ``pyxllm-tp-rank1-`` (a TP rank) or ``pyxllm-dp-replica0-`` (a data-parallel replica)."""
+    found = [
+        ray.get_actor(entry["name"], namespace=entry["namespace"])
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["name"].startswith(prefix)
+    ]
+    assert len(found) == 1, (prefix, found)
+    return found[0]
+
+
+def test_unplaceable_replicas_fail_within_the_timeout_naming_the_resources(cluster):
+    """``-dp 3 --tp 2`` needs 6 CPUs of the cluster's 4: the third replica's group fails the
+    start-up in time, naming it and the missing CPUs, and the two groups placed are freed."""
+    from pyxllm.config import EngineConfig
+    from pyxllm.engine.data_parallel.ray_launcher import RayReplicaLauncher
+    from pyxllm.platforms import resolve_platform
+
+    config = EngineConfig(tensor_parallel_size=2, **_ray(cluster, dist_init_timeout=3))
+    launcher = RayReplicaLauncher(resolve_platform("cpu"), config, 3)
+    started = time.monotonic()
+    with pytest.raises(DistributedError) as e:
+        launcher.placements(3, config)
+    elapsed = time.monotonic() - started
+    assert str(e.value).startswith(
+        "--data-parallel-size 3: data-parallel replica 2 (2 of 3 placed): Ray could not place 2 "
+        "bundles of {CPU: 1} (PACK) within --dist-init-timeout"
+    ), e.value
+    assert "CPU: the bundles need 2, 0 of 4 are free" in str(e.value)
+    assert 2 <= elapsed < 15, elapsed
+    assert _free_cpus(4.0) == 4.0
+
+
+def test_data_parallel_replicas_on_the_cluster(cluster, tiny_qwen3):
+    """``-dp 2 --tp 2 --distributed-executor-backend ray``: each replica's group of two
+    1-CPU bundles (PACK) fills one of the two 2-CPU nodes, so the replicas run on different
+    nodes; concurrent greedy completions equal one engine's (DP=1, TP=1). Killing the actor of
+    the replica running a stream fails that stream with a 503 naming the replica, ``/health``
+    says degraded, the other replica serves on; stopping the server frees both groups."""
+    from tests.test_data_parallel import complete, kill_replica_mid_stream, stats
+
+    prompts = [f"Item {i}: the {color} door opens" for i, color in enumerate(["red", "old"] * 2)]
+    llm = LLM(tiny_qwen3, **ENGINE)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=8)
+        expected = [o.outputs[0].text for o in llm.generate(prompts, greedy)]
+    finally:
+        llm.llm_engine.shutdown()
+    server = RemoteServer(
+        ["--model", tiny_qwen3, "--tp", "2", "-dp", "2", "--dtype", "float32"]
+        + ["--distributed-executor-backend", "ray", "--ray-address", cluster.address]
+        + ["--max-model-len", "256", "--kv-cache-memory", "0.05", "--disable-log-stats"],
+        startup_timeout=150,
+        env={**cluster.env, "OMP_NUM_THREADS": "1"},  # 1 CPU a bundle, whatever the host
+    )
+    with server, ThreadPoolExecutor(len(prompts)) as pool:
+        served = list(pool.map(lambda p: complete(server, p)["choices"][0]["text"], prompts))
+        assert served == expected
+        replicas = stats(server)["replicas"]
+        assert all(r["routed_requests"] for r in replicas), replicas
+        nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert {r["node_id"] for r in replicas} == nodes, (replicas, nodes)
+        assert "Ray actor on node " in server.output()
+
+        def kill(replica: dict) -> None:
+            actor = _named_actor(f"pyxllm-dp-replica{replica['replica']}-")
+            ray.kill(actor, no_restart=True)
+
+        victim, error = kill_replica_mid_stream(server, kill, max_tokens=200)
+        assert f"(pid {victim['pid']}, Ray actor on node {victim['node_id'][:8]} at " in error
+        assert " died" in error, error
+        for i in range(2):
+            assert complete(server, f"Still there {i}?", max_tokens=2)["choices"][0]["text"]
+    assert server.proc.returncode == 0, server.output()[-3000:]
+    assert _free_cpus(4.0) == 4.0  # both groups freed, the rank actors gone with them
 
 
 def test_a_killed_actor_fails_the_request_and_the_server_exits_naming_it(cluster, tiny_qwen3):
@@ -212,7 +285,7 @@ def test_a_killed_actor_fails_the_request_and_the_server_exits_naming_it(cluster
     )
     with server:
         assert "Ray actors on" in server.output()
-        kill = partial(ray.kill, _rank_actor(1), no_restart=True)
+        kill = partial(ray.kill, _named_actor("pyxllm-tp-rank1-"), no_restart=True)
         unhealthy = kill_mid_stream(server, kill, "TP worker rank 1")
         assert server.proc.poll() == 1
     assert unhealthy and all("TP worker rank 1 (Ray actor, pid" in m for m in unhealthy)

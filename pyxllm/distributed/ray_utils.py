@@ -4,7 +4,8 @@
 the cluster (:func:`connect_ray`), reserves one bundle per rank (:func:`reserve_placement_group`;
 bundle 0 on this process's node, which computes rank 0) and starts one actor per bundle
 (:func:`start_actors`). Nothing here knows what the actors run: the executor's rank actors
-(:mod:`pyxllm.executor.ray_executor`) and, later, whole engine replicas use the same calls.
+(:mod:`pyxllm.executor.ray_executor`) and the data-parallel replicas' engine actors (a placement
+group each, see the engine's ``data_parallel.ray_launcher``) use the same calls.
 
 Ray is an optional dependency (``pip install 'pyxllm[ray]'``): it is imported only here, and
 only when the Ray backend is chosen (:func:`import_ray`).

@@ -622,7 +622,8 @@ def _add_data_parallel_args(group) -> None:
         metavar="N",
         help="run N engine replicas behind this server, each its own process with its own "
         "scheduler, KV cache (--kv-cache-memory each) and --tp ranks; on the CPU the cores are "
-        "divided between them (see README, Data parallelism)",
+        "divided between them; with --distributed-executor-backend ray, actors placed on the Ray "
+        "cluster (see README, Data parallelism)",
     )
     group.add_argument(
         *flag_names("dp_routing"),
@@ -946,8 +947,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
             parser.command_parsers["serve"].error("--shutdown-timeout: must be >= 0")
         if args.data_parallel_size > 1 and args.nnodes > 1:
             parser.command_parsers["serve"].error(
-                "--data-parallel-size: replicas run on this host; it cannot be combined with "
-                "--nnodes (tensor parallelism over nodes started by hand)"
+                "--data-parallel-size: cannot be combined with --nnodes (tensor parallelism "
+                "over nodes started by hand); to place replicas on several nodes, use "
+                "--distributed-executor-backend ray"
             )
     try:
         config = config_from_args(args)

@@ -10,8 +10,9 @@ Start-up, within ``--dist-init-timeout``:
    ``--ray-placement-strategy`` (``PACK`` by default), bundle 0 on this node: this process
    computes rank 0, as with ``mp``. A process that already runs in a placement group (an actor
    placed by someone else, e.g. a data-parallel replica) uses that group instead, ``--tp``
-   bundles shaped as :func:`rank_bundle` says: start it in bundle 0 asking for no resources of
-   its own (``start_actors(cls, group, [{"CPU": 0}])``), since rank 0's actor holds them;
+   bundles (its owner sizes them, as :func:`rank_bundle` does on the owner's host): start it in
+   bundle 0 asking for no resources of its own (``start_actors(cls, group, [{"CPU": 0}])``),
+   since rank 0's actor holds them;
 3. start one :class:`RayWorker` actor per bundle; each says where it runs
    (:func:`~pyxllm.distributed.ray_utils.node_info`). Rank 0's actor only holds its bundle (and
    names the card this process takes); the others run :func:`~pyxllm.executor.worker.run_worker`
@@ -126,6 +127,8 @@ class RayDistributedExecutor(MultiprocExecutor):
             self.placement_group = ray_utils.reserve_placement_group(
                 bundles, strategy, config.dist_init_timeout, first_node=here
             )
+        else:  # its owner sized the bundles (on its own host, which may not be this one)
+            bundles = self._group_bundles()
         tag = uuid.uuid4().hex[:8]
         names = [f"pyxllm-tp-rank{rank}-{tag}" for rank in range(self.world_size)]
         self.actors = ray_utils.start_actors(RayWorker, self.placement_group, bundles, names)
@@ -147,6 +150,20 @@ class RayDistributedExecutor(MultiprocExecutor):
         nodes = len({info["node_id"] for info in self.placement.values()})
         self.placed = f"Ray actors on {nodes} node{'s' if nodes > 1 else ''}, {strategy}"
         return master, threads or platform.threads_per_rank(1), self._local_rank(0, platform)
+
+    def _group_bundles(self) -> list[dict[str, float]]:
+        """The bundles of the placement group this process was placed in, one per rank.
+
+        Raises:
+            DistributedError: the group does not have one bundle per rank.
+        """
+        bundles = [dict(bundle) for bundle in self.placement_group.bundle_specs]
+        if len(bundles) != self.world_size:
+            raise DistributedError(
+                f"--tensor-parallel-size {self.world_size}: this process runs in a Ray "
+                f"placement group of {len(bundles)} bundles, not one per rank"
+            )
+        return bundles
 
     def _await_placement(self, ray, deadline: float) -> None:
         """Fill :attr:`placement` from every actor's ``node_info``, by ``deadline``.

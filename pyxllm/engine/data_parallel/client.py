@@ -33,11 +33,12 @@ from multiprocessing.connection import wait as wait_for_connections
 
 from pyxllm.config import EngineConfig
 from pyxllm.distributed.errors import DistributedError
+from pyxllm.distributed.ray_utils import describe_node
 from pyxllm.engine.async_engine import RequestStream
 from pyxllm.engine.data_parallel.launcher import (
-    MultiprocReplicaLauncher,
     ReplicaHandle,
     ReplicaLauncher,
+    default_launcher,
 )
 from pyxllm.engine.data_parallel.metrics import DataParallelMetrics, total_stats
 from pyxllm.engine.data_parallel.replica import ReplicaSpec
@@ -85,7 +86,8 @@ class ReplicaClient:
         pid: its process id (from its hello).
         ready: its :class:`~.wire.ReadyMessage` (KV blocks, threads, CPUs).
         failure: ``None`` while it serves, else why it stopped ("data-parallel replica 1
-            (pid 4242) died (killed by SIGKILL)").
+            (pid 4242) died (killed by SIGKILL)"; with Ray the pid's node too, see
+            :meth:`describe`).
     """
 
     def __init__(self, index: int, handle: ReplicaHandle, channel: Channel, pid: int) -> None:
@@ -96,6 +98,13 @@ class ReplicaClient:
         self._scrapes: dict[int, Future] = {}
         self._seq = itertools.count()
         self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        """``data-parallel replica 1 (pid 4242)``, with Ray ``(pid 4242, Ray actor on node
+        3f2a91c0 at 10.0.0.2)``."""
+        node = self.handle.node()
+        where = f", Ray actor on {describe_node(node)}" if node else ""
+        return f"data-parallel replica {self.index} (pid {self.pid}{where})"
 
     @property
     def alive(self) -> bool:
@@ -203,8 +212,8 @@ class DataParallelEngine:
         size: ``--data-parallel-size``, at least 1.
         routing: ``--dp-routing`` (see :mod:`.router`).
         stats_interval: seconds between each replica's stats lines in the log; ``None``: none.
-        launcher: where replicas run (default: processes on this host,
-            :class:`~.launcher.MultiprocReplicaLauncher`).
+        launcher: where replicas run (default: as ``config.distributed_executor_backend``
+            says, :func:`~.launcher.default_launcher`: processes on this host, or Ray actors).
 
     Attributes:
         input_processor, tokenizer, model_name, served_model_names, max_model_len: the front
@@ -230,12 +239,10 @@ class DataParallelEngine:
         stats_interval: float | None = None,
         launcher: ReplicaLauncher | None = None,
     ) -> None:
-        from pyxllm.platforms import resolve_platform
-
         Router(size, routing)  # a bad size or policy fails before anything starts
         self.max_num_seqs = config.max_seqs_per_batch
         self.data_parallel_size = size
-        self.launcher = launcher or MultiprocReplicaLauncher(resolve_platform(config.device))
+        self.launcher = launcher or default_launcher(config, size)
         self._requests: dict[str, _InFlight] = {}
         self._closing = False
         # the replicas load the model while this process loads the tokenizer
@@ -268,10 +275,10 @@ class DataParallelEngine:
         accept their connections and wait until each has loaded its engine."""
         authkey = os.urandom(32)
         listener = listen(self.launcher.listen_host, authkey)
-        placements = self.launcher.placements(size, config)
         handles: list[ReplicaHandle] = []
         replicas: dict[int, ReplicaClient] = {}
         try:
+            placements = self.launcher.placements(size, config)
             for index, placement in enumerate(placements):
                 spec = ReplicaSpec(
                     dataclasses.replace(config, seed=config.seed + index),
@@ -361,9 +368,8 @@ class DataParallelEngine:
                     del waiting[replica.index]
                     cpus = f" on CPUs {_ranges(message.cpus)}" if message.cpus else ""
                     logger.info(
-                        "data-parallel replica %d (pid %d) ready: %d KV blocks, %d threads%s",
-                        replica.index,
-                        replica.pid,
+                        "%s ready: %d KV blocks, %d threads%s",
+                        replica.describe(),
                         message.num_kv_blocks,
                         message.threads,
                         cpus,
@@ -464,9 +470,7 @@ class DataParallelEngine:
         else:
             how = replica.handle.exit_description(wait=EXIT_STATUS_WAIT_S) or ""
             why = f": {replica.last_words}" if replica.last_words else ""
-            replica.failure = (
-                f"data-parallel replica {replica.index} (pid {replica.pid}) died{how}{why}"
-            )
+            replica.failure = f"{replica.describe()} died{how}{why}"
             self.router.remove(replica.index)
             alive = sum(r.alive for r in self.replicas)
             logger.error(
@@ -530,13 +534,16 @@ class DataParallelEngine:
     def stats(self) -> dict:
         """``/debug/stats``: the replicas' counters summed (the keys of ``LLMEngine.stats()``),
         ``data_parallel_size``, ``replicas_alive`` and ``replicas``: per replica its index,
-        ``alive``, ``pid``, the router's ``routed_requests`` and ``load`` (requests sent and
-        not finished) and its own counters (``error`` instead when it is gone). Blocks for
-        the replicas' answers."""
+        ``alive``, ``pid``, with Ray its actor's ``node_id`` and ``node_ip``, the router's
+        ``routed_requests`` and ``load`` (requests sent and not finished) and its own counters
+        (``error`` instead when it is gone). Blocks for the replicas' answers."""
         replies = self.scrape()
         per_replica = []
         for replica in self.replicas:
             entry = {"replica": replica.index, "alive": replica.alive, "pid": replica.pid}
+            node = replica.handle.node()
+            if node is not None:
+                entry["node_id"], entry["node_ip"] = node["node_id"], node["node_ip"]
             entry["routed_requests"] = self.router.num_routed[replica.index]
             entry["load"] = self.router.loads[replica.index]
             if replica.index in replies:

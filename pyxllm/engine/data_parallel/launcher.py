@@ -8,9 +8,10 @@
   the physical cores (hyper-threads of a core stay together) and computes with ``cores / N``
   threads (``OMP_NUM_THREADS``, when set, caps it, as it caps TP ranks); a replica's TP ranks
   split its share again. On an accelerator each replica sees its own ``--tp`` cards.
-- A Ray launcher places each replica in a placement group and runs ``run_replica`` in an actor;
-  the replica connects back to :attr:`ReplicaLauncher.listen_host` (a reachable address of
-  the API server's node) the same way, so nothing else changes.
+- :class:`~.ray_launcher.RayReplicaLauncher` (``--distributed-executor-backend ray``) places
+  each replica in a placement group of its own on the Ray cluster and runs ``run_replica`` in
+  an actor there; the replica connects back to :attr:`ReplicaLauncher.listen_host` (the API
+  server's node address) the same way, so nothing else changes.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ class ReplicaHandle(Protocol):
     def stop(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the replica to exit (after its stop message),
         then end it by force."""
+        ...
+
+    def node(self) -> dict | None:
+        """Where the replica runs when that is not this process's host: its Ray node
+        (:func:`~pyxllm.distributed.ray_utils.node_info`); ``None`` for a process here (and
+        before an actor has started)."""
         ...
 
 
@@ -153,6 +160,10 @@ class ProcessHandle:
         """See :meth:`ReplicaHandle.stop`."""
         stop_process(self.process, timeout)
 
+    def node(self) -> None:
+        """See :meth:`ReplicaHandle.node`: a process on this host."""
+        return None
+
 
 class MultiprocReplicaLauncher:
     """Replicas as processes on this host (see the module doc); ``platform`` is the
@@ -177,3 +188,21 @@ class MultiprocReplicaLauncher:
         )
         process.start()
         return ProcessHandle(process)
+
+
+def default_launcher(config: EngineConfig, size: int) -> ReplicaLauncher:
+    """The launcher ``--distributed-executor-backend`` names: ``mp``,
+    :class:`MultiprocReplicaLauncher`; ``ray``, :class:`~.ray_launcher.RayReplicaLauncher`
+    (which joins the Ray cluster at once).
+
+    Raises:
+        ValueError: Ray is not installed; DistributedError: its cluster cannot be joined.
+    """
+    from pyxllm.platforms import resolve_platform
+
+    platform = resolve_platform(config.device)
+    if config.distributed_executor_backend == "ray":
+        from pyxllm.engine.data_parallel.ray_launcher import RayReplicaLauncher
+
+        return RayReplicaLauncher(platform, config, size)
+    return MultiprocReplicaLauncher(platform)

@@ -2,8 +2,8 @@
 its own process, serving the API server over one :mod:`.wire` channel.
 
 :func:`run_replica` is the body whoever places the replica calls (the ``mp`` launcher's spawned
-process here; a Ray actor later): it applies its placement (CPUs, threads, visible devices),
-connects back to the API server, loads the engine, then runs an
+process here; with Ray, an actor, see :mod:`.ray_launcher`): it applies its placement (CPUs,
+threads, visible devices), connects back to the API server, loads the engine, then runs an
 :class:`~pyxllm.engine.engine_loop.EngineLoop` whose outputs it sends back, one message per
 step holding what the step added to each (the server rebuilds the whole outputs), while it
 reads requests, aborts and scrapes. A request with a constraint is queued once
@@ -300,18 +300,24 @@ def run_replica(spec: ReplicaSpec) -> int:
         channel.close()
 
 
+def tag_logs(index: int) -> None:
+    """Send pyxllm's log lines (INFO and up) of this process to stderr, tagged ``replica
+    index``."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        logging.Formatter(f"%(levelname)s %(asctime)s replica {index} %(name)s: %(message)s")
+    )
+    root = logging.getLogger("pyxllm")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
 def replica_main(spec: ReplicaSpec) -> None:
     """Process entry point of a replica spawned by the ``mp`` launcher: log lines tagged
     ``replica i``, Ctrl-C left to the API server (which stops its replicas), then
     :func:`run_replica` and exit with its status."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    handler = logging.StreamHandler()
-    handler.setFormatter(
-        logging.Formatter(f"%(levelname)s %(asctime)s replica {spec.index} %(name)s: %(message)s")
-    )
-    root = logging.getLogger("pyxllm")
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
+    tag_logs(spec.index)
     try:
         code = run_replica(spec)
     except Exception as e:  # noqa: BLE001 - one line, not a traceback; the server names it too
