@@ -110,8 +110,16 @@ def test_capture_sizes():
     assert capture_sizes(1) == [1]
 
 
-def fake_batch(query_lens, seq_len=10):
-    return SimpleNamespace(query_lens=list(query_lens), seq_lens_list=[seq_len] * len(query_lens))
+def fake_batch(query_lens, seq_len=10, prefill=False):
+    """What ``bucket_for`` reads of an ``InputBatch``: each sequence decodes (a token, or a
+    token and its drafts), or with ``prefill`` each multi-token one is a prefill chunk."""
+    drafts = [0 if prefill else n - 1 for n in query_lens]
+    return SimpleNamespace(
+        query_lens=list(query_lens),
+        seq_lens_list=[seq_len] * len(query_lens),
+        num_draft_tokens=drafts,
+        decodes_only=all(n == 1 + d for n, d in zip(query_lens, drafts)),
+    )
 
 
 def test_bucket_choice(eager_llm):
@@ -134,12 +142,15 @@ def test_bucket_choice(eager_llm):
     ]:
         assert runner.bucket_for(fake_batch([1] * n)) == size, n
     assert runner.bucket_for(fake_batch([1] * 65)) is None  # more than the largest bucket
-    assert runner.bucket_for(fake_batch([1, 5, 1])) is None  # a prefill in the step
+    assert runner.bucket_for(fake_batch([1, 5, 1], prefill=True)) is None  # a prefill chunk
     assert runner.bucket_for(fake_batch([1, 1], seq_len=129)) is None  # longer than captured
     runner.max_query_len = 5  # speculative decoding with 4 drafts: a row per token
     assert runner.bucket_for(fake_batch([1, 5, 1])) == 8
     assert runner.bucket_for(fake_batch([5] * 12 + [4])) == 64
     assert runner.bucket_for(fake_batch([5] * 13)) is None  # 65 rows
+    # a prompt of 5 tokens is no verification: eager, through the prefill kernel, as without
+    # speculation (its first token's logits then equal those of an engine without drafts)
+    assert runner.bucket_for(fake_batch([5], prefill=True)) is None
     assert runner.bucket_for(fake_batch([1, 6])) is None  # a longer query: a prefill
 
 

@@ -198,6 +198,26 @@ def test_the_graph_runner_replays_verification_steps(engines):
     assert llm.llm_engine.stats()["num_kv_blocks_used"] == 0
 
 
+def test_int4_verification_reproduces_decoding_bit_for_bit():
+    """int4's fused kernel computes a row alike in any batch, and verified drafts attend through
+    the decode kernel (eagerly too), so a verifying step's logits are those of decoding one
+    token at a time: on free-form text, where drafts are often rejected, the tokens match over
+    long runs, and so do the logprobs, exactly. Short prompts (up to k + 1 tokens) prefill
+    eagerly, not as replayed decode rows (their first token differed before)."""
+    options = dict(quantization="int4", **ENGINE)
+    plain, spec = LLM(**options), LLM(speculative_config=SPEC, graph_backend="graph", **options)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)
+    prompts = [FREE[1], FREE[4], "Hi", GROUNDED[3]]
+    # one request at a time on both (a batch of prompts prefills over 32 rows: a GEMM there)
+    want, got = ([e.generate([p], params)[0] for p in prompts] for e in (plain, spec))
+    assert tokens(got) == tokens(want)
+    for a, b in zip(want, got):
+        assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == [
+            {t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs
+        ]
+    assert spec.llm_engine.metrics.num_spec_draft_tokens > spec.llm_engine.metrics.num_spec_accepted
+
+
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 def test_draft_bitmask_rows_follow_the_drafts(backend, hf_gguf_tokenizer):
     """Row ``j`` of a drafted sequence's bitmask is the matcher's mask after ``j`` drafts; the

@@ -17,7 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch_npu
 
-from pyxllm.attention.torch_paged import TorchPagedAttentionBackend, TorchPagedAttentionStep
+from pyxllm.attention.torch_paged import (
+    TorchPagedAttentionBackend,
+    TorchPagedAttentionStep,
+    decode_rows,
+)
 
 
 @dataclass(slots=True)
@@ -68,8 +72,6 @@ class NPUAttentionBackend(TorchPagedAttentionBackend):
     def build(self, batch) -> NPUAttentionStep:
         """``batch``: an ``InputBatch``."""
         step = super().build(batch)
-        host = torch.tensor(
-            [n for n, q in zip(batch.seq_lens_list, batch.query_lens) if q == 1], dtype=torch.int32
-        )
+        host = torch.tensor(decode_rows(batch)[2], dtype=torch.int32)
         fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
         return NPUAttentionStep(**fields, decode_seq_lens_host=host)

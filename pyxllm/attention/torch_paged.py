@@ -151,31 +151,55 @@ class TorchPagedAttentionBackend:
         )
 
     def build(self, batch) -> TorchPagedAttentionStep:
-        """``batch``: an ``InputBatch`` (see ``pyxllm.executor.input_batch``)."""
-        query_lens, seq_lens, starts = batch.query_lens, batch.seq_lens_list, batch.query_start_list
-        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+        """``batch``: an ``InputBatch`` (see ``pyxllm.executor.input_batch``). Its decode rows
+        (:func:`decode_rows`: verified drafts included) attend through the decode kernel, the
+        other sequences (prefill chunks) one call each."""
+        tokens, seqs, lens = decode_rows(batch)
+        starts, query_lens = batch.query_start_list, batch.query_lens
+        decoding = set(seqs)
         prefills = [
-            PrefillSpan(starts[i], starts[i] + n, seq_lens[i], batch.block_tables[i])
+            PrefillSpan(starts[i], starts[i] + n, batch.seq_lens_list[i], batch.block_tables[i])
             for i, n in enumerate(query_lens)
-            if n != 1
+            if i not in decoding
         ]
-        contiguous = decode_rows == list(range(len(decode_rows)))
-        rows = torch.tensor(decode_rows, dtype=torch.long)
-        decode_seq_lens = batch.seq_lens if contiguous and not prefills else batch.seq_lens[rows]
-        max_seq_len = max((seq_lens[i] for i in decode_rows), default=0)
+        # one row per sequence, in order: the batch's own tensors serve as they are
+        plain = seqs == list(range(len(query_lens))) and tokens == seqs
+        device = batch.seq_lens.device
+        rows = torch.tensor(seqs, dtype=torch.long, device=device)
+        decode_seq_lens = (
+            batch.seq_lens if plain else torch.tensor(lens, dtype=torch.long, device=device)
+        )
+        max_seq_len = max(lens, default=0)
         return TorchPagedAttentionStep(
             slot_mapping=batch.slot_mapping,
-            num_decodes=len(decode_rows),
+            num_decodes=len(tokens),
             decode_token_idx=None
-            if contiguous
-            else torch.tensor([starts[i] for i in decode_rows], dtype=torch.long),
-            decode_block_tables=batch.block_tables
-            if contiguous and not prefills
-            else batch.block_tables[rows],
+            if tokens == list(range(len(tokens)))
+            else torch.tensor(tokens, dtype=torch.long, device=device),
+            decode_block_tables=batch.block_tables if plain else batch.block_tables[rows],
             decode_seq_lens=decode_seq_lens,
             decode_max_seq_len=max_seq_len,
             prefills=prefills,
             decode_mask=kernels.ops.decode_attention_mask(decode_seq_lens, max_seq_len)
-            if decode_rows
+            if tokens
             else None,
         )
+
+
+def decode_rows(batch) -> tuple[list[int], list[int], list[int]]:
+    """The step's decode rows as ``(token indices, their sequences, context lengths)``: every
+    token of a sequence that decodes (one token, or its last token and the drafts it verifies),
+    each attending to its context up to itself (a verified draft sees the drafts before it,
+    whose K/V the step caches first). Computed by the decode kernel, a verifying sequence gets
+    the attention decoding without speculation gives its tokens one at a time (the graph
+    runner replays such steps as decode rows too).
+    """
+    tokens, seqs, lens = [], [], []
+    for i, (start, n, drafts) in enumerate(
+        zip(batch.query_start_list, batch.query_lens, batch.num_draft_tokens)
+    ):
+        if n == 1 + drafts:
+            tokens += range(start, start + n)
+            seqs += [i] * n
+            lens += range(batch.seq_lens_list[i] - n + 1, batch.seq_lens_list[i] + 1)
+    return tokens, seqs, lens

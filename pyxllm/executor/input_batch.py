@@ -23,6 +23,8 @@ class InputBatch:
         logits_indices: ``[N]`` int64 positions in ``T`` whose next token is sampled: a sampled
             sequence's last token, or with ``k`` drafts its last ``1 + k`` tokens, in order.
         query_lens, seq_lens_list, query_start_list: the same as Python lists, for backends.
+        num_draft_tokens: ``[B]`` the speculative drafts each sequence verifies (its last
+            ``num_draft_tokens`` tokens; 0 for a prefill chunk or a plain decode).
     """
 
     input_ids: torch.Tensor
@@ -35,6 +37,7 @@ class InputBatch:
     query_lens: list[int]
     seq_lens_list: list[int]
     query_start_list: list[int]
+    num_draft_tokens: list[int]
 
     @classmethod
     def build(cls, plan: SchedulerOutput, block_size: int, device: torch.device) -> InputBatch:
@@ -81,4 +84,11 @@ class InputBatch:
             query_lens=query_lens,
             seq_lens_list=seq_lens,
             query_start_list=starts,
+            num_draft_tokens=[s.num_draft_tokens for s in seqs],
         )
+
+    @property
+    def decodes_only(self) -> bool:
+        """Whether every sequence decodes: one token, or its last token and the drafts it
+        verifies (no prefill chunk in the step)."""
+        return all(q == 1 + d for q, d in zip(self.query_lens, self.num_draft_tokens))

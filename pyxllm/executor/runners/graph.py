@@ -214,11 +214,13 @@ class GraphRunner(Runner):
 
     def bucket_for(self, batch) -> int | None:
         """The bucket an ``InputBatch`` replays in (one row per token); ``None`` when it must
-        run eagerly (a query longer than ``max_query_len``, more tokens than the largest
-        bucket, or a context longer than the captured one)."""
+        run eagerly (a prefill chunk, even a short one: prefills attend through the prefill
+        kernel, as without speculation; a query longer than ``max_query_len``, more tokens than
+        the largest bucket, or a context longer than the captured one)."""
         n = sum(batch.query_lens)
         if (
-            n > self.sizes[-1]
+            not batch.decodes_only
+            or n > self.sizes[-1]
             or max(batch.query_lens) > self.max_query_len
             or max(batch.seq_lens_list) > self.max_seq_len
         ):

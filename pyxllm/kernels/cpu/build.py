@@ -45,7 +45,9 @@ def compile_flags() -> tuple[list[str], list[str]]:
     """``(extra_cflags, extra_ldflags)``.
 
     ``-ffp-contract=off`` keeps float32 results equal to the reference's where the arithmetic is
-    the same (no fused multiply-add; ``int4_linear.cpp`` turns contraction back on for itself).
+    the same (no fused multiply-add), and a row's result the same in every instantiation of a
+    kernel's row-count templates (contraction chosen per instantiation made ``int4_linear``'s
+    rows differ in their last bits between a one-row decode and an eight-row verification).
     On x86-64/aarch64 Linux: ``-march=native`` (the build's name keys the CPU's feature flags, so
     a home directory shared by different CPUs keeps one build each) and ``-fopenmp``, without
     which ``at::parallel_for`` runs on one thread (the library resolves to the ``libgomp.so.1``

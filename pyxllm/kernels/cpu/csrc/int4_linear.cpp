@@ -36,8 +36,6 @@
 #include <cstring>
 #include <vector>
 
-// this file only: fused multiply-adds (its results are not held to a float reference's bits)
-#pragma GCC optimize("fp-contract=fast")
 
 #if defined(__x86_64__)
 #include <immintrin.h>
