@@ -77,6 +77,19 @@ inline IntV dot4(IntV acc, IntV w, int32_t x) {
 #endif
 }
 
+// a * b + c, rounded once: an explicit fused multiply-add (the build turns contraction off, so
+// every row-count instantiation does exactly these operations and a row's bits do not depend on
+// its batch).
+inline FloatV fma(FloatV a, FloatV b, FloatV c) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return (FloatV)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (FloatV)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
 // One group's (scale, zero) for kLanes consecutive output features, from kLanes pairs.
 inline void load_scales(const float* pairs, FloatV& scale, FloatV& zero) {
   FloatV a, b;
@@ -160,9 +173,10 @@ inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, const int8_
     FloatV scale, zero;
     load_scales(pairs + g * 2 * kTile, scale, zero);
     const FloatV low = zero - 8.f * scale;  // the weight q = 0 stands for
-    for (int m = 0; m < M; ++m)
-      acc[m] += __builtin_convertvector(sum1[m] * 254 + sum2[m], FloatV) * (scale * xs[m * groups + g]) +
-                low * xsum[m * groups + g];
+    for (int m = 0; m < M; ++m) {
+      acc[m] = fma(__builtin_convertvector(sum1[m] * 254 + sum2[m], FloatV), scale * xs[m * groups + g], acc[m]);
+      acc[m] = fma(low, FloatV{} + xsum[m * groups + g], acc[m]);
+    }
   }
 }
 
