@@ -33,7 +33,7 @@ import random
 import sys
 
 import httpx
-from compare import _start, log
+from compare import log, start_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from pyxllm.benchmarks.metrics import compute_metrics
@@ -99,7 +99,7 @@ def serve_and_measure(args, flags: list[str], prompts, replicas: int) -> dict:
         *flags,
     ]
     root, base = f"http://127.0.0.1:{PORT}", f"http://127.0.0.1:{PORT}/v1"
-    proc = _start(cmd, PORT, args.threads)
+    proc = start_server("pyxllm serve", cmd, PORT, args.threads)
     try:
         # as many at once as replicas: every routing policy sends one to each
         warm_up = [(f"Warm-up prompt {i}.", []) for i in range(replicas)]

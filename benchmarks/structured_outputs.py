@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-from compare import _start, log
+from compare import log, start_server
 
 from pyxllm.benchmarks.metrics import compute_metrics
 from pyxllm.benchmarks.prompts import load_tokenizer, make_prompts
@@ -74,7 +74,7 @@ def main() -> None:
         "--structured-outputs-backend",
         args.backend,
     ]
-    proc = _start(cmd, PORT, args.threads)
+    proc = start_server("pyxllm serve", cmd, PORT, args.threads)
     url, results = f"http://127.0.0.1:{PORT}/v1", {}
     try:
         for kind in ("none", "json", "none", "json"):

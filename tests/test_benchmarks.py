@@ -4,8 +4,10 @@ No timed assertion: only counts, fields and files are checked."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -234,3 +236,14 @@ def test_bench_latency_prefills_a_fresh_prompt_per_request(tmp_path, capsys, mon
     hits = engine.stats()["prefix_cache_hits"]
     timed_request(engine, prompts[-1], 2, "again")
     assert engine.stats()["prefix_cache_hits"] - hits >= 2 * block
+
+
+@pytest.mark.parametrize(
+    "script", sorted(p.stem for p in (Path(__file__).parent.parent / "benchmarks").glob("*.py"))
+)
+def test_every_benchmark_script_imports(script, monkeypatch):
+    """The scripts under benchmarks/ import each other's helpers (``from compare import ...``):
+    a renamed helper breaks them only when they run, so each is imported here (their work is
+    under ``main()``, which importing does not run)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
+    importlib.import_module(script)
