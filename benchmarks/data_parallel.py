@@ -16,7 +16,7 @@ replica:
    fresh server each, so both start cold). The prefix-cache hit rate (the replicas' hits over
    their queries, in tokens, from ``/metrics``), median TTFT and output tok/s.
 
-Run from the repository root (the real figures: a quiet machine, ~10 min on 2 cores)::
+Run from the repository root (the real figures: a quiet machine, ~2 min on 2 cores)::
 
     .venv/bin/python benchmarks/data_parallel.py --result-file data_parallel.json
     .venv/bin/python benchmarks/data_parallel.py --num-prompts 8 --output-len 4 \\
