@@ -22,9 +22,10 @@ take comma-separated names):
    ``long-context``: batch 1 at ``--long-context`` (4096) tokens of context, llama-bench
    ``pp4096`` and ``tg128 @ d4096`` against pyxllm int4 (see ``llama_server.py``). Their
    binaries come from ``benchmarks/build_llama_server.sh`` (``--llama-server-dir``).
-4. ``speculative``, batch 1, input-grounded prompts (``speculative.py``'s): pyxllm int4
-   without and with n-gram speculation, llama-cpp-python without and with its prompt-lookup
-   decoding (after every pyxllm run in this process), 256 new tokens each.
+4. ``speculative``, batch 1, input-grounded prompts (``speculative.py``'s): pyxllm int4 and
+   unquantized (``--dtype auto``) without and with n-gram speculation, llama-cpp-python
+   without and with its prompt-lookup decoding (after every pyxllm run in this process), 256
+   new tokens each.
 
 Peers that are not installed or built are skipped with a message. Every engine gets
 ``--threads`` threads (default: all cores). Run from the repository root::
@@ -431,7 +432,8 @@ def main() -> None:
         log("pyxllm:", json.dumps(results["pyxllm"]))
         gc.collect()
     if "speculative" in sections:
-        results["speculative"] = speculative.pyxllm_figures()
+        # int4 (the fastest at batch 1) and unquantized (where verifying 8 rows costs least)
+        results["speculative"] = {q: speculative.pyxllm_figures(q) for q in ("int4", "none")}
         log("speculative:", json.dumps(results["speculative"]))
         gc.collect()
     if "long-context" in sections:
@@ -460,8 +462,8 @@ def main() -> None:
         log("llama.cpp:", json.dumps(results["llama.cpp"]))
         gc.collect()
     if "speculative" in sections and llamacpp:  # after every in-process pyxllm run (see above)
-        results["speculative"].update(speculative.llamacpp_figures(args.threads))
-        log("speculative, llama.cpp:", json.dumps(results["speculative"]))
+        results["speculative"]["llama.cpp"] = speculative.llamacpp_figures(args.threads)
+        log("speculative, llama.cpp:", json.dumps(results["speculative"]["llama.cpp"]))
     if "serving" in sections:
         results["serving"] = serving(
             prompts[: args.serving_prompts],
@@ -500,17 +502,19 @@ def main() -> None:
         )
     lines += llama_server.ratio_rows(results, args.output_len, args.long_context)
     spec = results.get("speculative", {})
-    if spec:
-        lines += ratio_lines(
-            "Speculative decoding, grounded batch 1 (int4, n-gram)",
-            spec["with"],
-            {
-                "pyxllm without speculation": spec["without"],
-                "llama.cpp prompt lookup": spec.get("llama.cpp prompt lookup"),
-                "llama.cpp": spec.get("llama.cpp"),
-            },
-            "tok/s",
-        )
+    llama = spec.get("llama.cpp", {})
+    for quantization, name in (("int4", "int4"), ("none", "unquantized")):
+        if quantization in spec:
+            lines += ratio_lines(
+                f"Speculative decoding, grounded batch 1 ({name}, n-gram)",
+                spec[quantization]["with"],
+                {
+                    "pyxllm without speculation": spec[quantization]["without"],
+                    "llama.cpp prompt lookup": llama.get("llama.cpp prompt lookup"),
+                    "llama.cpp": llama.get("llama.cpp"),
+                },
+                "tok/s",
+            )
     log("\n".join(lines))
     if args.result_file:
         with open(args.result_file, "w") as f:

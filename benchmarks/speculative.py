@@ -48,11 +48,16 @@ QUANTIZATION, GRAPH_BACKEND = "int4", "graph"
 # new tokens per batch-1 request (the issue's range is 128-256: at 256 a 450-token prompt's
 # prefill is a smaller share of each request's time), and per request of the 32
 OUTPUT_LEN, CONCURRENT_OUTPUT_LEN = 256, 64
-# drafts per step (1 + 4 = 5 rows): on the grounded prompts, int4, 2 threads, one run each
-# (2026-12-02), k = 4, 5, 7 gave 192.0, 191.5, 180.5 tok/s against 113-117 without: a verifying
-# row costs ~40 % of a one-token step here (int4's two-part activations double the integer dot
-# products), so a longer run of drafts does not pay for its rejected tail
-NUM_SPECULATIVE_TOKENS = 4
+# drafts per step by weights. int4 (1 + 4 = 5 rows): on the grounded prompts, 2 threads, one run
+# each (2026-12-02), k = 4, 5, 7 gave 192.0, 191.5, 180.5 tok/s against 113-117 without: a
+# verifying row costs ~40 % of a one-token step (int4's two-part activations double the integer
+# dot products), so a longer run of drafts does not pay for its rejected tail. Unquantized
+# (``--dtype auto``: bf16 here, 1 + 7 = 8 rows): k = 4, 7 gave 90.1, 105.6 tok/s against ~35
+# without (a one-token step costs ~28 ms, mostly reading the weights, so each verified row is
+# nearly free). In
+# float32 k = 7 gave only 60.7 against 27.0: twice the bytes per weight, and its verifying
+# rows cost more of a step
+DRAFTS = {"int4": 4, "none": 7}
 CHAT = [
     "What are three good habits for staying healthy?",
     "Write a short story about a robot who learns to paint.",
@@ -170,13 +175,13 @@ def llamacpp_grounded(prompts: list[str], output_len: int, threads: int, lookup:
     return {"output_tok_s": produced / (time.perf_counter() - start)}
 
 
-def pyxllm_figures(output_len: int = OUTPUT_LEN) -> dict:
+def pyxllm_figures(quantization: str = QUANTIZATION, output_len: int = OUTPUT_LEN) -> dict:
     """compare.py's speculative section, pyxllm's half: grounded batch-1 output tok/s without
-    and with n-gram speculation (k = NUM_SPECULATIVE_TOKENS, pyxllm's lookup lengths), int4,
-    graph runner."""
-    engine = engine_kwargs(QUANTIZATION, GRAPH_BACKEND)
+    and with n-gram speculation (k = ``DRAFTS[quantization]``, pyxllm's lookup lengths), with
+    ``quantization`` (``none``: unquantized weights in ``--dtype auto``) and the graph runner."""
+    engine = engine_kwargs(quantization, GRAPH_BACKEND)
     off = run(grounded_prompts(), output_len, None, False, **engine)
-    on = run(grounded_prompts(), output_len, spec_config(NUM_SPECULATIVE_TOKENS), False, **engine)
+    on = run(grounded_prompts(), output_len, spec_config(DRAFTS[quantization]), False, **engine)
     return {
         "without": off["output_tok_s"],
         "with": on["output_tok_s"],
@@ -214,7 +219,9 @@ def engine_kwargs(quantization: str, graph_backend: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="batch-1 requests'")
-    parser.add_argument("--num-speculative-tokens", type=int, default=NUM_SPECULATIVE_TOKENS)
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="default: 7 unquantized, else 4"
+    )
     parser.add_argument("--prompt-lookup-min", type=int, default=None, help="default: pyxllm's")
     parser.add_argument("--quantization", default=QUANTIZATION, help="none, int8, int4, w8a8")
     parser.add_argument("--graph-backend", default=GRAPH_BACKEND)
@@ -223,7 +230,8 @@ def main() -> None:
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    spec = spec_config(args.num_speculative_tokens, args.prompt_lookup_min)
+    drafts = args.num_speculative_tokens or DRAFTS.get(args.quantization, DRAFTS["int4"])
+    spec = spec_config(drafts, args.prompt_lookup_min)
     engine = engine_kwargs(args.quantization, args.graph_backend)
     grounded = grounded_prompts()
     mixed = (grounded + free_prompts()) * 5
