@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from pyxllm.executor.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from pyxllm.executor.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_top_k_top_p,
+    exponential_draws,
+)
 from pyxllm.executor.scheduler_output import ScheduledSequence
 from pyxllm.sampling_params import SamplingParams
 
@@ -46,6 +51,19 @@ def test_top_k_top_p_keep_the_reference_sets():
         kept = set(torch.nonzero(masked[row] > float("-inf")).flatten().tolist())
         assert kept == _kept_reference(logits[row], int(top_k[row]), float(top_p[row]))
         assert torch.equal(masked[row][list(kept)], logits[row][list(kept)])
+
+
+def test_exponential_draws_follow_exp_1_and_replay_from_a_seed():
+    """Exp(1)'s quantiles -log(1 - p) within 2 % over 200k draws, and one seed's draws again."""
+    draws = exponential_draws((8, 50_000), torch.Generator().manual_seed(3))
+    assert draws.dtype == torch.float32 and bool((draws >= 0).all())
+    levels = torch.tensor([0.1, 0.5, 0.9, 0.99])
+    expected = -torch.log1p(-levels)
+    got = torch.quantile(draws.flatten()[:200_000], levels)
+    torch.testing.assert_close(got, expected, rtol=0.02, atol=0.0)
+    assert abs(draws.mean().item() - 1.0) < 0.01
+    again = exponential_draws((8, 50_000), torch.Generator().manual_seed(3))
+    assert torch.equal(draws, again)
 
 
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch():

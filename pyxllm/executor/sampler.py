@@ -6,7 +6,8 @@ draw (or argmax for greedy rows). Where ``min_tokens`` would forbid every token 
 allows (the constraint is complete but the output is still short), the constraint wins: the row
 keeps its constrained logits. Random draws use the exponential-race form of categorical sampling
 (``argmax(p / q)`` with ``q ~ Exp(1)``, as vLLM's sampler does), so a seeded request draws its
-``q`` row from its own generator and gets the same tokens whatever else is in the batch.
+``q`` row from its own generator (:func:`exponential_draws`) and gets the same tokens whatever
+else is in the batch.
 
 Logprobs are those of the distribution actually sampled from: the softmax of the logits after
 every step above (bias, penalties, temperature, min-p, top-k, top-p), so a token the settings
@@ -33,7 +34,28 @@ from pyxllm.executor.logits_processors import (
 )
 from pyxllm.executor.sampling_metadata import SamplingMetadata
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "apply_top_k_top_p"]
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "apply_top_k_top_p",
+    "exponential_draws",
+]
+
+
+def exponential_draws(
+    shape: tuple[int, ...], generator: torch.Generator, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``float32`` draws of Exp(1) of ``shape`` from ``generator`` (on its device, unless
+    ``device`` is given), as ``-log(U)`` with ``U ~ torch.rand``: the same distribution as
+    ``Tensor.exponential_``, which is ~6x slower on the CPU (7.3 against 1.2 ms for 8 x 49152
+    draws on 2 threads, a quarter of an 8-sequence decode step). ``U = 0`` (probability 2^-24
+    per value) gives ``inf``, which in ``argmax(p / q)`` only keeps that token out of this one
+    draw. The draws of a shape use a fixed amount of the generator's state, so drawing the same
+    shapes again reproduces them (seeds, :class:`~pyxllm.executor.spec_decode.GeneratorRewind`).
+    """
+    u = torch.rand(shape, generator=generator, device=device or generator.device)
+    return u.log_().neg_()
 
 
 @dataclass(slots=True)
@@ -84,7 +106,7 @@ class Sampler:
             if meta.top_k is not None or meta.top_p is not None:
                 processed = apply_top_k_top_p(processed, meta.top_k, meta.top_p)
             probs = processed.softmax(dim=-1)
-            q = torch.empty_like(probs).exponential_(generator=self.generator)
+            q = exponential_draws(probs.shape, self.generator, probs.device)
             if meta.generators:
                 self._seeded_draws(q, meta.generators)
             token_ids = torch.where(meta.greedy, greedy_ids, probs.div_(q).argmax(dim=-1))
@@ -120,8 +142,5 @@ class Sampler:
         and is copied over, so a seed gives the same draws on every device.
         """
         rows = list(generators)
-        draws = [
-            torch.empty(q.shape[1], dtype=q.dtype, device=g.device).exponential_(generator=g)
-            for g in generators.values()
-        ]
+        draws = [exponential_draws((q.shape[1],), g) for g in generators.values()]
         q[torch.tensor(rows, device=q.device)] = torch.stack(draws).to(q.device, non_blocking=True)

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
+from pyxllm.executor.sampler import exponential_draws
 from pyxllm.executor.scheduler_output import ScheduledSequence
 
 
@@ -88,10 +87,11 @@ def accept_drafts(
 class GeneratorRewind:
     """Makes seeded sequences with drafts consume one random row per emitted token.
 
-    The sampler draws one ``[vocab]`` row of exponentials per sampling row from the request's
-    generator; a sequence with ``k`` drafts draws ``1 + k`` but may emit fewer. Created before
-    sampling (saving the generators' states), :meth:`rewind` restores them and draws as many
-    rows as were emitted, so the generator is where decoding without speculation leaves it.
+    The sampler draws one ``[vocab]`` row of exponentials (:func:`exponential_draws`) per
+    sampling row from the request's generator; a sequence with ``k`` drafts draws ``1 + k`` but
+    may emit fewer. Created before sampling (saving the generators' states), :meth:`rewind`
+    restores them and draws as many rows as were emitted, so the generator is where decoding
+    without speculation leaves it.
     """
 
     def __init__(self, seqs: list[ScheduledSequence]) -> None:
@@ -110,4 +110,4 @@ class GeneratorRewind:
             generator = seqs[i].generator
             generator.set_state(state)
             for _ in emitted[i]:
-                torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
+                exponential_draws((vocab_size,), generator)
