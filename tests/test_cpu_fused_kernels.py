@@ -104,12 +104,15 @@ def test_cache_write_and_decode_attention_match_native(dtype, head_dim, window):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a8_linear_matches_native_exactly(dtype):
     """Same int8 activations, exact int32 sums and the same float32 rescaling: bit-equal, also
-    for a row of zeros, a bias, odd sizes, a Hadamard transform first, a 3-D strided input and
+    for a row of zeros, a bias, odd sizes, 1 to 8 rows, a Hadamard transform first, a 3-D strided input and
     no rows at all."""
     from pyxllm.layers.quantization import quantize_int8_per_channel
 
     g = torch.Generator().manual_seed(2)
-    for rows, k, n in [(1, 576, 960), (64, 1536, 576), (3, 40, 24), (0, 64, 32)]:
+    shapes = [(1, 576, 960), (64, 1536, 576), (3, 40, 24), (0, 64, 32)]
+    # every row count the small-batch kernel specializes, with column and input tails
+    shapes += [(rows, 200, 100) for rows in range(1, 9)]
+    for rows, k, n in shapes:
         x = torch.randn(rows, k, generator=g).to(dtype)
         if rows:
             x[0] = 0

@@ -49,6 +49,9 @@ constexpr int64_t kGroup = 32;                // input features per scale
 constexpr int64_t kTile = 16;                 // output features per tile
 constexpr int64_t kGroupBytes = kTile * kGroup / 2;
 constexpr int64_t kChunkBytes = kGroupBytes / 4;
+// How far ahead of the group it multiplies the kernel asks for the packed weights (a software
+// prefetch, 64 cache lines; see kWeightPrefetchBytes in cpu_kernels.cpp for w8a8's measurements).
+constexpr int64_t kWeightPrefetchBytes = 4096;
 constexpr int kRowBlock = 8;                  // rows computed together in one pass over a tile
 constexpr int64_t kGemmRows = 32;             // above this many rows: dequantize, then a GEMM
 constexpr int64_t kSerialMacs = int64_t{1} << 18;  // below this, no thread pool
@@ -155,6 +158,7 @@ inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, const int8_
     IntV sum1[M] = {}, sum2[M] = {};
     const uint8_t* wg = w + g * kGroupBytes;
     const int8_t* xg = xq + g * kGroup;
+    for (int c = 0; c < 4; ++c) __builtin_prefetch(wg + c * kChunkBytes + kWeightPrefetchBytes);
     for (int c = 0; c < 4; ++c) {
       IntV packed;
       std::memcpy(&packed, wg + c * kChunkBytes, sizeof packed);
