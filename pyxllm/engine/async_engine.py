@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pyxllm.config import EngineConfig
-from pyxllm.engine.engine_loop import EngineLoop
+from pyxllm.engine.engine_loop import EngineLoop, load_on_own_thread
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.outputs import RequestOutput
@@ -84,8 +84,10 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig, stats_interval: float | None = None) -> AsyncEngine:
         """Load the model (see ``LLMEngine``) and start the engine thread; with
         ``stats_interval`` (seconds), log the stats line that often while there is work
-        (:mod:`pyxllm.engine.stat_logger`)."""
-        return cls(LLMEngine(config), stats_interval)
+        (:mod:`pyxllm.engine.stat_logger`). The model loads on a thread of its own
+        (:func:`~pyxllm.engine.engine_loop.load_on_own_thread`: one OpenMP team, the engine
+        loop's)."""
+        return cls(load_on_own_thread(lambda: LLMEngine(config)), stats_interval)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit a processed request (see :attr:`input_processor`) and yield its output after

@@ -12,8 +12,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from pyxllm.engine.errors import RequestFailedError
 from pyxllm.engine.input_processor import EngineRequest
@@ -25,6 +26,38 @@ logger = logging.getLogger(__name__)
 
 # How long the idle engine loop waits for a command before it checks whether it was stopped.
 IDLE_POLL_S = 0.5
+
+T = TypeVar("T")
+
+
+def load_on_own_thread(load: Callable[[], T]) -> T:
+    """Run ``load`` (e.g. ``lambda: LLMEngine(config)``) on a thread of its own that ends
+    with it, and return what it returned; what it raised is raised here.
+
+    Why: OpenMP (libgomp, as torch's CPU wheels ship it) keeps a team of worker threads for each
+    thread that has run a parallel region, and once it manages more threads than there are
+    CPUs its workers stop spinning between regions (its throttled spin count), so each of a
+    step's few hundred parallel regions waits for a worker to wake. A model loaded (weights,
+    quantization, graph capture) on the main thread and stepped on the engine loop's made two
+    teams: an 8-sequence w8a8 decode step of the default model took 32 ms on 2 cores instead of
+    19. A thread's team goes when the thread ends, so after this the engine loop's thread is
+    the only one with a team (the API server's event loop runs no parallel regions).
+    """
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(load())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="pyxllm-load")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 @dataclass(frozen=True, slots=True)

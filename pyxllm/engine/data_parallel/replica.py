@@ -272,9 +272,10 @@ def run_replica(spec: ReplicaSpec) -> int:
         watchdog.start()
         engine, failure = None, None
         try:
+            from pyxllm.engine.engine_loop import load_on_own_thread
             from pyxllm.engine.llm_engine import LLMEngine
 
-            engine = LLMEngine(spec.config)
+            engine = load_on_own_thread(lambda: LLMEngine(spec.config))
         except Exception as exc:  # noqa: BLE001 - reported to the server, which names it
             logger.debug("replica %d failed to load", spec.index, exc_info=True)
             failure = f"{type(exc).__name__}: {exc}"
