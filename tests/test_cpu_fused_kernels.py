@@ -104,8 +104,8 @@ def test_cache_write_and_decode_attention_match_native(dtype, head_dim, window):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a8_linear_matches_native_exactly(dtype):
     """Same int8 activations, exact int32 sums and the same float32 rescaling: bit-equal, also
-    for a row of zeros, a bias, odd sizes, 1 to 8 rows, a Hadamard transform first, a 3-D strided input and
-    no rows at all."""
+    for a row of zeros, a bias, odd sizes, 1 to 8 rows, a Hadamard transform first, a 3-D
+    strided input and no rows at all."""
     from pyxllm.layers.quantization import quantize_int8_per_channel
 
     g = torch.Generator().manual_seed(2)

@@ -85,6 +85,17 @@ def test_kl_divergence_of_float32_from_itself_is_zero(tiny_llama):
     assert "Mean    KLD:   0.000000" in printed and "Same top p: 100.000" in printed
 
 
+def test_kl_of_the_int8_kv_cache_from_the_float_one_is_small_and_not_zero(tiny_llama):
+    """``--kl-base-kv-cache-dtype`` alone: the same weights, only the KV cache differs."""
+    directory, _, text = tiny_llama
+    report, printed = _run(
+        directory, text, "--kv-cache-dtype", "int8", "--kl-base-kv-cache-dtype", "auto"
+    )
+    assert report["kv_cache_dtype"] == "int8" and report["kl_base_kv_cache_dtype"] == "auto"
+    assert report["kl_base"] is None and "Mean    KLD:" in printed
+    assert 0 < report["kld_mean"] < 1e-2 and report["same_top"] > 0.9
+
+
 def test_kl_divergence_is_kl_of_the_base_from_the_run():
     torch.manual_seed(0)
     logits = torch.randn(50, 300) * 3

@@ -18,8 +18,10 @@ Scoring: each window is one prompt, run by the engine with ``SamplingParams(prom
 model as generation; the prefix cache is bypassed for such prompts). Only the second half is
 scored: the rows at positions ``ctx/2 .. ctx-2`` against tokens ``ctx/2+1 .. ctx-1``,
 ``ctx/2 - 1`` tokens a window; the first half is context. With ``--kl-base`` a second ``LLM``
-in this process (the same flags but the base's dtype or quantization) runs the same window
-next, so only one window's rows of each are ever held.
+in this process (the same flags but the base's dtype or quantization, and with
+``--kl-base-kv-cache-dtype`` its KV cache dtype) runs the same window next, so only one
+window's rows of each are ever held. ``--kv-cache-dtype int8 --kl-base-kv-cache-dtype auto``
+alone (no ``--kl-base``) measures the int8 KV cache against the float one, the weights alike.
 
 Printed as llama.cpp prints them: the running perplexity after each window (``[1]9.8765,...``)
 and ``Final estimate: PPL = x +/- u``; with ``--kl-base``, a line per window (PPL,
@@ -47,7 +49,7 @@ from pyxllm.benchmarks.ppl_stats import (
 )
 from pyxllm.benchmarks.report import write_json
 from pyxllm.benchmarks.throughput import _config_kwargs
-from pyxllm.config import COMPUTE_DTYPES, QUANTIZATIONS, EngineConfig
+from pyxllm.config import COMPUTE_DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from pyxllm.sampling_params import FULL_VOCAB_LOGPROBS, SamplingParams
 
 # What --kl-base accepts: a dtype (unquantized, in that dtype) or a quantization (in --dtype;
@@ -75,6 +77,13 @@ def add_perplexity_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="also run the model in this dtype (unquantized) or with this quantization (none: "
         "unquantized, in --dtype) and report the KL divergence from it",
+    )
+    parser.add_argument(
+        "--kl-base-kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="the KL base's KV cache dtype (default: --kv-cache-dtype's); without --kl-base "
+        "the base is the same model with this KV cache",
     )
     parser.add_argument(
         "--result-file", default=None, metavar="PATH", help="write the figures as JSON here"
@@ -106,9 +115,16 @@ def check_ctx(ctx: int, max_model_len: int) -> None:
         )
 
 
-def base_config(config: EngineConfig, base: str) -> EngineConfig:
-    """The config of the ``--kl-base`` run: ``config`` with ``base``'s dtype (unquantized) or
-    quantization (``none``: unquantized, as ``EngineConfig`` reads it)."""
+def base_config(
+    config: EngineConfig, base: str | None, kv_cache_dtype: str | None = None
+) -> EngineConfig:
+    """The config of the KL base run: ``config`` with ``base``'s dtype (unquantized) or
+    quantization (``none``: unquantized, as ``EngineConfig`` reads it; ``None``: ``config``'s
+    own), and ``kv_cache_dtype`` when given."""
+    if kv_cache_dtype is not None:
+        config = dataclasses.replace(config, kv_cache_dtype=kv_cache_dtype)
+    if base is None:
+        return config
     if base in COMPUTE_DTYPES:
         return dataclasses.replace(config, dtype=base, quantization=None)
     return dataclasses.replace(config, quantization=base)
@@ -196,7 +212,9 @@ def bench_perplexity(args: argparse.Namespace, config: EngineConfig, out=sys.std
     llm = LLM(**_config_kwargs(config))
     check_ctx(args.ctx, llm.llm_engine.max_model_len)
     windows, num_tokens, bos = text_windows(llm.get_tokenizer().hf, text, args.ctx, args.chunks)
-    base = LLM(**_config_kwargs(base_config(config, args.kl_base))) if args.kl_base else None
+    base = None
+    if args.kl_base or args.kl_base_kv_cache_dtype:
+        base = LLM(**_config_kwargs(base_config(config, args.kl_base, args.kl_base_kv_cache_dtype)))
     ppl, kl = Perplexity(), KLDivergence()
     print(
         f"perplexity: {num_tokens} tokens, {len(windows)} windows of {args.ctx} "
@@ -221,7 +239,9 @@ def bench_perplexity(args: argparse.Namespace, config: EngineConfig, out=sys.std
         "model": llm.llm_engine.model_name,
         "dtype": str(llm.llm_engine.executor.dtype).removeprefix("torch."),
         "quantization": config.quantization,
+        "kv_cache_dtype": config.kv_cache_dtype,
         "kl_base": args.kl_base,
+        "kl_base_kv_cache_dtype": args.kl_base_kv_cache_dtype,
         "ctx": args.ctx,
         "chunks": len(windows),
         "scored_tokens": len(windows) * (args.ctx // 2 - 1),
