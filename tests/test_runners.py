@@ -12,7 +12,7 @@ from pyxllm.attention.abstract import AttentionBackend
 from pyxllm.config import GRAPH_BACKEND_ALIASES, EngineConfig
 from pyxllm.entrypoints.args import parse_args
 from pyxllm.entrypoints.llm import LLM
-from pyxllm.executor.input_batch import InputBatch
+from pyxllm.executor.input_batch import InputBatch, segment_ids
 from pyxllm.executor.runners import (
     CompileRunner,
     EagerCapture,
@@ -99,6 +99,29 @@ def test_an_unknown_graph_backend_names_the_flag_and_the_spellings(capsys):
 
 
 # --- buckets and padding -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lengths", [[1] * 8, [3, 1, 1], [2, 0, 3], [0, 4], [0, 0], []])
+def test_segment_ids_equal_repeat_interleave(lengths):
+    want = torch.repeat_interleave(
+        torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long)
+    )
+    got = segment_ids(lengths)
+    assert got.dtype == torch.long and torch.equal(got, want)
+
+
+def test_an_input_batch_of_a_prefill_chunk_and_decodes_lays_out_positions_and_slots():
+    """Token positions continue each sequence's cached tokens; slots follow its block table."""
+    params = SamplingParams()
+    seqs = [
+        ScheduledSequence("a", [7, 8, 9], 4, [3, 5], True, params),  # a chunk at positions 4..6
+        ScheduledSequence("b", [1], 2, [6], True, params),  # a decode at position 2
+    ]
+    batch = InputBatch.build(SchedulerOutput(seqs), 4, torch.device("cpu"))
+    assert batch.positions.tolist() == [4, 5, 6, 2]
+    assert batch.slot_mapping.tolist() == [5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2, 6 * 4 + 2]
+    assert batch.query_start_loc.tolist() == [0, 3, 4] and batch.seq_lens.tolist() == [7, 3]
+    assert batch.logits_indices.tolist() == [2, 3] and not batch.decodes_only
 
 
 def test_capture_sizes():

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pyxllm.executor.input_batch import segment_ids
 from pyxllm.executor.logits_processors import Penalties, TokenBitmask, TokenEntries
 from pyxllm.executor.scheduler_output import ScheduledSequence
 
@@ -122,8 +123,7 @@ def _penalties(seqs: list[ScheduledSequence], vocab_size: int, device: torch.dev
     outputs = [h[n:] for h, n in zip(histories, splits)]
 
     def index(parts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        lens = torch.tensor([len(x) for x in parts], dtype=torch.long)
-        row = torch.repeat_interleave(torch.arange(len(parts)), lens)
+        row = segment_ids([len(x) for x in parts])
         ids = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long)
         return row.to(device, non_blocking=True), ids.to(device, non_blocking=True)
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from pyxllm.attention.abstract import AttentionBackend
+from pyxllm.executor.input_batch import segment_ids
 from pyxllm.executor.runners.base import Runner
 from pyxllm.layers.forward_context import ForwardContext, set_forward_context
 
@@ -234,8 +235,7 @@ class GraphRunner(Runner):
         n, width = len(batch.input_ids), batch.block_tables.shape[1]
         tables = batch.block_tables
         if n != len(batch.query_lens):  # some sequence verifies drafts: a row per token
-            counts = torch.tensor(batch.query_lens, device=tables.device)
-            tables = tables.repeat_interleave(counts, dim=0)
+            tables = tables.index_select(0, segment_ids(batch.query_lens).to(tables.device))
         self.input_ids[:n].copy_(batch.input_ids)
         self.input_ids[n:size].zero_()
         self.positions[:n].copy_(batch.positions)
