@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pyxllm.config import EngineConfig
 from pyxllm.engine.engine_loop import EngineLoop, load_on_own_thread
+from pyxllm.engine.errors import EngineDeadError
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.outputs import RequestOutput
@@ -145,6 +146,13 @@ class AsyncEngine:
         """What ``/health`` shows beside its 200 when the engine serves but not fully (a
         data-parallel replica is gone); always ``None`` for one engine."""
         return None
+
+    def fail_requests(self, reason: str) -> None:
+        """End every open request with :class:`EngineDeadError` (``reason``): the engine is
+        lost (:meth:`fatal_error`) and the server stops next. Its loop may still be blocked in
+        the step a dead TP worker broke, so the requests are not left to learn it from there."""
+        for stream in list(self._streams.values()):
+            stream.put(EngineDeadError(f"{reason}; the request was lost"))
 
     def shutdown(self) -> None:
         """Stop the engine thread (pending requests get an error), then the TP workers, if any."""

@@ -502,6 +502,12 @@ class DataParallelEngine:
             replica.failure for replica in self.replicas
         )
 
+    def fail_requests(self, reason: str) -> None:
+        """End every request still open with :class:`EngineDeadError` (``reason``): no replica
+        is left and the server stops next (each replica's own requests failed as it died)."""
+        for in_flight in list(self._requests.values()):
+            in_flight.stream.put(EngineDeadError(f"{reason}; the request was lost"))
+
     def health_detail(self) -> dict | None:
         """``None`` while every replica serves; else the degraded state ``/health`` shows:
         ``{"status": "degraded", "data_parallel_size", "replicas_alive", "replicas": [{"replica",

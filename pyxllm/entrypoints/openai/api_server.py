@@ -245,7 +245,8 @@ _FATAL_HARD_EXIT_S = 20.0
 
 class _Server(uvicorn.Server):
     """A uvicorn server that logs one line with the URL once it is listening, and stops when
-    ``engine.fatal_error()`` says the engine is lost (``fatal`` then holds the reason).
+    ``engine.fatal_error()`` says the engine is lost (``fatal`` then holds the reason; the open
+    requests fail with it first, ``engine.fail_requests``).
 
     On SIGTERM/SIGINT uvicorn stops listening (new connections are refused, as a load balancer
     expects), closes idle keep-alive connections, and waits up to ``--shutdown-timeout``
@@ -269,6 +270,7 @@ class _Server(uvicorn.Server):
         if self.fatal is None and self.engine is not None and (fatal := self.engine.fatal_error()):
             self.fatal, self._fatal_at = fatal, time.monotonic()
             logger.error("%s; stopping the server", fatal)
+            self.engine.fail_requests(fatal)  # their streams end with the error before we stop
             timer = threading.Timer(_FATAL_HARD_EXIT_S, os._exit, args=(1,))
             timer.daemon = True
             timer.start()
