@@ -52,7 +52,8 @@ def load_on_own_thread(load: Callable[[], T]) -> T:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             failure.append(exc)
 
-    thread = threading.Thread(target=run, name="pyxllm-load")
+    # a daemon: Ctrl-C during a load interrupts the join and the process exits without it
+    thread = threading.Thread(target=run, name="pyxllm-load", daemon=True)
     thread.start()
     thread.join()
     if failure:
