@@ -212,6 +212,45 @@ def test_outputs_cross_as_deltas_and_are_rebuilt_whole():
     assert sink._sent == {}  # a finished request is forgotten
 
 
+def test_replica_channels_probe_a_silent_peer_and_still_carry_messages():
+    """Both ends of a replica connection have TCP keepalive and a user timeout, so a replica
+    whose node vanishes (no FIN, no RST) ends its channel instead of hanging it; messages still
+    cross. (A vanished node cannot be made on one machine without firewall rules.)"""
+    import socket
+    import threading
+
+    from pyxllm.engine.data_parallel import wire
+
+    key = os.urandom(16)
+    listener = wire.listen("127.0.0.1", key)
+    accepted = []
+    thread = threading.Thread(target=lambda: accepted.append(wire.Channel(listener.accept())))
+    thread.start()
+    replica_end = wire.connect(listener.address, key)
+    thread.join(timeout=10)
+    [server_end] = accepted
+    try:
+        for channel in (server_end, replica_end):
+            sock = socket.socket(fileno=os.dup(channel.conn.fileno()))
+            try:
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == (
+                    wire.KEEPALIVE_IDLE_S
+                )
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == (
+                    wire.USER_TIMEOUT_MS
+                )
+            finally:
+                sock.close()
+        replica_end.send(wire.HelloMessage(3, 1234))
+        assert server_end.recv() == wire.HelloMessage(3, 1234)
+        replica_end.close()
+        assert server_end.recv() is None  # a closed peer still reads as the end
+    finally:
+        server_end.close()
+        listener.close()
+
+
 def test_data_parallel_flags_and_their_errors(capsys):
     from pyxllm.entrypoints.args import parse_args
 

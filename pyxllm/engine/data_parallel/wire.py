@@ -13,12 +13,15 @@ API server -> replica: :class:`AddMessage`, :class:`AbortMessage`, :class:`Scrap
 then :class:`ReadyMessage` or :class:`StartFailedMessage`, then :class:`OutputsMessage` (one per
 engine step), :class:`FailedMessage`, :class:`ScrapeReply` and, before it exits on a fatal
 error, :class:`DeadMessage`. A replica that dies closes the connection: end-of-file is how the
-server learns of it, however it died.
+server learns of it, however it died; a peer whose node vanished (no FIN, no RST) is found
+by TCP itself (:func:`keep_alive`).
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import socket
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
@@ -120,15 +123,44 @@ class DeadMessage:
     error: str
 
 
+# A connection idle this long is probed (seconds), this often, this many times unanswered
+# before the kernel ends it; data sent but unacknowledged this long ends it too (ms). A peer
+# whose node vanished is so found within ~15 s instead of never (idle) or ~15 min (Linux's
+# retransmission limit).
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 5
+USER_TIMEOUT_MS = 15_000
+
+
+def keep_alive(conn: Connection) -> None:
+    """Turn on TCP keepalive probes and a user timeout on ``conn``'s socket (the options that
+    exist on this OS), so that reading or writing to a peer that silently vanished fails
+    (``OSError``: the channel's end) instead of blocking forever."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))  # the same socket; closing the dup only
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (
+            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+            ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+            ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS),
+        ):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    finally:
+        sock.close()
+
+
 class Channel:
     """One end of a replica connection: whole messages, sent from any thread.
 
-    ``recv`` is for one reader thread; ``send`` may be called from several.
+    ``recv`` is for one reader thread; ``send`` may be called from several. The socket gets
+    :func:`keep_alive`'s options.
     """
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self._send_lock = threading.Lock()
+        keep_alive(conn)
 
     def send(self, message: object) -> None:
         """Send one message.
