@@ -176,8 +176,8 @@ def test_outputs_cross_as_deltas_and_are_rebuilt_whole():
     from types import SimpleNamespace
 
     from pyxllm import SamplingParams
-    from pyxllm.engine.data_parallel.client import _InFlight
     from pyxllm.engine.data_parallel.replica import _ChannelSink
+    from pyxllm.engine.data_parallel.replica_client import InFlightRequest
     from pyxllm.engine.input_processor import EngineRequest
     from pyxllm.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -185,7 +185,7 @@ def test_outputs_cross_as_deltas_and_are_rebuilt_whole():
     engine = SimpleNamespace(requests={"r": None}, parents={})
     sink = _ChannelSink(SimpleNamespace(send=messages.append), engine)
     request = EngineRequest("r", [5, 6, 7], "a prompt", SamplingParams(n=2), 0.0)
-    in_flight = _InFlight(request, 0, stream=None)
+    in_flight = InFlightRequest(request, 0, stream=None)
     prompt_logprobs = [None, {6: Logprob(-1.0)}, {7: Logprob(-2.0)}]
 
     def full(step: int, finished: bool = False) -> RequestOutput:
