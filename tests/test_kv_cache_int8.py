@@ -91,6 +91,36 @@ def test_flag_values():
         EngineConfig(kv_cache_dtype="fp8")
 
 
+def test_only_backends_that_read_int8_rows_take_the_flag(monkeypatch):
+    """The CPU's paged attention reads the int8 rows; Ascend's and flash-attn's kernels read
+    float K/V, so the executor refuses ``--kv-cache-dtype int8`` on them at start-up."""
+    import importlib
+    import sys
+    import types
+
+    from pyxllm.attention.torch_paged import TorchPagedAttentionBackend
+
+    flash_attn_stub = types.ModuleType("flash_attn")  # stand-ins: only the classes are read
+    flash_attn_stub.flash_attn_varlen_func = flash_attn_stub.flash_attn_with_kvcache = None
+    monkeypatch.setitem(sys.modules, "flash_attn", flash_attn_stub)
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    import pyxllm.attention
+
+    names = ("npu", "flash_attn")
+    for name in names:  # imported afresh on the stand-ins, and forgotten afterwards
+        monkeypatch.delitem(sys.modules, f"pyxllm.attention.{name}", raising=False)
+        monkeypatch.delattr(pyxllm.attention, name, raising=False)
+    try:
+        npu, flash_attn = (importlib.import_module(f"pyxllm.attention.{n}") for n in names)
+        assert TorchPagedAttentionBackend.supports_int8_kv_cache
+        assert not npu.NPUAttentionBackend.supports_int8_kv_cache
+        assert not getattr(flash_attn.FlashAttnBackend, "supports_int8_kv_cache", False)
+    finally:
+        for name in names:
+            sys.modules.pop(f"pyxllm.attention.{name}", None)
+            vars(pyxllm.attention).pop(name, None)
+
+
 @pytest.fixture(scope="module")
 def int8_engine():
     return LLM(dtype="float32", kv_cache_dtype="int8", **ENGINE)

@@ -67,7 +67,13 @@ class NPUAttentionStep(TorchPagedAttentionStep):
 
 
 class NPUAttentionBackend(TorchPagedAttentionBackend):
-    """Builds an :class:`NPUAttentionStep` per step; ``build_decode`` (graphs) is inherited."""
+    """Builds an :class:`NPUAttentionStep` per step; ``build_decode`` (graphs) is inherited.
+
+    No int8 KV cache: ``torch_npu``'s paged attention reads float K/V rows, not the
+    int8-with-scale rows of ``--kv-cache-dtype int8`` (the flag is refused at start-up).
+    """
+
+    supports_int8_kv_cache = False
 
     def build(self, batch) -> NPUAttentionStep:
         """``batch``: an ``InputBatch``."""
