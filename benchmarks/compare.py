@@ -189,6 +189,12 @@ def pyxllm_figures(prompts, output_len: int, fresh) -> dict:
     return figures
 
 
+def pyxllm_serve_cmd(port: int, *flags: str) -> list[str]:
+    """The command serving with pyxllm (this interpreter's ``pyxllm serve``) on ``port``, with
+    ``flags``."""
+    return [sys.executable, "-m", "pyxllm.entrypoints.cli", "serve", "--port", str(port), *flags]
+
+
 def start_server(name: str, cmd: list[str], port: int, threads: int) -> subprocess.Popen:
     """Start the server ``cmd`` with ``threads`` OpenMP threads and wait until it answers ``GET
     http://127.0.0.1:{port}/v1/models`` (at most 300 s). Its output goes to a temporary file,
@@ -260,13 +266,8 @@ def serving(
     llama-cpp-python server under ``concurrency`` clients, after the ``warmup`` prompts."""
     path = default_gguf_path()
     servers = {
-        "pyxllm": [
-            sys.executable,
-            "-m",
-            "pyxllm.entrypoints.cli",
-            "serve",
-            "--port",
-            "18931",
+        "pyxllm": pyxllm_serve_cmd(
+            18931,
             "--quantization",
             "w8a8",
             "--max-model-len",
@@ -275,7 +276,7 @@ def serving(
             "0.5",
             "--graph-backend",
             GRAPH_BACKEND,
-        ]
+        )
     }
     if llamacpp:
         servers["llama.cpp"] = [

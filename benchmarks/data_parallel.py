@@ -30,10 +30,9 @@ import asyncio
 import json
 import os
 import random
-import sys
 
 import httpx
-from compare import log, start_server
+from compare import log, pyxllm_serve_cmd, start_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from pyxllm.benchmarks.metrics import compute_metrics
@@ -84,20 +83,15 @@ def prefix_cache_totals(url: str) -> tuple[float, float]:
 def serve_and_measure(args, flags: list[str], prompts, replicas: int) -> dict:
     """Start a server with ``flags`` (``replicas`` of them), warm each replica up, run
     ``prompts`` through it; its figures."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pyxllm.entrypoints.cli",
-        "serve",
-        "--port",
-        str(PORT),
+    cmd = pyxllm_serve_cmd(
+        PORT,
         "--max-model-len",
         "1024",
         "--kv-cache-memory",
         str(args.kv_cache_memory),
         "--disable-log-stats",
         *flags,
-    ]
+    )
     root, base = f"http://127.0.0.1:{PORT}", f"http://127.0.0.1:{PORT}/v1"
     proc = start_server("pyxllm serve", cmd, PORT, args.threads)
     try:

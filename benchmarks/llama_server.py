@@ -24,10 +24,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-from compare import GRAPH_BACKEND, log, measure_server, ratio_lines
+from compare import GRAPH_BACKEND, log, measure_server, pyxllm_serve_cmd, ratio_lines
 
 from pyxllm.benchmarks.prompts import make_prompts
 from pyxllm.weights.source import default_gguf_path
@@ -107,10 +106,12 @@ def serving(
     servers = {
         "pyxllm": (
             18933,
-            [sys.executable, "-m", "pyxllm.entrypoints.cli", "serve"]
-            + f"--port 18933 --quantization w8a8 --graph-backend {GRAPH_BACKEND} "
-            f"--max-model-len {slot_len} --kv-cache-memory 1.0 "
-            f"--max-seqs-per-batch {max(64, slots)}".split(),
+            pyxllm_serve_cmd(
+                18933,
+                *f"--quantization w8a8 --graph-backend {GRAPH_BACKEND} "
+                f"--max-model-len {slot_len} --kv-cache-memory 1.0 "
+                f"--max-seqs-per-batch {max(64, slots)}".split(),
+            ),
         ),
         "llama-server": (
             18934,

@@ -20,10 +20,9 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 
-from compare import log, start_server
+from compare import log, pyxllm_serve_cmd, start_server
 
 from pyxllm.benchmarks.metrics import compute_metrics
 from pyxllm.benchmarks.prompts import load_tokenizer, make_prompts
@@ -60,20 +59,15 @@ def main() -> None:
     args = parser.parse_args()
 
     prompts = make_prompts(load_tokenizer(None), args.num_prompts, args.input_len, "random", 0)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pyxllm.entrypoints.cli",
-        "serve",
-        "--port",
-        str(PORT),
+    cmd = pyxllm_serve_cmd(
+        PORT,
         "--max-model-len",
         "1024",
         "--kv-cache-memory",
         "0.5",
         "--structured-outputs-backend",
         args.backend,
-    ]
+    )
     proc = start_server("pyxllm serve", cmd, PORT, args.threads)
     url, results = f"http://127.0.0.1:{PORT}/v1", {}
     try:
