@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from pyxllm.kernels import native
 from pyxllm.kernels.cpu import fused
-from pyxllm.kernels.native.quantized import dequantize_int4
 
 pytestmark = pytest.mark.skipif(
     fused.load() is None, reason="the fused CPU kernels could not be built here"
@@ -142,14 +141,61 @@ def test_w8a8_linear_matches_native_exactly(dtype):
         fused.w8a8_linear(x[..., :64], q, scales)
 
 
-def w4a8_reference(x: torch.Tensor, q: torch.Tensor, scales_and_zeros: torch.Tensor):
-    """``(y, terms, bound)``: ``int4_linear``'s arithmetic in float64 (csrc/int4_linear.cpp),
+class Grouped:
+    """One of the grouped weight formats of ``csrc/group_linear.cpp``: ``int4`` (``W = (q - 8)
+    scale + zero``, q in 0..15) or ``int8`` (``W = q scale + zero``, q in -128..127), with its
+    quantizer, pack, kernel and reference."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.offset = name, 8 if name == "int4" else 0
+        self.pack = getattr(
+            fused, f"pack_{name}_weight" if name == "int4" else "pack_int8_group_weight"
+        )
+        self.kernel = getattr(fused, "int4_linear" if name == "int4" else "int8_group_linear")
+        self.reference = getattr(native, "int4_linear" if name == "int4" else "int8_group_linear")
+        self.native_pack = getattr(
+            native, "pack_int4_weight" if name == "int4" else "pack_int8_group_weight"
+        )
+
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q [N, K], scales_and_zeros [K/32, N, 2] float32)`` of ``w``: int4 by the Q4_1 rule;
+        int8 around each group's mean (a nonzero zero, as GGUF's 5-bit formats have), the
+        largest deviation at +-127."""
+        from pyxllm.layers.quantization import quantize_int4_groups
+
+        if self.name == "int4":
+            return quantize_int4_groups(w)
+        n, k = w.shape
+        g = w.view(n, k // 32, 32)
+        zero = g.mean(-1)
+        scale = (g - zero.unsqueeze(-1)).abs().amax(-1) / 127
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        q = torch.round((g - zero.unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(-128, 127)
+        return q.to(torch.int8).view(n, k), torch.stack((scale, zero), -1).transpose(0, 1)
+
+    def weights(self, q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` float64 weights the format stands for."""
+        n, k = q.shape
+        scale, zero = (scales_and_zeros[..., i].double().t().unsqueeze(-1) for i in (0, 1))
+        w = (q.double().view(n, k // 32, 32) - self.offset) * scale + zero
+        return w.view(n, k)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+GROUPED = [Grouped("int4"), Grouped("int8")]
+
+
+def grouped_reference(fmt: Grouped, x: torch.Tensor, q: torch.Tensor, scales_and_zeros):
+    """``(y, terms, bound)``: the grouped kernels' arithmetic in float64 (csrc/group_linear.cpp),
     each row's groups of 32 as ``x / s ~= q1 + q2 / 254`` (both int8, ``s = max |x| / 127``,
     quantized in float32 as the kernel does), the integer dot products with the weights' q,
-    then the group's scale and zero; ``terms``, the sum of those two products' magnitudes over
-    the groups (float32 rounds each, and they cancel: ``(q - 8) * scale + zero`` has a large
-    zero); ``bound``, that of ``y``'s difference from float activations: ``|x - s (q1 + q2 /
-    254)| <= s / 508`` per activation, times the group's ``sum |W|``."""
+    then the group's scale and the float sum of x times what q = 0 stands for; ``terms``, the
+    sum of those two products' magnitudes over the groups (float32 rounds each, and they cancel:
+    int4's ``(q - 8) * scale + zero`` has a large zero); ``bound``, that of ``y``'s difference
+    from float activations: ``|x - s (q1 + q2 / 254)| <= s / 508`` per activation, times the
+    group's ``sum |W|``."""
     rows, k = x.shape
     n, groups = q.shape[0], k // 32
     xg = x.float().view(rows, groups, 32)
@@ -161,86 +207,101 @@ def w4a8_reference(x: torch.Tensor, q: torch.Tensor, scales_and_zeros: torch.Ten
     qg = q.double().view(n, groups, 32)
     scale, zero = (scales_and_zeros[..., i].double().t() for i in (0, 1))  # [N, groups]
     dots = torch.einsum("rgk,ngk->rng", q1.double() + q2.double() / 254, qg) * step.unsqueeze(1)
-    products = (dots * scale, (zero - 8 * scale) * xg.double().sum(-1).unsqueeze(1))
+    low = zero - fmt.offset * scale
+    products = (dots * scale, low * xg.double().sum(-1).unsqueeze(1))
     y = (products[0] + products[1]).sum(-1)
     terms = (products[0].abs() + products[1].abs()).sum(-1)
-    weight = (qg - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)  # [N, groups, 32]
+    weight = fmt.weights(q, scales_and_zeros).view(n, groups, 32)
     bound = torch.einsum("rg,ng->rn", step / 508, weight.abs().sum(-1))
     return y, terms, bound
 
 
+@pytest.mark.parametrize("fmt", GROUPED, ids=repr)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int4_linear_is_the_w4a8_arithmetic_and_near_float_activations(dtype):
+def test_grouped_linear_is_the_w_a8_arithmetic_and_near_float_activations(fmt, dtype):
     """Against the same arithmetic in float64: within float32's rounding of it (bfloat16: and
     the output's rounding); that arithmetic against float activations times the same weights:
     within the activations' two-part rounding bound; with a bias, a 3-D strided input, a group
     of zeros and no rows."""
-    from pyxllm.layers.quantization import quantize_int4_groups
-
     g = torch.Generator().manual_seed(4)
     for rows, k, n in [(1, 576, 192), (8, 1536, 96), (21, 64, 32)]:
-        q, scales_and_zeros = quantize_int4_groups(torch.randn(n, k, generator=g) * 0.05)
+        q, scales_and_zeros = fmt.quantize(torch.randn(n, k, generator=g) * 0.05)
         scales_and_zeros = scales_and_zeros.to(dtype)
-        packed, pairs = fused.pack_int4_weight(q, scales_and_zeros)
+        packed, pairs = fmt.pack(q, scales_and_zeros)
         x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(dtype)
         x[0, :32] = 0  # a group of zeros: scale 0, no division by it
-        want, terms, bound = w4a8_reference(x, q, scales_and_zeros)
+        want, terms, bound = grouped_reference(fmt, x, q, scales_and_zeros)
         # float32 rounds each group's two products, their sum and the running sum: at most
-        # (k/32 + 2) roundings of eps/2 of the terms; then the output is rounded to its dtype
-        rounding = (k // 32 + 2) * torch.finfo(torch.float32).eps * terms
+        # (k/32 + 2) roundings of eps/2 of the terms; int8's integer sums (up to 32 * 128 * 127
+        # * 254 > 2**24) are rounded once more when converted; then the output is rounded to
+        # its dtype
+        per_group = 1 if fmt.name == "int4" else 2
+        rounding = (per_group * k // 32 + 2) * torch.finfo(torch.float32).eps * terms
         ulp = 0.0 if dtype == torch.float32 else 2.0**-8
-        got = fused.int4_linear(x, packed, pairs, 32)
+        got = fmt.kernel(x, packed, pairs, 32)
         assert got.dtype == dtype and got.shape == (rows, n)
         assert bool(((got.double() - want).abs() <= rounding + ulp * want.abs()).all())
-        exact = F.linear(x.double(), dequantize_int4(q, scales_and_zeros.double(), 32))
+        exact = F.linear(x.double(), fmt.weights(q, scales_and_zeros))
         assert bool(((want - exact).abs() <= bound + 1e-12).all())
         bias = torch.randn(n, generator=g).to(dtype)
-        with_bias = fused.int4_linear(x, packed, pairs, 32, bias).double()
+        with_bias = fmt.kernel(x, packed, pairs, 32, bias).double()
         want = want + bias.double()
         add = torch.finfo(torch.float32).eps + 2 * ulp  # the bias added in float32, rounded
         assert bool(((with_bias - want).abs() <= rounding + add * want.abs()).all())
     strided = torch.randn(2, 3, 2 * k, generator=g).to(dtype)[..., ::2]
     assert torch.equal(
-        fused.int4_linear(strided, packed, pairs, 32),
-        fused.int4_linear(strided.contiguous(), packed, pairs, 32),
+        fmt.kernel(strided, packed, pairs, 32), fmt.kernel(strided.contiguous(), packed, pairs, 32)
     )
-    assert fused.int4_linear(strided, packed, pairs, 32).shape == (2, 3, n)
-    assert fused.int4_linear(x[:0], packed, pairs, 32).shape == (0, n)
+    assert fmt.kernel(strided, packed, pairs, 32).shape == (2, 3, n)
+    assert fmt.kernel(x[:0], packed, pairs, 32).shape == (0, n)
 
 
+def test_int8_group_linear_takes_the_extreme_weights():
+    """q = -128 (|q| = 128 as an unsigned byte) and 127 against activations of +-127: the
+    AVX2 pairs of products (at most 2 * 128 * 127) do not saturate."""
+    q = torch.full((16, 64), -128, dtype=torch.int8)
+    q[::2] = 127
+    scales_and_zeros = torch.ones(2, 16, 2)
+    scales_and_zeros[..., 1] = 0
+    x = torch.ones(1, 64)
+    x[0, 1::2] = -1
+    x[0, :2] = 1
+    got = fused.int8_group_linear(x, *fused.pack_int8_group_weight(q, scales_and_zeros), 32)
+    want = F.linear(x.double(), q.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", GROUPED, ids=repr)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int4_linear_of_many_rows_is_a_gemm_on_the_dequantized_weights(dtype):
+def test_grouped_linear_of_many_rows_is_a_gemm_on_the_dequantized_weights(fmt, dtype):
     """Above 32 rows (a prefill) the kernel dequantizes the weights and runs a GEMM: the
     reference's result (dequantize, ``F.linear``) up to the rounding of the weights to the
     dtype and of the sums."""
-    from pyxllm.layers.quantization import quantize_int4_groups
-
     g = torch.Generator().manual_seed(6)
-    q, scales_and_zeros = quantize_int4_groups(torch.randn(96, 576, generator=g) * 0.05)
+    q, scales_and_zeros = fmt.quantize(torch.randn(96, 576, generator=g) * 0.05)
     scales_and_zeros = scales_and_zeros.to(dtype)
     x, bias = torch.randn(40, 576, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
-    got = fused.int4_linear(x, *fused.pack_int4_weight(q, scales_and_zeros), 32, bias)
-    want = native.int4_linear(x, *native.pack_int4_weight(q, scales_and_zeros), 32, bias)
+    got = fmt.kernel(x, *fmt.pack(q, scales_and_zeros), 32, bias)
+    want = fmt.reference(x, *fmt.native_pack(q, scales_and_zeros), 32, bias)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_int4_linear_gives_a_row_the_same_bits_in_any_batch():
+@pytest.mark.parametrize("fmt", GROUPED, ids=repr)
+def test_grouped_linear_gives_a_row_the_same_bits_in_any_batch(fmt):
     """Up to 32 rows, every row is computed by the same instructions whatever the other rows
     are (so a sequence verifying speculative drafts gets the logits it gets one token at a
     time)."""
-    from pyxllm.layers.quantization import quantize_int4_groups
-
     g = torch.Generator().manual_seed(5)
-    q, scales_and_zeros = quantize_int4_groups(torch.randn(64, 576, generator=g))
+    q, scales_and_zeros = fmt.quantize(torch.randn(64, 576, generator=g))
     for dtype in (torch.float32, torch.bfloat16):  # float32 shows every bit of the sums
-        packed, pairs = fused.pack_int4_weight(q, scales_and_zeros.to(dtype))
+        packed, pairs = fmt.pack(q, scales_and_zeros.to(dtype))
         x = torch.randn(32, 576, generator=g).to(dtype)
-        alone = torch.cat([fused.int4_linear(row[None], packed, pairs, 32) for row in x])
+        alone = torch.cat([fmt.kernel(row[None], packed, pairs, 32) for row in x])
         for rows in range(2, 33):
-            assert torch.equal(fused.int4_linear(x[:rows], packed, pairs, 32), alone[:rows])
-        assert torch.equal(fused.int4_linear(x.flip(0), packed, pairs, 32), alone.flip(0))
+            assert torch.equal(fmt.kernel(x[:rows], packed, pairs, 32), alone[:rows])
+        assert torch.equal(fmt.kernel(x.flip(0), packed, pairs, 32), alone.flip(0))
 
 
 def test_int4_linear_refuses_what_it_cannot_compute():

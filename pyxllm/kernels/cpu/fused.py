@@ -15,8 +15,9 @@ development machine's AVX2 CPU, over weights streaming from memory as a model's 
 of SmolLM2's projections, 424 MB of float32), MKL took 53 ms for one row and 101 ms for five;
 this kernel 26 and 34 ms (and the LM head's 113 MB in 7 ms instead of 14).
 
-One is ``int4_linear`` (``csrc/int4_linear.cpp``), ``--quantization int4``'s matmul: int8
-activations in two parts and integer dot products, one pass over the weights for up to 8 rows.
+Two are ``int4_linear`` and ``int8_group_linear`` (``csrc/group_linear.cpp``), the matmuls of
+``--quantization int4`` and of GGUF weights kept as stored: int8 activations in two parts and
+integer dot products, one pass over the weights for up to 8 rows.
 
 The library is built on first use and cached (``pyxllm.kernels.cpu.build``). Where that fails
 (no compiler, a stale lock), :func:`load` returns ``None`` after one warning, and with
@@ -41,8 +42,10 @@ KERNELS = (
     "apply_rotary_emb",
     "fused_add_rms_norm",
     "int4_linear",
+    "int8_group_linear",
     "linear",
     "pack_int4_weight",
+    "pack_int8_group_weight",
     "paged_attention_decode",
     "reshape_and_cache",
     "rms_norm",
@@ -86,6 +89,10 @@ def _register_fakes() -> None:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake(lib + "int4_linear")
+    def _(x, packed, scales_and_zeros, group_size, bias):
+        return x.new_empty(*x.shape[:-1], packed.shape[0] * INT4_TILE)
+
+    @torch.library.register_fake(lib + "int8_group_linear")
     def _(x, packed, scales_and_zeros, group_size, bias):
         return x.new_empty(*x.shape[:-1], packed.shape[0] * INT4_TILE)
 
@@ -227,7 +234,7 @@ def pack_int4_weight(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` (``[N, K]``, values ``0..15``) and ``scales_and_zeros`` (``[K/32, N, 2]``) in
     :func:`int4_linear`'s layout, tiles of 16 output features with each tile's groups of 32
-    input features one after the other (``csrc/int4_linear.cpp``): ``[N/16, 8 K]`` uint8, two
+    input features one after the other (``csrc/group_linear.cpp``): ``[N/16, 8 K]`` uint8, two
     weights a byte, and ``[N/16, K/32, 16, 2]``.
 
     Raises:
@@ -256,7 +263,7 @@ def int4_linear(
 ) -> torch.Tensor:
     """``pyxllm.kernels.native.int4_linear``'s weights with int8 activations (W4A8) up to 32
     rows: each row's groups of 32 activations quantized to two int8 parts (~15 bits), integer
-    dot products per group (VNNI where the CPU has it), see ``csrc/int4_linear.cpp``. One pass
+    dot products per group (VNNI where the CPU has it), see ``csrc/group_linear.cpp``. One pass
     over the weights serves up to 8 rows, and a row's result does not depend on the other rows.
     Above 32 rows, the dequantized weights in a BLAS GEMM.
 
@@ -270,3 +277,53 @@ def int4_linear(
         RuntimeError: a shape, dtype or group size the kernel does not take.
     """
     return torch.ops.pyxllm_cpu.int4_linear.default(x, packed, scales_and_zeros, group_size, bias)
+
+
+def pack_int8_group_weight(
+    q: torch.Tensor, scales_and_zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` (``[N, K]`` int8) and ``scales_and_zeros`` (``[K/32, N, 2]``) in
+    :func:`int8_group_linear`'s layout, tiles of 16 output features with each tile's groups of 32
+    input features one after the other, four input features of a lane together
+    (``csrc/group_linear.cpp``): ``[N/16, 16 K]`` uint8 (the int8 bits) and ``[N/16, K/32, 16, 2]``.
+
+    Raises:
+        ValueError: ``N`` not a multiple of 16 or ``K`` not a multiple of 32.
+    """
+    n, k = q.shape
+    if n % INT4_TILE or k % 32:
+        raise ValueError(
+            f"grouped int8 weights need a multiple of {INT4_TILE} output and 32 input features "
+            f"on CPU, got {n} x {k}"
+        )
+    tiles, groups = n // INT4_TILE, k // 32
+    # [tile, lane, group, chunk, byte] -> [tile, group, chunk, lane, byte]
+    t = q.to(torch.int8).view(torch.uint8).view(tiles, INT4_TILE, groups, 8, 4)
+    packed = t.permute(0, 2, 3, 1, 4).contiguous().view(tiles, k * INT4_TILE)
+    pairs = scales_and_zeros.view(groups, tiles, INT4_TILE, 2).transpose(0, 1).contiguous()
+    return packed, pairs
+
+
+def int8_group_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``pyxllm.kernels.native.int8_group_linear``'s weights with int8 activations (W8A8 in groups
+    of 32), the arithmetic of :func:`int4_linear` with signed 8-bit weights: a row's result does
+    not depend on the other rows up to 32 rows; above, the dequantized weights in a BLAS GEMM.
+
+    Args:
+        x: ``[..., K]`` float32 or bfloat16; packed, scales_and_zeros: from
+            :func:`pack_int8_group_weight`, the latter in ``x.dtype``; group_size: 32; bias:
+            ``[N]`` or None.
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+    Raises:
+        RuntimeError: a shape, dtype or group size the kernel does not take.
+    """
+    return torch.ops.pyxllm_cpu.int8_group_linear.default(
+        x, packed, scales_and_zeros, group_size, bias
+    )

@@ -16,7 +16,14 @@ from pyxllm.kernels.native.paged_attention import (
     paged_attention_prefill,
     reshape_and_cache,
 )
-from pyxllm.kernels.native.quantized import int4_linear, int8_linear, pack_int4_weight, w8a8_linear
+from pyxllm.kernels.native.quantized import (
+    int4_linear,
+    int8_group_linear,
+    int8_linear,
+    pack_int4_weight,
+    pack_int8_group_weight,
+    w8a8_linear,
+)
 
 __all__ = [
     "apply_rotary_emb",
@@ -25,9 +32,11 @@ __all__ = [
     "fused_moe",
     "fused_topk",
     "int4_linear",
+    "int8_group_linear",
     "int8_linear",
     "linear",
     "pack_int4_weight",
+    "pack_int8_group_weight",
     "paged_attention_decode",
     "paged_attention_prefill",
     "reshape_and_cache",

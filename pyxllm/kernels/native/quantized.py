@@ -12,6 +12,10 @@ Formats (chosen so the CPU kernels of ATen take them as they are, see ``kernels.
   The reference keeps ``q`` unpacked, one ``uint8`` per weight; a platform packs ``q`` and the
   scales its own way (``pack_int4_weight``), and only its own ``int4_linear`` reads the packed
   form.
+- int8 in groups of ``group_size`` (32) input features: ``W[n, k] ~= q[n, k] * scale[g, n] +
+  zero[g, n]`` with ``q`` int8 ``[N, K]`` and ``scales_and_zeros`` ``[K / group_size, N, 2]`` in
+  the activations' dtype: GGUF's Q8_0 blocks (zero 0) and its 5-bit ones with ``q`` made signed
+  (``pyxllm.weights.gguf_blocks``), kept as stored.
 - w8a8 (int8 weights and int8 activations): the int8 weight format above with ``scales`` in
   float32, and activations quantized per token when the layer runs (symmetric, dynamic:
   ``scale[m] = max_k |x[m, k]| / 127``), so the matmul itself is int8 x int8 -> int32, the
@@ -79,6 +83,43 @@ def int4_linear(
         ``[..., N]`` in ``x.dtype``.
     """
     return F.linear(x, dequantize_int4(packed, scales_and_zeros, group_size), bias)
+
+
+def pack_int8_group_weight(
+    q: torch.Tensor, scales_and_zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's grouped int8 storage: ``q`` (``[N, K]`` int8) and ``scales_and_zeros``
+    (``[K/G, N, 2]``) as given."""
+    return q.to(torch.int8), scales_and_zeros
+
+
+def dequantize_int8_groups(
+    q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``[N, K]`` weights ``q * scale + zero`` in ``scales_and_zeros.dtype``."""
+    n, k = q.shape
+    scale = scales_and_zeros[..., 0].t().unsqueeze(-1)  # [N, K/G, 1]
+    zero = scales_and_zeros[..., 1].t().unsqueeze(-1)
+    w = q.view(n, k // group_size, group_size).to(scales_and_zeros.dtype)
+    return (w * scale + zero).view(n, k)
+
+
+def int8_group_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y = x @ W.T + bias`` with ``W`` dequantized from ``pack_int8_group_weight``'s output.
+
+    Args:
+        x: ``[..., K]``; packed, scales_and_zeros: from ``pack_int8_group_weight``, the latter in
+            ``x.dtype``; group_size: ``G`` (32); bias: ``[N]`` or None.
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+    """
+    return F.linear(x, dequantize_int8_groups(packed, scales_and_zeros, group_size), bias)
 
 
 def hadamard_blocks(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -1,17 +1,23 @@
-// int4 linear layers with int8 activations (W4A8) on the CPU: torch.ops.pyxllm_cpu.int4_linear,
-// the CPU platform's kernel for --quantization int4 (contract in pyxllm/kernels/cpu/fused.py).
+// Linear layers over grouped int4 or int8 weights with int8 activations on the CPU:
+// torch.ops.pyxllm_cpu.int4_linear (the CPU platform's kernel for --quantization int4 and GGUF's
+// Q4_0 / Q4_1 / Q4_K weights) and torch.ops.pyxllm_cpu.int8_group_linear (GGUF's Q8_0 and 5-bit
+// weights); contracts in pyxllm/kernels/cpu/fused.py.
 //
-// Weights: groups of 32 input features, W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n] with q
-// in 0..15 (the format of pyxllm.kernels.native.quantized, GGUF Q4_1's blocks exactly).
+// Weights: groups of 32 input features with a (scale, zero) pair per group and output feature.
+// int4: W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n] with q in 0..15 (the format of
+// pyxllm.kernels.native.quantized; GGUF Q4_0's and Q4_1's blocks exactly). int8: W[n, k] = q[n, k]
+// * scale[g, n] + zero[g, n] with q in -128..127 (GGUF Q8_0's blocks exactly).
 // Activations: each row's groups of 32 quantized to int8 in two parts when the layer runs:
 // s = max |x| / 127, x / s ~= q1 + q2 / 254 with q1 = rint(x / s), q2 = rint((x / s - q1) * 254),
 // so an activation is off by at most s / 508 (~15 bits; llama.cpp quantizes its activations to
 // q1 alone, Q8_1, which cost this model's logits twice bfloat16's error). Per group the dot
-// product is then an integer one, u8 x s8 -> int32 (254 * sum q q1 + sum q q2), and
+// product is then an integer one (254 * sum q q1 + sum q q2), and with low the weight q = 0 stands
+// for (int4: zero - 8 scale, int8: zero)
 //   y[m, n] = sum_g scale[g, n] * s[m, g] / 254 * (254 sum_k q[n, k] q1[m, k] + sum_k q[n, k] q2[m, k])
-//             + (zero[g, n] - 8 scale[g, n]) * xsum[m, g]
+//             + low[g, n] * xsum[m, g]
 // with xsum the group's float sum of x. The integer sums run on AVX512-VNNI (vpdpbusd, 16 output
-// features per instruction), AVX-VNNI or AVX2 (vpmaddubsw + vpmaddwd), else plain vector code.
+// features per instruction), AVX-VNNI or AVX2 (vpmaddubsw + vpmaddwd), else plain vector code;
+// int8 weights enter them as |q| with the activation taking q's sign.
 //
 // Why: decode and speculative verification run a few rows through every weight, so a step costs
 // one pass over the weights; int4 weights are an eighth of float32's bytes, and with integer dot
@@ -22,10 +28,12 @@
 // logits it gets one token at a time. Above that (a prefill), the arithmetic dominates and the
 // weights are dequantized (transposed, [K, N]) for a BLAS GEMM (oneDNN's AMX or AVX-512 kernels).
 //
-// Packed layout (pyxllm.kernels.cpu.fused.pack_int4_weight): [N/16][K/32][4 chunks][16 lanes][4
-// bytes]; byte j of lane l in chunk c of group g holds q[16 t + l][32 g + 8 c + j] in its low
-// nibble and q[16 t + l][32 g + 8 c + 4 + j] in its high nibble. A tile's groups are contiguous, so
-// the kernel reads the weights front to back; the (scale, zero) pairs likewise: [N/16][K/32][16][2].
+// Packed layouts (pyxllm.kernels.cpu.fused.pack_int4_weight / pack_int8_group_weight), tiles of 16
+// output features, a tile's groups contiguous, so the kernel reads the weights front to back:
+// int4 [N/16][K/32][4 chunks][16 lanes][4 bytes], byte j of lane l in chunk c of group g holding
+// q[16 t + l][32 g + 8 c + j] in its low nibble and q[16 t + l][32 g + 8 c + 4 + j] in its high
+// nibble; int8 [N/16][K/32][8 chunks][16 lanes][4 bytes], byte j of lane l in chunk c holding
+// q[16 t + l][32 g + 4 c + j]. The (scale, zero) pairs likewise: [N/16][K/32][16][2].
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -47,8 +55,7 @@ using c10::BFloat16;
 
 constexpr int64_t kGroup = 32;                // input features per scale
 constexpr int64_t kTile = 16;                 // output features per tile
-constexpr int64_t kGroupBytes = kTile * kGroup / 2;
-constexpr int64_t kChunkBytes = kGroupBytes / 4;
+constexpr int64_t kChunkBytes = kTile * 4;    // one 4-byte piece per output feature of a tile
 // How far ahead of the group it multiplies the kernel asks for the packed weights (a software
 // prefetch, 64 cache lines; see kWeightPrefetchBytes in cpu_kernels.cpp for w8a8's measurements).
 constexpr int64_t kWeightPrefetchBytes = 4096;
@@ -76,6 +83,28 @@ inline IntV dot4(IntV acc, IntV w, int32_t x) {
   return acc + (IntV)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 #else
   for (int j = 0; j < 4; ++j) acc += ((w >> (8 * j)) & 0xFF) * static_cast<int32_t>(static_cast<int8_t>(x >> (8 * j)));
+  return acc;
+#endif
+}
+
+// acc + in each lane: the sum over j = 0..3 of byte j of w times byte j of x, both signed: |w|
+// (unsigned) times x carrying w's sign, as llama.cpp's AVX2 kernels do (at most 2 * 128 * 127 per
+// int16 pair: no saturation; x is never -128).
+inline IntV dot4_signed(IntV acc, IntV w, int32_t x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const __m512i xb = _mm512_set1_epi32(x), wv = (__m512i)w;
+  const __m512i sx = _mm512_mask_sub_epi8(xb, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), xb);
+  return (IntV)_mm512_dpbusd_epi32((__m512i)acc, _mm512_abs_epi8(wv), sx);
+#elif defined(__AVXVNNI__)
+  const __m256i wv = (__m256i)w;
+  return (IntV)_mm256_dpbusd_avx_epi32((__m256i)acc, _mm256_abs_epi8(wv), _mm256_sign_epi8(_mm256_set1_epi32(x), wv));
+#elif defined(__AVX2__)
+  const __m256i wv = (__m256i)w;
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(_mm256_set1_epi32(x), wv));
+  return acc + (IntV)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#else
+  for (int j = 0; j < 4; ++j)
+    acc += ((w << (24 - 8 * j)) >> 24) * static_cast<int32_t>(static_cast<int8_t>(x >> (8 * j)));
   return acc;
 #endif
 }
@@ -148,35 +177,65 @@ void quantize_groups(int8_t* xq, float* xs, float* xsum, const T* x, int64_t row
   });
 }
 
+// The two weight formats, each a group of kGroup input features of kTile output features in
+// kChunks chunks of kChunkBytes (kTile lanes of 4 bytes); a chunk holds kPieces 4-byte pieces per
+// lane, piece p of chunk c covering input features c * kChunkInputs + 4 p ... + 3.
+//
+// Int4: W = (q - 8) * scale + zero, q in 0..15; two per byte (low nibbles: the chunk's first 4
+// features, high nibbles: the next 4). The integer dot products are u8 x s8.
+struct Int4Format {
+  static constexpr int64_t kGroupBytes = kTile * kGroup / 2;
+  static constexpr int kChunks = 4, kPieces = 2, kChunkInputs = 8;
+  static void unpack(IntV packed, IntV* piece) {
+    piece[0] = packed & 0x0F0F0F0F;
+    piece[1] = (packed >> 4) & 0x0F0F0F0F;
+  }
+  static IntV dot(IntV acc, IntV w, int32_t x) { return dot4(acc, w, x); }
+  // weight j (0..7) of a chunk in every lane
+  static IntV value(IntV packed, int j) { return (packed >> (j < 4 ? 8 * j : 8 * (j - 4) + 4)) & 0xF; }
+  static FloatV low(FloatV scale, FloatV zero) { return zero - 8.f * scale; }  // what q = 0 stands for
+};
+
+// Int8: W = q * scale + zero, q in -128..127, one per byte (GGUF's Q8_0, Q5_0/Q5_1 and Q5_K
+// with q shifted to be signed). The integer dot products are s8 x s8, as |w| x (x with w's sign).
+struct Int8Format {
+  static constexpr int64_t kGroupBytes = kTile * kGroup;
+  static constexpr int kChunks = 8, kPieces = 1, kChunkInputs = 4;
+  static void unpack(IntV packed, IntV* piece) { piece[0] = packed; }
+  static IntV dot(IntV acc, IntV w, int32_t x) { return dot4_signed(acc, w, x); }
+  static IntV value(IntV packed, int j) { return (packed << (24 - 8 * j)) >> 24; }  // sign-extended
+  static FloatV low(FloatV, FloatV zero) { return zero; }
+};
+
 // acc[m] (m < M) += row m's products with kLanes output features over all groups. `w` is the
 // tile's first group, offset to this lane block; `pairs` the (scale, zero) pairs of that lane
 // block in group 0, the next group's kTile pairs further.
-template <int M, typename S>
+template <typename F, int M, typename S>
 inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, const int8_t* xq, const float* xs,
                       const float* xsum, int64_t k, int64_t groups) {
   for (int64_t g = 0; g < groups; ++g) {
     IntV sum1[M] = {}, sum2[M] = {};
-    const uint8_t* wg = w + g * kGroupBytes;
+    const uint8_t* wg = w + g * F::kGroupBytes;
     const int8_t* xg = xq + g * kGroup;
-    for (int c = 0; c < 4; ++c) __builtin_prefetch(wg + c * kChunkBytes + kWeightPrefetchBytes);
-    for (int c = 0; c < 4; ++c) {
-      IntV packed;
+    for (int c = 0; c < F::kChunks; ++c) __builtin_prefetch(wg + c * kChunkBytes + kWeightPrefetchBytes);
+    for (int c = 0; c < F::kChunks; ++c) {
+      IntV packed, piece[F::kPieces];
       std::memcpy(&packed, wg + c * kChunkBytes, sizeof packed);
-      const IntV lo = packed & 0x0F0F0F0F, hi = (packed >> 4) & 0x0F0F0F0F;
+      F::unpack(packed, piece);
       for (int m = 0; m < M; ++m) {
-        const int8_t* q1 = xg + 2 * k * m + 8 * c;
-        int32_t x1_lo, x1_hi, x2_lo, x2_hi;
-        std::memcpy(&x1_lo, q1, 4);
-        std::memcpy(&x1_hi, q1 + 4, 4);
-        std::memcpy(&x2_lo, q1 + k, 4);
-        std::memcpy(&x2_hi, q1 + k + 4, 4);
-        sum1[m] = dot4(dot4(sum1[m], lo, x1_lo), hi, x1_hi);
-        sum2[m] = dot4(dot4(sum2[m], lo, x2_lo), hi, x2_hi);
+        const int8_t* q1 = xg + 2 * k * m + F::kChunkInputs * c;
+        for (int p = 0; p < F::kPieces; ++p) {
+          int32_t x1, x2;
+          std::memcpy(&x1, q1 + 4 * p, 4);
+          std::memcpy(&x2, q1 + k + 4 * p, 4);
+          sum1[m] = F::dot(sum1[m], piece[p], x1);
+          sum2[m] = F::dot(sum2[m], piece[p], x2);
+        }
       }
     }
     FloatV scale, zero;
     load_scales(pairs + g * 2 * kTile, scale, zero);
-    const FloatV low = zero - 8.f * scale;  // the weight q = 0 stands for
+    const FloatV low = F::low(scale, zero);
     for (int m = 0; m < M; ++m) {
       acc[m] = fma(__builtin_convertvector(sum1[m] * 254 + sum2[m], FloatV), scale * xs[m * groups + g], acc[m]);
       acc[m] = fma(low, FloatV{} + xsum[m * groups + g], acc[m]);
@@ -184,12 +243,12 @@ inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, const int8_
   }
 }
 
-template <typename S>
+template <typename F, typename S>
 void tile_rows_any(int rows, FloatV* acc, const uint8_t* w, const S* pairs, const int8_t* xq, const float* xs,
                    const float* xsum, int64_t k, int64_t groups) {
   switch (rows) {
 #define PYXLLM_TILE_ROWS(M) \
-  case M: return tile_rows<M, S>(acc, w, pairs, xq, xs, xsum, k, groups);
+  case M: return tile_rows<F, M, S>(acc, w, pairs, xq, xs, xsum, k, groups);
     PYXLLM_TILE_ROWS(1)
     PYXLLM_TILE_ROWS(2)
     PYXLLM_TILE_ROWS(3)
@@ -202,9 +261,9 @@ void tile_rows_any(int rows, FloatV* acc, const uint8_t* w, const S* pairs, cons
   }
 }
 
-template <typename T>
-void int4_linear_rows(T* y, const T* x, const uint8_t* w, const T* pairs, const T* bias, int64_t rows, int64_t k,
-                      int64_t n) {
+template <typename F, typename T>
+void group_linear_rows(T* y, const T* x, const uint8_t* w, const T* pairs, const T* bias, int64_t rows, int64_t k,
+                       int64_t n) {
   const int64_t groups = k / kGroup;
   std::vector<int8_t> xq(2 * rows * k);
   std::vector<float> xs(rows * groups), xsum(rows * groups);
@@ -214,12 +273,12 @@ void int4_linear_rows(T* y, const T* x, const uint8_t* w, const T* pairs, const 
     for (int64_t t = begin; t < end; ++t)
       for (int64_t lane0 = 0; lane0 < kTile; lane0 += kLanes) {
         const int64_t n0 = t * kTile + lane0;
-        const uint8_t* wt = w + t * groups * kGroupBytes + lane0 * 4;
+        const uint8_t* wt = w + t * groups * F::kGroupBytes + lane0 * 4;
         for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
           const int mc = static_cast<int>(std::min<int64_t>(kRowBlock, rows - m0));
           FloatV acc[kRowBlock] = {};
-          tile_rows_any(mc, acc, wt, pairs + (t * groups * kTile + lane0) * 2, xq.data() + 2 * m0 * k,
-                        xs.data() + m0 * groups, xsum.data() + m0 * groups, k, groups);
+          tile_rows_any<F>(mc, acc, wt, pairs + (t * groups * kTile + lane0) * 2, xq.data() + 2 * m0 * k,
+                           xs.data() + m0 * groups, xsum.data() + m0 * groups, k, groups);
           for (int m = 0; m < mc; ++m)
             for (int l = 0; l < kLanes; ++l) {
               const float b = bias ? static_cast<float>(bias[n0 + l]) : 0.f;
@@ -242,9 +301,9 @@ inline void store_lanes(BFloat16* dst, FloatV v) {
   std::memcpy(dst, &h, sizeof h);
 }
 
-// The weights as T, transposed: wt[k][n] = (q[n][k] - 8) * scale + zero ([K, N], so that each
-// lane block's kLanes outputs of one input feature are one vector store).
-template <typename T>
+// The weights as T, transposed: wt[k][n] = W[n][k] ([K, N], so that each lane block's kLanes
+// outputs of one input feature are one vector store).
+template <typename F, typename T>
 void dequantize_transposed(T* wt, const uint8_t* w, const T* pairs, int64_t k, int64_t n) {
   const int64_t groups = k / kGroup, tiles = n / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -253,39 +312,40 @@ void dequantize_transposed(T* wt, const uint8_t* w, const T* pairs, int64_t k, i
         for (int64_t g = 0; g < groups; ++g) {
           FloatV scale, zero;
           load_scales(pairs + ((t * groups + g) * kTile + lane0) * 2, scale, zero);
-          const FloatV low = zero - 8.f * scale;
-          const uint8_t* wg = w + (t * groups + g) * kGroupBytes + lane0 * 4;
+          const FloatV low = F::low(scale, zero);
+          const uint8_t* wg = w + (t * groups + g) * F::kGroupBytes + lane0 * 4;
           T* out = wt + g * kGroup * n + t * kTile + lane0;
-          for (int c = 0; c < 4; ++c) {
+          for (int c = 0; c < F::kChunks; ++c) {
             IntV packed;
             std::memcpy(&packed, wg + c * kChunkBytes, sizeof packed);
-            for (int j = 0; j < 8; ++j) {  // input feature 8 c + j: low nibbles j < 4, then high
-              const IntV q = (packed >> (j < 4 ? 8 * j : 8 * (j - 4) + 4)) & 0xF;
-              store_lanes(out + (8 * c + j) * n, __builtin_convertvector(q, FloatV) * scale + low);
-            }
+            for (int j = 0; j < F::kChunkInputs; ++j)
+              store_lanes(out + (F::kChunkInputs * c + j) * n,
+                          __builtin_convertvector(F::value(packed, j), FloatV) * scale + low);
           }
         }
   });
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
-                       int64_t group_size, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(group_size == kGroup, "int4_linear: groups of ", kGroup, " input features only, got ", group_size);
+// y = x @ W.T + bias for either format; `op` names the operator in messages.
+template <typename F>
+at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                        const at::Tensor& scales_and_zeros, int64_t group_size, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(group_size == kGroup, op, ": groups of ", kGroup, " input features only, got ", group_size);
   const int64_t k = x.size(-1);
-  TORCH_CHECK(k % kGroup == 0, "int4_linear: input features must be a multiple of ", kGroup, ", got ", k);
+  TORCH_CHECK(k % kGroup == 0, op, ": input features must be a multiple of ", kGroup, ", got ", k);
+  const int64_t row_bytes = k / kGroup * F::kGroupBytes;
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(1) == k * kTile / 2,
-              "int4_linear: packed must be contiguous uint8 [N/16, ", k * kTile / 2, "] (pack_int4_weight's layout)");
+                  packed.size(1) == row_bytes,
+              op, ": packed must be contiguous uint8 [N/16, ", row_bytes, "] (its pack function's layout)");
   const int64_t n = packed.size(0) * kTile;
   TORCH_CHECK(scales_and_zeros.scalar_type() == x.scalar_type() && scales_and_zeros.is_contiguous() &&
                   scales_and_zeros.numel() == n * k / kGroup * 2,
-              "int4_linear: scales_and_zeros must be pack_int4_weight's contiguous [", n / kTile, ", ", k / kGroup,
-              ", ", kTile, ", 2] in x's dtype");
+              op, ": scales_and_zeros must be the pack function's contiguous [", n / kTile, ", ", k / kGroup, ", ",
+              kTile, ", 2] in x's dtype");
   at::Tensor b;
   if (bias.has_value()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.numel() == n && b.scalar_type() == x.scalar_type(), "int4_linear: bias must be [", n,
-                "] in x's dtype");
+    TORCH_CHECK(b.numel() == n && b.scalar_type() == x.scalar_type(), op, ": bias must be [", n, "] in x's dtype");
   }
   const at::Tensor x2 = x.reshape({-1, k}).contiguous();
   const int64_t rows = x2.size(0);
@@ -297,7 +357,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     using T = std::remove_pointer_t<decltype(type_tag)>;
     if (rows > kGemmRows) {  // a prefill: the arithmetic dominates, and BLAS does it fastest
       at::Tensor wt = at::empty({k, n}, x.options());
-      dequantize_transposed<T>(wt.data_ptr<T>(), packed.data_ptr<uint8_t>(), scales_and_zeros.data_ptr<T>(), k, n);
+      dequantize_transposed<F, T>(wt.data_ptr<T>(), packed.data_ptr<uint8_t>(), scales_and_zeros.data_ptr<T>(), k, n);
       if (b.defined()) {
         at::addmm_out(out, b, x2, wt);
       } else {
@@ -305,22 +365,36 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       }
       return;
     }
-    int4_linear_rows<T>(out.data_ptr<T>(), x2.data_ptr<T>(), packed.data_ptr<uint8_t>(),
-                        scales_and_zeros.data_ptr<T>(), b.defined() ? b.data_ptr<T>() : nullptr, rows, k, n);
+    group_linear_rows<F, T>(out.data_ptr<T>(), x2.data_ptr<T>(), packed.data_ptr<uint8_t>(),
+                            scales_and_zeros.data_ptr<T>(), b.defined() ? b.data_ptr<T>() : nullptr, rows, k, n);
   };
   if (x.scalar_type() == at::kFloat) {
     run(static_cast<float*>(nullptr));
   } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "int4_linear: float32 or bfloat16 only, got ", x.scalar_type());
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16 only, got ", x.scalar_type());
     run(static_cast<BFloat16*>(nullptr));
   }
   return out.view(out_shape);
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                       int64_t group_size, const std::optional<at::Tensor>& bias) {
+  return group_linear<Int4Format>("int4_linear", x, packed, scales_and_zeros, group_size, bias);
+}
+
+at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                             int64_t group_size, const std::optional<at::Tensor>& bias) {
+  return group_linear<Int8Format>("int8_group_linear", x, packed, scales_and_zeros, group_size, bias);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pyxllm_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, int group_size, Tensor? bias) -> Tensor");
+  m.def("int8_group_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, int group_size, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pyxllm_cpu, CPU, m) { m.impl("int4_linear", &int4_linear); }
+TORCH_LIBRARY_IMPL(pyxllm_cpu, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_group_linear", &int8_group_linear);
+}

@@ -1,0 +1,187 @@
+"""Exact decoders from GGUF's stored quantization blocks to the CPU kernels' grouped formats.
+
+Two target formats (see ``pyxllm.kernels.native.quantized``), both groups of input features
+with a float32 scale and zero per (row, group):
+
+- int4: ``W[r, k] = (q[r, k] - 8) * scale[r, k // 32] + zero[r, k // 32]``, ``q`` uint8 0..15.
+- int8: ``W[r, k] = q[r, k] * scale[r, k // G] + zero[r, k // G]``, ``q`` int8, ``G`` 32 or 16.
+
+Block layouts, little-endian, from llama.cpp's ``ggml/src/ggml-common.h`` (``block_q4_0`` ...
+``block_q6_K``) and gguf-py's ``gguf/quants.py``; ``d``, ``m``, ``dmin`` are float16. A
+32-value block stores element ``j < 16`` in the low nibble of ``qs[j]`` and ``j + 16`` in its
+high nibble; a 256-value K-quant super-block stores sub-blocks ``2i`` and ``2i + 1`` in the low
+and high nibbles of ``qs[32 i : 32 i + 32]``.
+
+====== ===== ====================================================== =======================
+type   bytes fields                                                 value
+====== ===== ====================================================== =======================
+Q4_0   18    d, qs[16]                                              d * (q - 8)
+Q4_1   20    d, m, qs[16]                                           d * q + m
+Q5_0   22    d, qh u32 (bit j: bit 4 of element j), qs[16]          d * (q - 16)
+Q5_1   24    d, m, qh u32, qs[16]                                   d * q + m
+Q8_0   34    d, qs int8[32]                                         d * q
+Q4_K   144   d, dmin, scales[12], qs[128]                           d*sc[s] * q - dmin*m[s]
+Q5_K   176   d, dmin, scales[12], qh[32] (bit s of qh[l]: bit 4 of  d*sc[s] * q - dmin*m[s]
+             element l of sub-block s), qs[128]
+Q6_K   210   ql[128], qh[64], scales int8[16], d                    d * sc[k // 16] * (q-32)
+====== ===== ====================================================== =======================
+
+K-quant 6-bit scales (``sc``) and mins (``m``) of sub-block ``s`` (8 per super-block): for
+``s < 4``, ``scales[s] & 63`` and ``scales[s + 4] & 63``; for ``s >= 4``,
+``scales[s + 4] & 15 | scales[s - 4] >> 6 << 4`` and ``scales[s + 4] >> 4 | scales[s] >> 6 << 4``.
+Q6_K: of half ``h`` (128 values), quarter ``c`` (32), lane ``l``: the low 4 bits are nibble
+``c // 2`` of ``ql[64 h + 32 (c % 2) + l]``, the high 2 bits are bits ``2c, 2c + 1`` of
+``qh[32 h + l]``.
+
+Precision, against ``gguf.quants.dequantize`` of the same bytes: every product here
+(``d * sc``, ``(q - 8) * scale``, ``dmin * m``) is exact in float32, so where the zero is 0
+(Q4_0, Q5_0, Q8_0, Q6_K) the kernels' formula gives gguf-py's float32 values exactly (up to
+the sign of a zero). Where it is not (Q4_1, Q5_1, Q4_K, Q5_K), ``zero`` is one float32 sum,
+and the formula's final add rounds once, like gguf-py's: the results agree exactly whenever
+that sum is exact (the usual case: ``d`` and ``m`` within about 2^7 of each other), and
+otherwise within one rounding of ``zero``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+_T = GGMLQuantizationType
+INT4_TYPES = (_T.Q4_0, _T.Q4_1, _T.Q4_K)
+INT8_TYPES = (_T.Q8_0, _T.Q5_0, _T.Q5_1, _T.Q5_K, _T.Q6_K)
+
+
+def int4_groups(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Decode Q4_0 / Q4_1 / Q4_K rows to the int4 format, groups of 32.
+
+    Args:
+        raw: uint8 ``[rows, row_bytes]``, whole rows as the GGUF file stores them (any strides).
+        ggml_type: a type in ``INT4_TYPES``.
+    Returns:
+        ``(q, scale, zero)``: ``q`` uint8 ``[rows, K]`` in 0..15, ``scale`` and ``zero``
+        float32 ``[rows, K // 32]``, with ``W = (q - 8) * scale + zero``. Q4_0: ``scale = d``,
+        ``zero = 0``; Q4_1: ``scale = d``, ``zero = m + 8 d``; Q4_K: ``scale = d * sc``,
+        ``zero = 8 d sc - dmin m``.
+    Raises:
+        ValueError: another type, or ``raw`` not uint8 whole rows of it.
+    """
+    ggml_type, blocks = _blocks(raw, ggml_type, INT4_TYPES, "int4")
+    rows = blocks.shape[0]
+    if ggml_type == _T.Q4_K:
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        sc, m = _k_scales_mins(blocks[..., 4:16])
+        q = _k_nibbles(blocks[..., 16:144])
+        scale = d[..., None] * sc.astype(np.float32)
+        zero = np.float32(8) * scale - dmin[..., None] * m.astype(np.float32)
+    else:
+        offset = 2 if ggml_type == _T.Q4_0 else 4
+        q = _nibbles(blocks[..., offset : offset + 16])
+        scale = _f16(blocks, 0)[..., None]
+        if ggml_type == _T.Q4_0:
+            zero = np.zeros_like(scale)
+        else:
+            zero = _f16(blocks, 2)[..., None] + np.float32(8) * scale
+    return q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1)
+
+
+def int8_groups(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Decode Q8_0 / Q5_0 / Q5_1 / Q5_K / Q6_K rows to the int8 format.
+
+    Args:
+        raw: uint8 ``[rows, row_bytes]``, whole rows as the GGUF file stores them (any strides).
+        ggml_type: a type in ``INT8_TYPES``.
+    Returns:
+        ``(q, scale, zero, group_size)``: ``q`` int8 ``[rows, K]``, ``scale`` and ``zero``
+        float32 ``[rows, K // group_size]``, with ``W = q * scale + zero``. ``group_size`` is
+        16 for Q6_K (``q`` = stored - 32, ``scale = d * sc``, ``zero = 0``), else 32: Q8_0
+        ``scale = d``; Q5_0 ``q`` = stored - 16, ``scale = d``; Q5_1 ``q`` = stored - 16,
+        ``scale = d``, ``zero = m + 16 d``; Q5_K ``q`` = stored - 16, ``scale = d * sc``,
+        ``zero = 16 d sc - dmin m``; the others' zero is 0.
+    Raises:
+        ValueError: another type, or ``raw`` not uint8 whole rows of it.
+    """
+    ggml_type, blocks = _blocks(raw, ggml_type, INT8_TYPES, "int8")
+    rows = blocks.shape[0]
+    group_size = 32
+    if ggml_type == _T.Q8_0:
+        q = blocks[..., 2:].view(np.int8)
+        scale = _f16(blocks, 0)[..., None]
+        zero = np.zeros_like(scale)
+    elif ggml_type in (_T.Q5_0, _T.Q5_1):
+        offset = 2 if ggml_type == _T.Q5_0 else 4
+        high = np.unpackbits(blocks[..., offset : offset + 4], axis=-1, bitorder="little")
+        q = _nibbles(blocks[..., offset + 4 : offset + 20]) | (high << 4)
+        scale = _f16(blocks, 0)[..., None]
+        if ggml_type == _T.Q5_0:
+            zero = np.zeros_like(scale)
+        else:
+            zero = _f16(blocks, 2)[..., None] + np.float32(16) * scale
+        q = (q.astype(np.int8) - np.int8(16)).astype(np.int8)
+    elif ggml_type == _T.Q5_K:
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        sc, m = _k_scales_mins(blocks[..., 4:16])
+        # [rows, n, 32 lanes, 8 bits] -> bit s of lane l is bit 4 of sub-block s's element l
+        high = np.unpackbits(blocks[..., 16:48, None], axis=-1, bitorder="little")
+        high = high.swapaxes(-1, -2).reshape(*blocks.shape[:2], 256)
+        q = _k_nibbles(blocks[..., 48:176]) | (high << 4)
+        q = (q.astype(np.int8) - np.int8(16)).astype(np.int8)
+        scale = d[..., None] * sc.astype(np.float32)
+        zero = np.float32(16) * scale - dmin[..., None] * m.astype(np.float32)
+    else:  # Q6_K
+        group_size = 16
+        n = blocks.shape[:2]
+        low = blocks[..., :128].reshape(*n, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+        low = (low & 15).reshape(*n, 2, 4, 32)
+        shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
+        high = (blocks[..., 128:192].reshape(*n, 2, 1, 32) >> shifts) & 3
+        q = ((low | (high << 4)).astype(np.int8) - np.int8(32)).astype(np.int8)
+        scale = _f16(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
+        zero = np.zeros_like(scale)
+    return q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1), group_size
+
+
+def _blocks(raw: np.ndarray, ggml_type, supported: tuple, kind: str):
+    """``raw`` as contiguous uint8 ``[rows, blocks per row, type_size]``."""
+    try:
+        ggml_type = GGMLQuantizationType(ggml_type)
+    except ValueError:
+        raise ValueError(f"ggml type {ggml_type!r} is not a GGML quantization type") from None
+    if ggml_type not in supported:
+        names = ", ".join(t.name for t in supported)
+        raise ValueError(
+            f"{ggml_type.name} weights cannot be decoded to the {kind} format; it takes {names}"
+        )
+    _, type_size = GGML_QUANT_SIZES[ggml_type]
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % type_size:
+        raise ValueError(
+            f"expected uint8 [rows, row_bytes] with row_bytes a multiple of {type_size} "
+            f"({ggml_type.name}'s block size in bytes), got {raw.dtype} {list(raw.shape)}"
+        )
+    raw = np.ascontiguousarray(raw)
+    return ggml_type, raw.reshape(raw.shape[0], -1, type_size)
+
+
+def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The float16 at byte ``offset`` of each block, as float32 ``[rows, n]``."""
+    half = np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)
+    return half[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """``[..., 16]`` bytes -> ``[..., 32]`` values: low nibbles first, then high nibbles."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """K-quant ``qs[128]`` -> ``[..., 256]``: chunk ``i``'s low then high nibbles."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    return (chunks & 15).reshape(*qs.shape[:-1], 256)
+
+
+def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 packed bytes -> (sc, m), uint8 ``[..., 8]`` each, 6 bits."""
+    a, b, c = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+    m = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc, m
