@@ -11,7 +11,7 @@ from pyxllm.speculative_config import SpeculativeConfig
 # the dtypes pyxllm computes in, by torch's names (``platforms.interface.TORCH_DTYPES``)
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 DTYPES = ("auto", *COMPUTE_DTYPES)
-QUANTIZATIONS = ("int8", "int4", "w8a8")  # see pyxllm.layers.quantization
+QUANTIZATIONS = ("int8", "int4", "w8a8", "gguf")  # see pyxllm.layers.quantization
 # the KV cache's element type: auto (the compute dtype) or int8 with a scale per token and head
 # (see pyxllm.kernels.native.paged_attention); vLLM's fp8 has no CPU kernel
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -97,11 +97,16 @@ class EngineConfig:
     - ``graph_backend``: ``eager``, ``compile`` (``torch.compile``) or ``graph`` (decode steps
       captured as CUDA/ACL graphs); xLLM's ``off``/``none``, ``inductor`` and
       ``cudagraphs``/``aclgraph`` are read as these and stored normalized.
-    - ``quantization``: ``None`` (weights in ``dtype``; vLLM's ``"none"`` is read as it), or
-      weight-only ``int8`` (per output channel) / ``int4`` (groups of 32, exact for GGUF Q4_1
+    - ``quantization``: ``auto`` (the default): ``gguf`` for a GGUF file, else ``None``
+      (``PYXLLM_DEFAULT_QUANTIZATION`` names another choice for ``auto``; the test suite pins
+      ``none``). ``None`` keeps the weights in ``dtype`` (a GGUF file's dequantized; vLLM's
+      ``"none"`` is read as it). ``gguf``: a GGUF file's weights stay in the format it stores
+      them in where a kernel takes it (Q4_0/Q4_1/Q4_K as int4 groups, Q8_0 and the 5-bit types
+      as int8 groups; the rest dequantized), see ``pyxllm.layers.quantization.stored``.
+      Weight-only ``int8`` (per output channel) / ``int4`` (groups of 32, exact for GGUF Q4_1
       weights) for the decoder's linear layers, activations staying in ``dtype``; or ``w8a8``:
       int8 weights per channel and int8 activations per token (int8 matmuls). The LM head is
-      W8A8 with each of them.
+      W8A8 with each of these three.
     - ``kv_cache_memory``: ``None`` sizes the cache from ``gpu_memory_utilization`` on an
       accelerator and takes ``CPU_KV_CACHE_GIB`` on the CPU.
     - ``kv_cache_dtype``: ``auto`` keeps K and V in ``dtype``; ``int8`` stores each token's K
@@ -133,7 +138,7 @@ class EngineConfig:
     served_model_name: tuple[str, ...] | None = None
     model_impl: str = "auto"
     dtype: str = "auto"
-    quantization: str | None = None
+    quantization: str | None = "auto"
     device: str = "auto"
     graph_backend: str = "eager"
     max_seqs_per_batch: int = 64
@@ -298,9 +303,9 @@ class EngineConfig:
             raise ValueError(f"--dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization == "none":  # vLLM's spelling of no quantization
             self.quantization = None
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+        if self.quantization not in (None, "auto", *QUANTIZATIONS):
             raise ValueError(
-                f"--quantization: must be one of {', '.join(QUANTIZATIONS)}, got "
+                f"--quantization: must be one of auto, none, {', '.join(QUANTIZATIONS)}, got "
                 f"{self.quantization!r}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -11,6 +11,10 @@ import torch
 # CPUs where it would otherwise be bfloat16 (pyxllm.platforms.cpu); servers started by tests
 # inherit it. Tests of the bfloat16 default pass ``dtype`` or call ``cpu_default_dtype`` directly.
 os.environ.setdefault("PYXLLM_CPU_DEFAULT_DTYPE", "float32")
+# Likewise ``--quantization auto`` keeps a GGUF file's weights as stored (int4/int8 groups, within
+# ~1e-3 of the dequantized logits): the suite runs the default model dequantized, as transformers
+# does; tests/test_gguf_stored.py tests the default itself.
+os.environ.setdefault("PYXLLM_DEFAULT_QUANTIZATION", "none")
 
 
 @pytest.fixture(scope="session")

@@ -41,15 +41,25 @@ LLM_KWARGS = dict(max_model_len=96, kv_cache_memory=0.05)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[str, Any]) -> Path:
+def write_gguf(
+    path: Path,
+    arch: str,
+    metadata: dict[str, Any],
+    tensors: dict[str, Any],
+    types: dict[str, gguf.GGMLQuantizationType] | None = None,
+) -> Path:
     """Write a GGUF file of ``arch`` (``general.architecture``) and return ``path``.
 
     ``metadata``: keys without the ``{arch}.`` prefix (``"block_count"``,
     ``"attention.head_count"``, ...), except those starting with ``general.`` or
     ``tokenizer.``, which are written as given. Values: ``bool``, ``int`` (uint32), ``float``
     (float32), ``str`` or a list (an array). ``tensors``: GGUF name -> array or tensor, written
-    as float32 in torch's shape order (the writer reverses it, as llama.cpp's converter does).
+    as float32 in torch's shape order (the writer reverses it, as llama.cpp's converter does),
+    or quantized to the type ``types`` names for it (``gguf_quantize.quantize_rows``; a uint8
+    array of whole rows of blocks, whose element shape the writer derives).
     """
+    from gguf_quantize import quantize_rows
+
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in metadata.items():
         key = key if key.startswith(("general.", "tokenizer.")) else f"{arch}.{key}"
@@ -66,7 +76,12 @@ def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[st
     for name, array in tensors.items():
         if isinstance(array, torch.Tensor):
             array = array.detach().float().numpy()
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        ggml_type = (types or {}).get(name)
+        if ggml_type is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, quantize_rows(array, ggml_type), raw_dtype=ggml_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

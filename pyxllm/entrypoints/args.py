@@ -71,11 +71,13 @@ ENGINE_HELP = {
     "dtype": "weight and activation dtype; auto: on the CPU bfloat16 where it has avx512_bf16 "
     "or amx_bf16, else float32, elsewhere the checkpoint's declared dtype (on the CPU float16 "
     "runs as bfloat16, with a warning)",
-    "quantization": "quantization of the linear layers: weight-only int8 (per channel) or int4 "
-    "(groups of 32; exact for GGUF Q4_1 weights; the fastest single stream), or w8a8 (int8 "
-    "weights and per-token int8 activations, int8 matmuls: the fastest from a few concurrent "
-    "requests up and for long prompts); the LM head is w8a8 with each; see README, Performance "
-    "(default: none, weights in --dtype)",
+    "quantization": "how the linear layers' weights are held: auto: a GGUF file's as it stores "
+    "them (gguf), other checkpoints' in --dtype (none); gguf: Q4_0/Q4_1/Q4_K as int4 groups, "
+    "Q8_0 and the 5-bit types as int8 groups, exactly, the rest dequantized; none: every weight "
+    "in --dtype; weight-only int8 (per channel) or int4 (groups of 32; the fastest single stream "
+    "on a float checkpoint), or w8a8 (int8 weights and per-token int8 activations, int8 "
+    "matmuls: the fastest from a few concurrent requests up and for long prompts), each with a "
+    "w8a8 LM head; see README, Performance (default: auto)",
     "max_model_len": "context limit: the longest prompt plus completion, in tokens; auto: the "
     "model's (default: the model's max_position_embeddings)",
     "seed": "seed of the random draws of requests that give no seed of their own (one generator "
@@ -135,7 +137,7 @@ ENGINE_HELP = {
 ENGINE_CHOICES = {
     "dtype": DTYPES,
     "device": DEVICES,
-    "quantization": (*QUANTIZATIONS, "none"),
+    "quantization": ("auto", *QUANTIZATIONS, "none"),
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS,
     "model_impl": (*MODEL_IMPLS, *MODEL_IMPL_ALIASES),

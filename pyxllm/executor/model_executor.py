@@ -21,7 +21,7 @@ from pyxllm.executor.sampler import Sampler, SamplingMetadata
 from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.executor.spec_decode import GeneratorRewind, accept_drafts, expand_for_verification
 from pyxllm.layers.forward_context import ForwardContext
-from pyxllm.layers.quantization import quantize_model
+from pyxllm.layers.quantization import prepare_model, quantize_model, resolve_quantization
 from pyxllm.models.build_context import build_model
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
@@ -130,8 +130,10 @@ class ModelExecutor:
             weights = tqdm(
                 weights, desc="Loading weights", unit=" tensors", leave=False, disable=None
             )
+        self.quantization = resolve_quantization(config.quantization, source.kind)
+        prepare_model(self.model, self.quantization)
         load_weights(self.model, weights)
-        quantize_model(self.model, config.quantization)
+        quantize_model(self.model, self.quantization)
 
         cache_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self.kv_spec = KVCacheSpec.from_model(self.model, config.block_size, cache_dtype)

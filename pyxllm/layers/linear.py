@@ -31,14 +31,28 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def _copy_checked(param_slice: torch.Tensor, loaded, name: str) -> None:
-    """Copy ``loaded`` (a tensor or a narrowed ``LazyWeight``, read here) into ``param_slice``."""
-    if param_slice.shape != loaded.shape:
+def load_rows(param: nn.Parameter, loaded, name: str, offset: int = 0, rows: int | None = None):
+    """Fill rows ``offset .. offset + rows`` (default: the rest) of ``param`` from ``loaded`` (a
+    tensor or a narrowed ``LazyWeight``, read here).
+
+    Where the parameter collects its checkpoint's stored format (``param.stored_rows``, see
+    ``pyxllm.layers.quantization.stored``) and the checkpoint stores this region in one a kernel
+    takes, the region is kept in that format and ``param`` is not written.
+
+    Raises:
+        ValueError: the shapes differ (naming ``name``).
+    """
+    rows = param.shape[0] - offset if rows is None else rows
+    target = param.data.narrow(0, offset, rows)
+    if target.shape != loaded.shape:
         raise ValueError(
             f"{name}: checkpoint shape {tuple(loaded.shape)} does not fit parameter slice "
-            f"{tuple(param_slice.shape)}"
+            f"{tuple(target.shape)}"
         )
-    param_slice.copy_(materialize(loaded))
+    stored = getattr(param, "stored_rows", None)
+    if stored is not None and stored.add(offset, loaded):
+        return
+    target.copy_(materialize(loaded))
 
 
 def _check_fused_rows(loaded, rows: int, name: str) -> None:
@@ -72,7 +86,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _copy_checked(param.data, loaded, type(self).__name__)
+        load_rows(param, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
@@ -94,7 +108,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         size = param.shape[0]
-        _copy_checked(param.data, loaded.narrow(0, self.tp_rank * size, size), type(self).__name__)
+        load_rows(param, loaded.narrow(0, self.tp_rank * size, size), type(self).__name__)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -121,9 +135,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         shard = loaded.narrow(0, self.tp_rank * size, size)
-        _copy_checked(
-            param.data.narrow(0, offset, size), shard, f"{type(self).__name__}[{shard_id}]"
-        )
+        load_rows(param, shard, f"{type(self).__name__}[{shard_id}]", offset, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -192,9 +204,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, rank = kv_size, self.tp_rank // self.kv_replicas
         shard = loaded.narrow(0, rank * size, size)
-        _copy_checked(
-            param.data.narrow(0, offset, size), shard, f"{type(self).__name__}[{shard_id}]"
-        )
+        load_rows(param, shard, f"{type(self).__name__}[{shard_id}]", offset, size)
 
 
 class RowParallelLinear(LinearBase):
@@ -209,10 +219,10 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # bias: whole on every rank
-            _copy_checked(param.data, loaded, type(self).__name__)
+            load_rows(param, loaded, type(self).__name__)
             return
         size = param.shape[1]
-        _copy_checked(param.data, loaded.narrow(1, self.tp_rank * size, size), type(self).__name__)
+        load_rows(param, loaded.narrow(1, self.tp_rank * size, size), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x))

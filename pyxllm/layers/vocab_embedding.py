@@ -16,8 +16,8 @@ from pyxllm.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
     tensor_model_parallel_gather,
 )
+from pyxllm.layers.linear import load_rows
 from pyxllm.layers.quantization.weight_only import UNQUANTIZED
-from pyxllm.layers.weight_utils import materialize
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -33,10 +33,13 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.num_per_rank = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.num_per_rank
+        # not zeros: a weight kept in its stored format is never written (see weight_loader)
         self.weight = nn.Parameter(
-            torch.zeros(self.num_per_rank, embedding_dim), requires_grad=False
+            torch.empty(self.num_per_rank, embedding_dim), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
+        # the rows looked up from the stored format (``quantization.stored``), if it is kept
+        self.stored_lookup = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.shape[1] != param.shape[1] or loaded.shape[0] != self.num_embeddings:
@@ -45,14 +48,21 @@ class VocabParallelEmbedding(nn.Module):
                 f"vocab {self.num_embeddings} x hidden {param.shape[1]}"
             )
         count = max(0, min(self.num_per_rank, self.num_embeddings - self.vocab_start))
-        param.data[:count].copy_(materialize(loaded.narrow(0, self.vocab_start, count)))
+        param.data[count:].zero_()  # padding rows past the vocabulary
+        load_rows(param, loaded.narrow(0, self.vocab_start, count), type(self).__name__, 0, count)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[len(ids), hidden]``: rows ``ids`` (this rank's numbering) of the weight."""
+        if self.stored_lookup is not None:
+            return self.stored_lookup(ids)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.embed(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.embed(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(out)
 

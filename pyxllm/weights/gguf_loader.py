@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from pyxllm.weights.errors import ModelLoadError
+from pyxllm.weights.gguf_blocks import INT4_TYPES, INT8_TYPES, int4_groups, int8_groups
 from pyxllm.weights.gguf_reader import GGUFFile, GGUFTensorInfo, open_gguf
-from pyxllm.weights.lazy import LazyWeight
+from pyxllm.weights.lazy import LazyWeight, StoredGroups
 
 # GGUF architecture -> (transformers model_type, architectures)
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -335,6 +336,44 @@ class GGUFWeight(LazyWeight):
         array = self.gguf.read_region(self.info, (first * head, last * head), cols)
         array = unpermute_qk(array, last - first)[rows[0] - first * head : rows[1] - first * head]
         return torch.from_numpy(np.ascontiguousarray(array))
+
+    def load_stored(self) -> StoredGroups | None:
+        """The narrowed region as :class:`StoredGroups` straight from the file's blocks (no
+        float copy): Q4_0, Q4_1 and Q4_K as int4 groups, Q8_0 and the 5-bit types as int8 groups
+        (``pyxllm.weights.gguf_blocks``, exact). ``None`` for other types (float tensors, Q6_K's
+        groups of 16), vectors, shifted tensors (gemma's norms) and column ranges that do not
+        start and end on a group of 32."""
+        ggml_type = self.info.ggml_type
+        if len(self.ranges) != 2 or self.shift or ggml_type not in (*INT4_TYPES, *INT8_TYPES):
+            return None
+        (first, last), (start, stop) = self.ranges
+        if start % 32 or stop % 32:
+            return None
+        if self.qk_heads is None:
+            read_rows, cut = (self.row_base + first, self.row_base + last), slice(None)
+        else:  # whole heads, un-permuted, then cut (as _read_unshifted)
+            head = self.full_shape[0] // self.qk_heads
+            lo, hi = first // head, -(-last // head)
+            read_rows = (lo * head, hi * head)
+            cut = slice(first - lo * head, last - lo * head)
+        raw = self.gguf.raw_rows(self.info, read_rows)
+        if ggml_type in INT4_TYPES:
+            fmt, (q, scale, zero) = "int4", int4_groups(raw, ggml_type)
+        else:
+            q, scale, zero, group_size = int8_groups(raw, ggml_type)
+            if group_size != 32:
+                return None
+            fmt = "int8"
+        arrays = [
+            q[:, start:stop],
+            scale[:, start // 32 : stop // 32],
+            zero[:, start // 32 : stop // 32],
+        ]
+        if self.qk_heads is not None:
+            heads = (read_rows[1] - read_rows[0]) // head
+            arrays = [unpermute_qk(a, heads)[cut] for a in arrays]
+        q, scale, zero = (torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
+        return StoredGroups(fmt, q, scale, zero)
 
 
 def iter_gguf_weight_slices(

@@ -182,6 +182,17 @@ class GGUFFile:
             out = np.array(out, dtype=np.float32)
         return out.reshape(info.shape)
 
+    def raw_rows(self, info: GGUFTensorInfo, rows: tuple[int, int]) -> np.ndarray:
+        """Rows ``rows[0]:rows[1]`` of a tensor seen as 2-D, as stored: a read-only uint8 view
+        ``[rows[1] - rows[0], row bytes]`` of the mapped file (quantization blocks run along a
+        row, so rows are independent)."""
+        block, type_size = GGML_QUANT_SIZES[info.ggml_type]
+        width = info.shape[-1] if info.shape else 1
+        row_bytes = width // block * type_size
+        return self._array[info.start : info.start + info.nbytes].reshape(-1, row_bytes)[
+            rows[0] : rows[1]
+        ]
+
     def read_region(
         self, info: GGUFTensorInfo, rows: tuple[int, int], cols: tuple[int, int]
     ) -> np.ndarray:
@@ -196,10 +207,7 @@ class GGUFFile:
         """
         block, type_size = GGML_QUANT_SIZES[info.ggml_type]
         width = info.shape[-1] if info.shape else 1
-        row_bytes = width // block * type_size
-        raw = self._array[info.start : info.start + info.nbytes].reshape(-1, row_bytes)[
-            rows[0] : rows[1]
-        ]
+        raw = self.raw_rows(info, rows)
         start, stop = cols
         if start % block == 0 and (stop % block == 0 or stop == width):
             raw = raw[:, start // block * type_size : -(-stop // block) * type_size]

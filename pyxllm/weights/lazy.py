@@ -22,8 +22,31 @@ Weight loaders (``pyxllm.layers``) narrow what they receive, then call
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class StoredGroups:
+    """A region of a checkpoint tensor as its file stores it, in a grouped format a kernel takes
+    (GGUF's quantization blocks, ``pyxllm.weights.gguf_blocks``): groups of 32 input features,
+    each with a scale and a zero per row.
+
+    Attributes:
+        format: ``"int4"``: ``W = (q - 8) * scale + zero``, ``q`` uint8 in 0..15; ``"int8"``:
+            ``W = q * scale + zero``, ``q`` int8.
+        q: ``[rows, cols]``; scale, zero: float32 ``[rows, cols / 32]``.
+    """
+
+    format: str
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 class LazyWeight:
@@ -77,6 +100,11 @@ class LazyWeight:
     def load(self) -> torch.Tensor:
         """Read the narrowed region from the file."""
         return self._read(self.ranges)
+
+    def load_stored(self) -> StoredGroups | None:
+        """The narrowed region in the file's own grouped format, or ``None`` where the file does
+        not store it in one a kernel takes (then ``load()`` gives its values)."""
+        return None
 
     def _read(self, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
         raise NotImplementedError

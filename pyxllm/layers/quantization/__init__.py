@@ -1,5 +1,5 @@
 """``--quantization``: int8/int4 weight-only or int8 W8A8 linear layers, chosen once the weights are
-loaded.
+loaded; or ``gguf``: a GGUF file's weights kept in the format it stores them in (``stored.py``).
 
 Layers with a ``quant_method`` attribute (the column/row-parallel linears and the LM head) and
 ``quantizable = True`` are converted by :func:`quantize_model`; the others (norms, the token
@@ -10,10 +10,12 @@ embedding, a MoE router, stacked MoE experts) stay in the compute dtype. See
 from __future__ import annotations
 
 import logging
+import os
 
 from torch import nn
 
 from pyxllm.layers.quantization.rotation import rotate_for_int8_activations
+from pyxllm.layers.quantization.stored import apply_stored_weights, collect_stored_weights
 from pyxllm.layers.quantization.w8a8 import W8A8LinearMethod
 from pyxllm.layers.quantization.weight_only import (
     INT4_GROUP_SIZE,
@@ -27,7 +29,7 @@ from pyxllm.layers.quantization.weight_only import (
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "gguf")
 # --quantization -> (method of the decoder linears, method of the LM head)
 _METHODS = {
     "int8": (Int8LinearMethod, W8A8LinearMethod),
@@ -45,12 +47,58 @@ __all__ = [
     "W8A8LinearMethod",
     "quantize_int4_groups",
     "quantize_int8_per_channel",
+    "prepare_model",
     "quantize_model",
+    "resolve_quantization",
 ]
+
+
+# names what ``--quantization auto`` picks instead of its own choice (the suite pins ``none``)
+DEFAULT_ENV = "PYXLLM_DEFAULT_QUANTIZATION"
+
+
+def resolve_quantization(quantization: str | None, checkpoint_kind: str) -> str | None:
+    """The method ``--quantization`` stands for on a checkpoint of ``checkpoint_kind`` (``gguf``
+    or ``hf``): ``auto`` is ``gguf`` on a GGUF file (its weights as stored: llama.cpp's and
+    vLLM's behaviour, and the fastest path), else ``None``; ``$PYXLLM_DEFAULT_QUANTIZATION``
+    overrides that choice (``none``, or a method).
+
+    Raises:
+        ValueError: ``gguf`` for a checkpoint that is not a GGUF file, or a bad override.
+    """
+    if quantization == "auto":
+        override = os.environ.get(DEFAULT_ENV, "").strip().lower()
+        if override:
+            if override not in ("none", *QUANTIZATION_METHODS):
+                raise ValueError(
+                    f"{DEFAULT_ENV}: must be none or one of {', '.join(QUANTIZATION_METHODS)}, "
+                    f"got {override!r}"
+                )
+            quantization = None if override == "none" else override
+            if quantization == "gguf" and checkpoint_kind != "gguf":
+                quantization = None
+        else:
+            quantization = "gguf" if checkpoint_kind == "gguf" else None
+    if quantization == "gguf" and checkpoint_kind != "gguf":
+        raise ValueError(
+            "--quantization gguf: keeps a GGUF file's weights as stored, but the model is not "
+            "a GGUF file; use auto, none, int8, int4 or w8a8"
+        )
+    return quantization
+
+
+def prepare_model(model: nn.Module, quantization: str | None) -> None:
+    """Before loading: ``gguf`` makes the layers keep what the checkpoint stores in a format a
+    kernel takes (``stored.collect_stored_weights``); the other methods need nothing."""
+    if quantization == "gguf":
+        collect_stored_weights(model)
 
 
 def quantize_model(model: nn.Module, quantization: str | None) -> int:
     """Convert every quantizable layer of a loaded ``model`` in place; returns how many.
+
+    ``gguf`` (after :func:`prepare_model`) puts each layer on the groups its checkpoint stored
+    (see ``stored.py``); the other methods quantize the loaded float weights:
 
     The LM head (a module with ``compute_logits``) takes the second method of the pair in
     ``_METHODS``: W8A8 for every choice. Its weights stay int8 (its rows are the vocabulary: an
@@ -65,6 +113,9 @@ def quantize_model(model: nn.Module, quantization: str | None) -> int:
     """
     if quantization is None:
         return 0
+    if quantization == "gguf":
+        taken = apply_stored_weights(model)
+        return taken["int4"] + taken["int8"]
     if quantization not in _METHODS:
         raise ValueError(
             f"--quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, got "

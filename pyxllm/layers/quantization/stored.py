@@ -1,0 +1,226 @@
+"""``--quantization gguf`` (the default for a GGUF file): weights kept in the format the file
+stores them in, on kernels made for it, instead of dequantized to ``--dtype``.
+
+vLLM's GGUF support keeps each tensor's quantization blocks and multiplies by them; here the
+blocks are converted once, exactly, to the two grouped formats of the CPU kernels
+(``pyxllm.weights.gguf_blocks``): Q4_0, Q4_1 and Q4_K to int4 groups (``W = (q - 8) * scale +
+zero``, ``kernels.ops.int4_linear``), Q8_0 and the 5-bit types to int8 groups (``W = q * scale +
+zero``, ``kernels.ops.int8_group_linear``). Both take groups of 32 input features and quantize
+the activations per group to ~15 bits (see ``csrc/group_linear.cpp``), so logits stay within
+~1e-3 of the dequantized model's in float32 (tests/test_gguf_stored.py) with an eighth (int4) or
+a quarter (int8) of float32's bytes to read per token.
+
+How it is wired: before loading, :func:`collect_stored_weights` gives each quantizable layer's
+weight (the linears, the LM head, the token embedding) a :class:`StoredRows`; the layers' weight
+loaders (``layers.linear.load_rows``) hand it each region the checkpoint stores in such a format
+instead of writing the float parameter, which therefore never takes memory. After loading,
+:func:`apply_stored_weights` gives a layer whose every row came so a :class:`GroupedLinearMethod`
+(a fused layer mixing int4 and int8 pieces, say a Q4_K query and a Q5_K value projection, is
+held as int8: an int4 ``q - 8`` is an int8 value, still exact). A layer with any region the
+file stores otherwise (float tensors, Q6_K's groups of 16) is dequantized into its float weight,
+as without this method. The token embedding looks its rows up from a row-major copy of the
+groups (:class:`StoredEmbedding`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+
+from pyxllm import kernels
+from pyxllm.layers.quantization.weight_only import UnquantizedLinearMethod, replace_weight
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 32
+# what the weight q = 0 stands for, in units of the scale: W = (q - OFFSET) * scale + zero
+_OFFSET = {"int4": 8, "int8": 0}
+
+
+class StoredRows:
+    """The regions of one weight ``[rows, cols]`` that its checkpoint stores in a grouped format
+    (``pyxllm.weights.lazy.StoredGroups``: ``format``, ``q``, ``scale``, ``zero``), by first row.
+
+    Attributes:
+        rows: the rows to cover (the vocabulary rows of an embedding; the rest is padding).
+        pieces: ``{first row: StoredGroups}``.
+        float_rows: how many rows were written to the float parameter instead.
+    """
+
+    def __init__(self, rows: int) -> None:
+        self.rows, self.pieces, self.float_rows = rows, {}, 0
+
+    def add(self, offset: int, loaded) -> bool:
+        """Keep ``loaded``'s region (rows from ``offset``) as stored, if the checkpoint stores it
+        in a grouped format (``loaded.load_stored()``); ``False``: the caller writes floats."""
+        load_stored = getattr(loaded, "load_stored", None)
+        stored = load_stored() if load_stored is not None else None
+        if stored is None:
+            self.float_rows += loaded.shape[0]
+            return False
+        self.pieces[offset] = stored
+        return True
+
+    @property
+    def complete(self) -> bool:
+        """Every row came in a grouped format."""
+        return self.float_rows == 0 and sum(p.q.shape[0] for p in self.pieces.values()) == self.rows
+
+    @property
+    def format(self) -> str:
+        """``int4`` when every piece is, else ``int8``."""
+        return "int4" if all(p.format == "int4" for p in self.pieces.values()) else "int8"
+
+    def groups(self, total_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q [total_rows, cols], scales_and_zeros [cols / 32, total_rows, 2] float32)`` in
+        :attr:`format`, rows past :attr:`rows` zero (an embedding's padding)."""
+        fmt = self.format
+        ordered = [self.pieces[k] for k in sorted(self.pieces)]
+        q = torch.cat([_as_format(p, fmt) for p in ordered])
+        scale = torch.cat([p.scale for p in ordered])
+        zero = torch.cat([p.zero for p in ordered])
+        pad = total_rows - q.shape[0]
+        if pad:
+            q = torch.cat((q, q.new_full((pad, q.shape[1]), _OFFSET[fmt])))
+            scale = torch.cat((scale, scale.new_zeros(pad, scale.shape[1])))
+            zero = torch.cat((zero, zero.new_zeros(pad, zero.shape[1])))
+        return q, torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+
+    def dequantize_into(self, weight: torch.Tensor) -> None:
+        """Write the stored pieces' values into their rows of the float ``weight``."""
+        for offset, piece in self.pieces.items():
+            rows, cols = piece.q.shape
+            q = piece.q.float().view(rows, cols // GROUP_SIZE, GROUP_SIZE) - _OFFSET[piece.format]
+            values = q * piece.scale.unsqueeze(-1) + piece.zero.unsqueeze(-1)
+            weight.narrow(0, offset, rows).copy_(values.view(rows, cols))
+
+
+def _as_format(piece, fmt: str) -> torch.Tensor:
+    """``piece.q`` in ``fmt``: int4's ``q`` in 0..15 becomes the int8 ``q - 8`` (exact)."""
+    if piece.format == fmt:
+        return piece.q
+    return (piece.q.to(torch.int16) - 8).to(torch.int8)
+
+
+class GroupedLinearMethod(UnquantizedLinearMethod):
+    """The matmul over a weight in int4 or int8 groups of 32 (``kernels.ops.int4_linear`` /
+    ``int8_group_linear``); buffers ``qweight`` and ``scales_and_zeros`` in the platform kernel's
+    layout (``ops.pack_int4_weight`` / ``pack_int8_group_weight``), scales in the compute dtype."""
+
+    name = "gguf"
+
+    def __init__(self, fmt: str) -> None:
+        self.format = fmt
+
+    def process_stored(self, layer: nn.Module, stored: StoredRows) -> None:
+        """Replace ``layer.weight`` by ``stored``'s groups, packed."""
+        dtype = layer.weight.dtype
+        q, scales_and_zeros = stored.groups(layer.weight.shape[0])
+        pack = (
+            kernels.ops.pack_int4_weight
+            if self.format == "int4"
+            else kernels.ops.pack_int8_group_weight
+        )
+        packed, scales_and_zeros = pack(q, scales_and_zeros.to(dtype))
+        replace_weight(layer, qweight=packed, scales_and_zeros=scales_and_zeros)
+        layer.quant_method = self
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        linear = kernels.ops.int4_linear if self.format == "int4" else kernels.ops.int8_group_linear
+        return linear(x, layer.qweight, layer.scales_and_zeros, GROUP_SIZE, bias)
+
+
+class StoredEmbedding:
+    """Token embedding rows from grouped weights: ``(q[ids] - offset) * scale + zero`` in float32,
+    then the compute dtype (the file's values exactly, as gguf-py dequantizes them).
+
+    Args:
+        q: ``[rows, hidden]`` (int4 format: uint8 0..15; int8: int8); scales_and_zeros:
+            ``[hidden / 32, rows, 2]`` float32; fmt: ``int4`` or ``int8``; dtype: the output's.
+    """
+
+    def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, fmt: str, dtype) -> None:
+        self.q, self.offset, self.dtype = q, _OFFSET[fmt], dtype
+        self.scale = scales_and_zeros[..., 0].t().contiguous()  # [rows, hidden / 32]
+        self.zero = scales_and_zeros[..., 1].t().contiguous()
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.q[ids].float().unflatten(-1, (-1, GROUP_SIZE)) - self.offset
+        values = rows * self.scale[ids].unsqueeze(-1) + self.zero[ids].unsqueeze(-1)
+        return values.flatten(-2).to(self.dtype)
+
+
+def _is_embedding(module: nn.Module) -> bool:
+    """A token embedding (rows looked up), not a layer that multiplies (the LM head is both an
+    embedding's subclass and quantizable)."""
+    return hasattr(module, "stored_lookup") and not getattr(module, "quantizable", False)
+
+
+def _stored_targets(model: nn.Module):
+    """``(module name, module)`` of every layer whose weight may be kept as stored: quantizable
+    layers (linears, the LM head) and token embeddings."""
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            continue
+        if getattr(module, "quantizable", False) or _is_embedding(module):
+            yield name, module
+
+
+def collect_stored_weights(model: nn.Module) -> None:
+    """Before loading: give each target layer's weight a :class:`StoredRows` (a tied LM head
+    shares its embedding's)."""
+    for _, module in _stored_targets(model):
+        weight = module.weight
+        if getattr(weight, "stored_rows", None) is None:
+            rows = weight.shape[0]
+            if hasattr(module, "num_embeddings"):  # rows past the vocabulary are padding
+                rows = max(0, min(module.num_per_rank, module.num_embeddings - module.vocab_start))
+            weight.stored_rows = StoredRows(rows)
+
+
+def apply_stored_weights(model: nn.Module) -> Counter:
+    """After loading: each target layer on its stored groups where all its rows came so, else
+    its float weight (the stored pieces dequantized into it); returns how many layers took each
+    way (``int4``, ``int8``, ``float``)."""
+    taken: Counter = Counter()
+    targets = list(_stored_targets(model))
+    for _, module in targets:
+        stored = getattr(module.weight, "stored_rows", None)
+        if stored is None:
+            continue
+        if not stored.complete or not _fits(module.weight.shape):
+            stored.dequantize_into(module.weight.data)
+            taken["float"] += 1
+        elif _is_embedding(module):
+            q, scales_and_zeros = stored.groups(module.weight.shape[0])
+            module.stored_lookup = StoredEmbedding(
+                q, scales_and_zeros, stored.format, module.weight.dtype
+            )
+            taken[stored.format] += 1
+        else:
+            GroupedLinearMethod(stored.format).process_stored(module, stored)
+            taken[stored.format] += 1
+    for _, module in targets:  # after every user of a shared (tied) weight is done
+        weight = getattr(module, "weight", None)
+        if weight is not None and hasattr(weight, "stored_rows"):
+            del weight.stored_rows  # an embedding's float weight stays unwritten (no memory)
+    logger.info(
+        "weights kept as the GGUF file stores them: %d layers as int4 groups, %d as int8 groups, "
+        "%d dequantized to %s",
+        taken["int4"],
+        taken["int8"],
+        taken["float"],
+        str(next(model.parameters()).dtype).removeprefix("torch."),
+    )
+    return taken
+
+
+def _fits(shape: torch.Size) -> bool:
+    """The kernels' tiles: output features in multiples of 16, input features of 32."""
+    return shape[0] % 16 == 0 and shape[1] % GROUP_SIZE == 0
