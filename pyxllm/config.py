@@ -45,6 +45,7 @@ MODEL_IMPLS = ("auto", "pyxllm", "transformers")
 MODEL_IMPL_ALIASES = {"python": "pyxllm"}
 # xLLM's spellings of --graph-backend, and ours, -> the runner kind
 GRAPH_BACKEND_ALIASES = {
+    "auto": "auto",
     "eager": "eager",
     "off": "eager",
     "none": "eager",
@@ -94,9 +95,12 @@ class EngineConfig:
     - ``enable_prefix_cache``: full KV blocks stay cached (by a hash of their prefix) after
       their request ends, and a request whose prompt starts with cached blocks skips them.
     - ``device``: ``auto`` picks CUDA, then NPU, then MLU, else the CPU (see ``pyxllm.platforms``).
-    - ``graph_backend``: ``eager``, ``compile`` (``torch.compile``) or ``graph`` (decode steps
-      captured as CUDA/ACL graphs); xLLM's ``off``/``none``, ``inductor`` and
-      ``cudagraphs``/``aclgraph`` are read as these and stored normalized.
+    - ``graph_backend``: ``auto`` (the default: the platform's ``default_runner`` where the
+      model allows it, the graph runner on the CPU, else ``eager``; see
+      ``executor.runners.resolve_runner``), ``eager``, ``compile`` (``torch.compile``) or
+      ``graph`` (decode steps captured as CUDA/ACL graphs, TorchScript traces on the CPU);
+      xLLM's ``off``/``none``, ``inductor`` and ``cudagraphs``/``aclgraph`` are read as these
+      and stored normalized.
     - ``quantization``: ``auto`` (the default): ``gguf`` for a GGUF file, else ``None``
       (``PYXLLM_DEFAULT_QUANTIZATION`` names another choice for ``auto``; the test suite pins
       ``none``). ``None`` keeps the weights in ``dtype`` (a GGUF file's dequantized; vLLM's
@@ -140,7 +144,7 @@ class EngineConfig:
     dtype: str = "auto"
     quantization: str | None = "auto"
     device: str = "auto"
-    graph_backend: str = "eager"
+    graph_backend: str = "auto"
     max_seqs_per_batch: int = 64
     max_tokens_per_batch: int | None = None
     max_model_len: int | None = None
@@ -331,9 +335,10 @@ class EngineConfig:
             raise ValueError(f"--device: must be one of {', '.join(DEVICES)}, got {self.device!r}")
         kind = GRAPH_BACKEND_ALIASES.get(str(self.graph_backend).strip().lower())
         if kind is None:
+            xllm = (a for a in GRAPH_BACKEND_ALIASES if a not in (*GRAPH_BACKENDS, "auto"))
             raise ValueError(
-                f"--graph-backend: must be one of {', '.join(GRAPH_BACKENDS)} (or xLLM's "
-                f"{', '.join(a for a in GRAPH_BACKEND_ALIASES if a not in GRAPH_BACKENDS)}), "
+                f"--graph-backend: must be one of auto, {', '.join(GRAPH_BACKENDS)} (or xLLM's "
+                f"{', '.join(xllm)}), "
                 f"got {self.graph_backend!r}"
             )
         self.graph_backend = kind

@@ -123,9 +123,10 @@ ENGINE_HELP = {
     "STRICT_PACK (default: PACK)",
     "device": "device to run on; auto picks cuda, then npu (torch_npu), then mlu (torch_mlu), "
     "else cpu (see README, Devices and runners)",
-    "graph_backend": "how the model runs: eager, compile (torch.compile) or graph (decode steps "
-    "captured once: CUDA/ACL graphs, TorchScript traces on the CPU; prefill eager); also "
-    "off/none, inductor, cudagraphs/aclgraph (see README, Devices and runners)",
+    "graph_backend": "how the model runs: auto (graph on the CPU for a model it can capture on "
+    "one rank, else eager), eager, compile (torch.compile) or graph (decode steps captured "
+    "once: CUDA/ACL graphs, TorchScript traces on the CPU; prefill eager); also off/none, "
+    "inductor, cudagraphs/aclgraph (see README, Devices and runners) (default: auto)",
     "structured_outputs_backend": "grammar library enforcing response_format, structured_outputs "
     "and tool calls",
     "speculative_config": "speculative decoding as a JSON object (vLLM's keys): "

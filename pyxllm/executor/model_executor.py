@@ -11,15 +11,21 @@ from tqdm import tqdm
 
 from pyxllm.attention.abstract import AttentionBackend
 from pyxllm.config import EngineConfig
-from pyxllm.distributed.parallel_state import get_local_rank, get_tp_rank, tensor_model_parallel_min
+from pyxllm.distributed.parallel_state import (
+    get_local_rank,
+    get_tp_rank,
+    get_tp_size,
+    tensor_model_parallel_min,
+)
 from pyxllm.executor.draft_model import DraftModel
 from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.kv_cache import KVCacheSpec, allocate_kv_caches
 from pyxllm.executor.logits_processors import compute_logprobs
-from pyxllm.executor.runners import build_runner
+from pyxllm.executor.runners import build_runner, resolve_runner
 from pyxllm.executor.sampler import Sampler, SamplingMetadata
 from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.executor.spec_decode import GeneratorRewind, accept_drafts, expand_for_verification
+from pyxllm.executor.thread_tuner import make_thread_tuner
 from pyxllm.layers.forward_context import ForwardContext
 from pyxllm.layers.quantization import prepare_model, quantize_model, resolve_quantization
 from pyxllm.models.build_context import build_model
@@ -154,7 +160,7 @@ class ModelExecutor:
             config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
         )
         self.runner = build_runner(
-            config.graph_backend,
+            resolve_runner(config.graph_backend, self.model, platform),
             self.model,
             platform,
             self.attn_backend,
@@ -167,6 +173,8 @@ class ModelExecutor:
         )
         self.sampler = Sampler(config.seed, self.device)
         self.draft = self._load_draft(config, model_config)
+        # the CPU's thread count per step, measured (see thread_tuner.py); None elsewhere
+        self.thread_tuner = make_thread_tuner(platform, get_tp_size())
         logger.info(
             "model %s (%s implementation), device %s, attention %s, runner %s",
             type(self.model).__name__,
@@ -201,6 +209,14 @@ class ModelExecutor:
         if self.draft is not None:
             self.draft.propose(plan)
         batch = InputBatch.build(plan, self.config.block_size, self.device)
+        if self.thread_tuner is None:
+            return self._run(plan, batch)
+        key = len(batch.input_ids) if batch.decodes_only else None
+        with self.thread_tuner.step(key):
+            return self._run(plan, batch)
+
+    def _run(self, plan: SchedulerOutput, batch: InputBatch) -> StepResult:
+        """The forward pass over ``batch`` (``plan``'s inputs), then sampling."""
         hidden_states = self.runner.execute(batch, self.make_context)
         result = StepResult([[] for _ in plan.sequences])
         rows = [i for i, s in enumerate(plan.sequences) if s.sample]

@@ -111,6 +111,10 @@ class Platform:
         kernels_module: the kernel package bound to ``pyxllm.kernels.ops``.
         runners: the ``--graph-backend`` kinds this platform supports (``eager``, ``compile``,
             ``graph``).
+        adaptive_threads: steps run on host threads whose count is chosen per step by
+            measuring (``executor.thread_tuner``; the CPU).
+        default_runner: what ``--graph-backend auto`` runs where the model allows it (the
+            ``graph`` runner needs one rank and capturable layers, else ``eager``).
         dist_backend: the ``torch.distributed`` backend for tensor parallelism.
         default_dtype: what ``--dtype auto`` means here when the checkpoint declares no dtype.
         attention_backend: ``"module:Class"`` of the attention backend used when no entry of
@@ -142,6 +146,8 @@ class Platform:
     graph_capture: DeviceGraphs | TorchScriptTraces | None = None
     visible_devices_env: str | None = None
     ray_resource: str = "CPU"
+    default_runner: str = "eager"
+    adaptive_threads: bool = False
 
     def __post_init__(self) -> None:
         if ("graph" in self.runners) != (self.graph_capture is not None):
@@ -226,7 +232,7 @@ class Platform:
         Raises:
             ValueError: naming the flag, the kind, the device and the kinds it supports.
         """
-        if kind not in self.runners:
+        if kind != "auto" and kind not in self.runners:
             raise ValueError(
                 f"--graph-backend {kind} is not supported on device {self.name}; "
                 f"supported there: {', '.join(self.runners)}"

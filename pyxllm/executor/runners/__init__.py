@@ -5,6 +5,9 @@ tokens as eager; the platform says which ones it supports, and any other is refu
 
 from __future__ import annotations
 
+import logging
+import os
+
 from pyxllm.distributed.parallel_state import get_tp_size
 from pyxllm.executor.runners.base import Runner
 from pyxllm.executor.runners.compiled import CompileRunner
@@ -29,7 +32,46 @@ __all__ = [
     "build_runner",
     "capture_sizes",
     "graph_capture_for",
+    "resolve_runner",
 ]
+
+logger = logging.getLogger(__name__)
+
+# names what ``--graph-backend auto`` runs instead of the platform's choice (the suite pins eager)
+DEFAULT_ENV = "PYXLLM_DEFAULT_GRAPH_BACKEND"
+
+
+def resolve_runner(kind: str, model, platform) -> str:
+    """The runner ``--graph-backend kind`` stands for: ``auto`` is ``$PYXLLM_DEFAULT_GRAPH_BACKEND``
+    if set, else the platform's ``default_runner`` where ``model`` allows it: the graph runner
+    needs one TP rank on the CPU (a trace cannot record collectives) and layers that are all
+    capturable (no Python on the data, as MoE routing); pyxllm's own models only (the
+    transformers backend's are not traced here). Anything else runs ``eager``.
+
+    Raises:
+        ValueError: an override the platform does not run.
+    """
+    if kind != "auto":
+        return kind
+    override = os.environ.get(DEFAULT_ENV, "").strip().lower()
+    if override:
+        platform.check_runner(override)
+        return override
+    choice = platform.default_runner
+    if choice == "graph" and (
+        (isinstance(platform.graph_capture, TorchScriptTraces) and get_tp_size() > 1)
+        or not all(getattr(m, "capturable", True) for m in model.modules())
+        or getattr(model, "model_impl", "pyxllm") != "pyxllm"
+    ):
+        choice = "eager"
+    logger.info(
+        "--graph-backend auto: runner %s%s",
+        choice,
+        " (decode steps captured at start-up; --graph-backend eager skips that)"
+        if choice == "graph"
+        else "",
+    )
+    return choice
 
 
 def graph_capture_for(platform) -> DeviceGraphCapture | TraceCapture:

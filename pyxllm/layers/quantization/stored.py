@@ -212,7 +212,7 @@ def apply_stored_weights(model: nn.Module) -> Counter:
             del weight.stored_rows  # an embedding's float weight stays unwritten (no memory)
     logger.info(
         "weights kept as the GGUF file stores them: %d layers as int4 groups, %d as int8 groups, "
-        "%d dequantized to %s",
+        "%d dequantized to %s (--quantization none dequantizes every layer)",
         taken["int4"],
         taken["int8"],
         taken["float"],
