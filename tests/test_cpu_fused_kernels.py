@@ -143,11 +143,12 @@ def test_w8a8_linear_matches_native_exactly(dtype):
 
 class Grouped:
     """One of the grouped weight formats of ``csrc/group_linear.cpp``: ``int4`` (``W = (q - 8)
-    scale + zero``, q in 0..15) or ``int8`` (``W = q scale + zero``, q in -128..127), with its
-    quantizer, pack, kernel and reference."""
+    scale + zero``, q in 0..15, groups of 32) or ``int8`` (``W = q scale + zero``, q in
+    -128..127) in groups of ``group`` (32 or 16), with its quantizer, pack, kernel and
+    reference."""
 
-    def __init__(self, name: str) -> None:
-        self.name, self.offset = name, 8 if name == "int4" else 0
+    def __init__(self, name: str, group: int = 32) -> None:
+        self.name, self.group, self.offset = name, group, 8 if name == "int4" else 0
         self.pack = getattr(
             fused, f"pack_{name}_weight" if name == "int4" else "pack_int8_group_weight"
         )
@@ -166,7 +167,7 @@ class Grouped:
         if self.name == "int4":
             return quantize_int4_groups(w)
         n, k = w.shape
-        g = w.view(n, k // 32, 32)
+        g = w.view(n, k // self.group, self.group)
         zero = g.mean(-1)
         scale = (g - zero.unsqueeze(-1)).abs().amax(-1) / 127
         inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
@@ -177,14 +178,14 @@ class Grouped:
         """``[N, K]`` float64 weights the format stands for."""
         n, k = q.shape
         scale, zero = (scales_and_zeros[..., i].double().t().unsqueeze(-1) for i in (0, 1))
-        w = (q.double().view(n, k // 32, 32) - self.offset) * scale + zero
+        w = (q.double().view(n, k // self.group, self.group) - self.offset) * scale + zero
         return w.view(n, k)
 
     def __repr__(self) -> str:
-        return self.name
+        return f"{self.name}/{self.group}"
 
 
-GROUPED = [Grouped("int4"), Grouped("int8")]
+GROUPED = [Grouped("int4"), Grouped("int8"), Grouped("int8", 16)]
 
 
 def grouped_reference(fmt: Grouped, x: torch.Tensor, q: torch.Tensor, scales_and_zeros):
@@ -203,16 +204,20 @@ def grouped_reference(fmt: Grouped, x: torch.Tensor, q: torch.Tensor, scales_and
     v = xg * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     q1 = torch.round(v)
     q2 = torch.round((v - q1) * 254)
-    step = (amax.double() / 127).squeeze(-1)  # [rows, groups]
-    qg = q.double().view(n, groups, 32)
+    step = (amax.double() / 127).expand(rows, groups, 32).reshape(rows, k)  # per activation
+    # per weight group: the activations' two parts (times their step) and their float sum
+    parts = ((q1.double() + q2.double() / 254).reshape(rows, k) * step).view(rows, -1, fmt.group)
+    xsum = x.double().view(rows, -1, fmt.group).sum(-1)
+    qg = q.double().view(n, -1, fmt.group)
     scale, zero = (scales_and_zeros[..., i].double().t() for i in (0, 1))  # [N, groups]
-    dots = torch.einsum("rgk,ngk->rng", q1.double() + q2.double() / 254, qg) * step.unsqueeze(1)
+    dots = torch.einsum("rgk,ngk->rng", parts, qg)
     low = zero - fmt.offset * scale
-    products = (dots * scale, low * xg.double().sum(-1).unsqueeze(1))
+    products = (dots * scale, low * xsum.unsqueeze(1))
     y = (products[0] + products[1]).sum(-1)
     terms = (products[0].abs() + products[1].abs()).sum(-1)
-    weight = fmt.weights(q, scales_and_zeros).view(n, groups, 32)
-    bound = torch.einsum("rg,ng->rn", step / 508, weight.abs().sum(-1))
+    weight = fmt.weights(q, scales_and_zeros).view(n, -1, fmt.group)
+    err = (step / 508).view(rows, -1, fmt.group)[..., 0]  # one step per weight group
+    bound = torch.einsum("rg,ng->rn", err, weight.abs().sum(-1))
     return y, terms, bound
 
 
@@ -235,25 +240,26 @@ def test_grouped_linear_is_the_w_a8_arithmetic_and_near_float_activations(fmt, d
         # (k/32 + 2) roundings of eps/2 of the terms; int8's integer sums (up to 32 * 128 * 127
         # * 254 > 2**24) are rounded once more when converted; then the output is rounded to
         # its dtype
-        per_group = 1 if fmt.name == "int4" else 2
+        per_group = (1 if fmt.name == "int4" else 2) * 32 // fmt.group
         rounding = (per_group * k // 32 + 2) * torch.finfo(torch.float32).eps * terms
         ulp = 0.0 if dtype == torch.float32 else 2.0**-8
-        got = fmt.kernel(x, packed, pairs, 32)
+        got = fmt.kernel(x, packed, pairs, fmt.group)
         assert got.dtype == dtype and got.shape == (rows, n)
         assert bool(((got.double() - want).abs() <= rounding + ulp * want.abs()).all())
         exact = F.linear(x.double(), fmt.weights(q, scales_and_zeros))
         assert bool(((want - exact).abs() <= bound + 1e-12).all())
         bias = torch.randn(n, generator=g).to(dtype)
-        with_bias = fmt.kernel(x, packed, pairs, 32, bias).double()
+        with_bias = fmt.kernel(x, packed, pairs, fmt.group, bias).double()
         want = want + bias.double()
         add = torch.finfo(torch.float32).eps + 2 * ulp  # the bias added in float32, rounded
         assert bool(((with_bias - want).abs() <= rounding + add * want.abs()).all())
     strided = torch.randn(2, 3, 2 * k, generator=g).to(dtype)[..., ::2]
     assert torch.equal(
-        fmt.kernel(strided, packed, pairs, 32), fmt.kernel(strided.contiguous(), packed, pairs, 32)
+        fmt.kernel(strided, packed, pairs, fmt.group),
+        fmt.kernel(strided.contiguous(), packed, pairs, fmt.group),
     )
-    assert fmt.kernel(strided, packed, pairs, 32).shape == (2, 3, n)
-    assert fmt.kernel(x[:0], packed, pairs, 32).shape == (0, n)
+    assert fmt.kernel(strided, packed, pairs, fmt.group).shape == (2, 3, n)
+    assert fmt.kernel(x[:0], packed, pairs, fmt.group).shape == (0, n)
 
 
 def test_int8_group_linear_takes_the_extreme_weights():
@@ -281,8 +287,8 @@ def test_grouped_linear_of_many_rows_is_a_gemm_on_the_dequantized_weights(fmt, d
     q, scales_and_zeros = fmt.quantize(torch.randn(96, 576, generator=g) * 0.05)
     scales_and_zeros = scales_and_zeros.to(dtype)
     x, bias = torch.randn(40, 576, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
-    got = fmt.kernel(x, *fmt.pack(q, scales_and_zeros), 32, bias)
-    want = fmt.reference(x, *fmt.native_pack(q, scales_and_zeros), 32, bias)
+    got = fmt.kernel(x, *fmt.pack(q, scales_and_zeros), fmt.group, bias)
+    want = fmt.reference(x, *fmt.native_pack(q, scales_and_zeros), fmt.group, bias)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
@@ -298,10 +304,10 @@ def test_grouped_linear_gives_a_row_the_same_bits_in_any_batch(fmt):
     for dtype in (torch.float32, torch.bfloat16):  # float32 shows every bit of the sums
         packed, pairs = fmt.pack(q, scales_and_zeros.to(dtype))
         x = torch.randn(32, 576, generator=g).to(dtype)
-        alone = torch.cat([fmt.kernel(row[None], packed, pairs, 32) for row in x])
+        alone = torch.cat([fmt.kernel(row[None], packed, pairs, fmt.group) for row in x])
         for rows in range(2, 33):
-            assert torch.equal(fmt.kernel(x[:rows], packed, pairs, 32), alone[:rows])
-        assert torch.equal(fmt.kernel(x.flip(0), packed, pairs, 32), alone.flip(0))
+            assert torch.equal(fmt.kernel(x[:rows], packed, pairs, fmt.group), alone[:rows])
+        assert torch.equal(fmt.kernel(x.flip(0), packed, pairs, fmt.group), alone.flip(0))
 
 
 def test_int4_linear_refuses_what_it_cannot_compute():

@@ -7,9 +7,9 @@ int4/int8 kernels, against the same file dequantized (``--quantization none``).
   dequantized model's (measured: max 0.015, mean 0.0019, on log-probabilities of std 3.6)
   with the same top token at every position and the same greedy text.
 - A tiny llama written here in every type the kernels take (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
-  Q8_0) and one they do not (Q6_K, groups of 16): each layer takes the format its pieces allow
-  (a fused layer of int4 and int8 pieces as int8, a Q6_K piece dequantized), and generates the
-  dequantized file's greedy tokens.
+  Q6_K, Q8_0) and a float32 tensor: each layer takes the format its pieces allow (a fused layer
+  of int4 and int8 pieces as int8, in groups of 16 with a Q6_K piece; a float piece dequantized),
+  and generates the dequantized file's greedy tokens.
 - What ``auto`` resolves to, and its override.
 """
 
@@ -41,7 +41,9 @@ def _model(llm: LLM):
 
 def _format(layer) -> str:
     method = layer.quant_method
-    return method.format if isinstance(method, GroupedLinearMethod) else "float"
+    if not isinstance(method, GroupedLinearMethod):
+        return "float"
+    return method.format + ("" if method.group_size == 32 else f"/{method.group_size}")
 
 
 def _logits(llm: LLM) -> torch.Tensor:
@@ -107,15 +109,16 @@ def test_default_model_logits_and_greedy_text_match_the_dequantized_file(default
 # ------------------------------------------------------------------ a tiny llama of every type
 
 # llama.cpp's tensor names for a llama layer, and the type each layer's piece is written in
-_LAYER_TYPES = [
-    {"attn_q": T.Q4_K, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.Q8_0,
-     "ffn_gate": T.Q4_K, "ffn_up": T.Q5_K, "ffn_down": T.Q6_K},
+_LAYER_TYPES = [  # a name left out stays float32
+    {"attn_q": T.Q4_K, "attn_k": T.Q4_0, "attn_v": T.Q6_K, "attn_output": T.Q8_0,
+     "ffn_gate": T.Q4_K, "ffn_up": T.Q5_K},
     {"attn_q": T.Q5_0, "attn_k": T.Q5_1, "attn_v": T.Q8_0, "attn_output": T.Q4_K,
      "ffn_gate": T.Q4_0, "ffn_up": T.Q4_1, "ffn_down": T.Q5_K},
 ]  # fmt: skip
-# the format each fused layer must end in: all int4 pieces -> int4, any int8 -> int8, Q6_K -> float
+# the format each fused layer must end in: all int4 pieces -> int4, any int8 -> int8 (groups of
+# 16 with a Q6_K piece), any float piece -> float
 _EXPECTED = [
-    {"qkv_proj": "int4", "o_proj": "int8", "gate_up_proj": "int8", "down_proj": "float"},
+    {"qkv_proj": "int8/16", "o_proj": "int8", "gate_up_proj": "int8", "down_proj": "float"},
     {"qkv_proj": "int8", "o_proj": "int4", "gate_up_proj": "int4", "down_proj": "int8"},
 ]
 _HF_TO_GGUF = {
@@ -142,7 +145,8 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 def llama_gguf(model, path):
     """``model`` (a transformers llama, 256-wide so K-quants' 256-value blocks fit) written as
     llama.cpp's converter does, each layer's projections in :data:`_LAYER_TYPES`, the embedding
-    Q8_0 and the LM head Q4_K (no vocabulary: pass a tokenizer with ``tokenizer=``)."""
+    Q8_0 and the LM head Q6_K, as llama.cpp's quantizer writes it (no vocabulary: pass a
+    tokenizer with ``tokenizer=``)."""
     config = model.config
     metadata = {
         "context_length": config.max_position_embeddings,
@@ -161,7 +165,7 @@ def llama_gguf(model, path):
     tensors = {"token_embd.weight": model.model.embed_tokens.weight}
     tensors["output_norm.weight"] = model.model.norm.weight
     tensors["output.weight"] = model.lm_head.weight
-    types = {"token_embd.weight": T.Q8_0, "output.weight": T.Q4_K}
+    types = {"token_embd.weight": T.Q8_0, "output.weight": T.Q6_K}
     for i, layer in enumerate(model.model.layers):
         for hf, name in _HF_TO_GGUF.items():
             weight = layer.get_submodule(hf).weight
@@ -197,7 +201,7 @@ def test_each_layer_takes_the_format_its_pieces_allow(tiny_llama):
             if name.rpartition(".")[2] in expected
         }
         assert got == expected
-    assert _format(model.lm_head) == "int4"
+    assert _format(model.lm_head) == "int8/16"
     assert model.model.embed_tokens.stored_lookup is not None
 
 

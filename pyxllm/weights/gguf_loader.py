@@ -339,10 +339,10 @@ class GGUFWeight(LazyWeight):
 
     def load_stored(self) -> StoredGroups | None:
         """The narrowed region as :class:`StoredGroups` straight from the file's blocks (no
-        float copy): Q4_0, Q4_1 and Q4_K as int4 groups, Q8_0 and the 5-bit types as int8 groups
-        (``pyxllm.weights.gguf_blocks``, exact). ``None`` for other types (float tensors, Q6_K's
-        groups of 16), vectors, shifted tensors (gemma's norms) and column ranges that do not
-        start and end on a group of 32."""
+        float copy): Q4_0, Q4_1 and Q4_K as int4 groups of 32, Q8_0 and the 5-bit types as int8
+        groups of 32, Q6_K as int8 groups of 16 (``pyxllm.weights.gguf_blocks``, exact). ``None``
+        for other types (float tensors, the 2- and 3-bit ones), vectors, shifted tensors
+        (gemma's norms) and column ranges that do not start and end on a group of 32."""
         ggml_type = self.info.ggml_type
         if len(self.ranges) != 2 or self.shift or ggml_type not in (*INT4_TYPES, *INT8_TYPES):
             return None
@@ -358,22 +358,17 @@ class GGUFWeight(LazyWeight):
             cut = slice(first - lo * head, last - lo * head)
         raw = self.gguf.raw_rows(self.info, read_rows)
         if ggml_type in INT4_TYPES:
-            fmt, (q, scale, zero) = "int4", int4_groups(raw, ggml_type)
+            (q, scale, zero), fmt, group = int4_groups(raw, ggml_type), "int4", 32
         else:
-            q, scale, zero, group_size = int8_groups(raw, ggml_type)
-            if group_size != 32:
-                return None
+            q, scale, zero, group = int8_groups(raw, ggml_type)
             fmt = "int8"
-        arrays = [
-            q[:, start:stop],
-            scale[:, start // 32 : stop // 32],
-            zero[:, start // 32 : stop // 32],
-        ]
+        cols = slice(start // group, stop // group)
+        arrays = [q[:, start:stop], scale[:, cols], zero[:, cols]]
         if self.qk_heads is not None:
             heads = (read_rows[1] - read_rows[0]) // head
             arrays = [unpermute_qk(a, heads)[cut] for a in arrays]
         q, scale, zero = (torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
-        return StoredGroups(fmt, q, scale, zero)
+        return StoredGroups(fmt, q, scale, zero, group)
 
 
 def iter_gguf_weight_slices(

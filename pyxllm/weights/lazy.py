@@ -30,19 +30,21 @@ import torch
 @dataclass
 class StoredGroups:
     """A region of a checkpoint tensor as its file stores it, in a grouped format a kernel takes
-    (GGUF's quantization blocks, ``pyxllm.weights.gguf_blocks``): groups of 32 input features,
-    each with a scale and a zero per row.
+    (GGUF's quantization blocks, ``pyxllm.weights.gguf_blocks``): groups of ``group_size`` input
+    features, each with a scale and a zero per row.
 
     Attributes:
         format: ``"int4"``: ``W = (q - 8) * scale + zero``, ``q`` uint8 in 0..15; ``"int8"``:
             ``W = q * scale + zero``, ``q`` int8.
-        q: ``[rows, cols]``; scale, zero: float32 ``[rows, cols / 32]``.
+        q: ``[rows, cols]``; scale, zero: float32 ``[rows, cols / group_size]``.
+        group_size: 32, or 16 (GGUF's Q6_K).
     """
 
     format: str
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+    group_size: int = 32
 
     @property
     def shape(self) -> torch.Size:

@@ -282,23 +282,25 @@ def int4_linear(
 def pack_int8_group_weight(
     q: torch.Tensor, scales_and_zeros: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q`` (``[N, K]`` int8) and ``scales_and_zeros`` (``[K/32, N, 2]``) in
-    :func:`int8_group_linear`'s layout, tiles of 16 output features with each tile's groups of 32
-    input features one after the other, four input features of a lane together
-    (``csrc/group_linear.cpp``): ``[N/16, 16 K]`` uint8 (the int8 bits) and ``[N/16, K/32, 16, 2]``.
+    """``q`` (``[N, K]`` int8) and ``scales_and_zeros`` (``[K/G, N, 2]``, groups of G = 32 or 16
+    input features) in :func:`int8_group_linear`'s layout, tiles of 16 output features with each
+    tile's groups of 32 input features one after the other, four input features of a lane
+    together (``csrc/group_linear.cpp``): ``[N/16, 16 K]`` uint8 (the int8 bits) and ``[N/16,
+    K/G, 16, 2]``.
 
     Raises:
-        ValueError: ``N`` not a multiple of 16 or ``K`` not a multiple of 32.
+        ValueError: ``N`` not a multiple of 16, ``K`` not a multiple of 32, or G not 32 or 16.
     """
     n, k = q.shape
-    if n % INT4_TILE or k % 32:
+    groups = scales_and_zeros.shape[0]
+    if n % INT4_TILE or k % 32 or groups * 32 not in (k, 2 * k):
         raise ValueError(
             f"grouped int8 weights need a multiple of {INT4_TILE} output and 32 input features "
-            f"on CPU, got {n} x {k}"
+            f"on CPU, in groups of 32 or 16, got {n} x {k} in {groups} groups"
         )
-    tiles, groups = n // INT4_TILE, k // 32
-    # [tile, lane, group, chunk, byte] -> [tile, group, chunk, lane, byte]
-    t = q.to(torch.int8).view(torch.uint8).view(tiles, INT4_TILE, groups, 8, 4)
+    tiles = n // INT4_TILE
+    # [tile, lane, group of 32, chunk, byte] -> [tile, group of 32, chunk, lane, byte]
+    t = q.to(torch.int8).view(torch.uint8).view(tiles, INT4_TILE, k // 32, 8, 4)
     packed = t.permute(0, 2, 3, 1, 4).contiguous().view(tiles, k * INT4_TILE)
     pairs = scales_and_zeros.view(groups, tiles, INT4_TILE, 2).transpose(0, 1).contiguous()
     return packed, pairs
@@ -312,13 +314,14 @@ def int8_group_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``pyxllm.kernels.native.int8_group_linear``'s weights with int8 activations (W8A8 in groups
-    of 32), the arithmetic of :func:`int4_linear` with signed 8-bit weights: a row's result does
-    not depend on the other rows up to 32 rows; above, the dequantized weights in a BLAS GEMM.
+    of 32 or 16), the arithmetic of :func:`int4_linear` with signed 8-bit weights: a row's result
+    does not depend on the other rows up to 32 rows; above, the dequantized weights in a BLAS
+    GEMM.
 
     Args:
         x: ``[..., K]`` float32 or bfloat16; packed, scales_and_zeros: from
-            :func:`pack_int8_group_weight`, the latter in ``x.dtype``; group_size: 32; bias:
-            ``[N]`` or None.
+            :func:`pack_int8_group_weight`, the latter in ``x.dtype``; group_size: 32 or 16 (the
+            groups of ``scales_and_zeros``); bias: ``[N]`` or None.
     Returns:
         ``[..., N]`` in ``x.dtype``.
     Raises:

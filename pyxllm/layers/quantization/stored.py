@@ -5,8 +5,8 @@ vLLM's GGUF support keeps each tensor's quantization blocks and multiplies by th
 blocks are converted once, exactly, to the two grouped formats of the CPU kernels
 (``pyxllm.weights.gguf_blocks``): Q4_0, Q4_1 and Q4_K to int4 groups (``W = (q - 8) * scale +
 zero``, ``kernels.ops.int4_linear``), Q8_0 and the 5-bit types to int8 groups (``W = q * scale +
-zero``, ``kernels.ops.int8_group_linear``). Both take groups of 32 input features and quantize
-the activations per group to ~15 bits (see ``csrc/group_linear.cpp``), so logits stay within
+zero``, ``kernels.ops.int8_group_linear``), Q6_K to int8 groups of 16. They quantize the
+activations per group of 32 to ~15 bits (see ``csrc/group_linear.cpp``), so logits stay within
 ~1e-3 of the dequantized model's in float32 (tests/test_gguf_stored.py) with an eighth (int4) or
 a quarter (int8) of float32's bytes to read per token.
 
@@ -15,10 +15,11 @@ weight (the linears, the LM head, the token embedding) a :class:`StoredRows`; th
 loaders (``layers.linear.load_rows``) hand it each region the checkpoint stores in such a format
 instead of writing the float parameter, which therefore never takes memory. After loading,
 :func:`apply_stored_weights` gives a layer whose every row came so a :class:`GroupedLinearMethod`
-(a fused layer mixing int4 and int8 pieces, say a Q4_K query and a Q5_K value projection, is
-held as int8: an int4 ``q - 8`` is an int8 value, still exact). A layer with any region the
-file stores otherwise (float tensors, Q6_K's groups of 16) is dequantized into its float weight,
-as without this method. The token embedding looks its rows up from a row-major copy of the
+(a fused layer mixing int4 and int8 pieces, say a Q4_K query and a Q6_K value projection, is
+held as int8: an int4 ``q - 8`` is an int8 value, and a group of 32 is two groups of 16 with
+the same scale and zero, still exact). A layer with any region the file stores otherwise
+(float tensors, the 2- and 3-bit K-quants) is dequantized into its float weight, as without
+this method. The token embedding looks its rows up from a row-major copy of the
 groups (:class:`StoredEmbedding`).
 """
 
@@ -35,7 +36,6 @@ from pyxllm.layers.quantization.weight_only import UnquantizedLinearMethod, repl
 
 logger = logging.getLogger(__name__)
 
-GROUP_SIZE = 32
 # what the weight q = 0 stands for, in units of the scale: W = (q - OFFSET) * scale + zero
 _OFFSET = {"int4": 8, "int8": 0}
 
@@ -74,14 +74,21 @@ class StoredRows:
         """``int4`` when every piece is, else ``int8``."""
         return "int4" if all(p.format == "int4" for p in self.pieces.values()) else "int8"
 
+    @property
+    def group_size(self) -> int:
+        """The smallest of the pieces' groups (32, or 16 with a Q6_K piece)."""
+        return min(p.group_size for p in self.pieces.values())
+
     def groups(self, total_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(q [total_rows, cols], scales_and_zeros [cols / 32, total_rows, 2] float32)`` in
-        :attr:`format`, rows past :attr:`rows` zero (an embedding's padding)."""
-        fmt = self.format
+        """``(q [total_rows, cols], scales_and_zeros [cols / G, total_rows, 2] float32)`` in
+        :attr:`format` and groups of G = :attr:`group_size`, rows past :attr:`rows` zero (an
+        embedding's padding)."""
+        fmt, group = self.format, self.group_size
         ordered = [self.pieces[k] for k in sorted(self.pieces)]
         q = torch.cat([_as_format(p, fmt) for p in ordered])
-        scale = torch.cat([p.scale for p in ordered])
-        zero = torch.cat([p.zero for p in ordered])
+        # a group of 32 is two of 16 with its scale and zero
+        scale = torch.cat([p.scale.repeat_interleave(p.group_size // group, 1) for p in ordered])
+        zero = torch.cat([p.zero.repeat_interleave(p.group_size // group, 1) for p in ordered])
         pad = total_rows - q.shape[0]
         if pad:
             q = torch.cat((q, q.new_full((pad, q.shape[1]), _OFFSET[fmt])))
@@ -93,7 +100,8 @@ class StoredRows:
         """Write the stored pieces' values into their rows of the float ``weight``."""
         for offset, piece in self.pieces.items():
             rows, cols = piece.q.shape
-            q = piece.q.float().view(rows, cols // GROUP_SIZE, GROUP_SIZE) - _OFFSET[piece.format]
+            group = piece.group_size
+            q = piece.q.float().view(rows, cols // group, group) - _OFFSET[piece.format]
             values = q * piece.scale.unsqueeze(-1) + piece.zero.unsqueeze(-1)
             weight.narrow(0, offset, rows).copy_(values.view(rows, cols))
 
@@ -106,14 +114,15 @@ def _as_format(piece, fmt: str) -> torch.Tensor:
 
 
 class GroupedLinearMethod(UnquantizedLinearMethod):
-    """The matmul over a weight in int4 or int8 groups of 32 (``kernels.ops.int4_linear`` /
-    ``int8_group_linear``); buffers ``qweight`` and ``scales_and_zeros`` in the platform kernel's
-    layout (``ops.pack_int4_weight`` / ``pack_int8_group_weight``), scales in the compute dtype."""
+    """The matmul over a weight in int4 groups of 32 or int8 groups of 32 or 16
+    (``kernels.ops.int4_linear`` / ``int8_group_linear``); buffers ``qweight`` and
+    ``scales_and_zeros`` in the platform kernel's layout (``ops.pack_int4_weight`` /
+    ``pack_int8_group_weight``), scales in the compute dtype."""
 
     name = "gguf"
 
-    def __init__(self, fmt: str) -> None:
-        self.format = fmt
+    def __init__(self, fmt: str, group_size: int = 32) -> None:
+        self.format, self.group_size = fmt, group_size
 
     def process_stored(self, layer: nn.Module, stored: StoredRows) -> None:
         """Replace ``layer.weight`` by ``stored``'s groups, packed."""
@@ -132,7 +141,7 @@ class GroupedLinearMethod(UnquantizedLinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         linear = kernels.ops.int4_linear if self.format == "int4" else kernels.ops.int8_group_linear
-        return linear(x, layer.qweight, layer.scales_and_zeros, GROUP_SIZE, bias)
+        return linear(x, layer.qweight, layer.scales_and_zeros, self.group_size, bias)
 
 
 class StoredEmbedding:
@@ -141,16 +150,18 @@ class StoredEmbedding:
 
     Args:
         q: ``[rows, hidden]`` (int4 format: uint8 0..15; int8: int8); scales_and_zeros:
-            ``[hidden / 32, rows, 2]`` float32; fmt: ``int4`` or ``int8``; dtype: the output's.
+            ``[hidden / G, rows, 2]`` float32 (groups of G); fmt: ``int4`` or ``int8``; dtype:
+            the output's.
     """
 
     def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, fmt: str, dtype) -> None:
         self.q, self.offset, self.dtype = q, _OFFSET[fmt], dtype
+        self.group_size = q.shape[1] // scales_and_zeros.shape[0]
         self.scale = scales_and_zeros[..., 0].t().contiguous()  # [rows, hidden / 32]
         self.zero = scales_and_zeros[..., 1].t().contiguous()
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.q[ids].float().unflatten(-1, (-1, GROUP_SIZE)) - self.offset
+        rows = self.q[ids].float().unflatten(-1, (-1, self.group_size)) - self.offset
         values = rows * self.scale[ids].unsqueeze(-1) + self.zero[ids].unsqueeze(-1)
         return values.flatten(-2).to(self.dtype)
 
@@ -204,7 +215,7 @@ def apply_stored_weights(model: nn.Module) -> Counter:
             )
             taken[stored.format] += 1
         else:
-            GroupedLinearMethod(stored.format).process_stored(module, stored)
+            GroupedLinearMethod(stored.format, stored.group_size).process_stored(module, stored)
             taken[stored.format] += 1
     for _, module in targets:  # after every user of a shared (tied) weight is done
         weight = getattr(module, "weight", None)
@@ -223,4 +234,4 @@ def apply_stored_weights(model: nn.Module) -> Counter:
 
 def _fits(shape: torch.Size) -> bool:
     """The kernels' tiles: output features in multiples of 16, input features of 32."""
-    return shape[0] % 16 == 0 and shape[1] % GROUP_SIZE == 0
+    return shape[0] % 16 == 0 and shape[1] % 32 == 0

@@ -148,20 +148,21 @@ inline void load_scales(const BFloat16* pairs, FloatV& scale, FloatV& zero) {
 // The activations of `rows` rows quantized per group, in two int8 parts: x / xs ~= q1 + q2 / 254
 // with q1 = rint(x / xs) and q2 = rint((x / xs - q1) * 254), both in -127..127; row r's q1 at
 // xq[2 k r + i], its q2 at xq[2 k r + k + i]. xs [rows, k/32] holds max |x| / (127 * 254), xsum
-// [rows, k/32] each group's float sum of x.
+// [rows, k/S] the float sum of x over each S = sum_group (32 or 16) inputs.
 template <typename T>
-void quantize_groups(int8_t* xq, float* xs, float* xsum, const T* x, int64_t rows, int64_t k) {
-  const int64_t groups = k / kGroup;
+void quantize_groups(int8_t* xq, float* xs, float* xsum, const T* x, int64_t rows, int64_t k,
+                     int64_t sum_group) {
+  const int64_t groups = k / kGroup, sums = kGroup / sum_group;
   at::parallel_for(0, rows, rows * k < kSerialMacs ? rows : 1, [&](int64_t begin, int64_t end) {
     float b[kGroup];
     for (int64_t r = begin; r < end; ++r)
       for (int64_t g = 0; g < groups; ++g) {
         const T* src = x + r * k + g * kGroup;
-        float amax = 0.f, total = 0.f;
+        float amax = 0.f, total[2] = {0.f, 0.f};
         for (int64_t i = 0; i < kGroup; ++i) {
           b[i] = static_cast<float>(src[i]);
           amax = std::max(amax, std::fabs(b[i]));
-          total += b[i];
+          total[i / sum_group % sums] += b[i];
         }
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         int8_t* q1 = xq + 2 * k * r + g * kGroup;
@@ -172,19 +173,20 @@ void quantize_groups(int8_t* xq, float* xs, float* xsum, const T* x, int64_t row
           q2[i] = static_cast<int8_t>(std::rint((v - whole) * 254.f));
         }
         xs[r * groups + g] = amax / (127.f * 254.f);
-        xsum[r * groups + g] = total;
+        for (int64_t j = 0; j < sums; ++j) xsum[(r * groups + g) * sums + j] = total[j];
       }
   });
 }
 
-// The two weight formats, each a group of kGroup input features of kTile output features in
-// kChunks chunks of kChunkBytes (kTile lanes of 4 bytes); a chunk holds kPieces 4-byte pieces per
-// lane, piece p of chunk c covering input features c * kChunkInputs + 4 p ... + 3.
+// The weight formats, each a scale group of kScaleInputs input features (one (scale, zero) pair
+// per output feature) of kTile output features in kChunks chunks of kChunkBytes (kTile lanes of
+// 4 bytes); a chunk holds kPieces 4-byte pieces per lane, piece p of chunk c covering input
+// features c * kChunkInputs + 4 p ... + 3 of the scale group.
 //
-// Int4: W = (q - 8) * scale + zero, q in 0..15; two per byte (low nibbles: the chunk's first 4
-// features, high nibbles: the next 4). The integer dot products are u8 x s8.
+// Int4: W = (q - 8) * scale + zero, q in 0..15, scale groups of 32; two per byte (low nibbles: the
+// chunk's first 4 features, high nibbles: the next 4). The integer dot products are u8 x s8.
 struct Int4Format {
-  static constexpr int64_t kGroupBytes = kTile * kGroup / 2;
+  static constexpr int64_t kScaleInputs = 32, kScaleBytes = kTile * kScaleInputs / 2;
   static constexpr int kChunks = 4, kPieces = 2, kChunkInputs = 8;
   static void unpack(IntV packed, IntV* piece) {
     piece[0] = packed & 0x0F0F0F0F;
@@ -196,27 +198,31 @@ struct Int4Format {
   static FloatV low(FloatV scale, FloatV zero) { return zero - 8.f * scale; }  // what q = 0 stands for
 };
 
-// Int8: W = q * scale + zero, q in -128..127, one per byte (GGUF's Q8_0, Q5_0/Q5_1 and Q5_K
-// with q shifted to be signed). The integer dot products are s8 x s8, as |w| x (x with w's sign).
+// Int8: W = q * scale + zero, q in -128..127, one per byte, scale groups of G = 32 (GGUF's Q8_0,
+// Q5_0/Q5_1 and Q5_K with q shifted to be signed) or 16 (Q6_K). The integer dot products are
+// s8 x s8, as |w| x (x with w's sign).
+template <int G>
 struct Int8Format {
-  static constexpr int64_t kGroupBytes = kTile * kGroup;
-  static constexpr int kChunks = 8, kPieces = 1, kChunkInputs = 4;
+  static constexpr int64_t kScaleInputs = G, kScaleBytes = kTile * kScaleInputs;
+  static constexpr int kChunks = G / 4, kPieces = 1, kChunkInputs = 4;
   static void unpack(IntV packed, IntV* piece) { piece[0] = packed; }
   static IntV dot(IntV acc, IntV w, int32_t x) { return dot4_signed(acc, w, x); }
   static IntV value(IntV packed, int j) { return (packed << (24 - 8 * j)) >> 24; }  // sign-extended
   static FloatV low(FloatV, FloatV zero) { return zero; }
 };
 
-// acc[m] (m < M) += row m's products with kLanes output features over all groups. `w` is the
-// tile's first group, offset to this lane block; `pairs` the (scale, zero) pairs of that lane
-// block in group 0, the next group's kTile pairs further.
+// acc[m] (m < M) += row m's products with kLanes output features over all scale groups. `w` is
+// the tile's first scale group, offset to this lane block; `pairs` the (scale, zero) pairs of that
+// lane block in scale group 0, the next scale group's kTile pairs further; xs per 32 inputs, xsum
+// per scale group.
 template <typename F, int M, typename S>
 inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, const int8_t* xq, const float* xs,
-                      const float* xsum, int64_t k, int64_t groups) {
-  for (int64_t g = 0; g < groups; ++g) {
+                      const float* xsum, int64_t k) {
+  const int64_t scale_groups = k / F::kScaleInputs, groups = k / kGroup;
+  for (int64_t g = 0; g < scale_groups; ++g) {
     IntV sum1[M] = {}, sum2[M] = {};
-    const uint8_t* wg = w + g * F::kGroupBytes;
-    const int8_t* xg = xq + g * kGroup;
+    const uint8_t* wg = w + g * F::kScaleBytes;
+    const int8_t* xg = xq + g * F::kScaleInputs;
     for (int c = 0; c < F::kChunks; ++c) __builtin_prefetch(wg + c * kChunkBytes + kWeightPrefetchBytes);
     for (int c = 0; c < F::kChunks; ++c) {
       IntV packed, piece[F::kPieces];
@@ -236,19 +242,20 @@ inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, const int8_
     FloatV scale, zero;
     load_scales(pairs + g * 2 * kTile, scale, zero);
     const FloatV low = F::low(scale, zero);
+    const int64_t a = g * F::kScaleInputs / kGroup;  // the activations' group of 32
     for (int m = 0; m < M; ++m) {
-      acc[m] = fma(__builtin_convertvector(sum1[m] * 254 + sum2[m], FloatV), scale * xs[m * groups + g], acc[m]);
-      acc[m] = fma(low, FloatV{} + xsum[m * groups + g], acc[m]);
+      acc[m] = fma(__builtin_convertvector(sum1[m] * 254 + sum2[m], FloatV), scale * xs[m * groups + a], acc[m]);
+      acc[m] = fma(low, FloatV{} + xsum[m * scale_groups + g], acc[m]);
     }
   }
 }
 
 template <typename F, typename S>
 void tile_rows_any(int rows, FloatV* acc, const uint8_t* w, const S* pairs, const int8_t* xq, const float* xs,
-                   const float* xsum, int64_t k, int64_t groups) {
+                   const float* xsum, int64_t k) {
   switch (rows) {
 #define PYXLLM_TILE_ROWS(M) \
-  case M: return tile_rows<F, M, S>(acc, w, pairs, xq, xs, xsum, k, groups);
+  case M: return tile_rows<F, M, S>(acc, w, pairs, xq, xs, xsum, k);
     PYXLLM_TILE_ROWS(1)
     PYXLLM_TILE_ROWS(2)
     PYXLLM_TILE_ROWS(3)
@@ -264,21 +271,21 @@ void tile_rows_any(int rows, FloatV* acc, const uint8_t* w, const S* pairs, cons
 template <typename F, typename T>
 void group_linear_rows(T* y, const T* x, const uint8_t* w, const T* pairs, const T* bias, int64_t rows, int64_t k,
                        int64_t n) {
-  const int64_t groups = k / kGroup;
+  const int64_t groups = k / kGroup, scale_groups = k / F::kScaleInputs;
   std::vector<int8_t> xq(2 * rows * k);
-  std::vector<float> xs(rows * groups), xsum(rows * groups);
-  quantize_groups(xq.data(), xs.data(), xsum.data(), x, rows, k);
+  std::vector<float> xs(rows * groups), xsum(rows * scale_groups);
+  quantize_groups(xq.data(), xs.data(), xsum.data(), x, rows, k, F::kScaleInputs);
   const int64_t tiles = n / kTile;
   at::parallel_for(0, tiles, rows * n * k < kSerialMacs ? tiles : 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t lane0 = 0; lane0 < kTile; lane0 += kLanes) {
         const int64_t n0 = t * kTile + lane0;
-        const uint8_t* wt = w + t * groups * F::kGroupBytes + lane0 * 4;
+        const uint8_t* wt = w + t * scale_groups * F::kScaleBytes + lane0 * 4;
         for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
           const int mc = static_cast<int>(std::min<int64_t>(kRowBlock, rows - m0));
           FloatV acc[kRowBlock] = {};
-          tile_rows_any<F>(mc, acc, wt, pairs + (t * groups * kTile + lane0) * 2, xq.data() + 2 * m0 * k,
-                           xs.data() + m0 * groups, xsum.data() + m0 * groups, k, groups);
+          tile_rows_any<F>(mc, acc, wt, pairs + (t * scale_groups * kTile + lane0) * 2, xq.data() + 2 * m0 * k,
+                           xs.data() + m0 * groups, xsum.data() + m0 * scale_groups, k);
           for (int m = 0; m < mc; ++m)
             for (int l = 0; l < kLanes; ++l) {
               const float b = bias ? static_cast<float>(bias[n0 + l]) : 0.f;
@@ -305,16 +312,16 @@ inline void store_lanes(BFloat16* dst, FloatV v) {
 // outputs of one input feature are one vector store).
 template <typename F, typename T>
 void dequantize_transposed(T* wt, const uint8_t* w, const T* pairs, int64_t k, int64_t n) {
-  const int64_t groups = k / kGroup, tiles = n / kTile;
+  const int64_t scale_groups = k / F::kScaleInputs, tiles = n / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t lane0 = 0; lane0 < kTile; lane0 += kLanes)
-        for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t g = 0; g < scale_groups; ++g) {
           FloatV scale, zero;
-          load_scales(pairs + ((t * groups + g) * kTile + lane0) * 2, scale, zero);
+          load_scales(pairs + ((t * scale_groups + g) * kTile + lane0) * 2, scale, zero);
           const FloatV low = F::low(scale, zero);
-          const uint8_t* wg = w + (t * groups + g) * F::kGroupBytes + lane0 * 4;
-          T* out = wt + g * kGroup * n + t * kTile + lane0;
+          const uint8_t* wg = w + (t * scale_groups + g) * F::kScaleBytes + lane0 * 4;
+          T* out = wt + g * F::kScaleInputs * n + t * kTile + lane0;
           for (int c = 0; c < F::kChunks; ++c) {
             IntV packed;
             std::memcpy(&packed, wg + c * kChunkBytes, sizeof packed);
@@ -326,21 +333,20 @@ void dequantize_transposed(T* wt, const uint8_t* w, const T* pairs, int64_t k, i
   });
 }
 
-// y = x @ W.T + bias for either format; `op` names the operator in messages.
+// y = x @ W.T + bias for any format; `op` names the operator in messages.
 template <typename F>
 at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& packed,
-                        const at::Tensor& scales_and_zeros, int64_t group_size, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(group_size == kGroup, op, ": groups of ", kGroup, " input features only, got ", group_size);
-  const int64_t k = x.size(-1);
+                        const at::Tensor& scales_and_zeros, const std::optional<at::Tensor>& bias) {
+  const int64_t k = x.size(-1), g = F::kScaleInputs;
   TORCH_CHECK(k % kGroup == 0, op, ": input features must be a multiple of ", kGroup, ", got ", k);
-  const int64_t row_bytes = k / kGroup * F::kGroupBytes;
+  const int64_t row_bytes = k / g * F::kScaleBytes;
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(1) == row_bytes,
               op, ": packed must be contiguous uint8 [N/16, ", row_bytes, "] (its pack function's layout)");
   const int64_t n = packed.size(0) * kTile;
   TORCH_CHECK(scales_and_zeros.scalar_type() == x.scalar_type() && scales_and_zeros.is_contiguous() &&
-                  scales_and_zeros.numel() == n * k / kGroup * 2,
-              op, ": scales_and_zeros must be the pack function's contiguous [", n / kTile, ", ", k / kGroup, ", ",
+                  scales_and_zeros.numel() == n * k / g * 2,
+              op, ": scales_and_zeros must be the pack function's contiguous [", n / kTile, ", ", k / g, ", ",
               kTile, ", 2] in x's dtype");
   at::Tensor b;
   if (bias.has_value()) {
@@ -379,12 +385,17 @@ at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& p
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
                        int64_t group_size, const std::optional<at::Tensor>& bias) {
-  return group_linear<Int4Format>("int4_linear", x, packed, scales_and_zeros, group_size, bias);
+  TORCH_CHECK(group_size == kGroup, "int4_linear: groups of ", kGroup, " input features only, got ", group_size);
+  return group_linear<Int4Format>("int4_linear", x, packed, scales_and_zeros, bias);
 }
 
 at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
                              int64_t group_size, const std::optional<at::Tensor>& bias) {
-  return group_linear<Int8Format>("int8_group_linear", x, packed, scales_and_zeros, group_size, bias);
+  TORCH_CHECK(group_size == 32 || group_size == 16, "int8_group_linear: groups of 32 or 16 input features only, got ",
+              group_size);
+  if (group_size == 16)
+    return group_linear<Int8Format<16>>("int8_group_linear", x, packed, scales_and_zeros, bias);
+  return group_linear<Int8Format<32>>("int8_group_linear", x, packed, scales_and_zeros, bias);
 }
 
 }  // namespace
