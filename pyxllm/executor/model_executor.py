@@ -27,7 +27,12 @@ from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.executor.spec_decode import GeneratorRewind, accept_drafts, expand_for_verification
 from pyxllm.executor.thread_tuner import make_thread_tuner
 from pyxllm.layers.forward_context import ForwardContext
-from pyxllm.layers.quantization import prepare_model, quantize_model, resolve_quantization
+from pyxllm.layers.quantization import (
+    prepare_model,
+    quantize_model,
+    resolve_quantization,
+    weight_bytes,
+)
 from pyxllm.models.build_context import build_model
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
@@ -99,6 +104,19 @@ class StepResult:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
     prompt_logprobs: list[list[TokenLogprobs] | torch.Tensor | None] | None = None
+
+
+def _resident_memory() -> str:
+    """This process's resident host memory (``VmRSS``), e.g. ``"752 MiB"``; ``"unknown"`` where
+    ``/proc`` does not say."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return f"{int(line.split()[1]) / 1024:.0f} MiB"
+    except OSError:
+        pass
+    return "unknown"
 
 
 class ModelExecutor:
@@ -176,12 +194,17 @@ class ModelExecutor:
         # the CPU's thread count per step, measured (see thread_tuner.py); None elsewhere
         self.thread_tuner = make_thread_tuner(platform, get_tp_size())
         logger.info(
-            "model %s (%s implementation), device %s, attention %s, runner %s",
+            "model %s (%s implementation), device %s, attention %s, runner %s; weights %.0f "
+            "MiB (%s), KV cache %.0f MiB, process resident %s",
             type(self.model).__name__,
             getattr(self.model, "model_impl", "pyxllm"),
             self.device,
             type(self.attn_backend).__name__,
             self.runner.name,
+            weight_bytes(self.model) / 2**20,
+            self.quantization or f"{str(self.dtype).removeprefix('torch.')}, not quantized",
+            self.kv_spec.bytes_per_block * self.num_kv_blocks / 2**20,
+            _resident_memory(),
         )
 
     def _load_draft(self, config: EngineConfig, model_config) -> DraftModel | None:

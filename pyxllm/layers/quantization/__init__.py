@@ -50,7 +50,29 @@ __all__ = [
     "prepare_model",
     "quantize_model",
     "resolve_quantization",
+    "weight_bytes",
 ]
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights take in memory: its parameters and buffers, and the groups an
+    embedding looks its rows up from, less the float weights of such embeddings (allocated,
+    never written, so never resident)."""
+    looked_up = {
+        id(m.weight) for m in model.modules() if getattr(m, "stored_lookup", None) is not None
+    }
+    total = sum(
+        t.numel() * t.element_size()
+        for t in (*model.parameters(), *model.buffers())
+        if id(t) not in looked_up
+    )
+    for module in model.modules():
+        lookup = getattr(module, "stored_lookup", None)
+        if lookup is not None:
+            total += sum(
+                t.numel() * t.element_size() for t in (lookup.q, lookup.scale, lookup.zero)
+            )
+    return total
 
 
 # names what ``--quantization auto`` picks instead of its own choice (the suite pins ``none``)
