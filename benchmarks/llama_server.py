@@ -1,6 +1,7 @@
 """compare.py's llama-server sections: pyxllm against llama.cpp's own server and llama-bench.
 
-- ``llama-server``: ``pyxllm serve --quantization w8a8 --graph-backend graph`` and ``llama-server
+- ``llama-server``: ``pyxllm serve`` with no flags (the GGUF's weights as stored, the graph
+  runner), ``pyxllm serve --quantization w8a8 --graph-backend graph`` and ``llama-server
   -np N -cb -t THREADS`` (N slots: the most clients of any workload, each slot with room for the
   longest prompt and its completion) on the same GGUF, one after the other, each driven by
   ``pyxllm bench serve``'s client. For each workload (``--llama-server-workloads``: prompt
@@ -29,6 +30,7 @@ from pathlib import Path
 from compare import GRAPH_BACKEND, log, measure_server, pyxllm_serve_cmd, ratio_lines
 
 from pyxllm.benchmarks.prompts import make_prompts
+from pyxllm.kernels.cpu.features import cpu_flags
 from pyxllm.weights.source import default_gguf_path
 
 # the llama-cpp-python release whose vendored llama.cpp build_llama_server.sh builds
@@ -42,6 +44,8 @@ DEFAULT_BIN_DIR = (
 DEFAULT_WORKLOADS = "100x8,100x32,1000x8"
 # tokens of room beyond a prompt and its completion (a server may count a few more tokens)
 CONTEXT_MARGIN = 64
+# CPU flags of the int8 dot products that --quantization w8a8's GEMMs need to be fast
+INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def find_binaries(bin_dir: str | Path) -> dict[str, Path] | None:
@@ -103,16 +107,23 @@ def serving(
     warmup = make_prompts(tokenizer, 2, 32, "random", seed=999)
     slot_len = max(n for n, _ in workloads) + output_len + CONTEXT_MARGIN
     slots = max(c for _, c in workloads)
+    sizing = (
+        f"--max-model-len {slot_len} --kv-cache-memory 1.0 --max-seqs-per-batch {max(64, slots)}"
+    )
     servers = {
-        "pyxllm": (
-            18933,
+        # the defaults: the GGUF's weights as stored, the graph runner
+        "pyxllm": (18933, pyxllm_serve_cmd(18933, *sizing.split())),
+    }
+    if INT8_DOT_FLAGS & cpu_flags():  # w8a8 has no fast kernel without them (README)
+        servers["pyxllm w8a8"] = (
+            18935,
             pyxllm_serve_cmd(
-                18933,
-                *f"--quantization w8a8 --graph-backend {GRAPH_BACKEND} "
-                f"--max-model-len {slot_len} --kv-cache-memory 1.0 "
-                f"--max-seqs-per-batch {max(64, slots)}".split(),
+                18935, *f"--quantization w8a8 --graph-backend {GRAPH_BACKEND} {sizing}".split()
             ),
-        ),
+        )
+    else:
+        log("pyxllm w8a8: skipped (no int8 dot-product instructions on this CPU)")
+    servers |= {
         "llama-server": (
             18934,
             [str(binary), "-m", str(default_gguf_path())]
@@ -190,19 +201,23 @@ def ratio_rows(results: dict, output_len: int, context: int) -> list[str]:
     lines = []
     for label, servers in results.get("llama-server", {}).items():
         input_len, clients = label.split("x")
-        ours, peer = servers.get("pyxllm", {}), {"llama-server": servers.get("llama-server", {})}
-        title = f"Serving, {input_len}-token prompts, {output_len} new, {clients} clients"
-        for key, what, unit, lower in (
-            ("output_tok_s", "output", "tok/s", False),
-            ("median_ttft_ms", "median TTFT", "ms", True),
-        ):
-            lines += ratio_lines(
-                f"{title}, {what}",
-                ours.get(key),
-                {name: figures.get(key) for name, figures in peer.items()},
-                unit,
-                lower_better=lower,
+        peer = {"llama-server": servers.get("llama-server", {})}
+        for ours_name, flags in (("pyxllm", "no flags"), ("pyxllm w8a8", "w8a8 + graph")):
+            ours = servers.get(ours_name, {})
+            title = (
+                f"Serving ({flags}), {input_len}-token prompts, {output_len} new, {clients} clients"
             )
+            for key, what, unit, lower in (
+                ("output_tok_s", "output", "tok/s", False),
+                ("median_ttft_ms", "median TTFT", "ms", True),
+            ):
+                lines += ratio_lines(
+                    f"{title}, {what}",
+                    ours.get(key),
+                    {name: figures.get(key) for name, figures in peer.items()},
+                    unit,
+                    lower_better=lower,
+                )
     long = results.get("long-context", {})
     if long:
         ours, peer = long.get("pyxllm", {}), long.get("llama-bench", {})

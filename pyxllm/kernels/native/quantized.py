@@ -56,15 +56,24 @@ def pack_int4_weight(
     return q.to(torch.uint8), scales_and_zeros
 
 
+def dequantize_groups(
+    q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, offset: int = 0
+) -> torch.Tensor:
+    """``[N, K]`` weights ``(q - offset) * scale + zero`` in ``scales_and_zeros.dtype``, from
+    unpacked ``q [N, K]`` and ``scales_and_zeros [K/G, N, 2]``: int4's (``offset`` 8) and grouped
+    int8's (``offset`` 0) formats."""
+    n, k = q.shape
+    scale = scales_and_zeros[..., 0].t().unsqueeze(-1)  # [N, K/G, 1]
+    zero = scales_and_zeros[..., 1].t().unsqueeze(-1)
+    w = q.view(n, k // group_size, group_size).to(scales_and_zeros.dtype)
+    return ((w - offset) * scale + zero).view(n, k)
+
+
 def dequantize_int4(
     packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """``[N, K]`` weights in ``scales_and_zeros.dtype`` from the reference's unpacked ``q``."""
-    n, k = packed.shape
-    scale = scales_and_zeros[..., 0].t().unsqueeze(-1)  # [N, K/G, 1]
-    zero = scales_and_zeros[..., 1].t().unsqueeze(-1)
-    q = packed.view(n, k // group_size, group_size).to(scales_and_zeros.dtype)
-    return ((q - 8) * scale + zero).view(n, k)
+    return dequantize_groups(packed, scales_and_zeros, group_size, offset=8)
 
 
 def int4_linear(
@@ -93,17 +102,6 @@ def pack_int8_group_weight(
     return q.to(torch.int8), scales_and_zeros
 
 
-def dequantize_int8_groups(
-    q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """``[N, K]`` weights ``q * scale + zero`` in ``scales_and_zeros.dtype``."""
-    n, k = q.shape
-    scale = scales_and_zeros[..., 0].t().unsqueeze(-1)  # [N, K/G, 1]
-    zero = scales_and_zeros[..., 1].t().unsqueeze(-1)
-    w = q.view(n, k // group_size, group_size).to(scales_and_zeros.dtype)
-    return (w * scale + zero).view(n, k)
-
-
 def int8_group_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -115,11 +113,11 @@ def int8_group_linear(
 
     Args:
         x: ``[..., K]``; packed, scales_and_zeros: from ``pack_int8_group_weight``, the latter in
-            ``x.dtype``; group_size: ``G`` (32); bias: ``[N]`` or None.
+            ``x.dtype``; group_size: ``G`` (32 or 16); bias: ``[N]`` or None.
     Returns:
         ``[..., N]`` in ``x.dtype``.
     """
-    return F.linear(x, dequantize_int8_groups(packed, scales_and_zeros, group_size), bias)
+    return F.linear(x, dequantize_groups(packed, scales_and_zeros, group_size), bias)
 
 
 def hadamard_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
