@@ -112,6 +112,15 @@ def test_smollm2_tp3_greedy_equals_tp1():
     assert not multiprocessing.active_children()
 
 
+def test_smollm2_tp3_on_the_stored_gguf_weights_greedy_equals_tp1():
+    """``--quantization gguf`` (the default outside the suite): each rank keeps its rows, and
+    the row-parallel layers their columns (192 of 576, 512 of 1536: whole groups of 32), of the
+    file's Q4_1 and Q8_0 blocks."""
+    ref, _ = greedy_tokens(None, 1, quantization="gguf")
+    assert greedy_tokens(None, 3, quantization="gguf")[0] == ref
+    assert not multiprocessing.active_children()
+
+
 def test_smollm2_tp3_w8a8_scores_the_prompt_like_float_tp1():
     """Under ``--quantization w8a8`` each rank rotates its shards by the same seeded matrices
     and quantizes its own slice of a row-parallel input, so tokens may differ from one rank's,

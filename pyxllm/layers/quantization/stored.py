@@ -157,7 +157,7 @@ class StoredEmbedding:
     def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, fmt: str, dtype) -> None:
         self.q, self.offset, self.dtype = q, _OFFSET[fmt], dtype
         self.group_size = q.shape[1] // scales_and_zeros.shape[0]
-        self.scale = scales_and_zeros[..., 0].t().contiguous()  # [rows, hidden / 32]
+        self.scale = scales_and_zeros[..., 0].t().contiguous()  # [rows, hidden / G]
         self.zero = scales_and_zeros[..., 1].t().contiguous()
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -205,10 +205,11 @@ def apply_stored_weights(model: nn.Module) -> Counter:
         stored = getattr(module.weight, "stored_rows", None)
         if stored is None:
             continue
-        if not stored.complete or not _fits(module.weight.shape):
+        embedding = _is_embedding(module)  # looked up: no kernel tiles to fit
+        if not stored.complete or not (embedding or _fits(module.weight.shape)):
             stored.dequantize_into(module.weight.data)
             taken["float"] += 1
-        elif _is_embedding(module):
+        elif embedding:
             q, scales_and_zeros = stored.groups(module.weight.shape[0])
             module.stored_lookup = StoredEmbedding(
                 q, scales_and_zeros, stored.format, module.weight.dtype
