@@ -324,18 +324,21 @@ class GGUFWeight(LazyWeight):
                 tuple(slice(a, b) for a, b in ranges)
             ].clone()
         rows, cols = ranges
-        if self.qk_heads is None:
-            array = self.gguf.read_region(
-                self.info, (self.row_base + rows[0], self.row_base + rows[1]), cols
-            )
-            return torch.from_numpy(array)
-        head = (
-            self.full_shape[0] // self.qk_heads
-        )  # rows per head: read whole heads, un-permute, cut
-        first, last = rows[0] // head, -(-rows[1] // head)
-        array = self.gguf.read_region(self.info, (first * head, last * head), cols)
-        array = unpermute_qk(array, last - first)[rows[0] - first * head : rows[1] - first * head]
+        (array,) = self._rows(
+            rows, lambda file_rows: [self.gguf.read_region(self.info, file_rows, cols)]
+        )
         return torch.from_numpy(np.ascontiguousarray(array))
+
+    def _rows(self, rows: tuple[int, int], read) -> list[np.ndarray]:
+        """Rows ``rows`` of this weight from ``read(file rows) -> arrays`` (each with a row per
+        file row): llama's permuted ``attn_q``/``attn_k`` are read in whole heads, un-permuted,
+        then cut."""
+        if self.qk_heads is None:
+            return read((self.row_base + rows[0], self.row_base + rows[1]))
+        head = self.full_shape[0] // self.qk_heads  # rows per head
+        first, last = rows[0] // head, -(-rows[1] // head)
+        cut = slice(rows[0] - first * head, rows[1] - first * head)
+        return [unpermute_qk(a, last - first)[cut] for a in read((first * head, last * head))]
 
     def load_stored(self) -> StoredGroups | None:
         """The narrowed region as :class:`StoredGroups` straight from the file's blocks (no
@@ -346,28 +349,24 @@ class GGUFWeight(LazyWeight):
         ggml_type = self.info.ggml_type
         if len(self.ranges) != 2 or self.shift or ggml_type not in (*INT4_TYPES, *INT8_TYPES):
             return None
-        (first, last), (start, stop) = self.ranges
+        rows, (start, stop) = self.ranges
         if start % 32 or stop % 32:
             return None
-        if self.qk_heads is None:
-            read_rows, cut = (self.row_base + first, self.row_base + last), slice(None)
-        else:  # whole heads, un-permuted, then cut (as _read_unshifted)
-            head = self.full_shape[0] // self.qk_heads
-            lo, hi = first // head, -(-last // head)
-            read_rows = (lo * head, hi * head)
-            cut = slice(first - lo * head, last - lo * head)
-        raw = self.gguf.raw_rows(self.info, read_rows)
-        if ggml_type in INT4_TYPES:
-            (q, scale, zero), fmt, group = int4_groups(raw, ggml_type), "int4", 32
-        else:
-            q, scale, zero, group = int8_groups(raw, ggml_type)
-            fmt = "int8"
-        cols = slice(start // group, stop // group)
-        arrays = [q[:, start:stop], scale[:, cols], zero[:, cols]]
-        if self.qk_heads is not None:
-            heads = (read_rows[1] - read_rows[0]) // head
-            arrays = [unpermute_qk(a, heads)[cut] for a in arrays]
-        q, scale, zero = (torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
+        fmt = "int4" if ggml_type in INT4_TYPES else "int8"
+
+        def decode(file_rows):
+            raw = self.gguf.raw_rows(self.info, file_rows)
+            if fmt == "int4":
+                (q, scale, zero), group = int4_groups(raw, ggml_type), 32
+            else:
+                q, scale, zero, group = int8_groups(raw, ggml_type)
+            cols = slice(start // group, stop // group)
+            return [q[:, start:stop], scale[:, cols], zero[:, cols]]
+
+        q, scale, zero = (
+            torch.from_numpy(np.ascontiguousarray(a)) for a in self._rows(rows, decode)
+        )
+        group = q.shape[1] // scale.shape[1]
         return StoredGroups(fmt, q, scale, zero, group)
 
 

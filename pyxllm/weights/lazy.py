@@ -46,10 +46,6 @@ class StoredGroups:
     zero: torch.Tensor
     group_size: int = 32
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
 
 class LazyWeight:
     """A checkpoint tensor of ``full_shape`` narrowed to ``ranges`` (one ``(start, stop)`` per dim).

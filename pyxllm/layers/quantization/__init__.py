@@ -69,9 +69,7 @@ def weight_bytes(model: nn.Module) -> int:
     for module in model.modules():
         lookup = getattr(module, "stored_lookup", None)
         if lookup is not None:
-            total += sum(
-                t.numel() * t.element_size() for t in (lookup.q, lookup.scale, lookup.zero)
-            )
+            total += sum(t.numel() * t.element_size() for t in (lookup.q, lookup.pairs))
     return total
 
 

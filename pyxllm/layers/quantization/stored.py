@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from pyxllm import kernels
+from pyxllm.kernels.native.quantized import dequantize_groups
 from pyxllm.layers.quantization.weight_only import UnquantizedLinearMethod, replace_weight
 
 logger = logging.getLogger(__name__)
@@ -99,11 +100,9 @@ class StoredRows:
     def dequantize_into(self, weight: torch.Tensor) -> None:
         """Write the stored pieces' values into their rows of the float ``weight``."""
         for offset, piece in self.pieces.items():
-            rows, cols = piece.q.shape
-            group = piece.group_size
-            q = piece.q.float().view(rows, cols // group, group) - _OFFSET[piece.format]
-            values = q * piece.scale.unsqueeze(-1) + piece.zero.unsqueeze(-1)
-            weight.narrow(0, offset, rows).copy_(values.view(rows, cols))
+            pairs = torch.stack((piece.scale, piece.zero), dim=-1).transpose(0, 1)
+            values = dequantize_groups(piece.q, pairs, piece.group_size, _OFFSET[piece.format])
+            weight.narrow(0, offset, piece.q.shape[0]).copy_(values)
 
 
 def _as_format(piece, fmt: str) -> torch.Tensor:
@@ -157,13 +156,14 @@ class StoredEmbedding:
     def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, fmt: str, dtype) -> None:
         self.q, self.offset, self.dtype = q, _OFFSET[fmt], dtype
         self.group_size = q.shape[1] // scales_and_zeros.shape[0]
-        self.scale = scales_and_zeros[..., 0].t().contiguous()  # [rows, hidden / G]
-        self.zero = scales_and_zeros[..., 1].t().contiguous()
+        self.pairs = scales_and_zeros.transpose(0, 1).contiguous()  # [rows, hidden / G, 2]
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.q[ids].float().unflatten(-1, (-1, self.group_size)) - self.offset
-        values = rows * self.scale[ids].unsqueeze(-1) + self.zero[ids].unsqueeze(-1)
-        return values.flatten(-2).to(self.dtype)
+        flat = ids.reshape(-1)
+        values = dequantize_groups(
+            self.q[flat], self.pairs[flat].transpose(0, 1), self.group_size, self.offset
+        )
+        return values.to(self.dtype).view(*ids.shape, -1)
 
 
 def _is_embedding(module: nn.Module) -> bool:
