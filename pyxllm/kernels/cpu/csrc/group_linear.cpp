@@ -163,7 +163,7 @@ void quantize_groups(int8_t* xq, float* xs, float* xsum, const T* x, int64_t row
         for (int64_t i = 0; i < kGroup; ++i) {
           b[i] = static_cast<float>(src[i]);
           amax = std::max(amax, std::fabs(b[i]));
-          total[i / sum_group % sums] += b[i];
+          total[i >= sum_group] += b[i];  // sum_group 32: one sum; 16: the two halves
         }
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         int8_t* q1 = xq + 2 * k * r + g * kGroup;
