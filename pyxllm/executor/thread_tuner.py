@@ -59,7 +59,7 @@ class ThreadTuner:
         while n >= 1:
             counts.add(n)
             n //= 2
-        self.candidates = sorted(counts | {1})
+        self.candidates = sorted(counts)  # the halvings end at 1
         self.current = max_threads
         self.probe_steps, self.base_interval, self.max_interval = (
             probe_steps,
@@ -118,13 +118,12 @@ class ThreadTuner:
     def _decide(self, key: int) -> None:
         probe = self.samples[(self.probing, key)]
         reference = self.samples[(self.current, key)]
-        if len(reference) >= max(1, self.probe_steps // 2) and statistics.median(
-            probe
-        ) < statistics.median(reference) * (1 - self.margin):
-            self.current, self.interval = self.probing, self.base_interval
-            self.switches += 1
-        elif len(reference) >= max(1, self.probe_steps // 2):
-            self.interval = min(2 * self.interval, self.max_interval)
+        if len(reference) >= max(1, self.probe_steps // 2):  # else: nothing to compare with
+            if statistics.median(probe) < statistics.median(reference) * (1 - self.margin):
+                self.current, self.interval = self.probing, self.base_interval
+                self.switches += 1
+            else:
+                self.interval = min(2 * self.interval, self.max_interval)
         self.samples.pop((self.probing, key), None)  # a later probe measures afresh
         self.probing, self.countdown = None, self.interval
 
