@@ -46,7 +46,7 @@ def _format(layer) -> str:
     return method.format + ("" if method.group_size == 32 else f"/{method.group_size}")
 
 
-def _logits(llm: LLM) -> torch.Tensor:
+def _prompt_logprobs(llm: LLM) -> torch.Tensor:
     """Float32 log-probabilities of the whole vocabulary at every prompt position, through the
     engine's own path."""
     out = llm.generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=-1))
@@ -96,9 +96,9 @@ def test_default_model_runs_on_its_stored_blocks(default_pair, default_gguf_path
     assert torch.equal(embedding(ids), torch.from_numpy(want))
 
 
-def test_default_model_logits_and_greedy_text_match_the_dequantized_file(default_pair):
+def test_default_model_logprobs_and_greedy_text_match_the_dequantized_file(default_pair):
     dequantized, stored = default_pair
-    want, got = _logits(dequantized), _logits(stored)
+    want, got = _prompt_logprobs(dequantized), _prompt_logprobs(stored)
     diff = (got - want).abs()
     assert diff.max().item() < 0.05 and diff.mean().item() < 0.01, diff.max().item()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -207,7 +207,7 @@ def test_each_layer_takes_the_format_its_pieces_allow(tiny_llama):
 
 def test_mixed_types_generate_the_dequantized_files_tokens(tiny_llama):
     dequantized, stored = tiny_llama
-    want, got = _logits(dequantized), _logits(stored)
+    want, got = _prompt_logprobs(dequantized), _prompt_logprobs(stored)
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() < 2e-3 * scale
     texts = [o.outputs[0].token_ids for o in stored.generate(PROMPTS, GREEDY)]
