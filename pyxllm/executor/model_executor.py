@@ -193,6 +193,7 @@ class ModelExecutor:
         self.draft = self._load_draft(config, model_config)
         # the CPU's thread count per step, measured (see thread_tuner.py); None elsewhere
         self.thread_tuner = make_thread_tuner(platform, get_tp_size())
+        platform.empty_cache()  # what the warm-up steps and captures freed, before measuring
         logger.info(
             "model %s (%s implementation), device %s, attention %s, runner %s; weights %.0f "
             "MiB (%s), KV cache %.0f MiB, process resident %s",

@@ -8,6 +8,7 @@ platforms share this interface, not code.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import importlib.util
 import logging
@@ -24,6 +25,17 @@ logger = logging.getLogger(__name__)
 GIB = 2**30
 # ``--dtype`` name -> torch dtype
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in COMPUTE_DTYPES}
+
+
+def _glibc_malloc_trim():
+    """glibc's ``malloc_trim`` through ctypes, or None (musl, macOS, Windows)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _glibc_malloc_trim()
 
 
 class PlatformUnavailableError(ValueError):
@@ -292,9 +304,14 @@ class Platform:
             self.device_module().synchronize()
 
     def empty_cache(self) -> None:
-        """Return cached, unused device memory to the driver; a no-op on CPU."""
+        """Return cached, unused memory: an accelerator's to its driver; on the CPU, the freed
+        heap pages glibc keeps (``malloc_trim(0)``), which the start-up's warm-up steps and
+        graph captures leave behind (~280 MiB of resident memory for SmolLM2 with the graph
+        runner, AVX2 EPYC). A no-op where the C library is not glibc."""
         if self.is_accelerator:
             self.device_module().empty_cache()
+        elif _malloc_trim is not None:
+            _malloc_trim(0)
 
 
 def load_class(path: str):
