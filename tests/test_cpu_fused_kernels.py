@@ -310,6 +310,26 @@ def test_grouped_linear_gives_a_row_the_same_bits_in_any_batch(fmt):
         assert torch.equal(fmt.kernel(x.flip(0), packed, pairs, fmt.group), alone.flip(0))
 
 
+@pytest.mark.parametrize("fmt", GROUPED, ids=repr)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_rows_read_the_packed_tiles_as_the_reference_reads_its_rows(fmt, dtype):
+    """A tied token embedding looks its rows up in the LM head's packed tiles: every row, in
+    any order and repeated, is the format's value (in float64 from the pairs in ``dtype``) up to
+    float32's rounding, and the reference's unpacked reader gives the same bits."""
+    g = torch.Generator().manual_seed(7)
+    q, scales_and_zeros = fmt.quantize(torch.randn(48, 96, generator=g))
+    scales_and_zeros = scales_and_zeros.to(dtype)
+    ids = torch.tensor([47, 0, 16, 15, 31, 0, 33])
+    name = "int4_rows" if fmt.name == "int4" else "int8_group_rows"
+    got = getattr(fused, name)(*fmt.pack(q, scales_and_zeros), ids, fmt.group)
+    want = fmt.weights(q, scales_and_zeros)[ids]
+    assert got.dtype == torch.float32 and got.shape == (len(ids), 96)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-7)
+    assert torch.equal(
+        got, getattr(native, name)(*fmt.native_pack(q, scales_and_zeros), ids, fmt.group)
+    )
+
+
 def test_int4_linear_refuses_what_it_cannot_compute():
     from pyxllm.layers.quantization import quantize_int4_groups
 

@@ -87,7 +87,8 @@ def test_default_model_runs_on_its_stored_blocks(default_pair, default_gguf_path
     assert _format(model.lm_head) == "int8"  # the tied Q8_0 embedding
     assert not hasattr(layer.mlp.down_proj, "weight")
     embedding = model.model.embed_tokens
-    assert embedding.stored_lookup is not None
+    # the tied embedding reads the LM head's packed groups: the weight is held once
+    assert embedding.stored_lookup.packed is model.lm_head.qweight
     ids = torch.tensor([0, 1, 17, 49151])
     gguf = open_gguf(default_gguf_path)
     info = gguf.tensor_by_name["token_embd.weight"]

@@ -18,6 +18,9 @@ from pyxllm.kernels.native import __all__  # noqa: F401
 int4_linear = _quantized.int4_linear
 int8_linear = _quantized.int8_linear
 pack_int4_weight = _quantized.pack_int4_weight
+# ATen's int4 layout has no row reader: a token embedding tied to such an LM head keeps its own
+# copy of the rows (see pyxllm.layers.quantization.stored)
+int4_rows = None
 
 
 def on_bind() -> None:

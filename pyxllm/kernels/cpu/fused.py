@@ -34,6 +34,7 @@ import torch
 
 from pyxllm.kernels import native
 from pyxllm.kernels.cpu import build
+from pyxllm.kernels.native.quantized import dequantize_groups
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,9 @@ KERNELS = (
     "apply_rotary_emb",
     "fused_add_rms_norm",
     "int4_linear",
+    "int4_rows",
     "int8_group_linear",
+    "int8_group_rows",
     "linear",
     "pack_int4_weight",
     "pack_int8_group_weight",
@@ -277,6 +280,41 @@ def int4_linear(
         RuntimeError: a shape, dtype or group size the kernel does not take.
     """
     return torch.ops.pyxllm_cpu.int4_linear.default(x, packed, scales_and_zeros, group_size, bias)
+
+
+def int4_rows(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, ids: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Rows ``ids`` of the weight :func:`pack_int4_weight` stored, dequantized in float32:
+    ``[len(ids), K]``, read out of its tiles (``pyxllm.kernels.native.int4_rows``' contract).
+
+    Raises:
+        ValueError: ``group_size`` not 32.
+    """
+    if group_size != 32:
+        raise ValueError(f"int4_rows: groups of 32 input features only, got {group_size}")
+    tiles, k = packed.shape[0], packed.shape[1] * 2 // INT4_TILE
+    tile, lane = ids // INT4_TILE, ids % INT4_TILE
+    # [tile, group, chunk, lane, byte] at (tile, lane) -> [n, group, chunk, byte]: a byte's low
+    # nibble is input 8 chunk + byte of the group, its high nibble input 8 chunk + 4 + byte
+    b = packed.view(tiles, k // 32, 4, INT4_TILE, 4)[tile, :, :, lane, :]
+    q = torch.stack((b & 0xF, b >> 4), dim=-2).reshape(len(ids), k)
+    pairs = scales_and_zeros[tile, :, lane, :].transpose(0, 1).float()
+    return dequantize_groups(q, pairs, group_size, offset=8)
+
+
+def int8_group_rows(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, ids: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Rows ``ids`` of the weight :func:`pack_int8_group_weight` stored, dequantized in float32:
+    ``[len(ids), K]`` (groups of ``group_size``, 32 or 16), read out of its tiles."""
+    tiles, k = packed.shape[0], packed.shape[1] // INT4_TILE
+    tile, lane = ids // INT4_TILE, ids % INT4_TILE
+    q = packed.view(tiles, k // 32, 8, INT4_TILE, 4)[tile, :, :, lane, :].reshape(len(ids), k)
+    pairs = scales_and_zeros[tile, :, lane, :].transpose(0, 1).float()
+    # the int8 bits as uint8 with the sign bit flipped are q + 128 (no dtype view: TorchScript's
+    # trace, the graph runner's capture, cannot record one)
+    return dequantize_groups(q ^ 0x80, pairs, group_size, offset=128)
 
 
 def pack_int8_group_weight(

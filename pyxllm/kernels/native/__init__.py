@@ -18,7 +18,9 @@ from pyxllm.kernels.native.paged_attention import (
 )
 from pyxllm.kernels.native.quantized import (
     int4_linear,
+    int4_rows,
     int8_group_linear,
+    int8_group_rows,
     int8_linear,
     pack_int4_weight,
     pack_int8_group_weight,
@@ -32,7 +34,9 @@ __all__ = [
     "fused_moe",
     "fused_topk",
     "int4_linear",
+    "int4_rows",
     "int8_group_linear",
+    "int8_group_rows",
     "int8_linear",
     "linear",
     "pack_int4_weight",

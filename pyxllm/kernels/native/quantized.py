@@ -76,6 +76,21 @@ def dequantize_int4(
     return dequantize_groups(packed, scales_and_zeros, group_size, offset=8)
 
 
+def int4_rows(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, ids: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Rows ``ids`` of the weight that ``pack_int4_weight`` stored, dequantized in float32:
+    ``[len(ids), K]`` (the stored values exactly where ``scales_and_zeros`` is float32). A token
+    embedding tied to an int4 LM head looks its rows up here (llama.cpp's ``get_rows`` on a
+    quantized tensor), so the weight is held once.
+
+    Args:
+        packed, scales_and_zeros: from ``pack_int4_weight``; ids: ``[n]`` int64 row indices;
+            group_size: ``G`` (32).
+    """
+    return dequantize_groups(packed[ids], scales_and_zeros[:, ids].float(), group_size, offset=8)
+
+
 def int4_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -100,6 +115,14 @@ def pack_int8_group_weight(
     """The reference's grouped int8 storage: ``q`` (``[N, K]`` int8) and ``scales_and_zeros``
     (``[K/G, N, 2]``) as given."""
     return q.to(torch.int8), scales_and_zeros
+
+
+def int8_group_rows(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, ids: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Rows ``ids`` of the weight that ``pack_int8_group_weight`` stored, dequantized in
+    float32: ``[len(ids), K]``, as :func:`int4_rows` (``group_size`` 32 or 16)."""
+    return dequantize_groups(packed[ids], scales_and_zeros[:, ids].float(), group_size)
 
 
 def int8_group_linear(

@@ -61,16 +61,12 @@ def weight_bytes(model: nn.Module) -> int:
     looked_up = {
         id(m.weight) for m in model.modules() if getattr(m, "stored_lookup", None) is not None
     }
-    total = sum(
-        t.numel() * t.element_size()
-        for t in (*model.parameters(), *model.buffers())
-        if id(t) not in looked_up
-    )
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in looked_up}
     for module in model.modules():
         lookup = getattr(module, "stored_lookup", None)
-        if lookup is not None:
-            total += sum(t.numel() * t.element_size() for t in (lookup.q, lookup.pairs))
-    return total
+        if lookup is not None:  # (a tied LM head's buffers, counted once)
+            tensors |= {id(t): t for t in (lookup.packed, lookup.scales_and_zeros)}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 # names what ``--quantization auto`` picks instead of its own choice (the suite pins ``none``)

@@ -19,8 +19,8 @@ instead of writing the float parameter, which therefore never takes memory. Afte
 held as int8: an int4 ``q - 8`` is an int8 value, and a group of 32 is two groups of 16 with
 the same scale and zero, still exact). A layer with any region the file stores otherwise
 (float tensors, the 2- and 3-bit K-quants) is dequantized into its float weight, as without
-this method. The token embedding looks its rows up from a row-major copy of the
-groups (:class:`StoredEmbedding`).
+this method. The token embedding looks its rows up from the groups (:class:`StoredEmbedding`):
+a tied one from its LM head's packed buffers, so the weight is held once.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from pyxllm import kernels
+from pyxllm.kernels.native import quantized as native_quantized
 from pyxllm.kernels.native.quantized import dequantize_groups
 from pyxllm.layers.quantization.weight_only import UnquantizedLinearMethod, replace_weight
 
@@ -145,25 +146,32 @@ class GroupedLinearMethod(UnquantizedLinearMethod):
 
 class StoredEmbedding:
     """Token embedding rows from grouped weights: ``(q[ids] - offset) * scale + zero`` in float32,
-    then the compute dtype (the file's values exactly, as gguf-py dequantizes them).
+    then the compute dtype (with float32 scales, the file's values exactly, as gguf-py
+    dequantizes them).
 
     Args:
-        q: ``[rows, hidden]`` (int4 format: uint8 0..15; int8: int8); scales_and_zeros:
-            ``[hidden / G, rows, 2]`` float32 (groups of G); fmt: ``int4`` or ``int8``; dtype:
-            the output's.
+        packed, scales_and_zeros: the groups in the layout ``read_rows`` takes: the reference's
+            unpacked ``[rows, hidden]`` and ``[hidden / G, rows, 2]`` float32 for an embedding of
+            its own, or a tied LM head's packed buffers (its kernel's layout, in the compute
+            dtype); read_rows: ``kernels.ops.int4_rows``-like, ``(packed, scales_and_zeros, ids
+            [n], G) -> [n, hidden]`` float32; group_size: G; dtype: the output's.
     """
 
-    def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, fmt: str, dtype) -> None:
-        self.q, self.offset, self.dtype = q, _OFFSET[fmt], dtype
-        self.group_size = q.shape[1] // scales_and_zeros.shape[0]
-        self.pairs = scales_and_zeros.transpose(0, 1).contiguous()  # [rows, hidden / G, 2]
+    def __init__(self, packed, scales_and_zeros, read_rows, group_size: int, dtype) -> None:
+        self.packed, self.scales_and_zeros = packed, scales_and_zeros
+        self.read_rows, self.group_size, self.dtype = read_rows, group_size, dtype
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        values = dequantize_groups(
-            self.q[flat], self.pairs[flat].transpose(0, 1), self.group_size, self.offset
+        values = self.read_rows(
+            self.packed, self.scales_and_zeros, ids.reshape(-1), self.group_size
         )
         return values.to(self.dtype).view(*ids.shape, -1)
+
+
+# the reference's row readers, over the unpacked groups an embedding of its own keeps
+_OWN_ROWS = {"int4": native_quantized.int4_rows, "int8": native_quantized.int8_group_rows}
+# the platform's row reader of each format's packed layout (None where it has none)
+_PACKED_ROWS = {"int4": "int4_rows", "int8": "int8_group_rows"}
 
 
 def _is_embedding(module: nn.Module) -> bool:
@@ -200,7 +208,9 @@ def apply_stored_weights(model: nn.Module) -> Counter:
     its float weight (the stored pieces dequantized into it); returns how many layers took each
     way (``int4``, ``int8``, ``float``)."""
     taken: Counter = Counter()
-    targets = list(_stored_targets(model))
+    # the layers first, so that a tied embedding finds its LM head's packed groups
+    targets = sorted(_stored_targets(model), key=lambda target: _is_embedding(target[1]))
+    packed_by: dict[int, nn.Module] = {}  # id(StoredRows) -> the layer that packed them
     for _, module in targets:
         stored = getattr(module.weight, "stored_rows", None)
         if stored is None:
@@ -210,13 +220,11 @@ def apply_stored_weights(model: nn.Module) -> Counter:
             stored.dequantize_into(module.weight.data)
             taken["float"] += 1
         elif embedding:
-            q, scales_and_zeros = stored.groups(module.weight.shape[0])
-            module.stored_lookup = StoredEmbedding(
-                q, scales_and_zeros, stored.format, module.weight.dtype
-            )
+            module.stored_lookup = _embedding_lookup(module, stored, packed_by.get(id(stored)))
             taken[stored.format] += 1
         else:
             GroupedLinearMethod(stored.format, stored.group_size).process_stored(module, stored)
+            packed_by[id(stored)] = module
             taken[stored.format] += 1
     for _, module in targets:  # after every user of a shared (tied) weight is done
         weight = getattr(module, "weight", None)
@@ -231,6 +239,26 @@ def apply_stored_weights(model: nn.Module) -> Counter:
         str(next(model.parameters()).dtype).removeprefix("torch."),
     )
     return taken
+
+
+def _embedding_lookup(
+    module: nn.Module, stored: StoredRows, tied_head: nn.Module | None
+) -> StoredEmbedding:
+    """The rows of ``module`` (an embedding): read out of its tied LM head's packed groups where
+    the platform can read that layout (one copy of the weight), else from a copy of their own."""
+    read_rows = getattr(kernels.ops, _PACKED_ROWS[stored.format], None)
+    if tied_head is not None and read_rows is not None:
+        return StoredEmbedding(
+            tied_head.qweight,
+            tied_head.scales_and_zeros,
+            read_rows,
+            stored.group_size,
+            module.weight.dtype,
+        )
+    q, scales_and_zeros = stored.groups(module.weight.shape[0])
+    return StoredEmbedding(
+        q, scales_and_zeros, _OWN_ROWS[stored.format], stored.group_size, module.weight.dtype
+    )
 
 
 def _fits(shape: torch.Size) -> bool:
