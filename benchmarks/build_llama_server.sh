@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Build llama.cpp's `llama-server` and `llama-bench`, the peers of benchmarks/compare.py's
-# llama-server sections, from the llama.cpp source that llama-cpp-python ships (so both peers run
+# llama-server sections, and `llama-quantize`, which writes the model-1b section's Q4_0, Q8_0 and
+# Q4_K_M files, from the llama.cpp source that llama-cpp-python ships (so both peers run
 # the same llama.cpp), into a cache directory outside the repository.
 #
 #   benchmarks/build_llama_server.sh [--with-amx] [--force] [--cache-dir DIR] [--jobs N]
 #
-# Prints the directory holding the two binaries (last line of output). Skips the build when both
-# are already there (--force rebuilds). About 13 CPU-minutes of compiling plus a 76 MB download;
+# Prints the directory holding the three binaries (last line of output). Skips the build when all
+# three are already there (--force rebuilds). About 13 CPU-minutes of compiling plus a 76 MB download;
 # on a shared machine run it as `nice -n 19 benchmarks/build_llama_server.sh`.
 #
 #   --with-amx      keep llama.cpp's AMX kernels (see below); built into DIR-amx by default
 #   --force         rebuild even when the binaries exist
 #   --cache-dir DIR where the binaries go (default:
 #                   ${XDG_CACHE_HOME:-~/.cache}/pyxllm/llama.cpp-VERSION, with -amx appended
-#                   for --with-amx), as DIR/bin/llama-server and DIR/bin/llama-bench
+#                   for --with-amx), as DIR/bin/llama-server, DIR/bin/llama-bench and
+#                   DIR/bin/llama-quantize
 #   --jobs N        parallel compile jobs (default: the number of cores)
 #
 # Environment: LLAMA_CPP_PYTHON_VERSION (default 0.3.36), PYTHON (the interpreter whose pip
@@ -65,8 +67,13 @@ suffix=""
 [[ $with_amx == 1 ]] && suffix="-amx"
 cache_dir="${cache_dir:-${XDG_CACHE_HOME:-$HOME/.cache}/pyxllm/llama.cpp-${version}${suffix}}"
 bin_dir="$cache_dir/bin"
-if [[ $force == 0 && -x "$bin_dir/llama-server" && -x "$bin_dir/llama-bench" ]]; then
-    echo "llama-server and llama-bench already built (--force rebuilds):"
+binaries=(llama-server llama-bench llama-quantize)
+missing=0
+for name in "${binaries[@]}"; do
+    [[ -x "$bin_dir/$name" ]] || missing=1
+done
+if [[ $force == 0 && $missing == 0 ]]; then
+    echo "${binaries[*]} already built (--force rebuilds):"
     echo "$bin_dir"
     exit 0
 fi
@@ -114,12 +121,12 @@ cmake -S "$src" -B "$work/build" "${generator[@]}" \
     -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_OPENSSL=OFF \
     >"$work/configure.log" || { cat "$work/configure.log" >&2; exit 1; }
-echo "building llama-server and llama-bench with $jobs jobs (minutes) ..."
-cmake --build "$work/build" --target llama-server llama-bench -j "$jobs" >"$work/build.log" \
+echo "building ${binaries[*]} with $jobs jobs (minutes) ..."
+cmake --build "$work/build" --target "${binaries[@]}" -j "$jobs" >"$work/build.log" \
     || { tail -50 "$work/build.log" >&2; exit 1; }
 
 mkdir -p "$bin_dir"
-for name in llama-server llama-bench; do
+for name in "${binaries[@]}"; do
     found="$(find "$work/build" -type f -name "$name" -perm -u+x | head -1)"
     [[ -n "$found" ]] || { echo "error: the build made no $name" >&2; exit 1; }
     # the flags must have kept every AMX tile instruction out (where objdump can tell)

@@ -50,8 +50,11 @@ def busy_core(busy: bool) -> Iterator[None]:
         spinner.wait()
 
 
-def pyxllm_decode(model: str, output_len: int, iters: int, threads: int, env: dict) -> float:
-    """``pyxllm bench latency``'s decode tok/s (a 32-token prompt, ``output_len`` new tokens)."""
+def pyxllm_decode(
+    model: str, output_len: int, iters: int, threads: int, env: dict, flags: tuple = ()
+) -> float:
+    """``pyxllm bench latency``'s decode tok/s (a 32-token prompt, ``output_len`` new tokens),
+    with the environment ``env`` and the engine ``flags`` added."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "latency.json"
         cmd = [
@@ -70,6 +73,7 @@ def pyxllm_decode(model: str, output_len: int, iters: int, threads: int, env: di
             "1",
             "--result-file",
             str(result),
+            *flags,
         ]
         run_env = {**os.environ, "OMP_NUM_THREADS": str(threads), **env}
         subprocess.run(cmd, check=True, env=run_env, capture_output=True, text=True)

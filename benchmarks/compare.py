@@ -27,6 +27,11 @@ take comma-separated names):
    without and with its prompt-lookup decoding (after every pyxllm run in this process), 256
    new tokens each.
 
+With ``--model-shape 1b`` the model is instead a random one of Llama-3.2-1B's shapes, built once
+in a cache directory as safetensors and as GGUF Q4_0 / Q8_0 / Q4_K_M, and the sections are
+``batch-1``, ``llama-server`` and ``busy-core``: pyxllm with no flags against llama-bench and
+llama-server on the same files (see ``model_1b.py``).
+
 Peers that are not installed or built are skipped with a message. Every engine gets
 ``--threads`` threads (default: all cores). Run from the repository root::
 
@@ -34,6 +39,7 @@ Peers that are not installed or built are skipped with a message. Every engine g
     .venv/bin/python benchmarks/compare.py --skip serving --result-file compare.json
     benchmarks/build_llama_server.sh && \
         .venv/bin/python benchmarks/compare.py --only llama-server,long-context --threads 2
+    .venv/bin/python benchmarks/compare.py --model-shape 1b --threads 2 --requests-per-client 1
 """
 
 from __future__ import annotations
@@ -225,6 +231,16 @@ def start_server(name: str, cmd: list[str], port: int, threads: int) -> subproce
     raise TimeoutError(f"{name} did not start within 300 s")
 
 
+def resident_mib(pid: int) -> float | None:
+    """Process ``pid``'s resident memory (``VmRSS``) in MiB, or None without ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            line = next(line for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) / 1024
+
+
 def measure_server(
     name: str,
     cmd: list[str],
@@ -236,8 +252,10 @@ def measure_server(
     """Start the server ``cmd``, send it the ``warmup`` prompts (4 new tokens, 2 clients), then
     each load ``label: (prompts, output_len, clients)`` in turn through ``pyxllm bench
     serve``'s client, and stop it. Returns ``label: figures``: aggregate output tok/s, median
-    TTFT and TPOT in ms, completed and failed requests, output tokens."""
+    TTFT and TPOT in ms, completed and failed requests, output tokens, and the server's
+    resident memory in MiB once it answered (``VmRSS``; None where ``/proc`` has none)."""
     proc = start_server(name, cmd, port, threads)
+    resident = resident_mib(proc.pid)
     results = {}
     try:
         url = f"http://127.0.0.1:{port}/v1"
@@ -252,6 +270,7 @@ def measure_server(
                 "completed": m.completed,
                 "failed": m.failed,
                 "total_output_tokens": m.total_output_tokens,
+                "resident_mib_after_start": resident,
             }
     finally:
         proc.terminate()
@@ -333,24 +352,25 @@ SECTIONS = (
 
 
 def sections_to_run(
-    parser: argparse.ArgumentParser, only: str, skip: str
+    parser: argparse.ArgumentParser, only: str, skip: str, names=SECTIONS
 ) -> tuple[set[str], set[str]]:
-    """``(sections to run, sections skipped)``: those ``--only`` names (default: all) less those
-    ``--skip`` names; an unknown name is a usage error naming its flag."""
+    """``(sections to run, sections skipped)``: those ``--only`` names (default: all ``names``)
+    less those ``--skip`` names; an unknown name is a usage error naming its flag."""
     chosen = {}
     for flag, text in (("--only", only), ("--skip", skip)):
         chosen[flag] = set(filter(None, text.split(",")))
-        unknown = chosen[flag] - set(SECTIONS)
+        unknown = chosen[flag] - set(names)
         if unknown:
             parser.error(
                 f"{flag}: unknown section {', '.join(sorted(unknown))} "
-                f"(choose from {', '.join(SECTIONS)})"
+                f"(choose from {', '.join(names)})"
             )
-    return (chosen["--only"] or set(SECTIONS)) - chosen["--skip"], chosen["--skip"]
+    return (chosen["--only"] or set(names)) - chosen["--skip"], chosen["--skip"]
 
 
 def main() -> None:
     import llama_server  # here: it imports this module's helpers
+    import model_1b
     import speculative
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -384,7 +404,49 @@ def main() -> None:
         "--long-context-reps", type=int, default=3, help="timed requests / llama-bench repetitions"
     )
     parser.add_argument("--result-file", default=None)
+    parser.add_argument(
+        "--model-shape",
+        choices=("135m", "1b"),
+        default="135m",
+        help="135m: the embedded SmolLM2 (the sections above); 1b: a random model of "
+        f"Llama-3.2-1B's shapes, sections {', '.join(model_1b.SECTIONS)} (model_1b.py)",
+    )
+    parser.add_argument(
+        "--model-1b-dir",
+        default=str(model_1b.DEFAULT_DIR),
+        help="where --model-shape 1b builds its checkpoints (about 5 GB)",
+    )
+    parser.add_argument(
+        "--model-1b-types",
+        default=model_1b.DEFAULT_TYPES,
+        help=f"--model-shape 1b's GGUF types, comma-separated ({', '.join(model_1b.FILE_TYPES)})",
+    )
     args = parser.parse_args()
+    if args.model_shape == "1b":
+        args.sections, _ = sections_to_run(parser, args.only, args.skip, model_1b.SECTIONS)
+        try:
+            model_1b.parse_types(args.model_1b_types)
+            llama_server.parse_workloads(args.llama_server_workloads)
+        except ValueError as e:
+            parser.error(str(e))
+        torch.set_num_threads(args.threads)
+        binaries = llama_server.find_binaries(
+            args.llama_server_dir,
+            ("llama-server", "llama-bench", "llama-quantize"),
+            "--model-shape 1b",
+        )
+        if binaries is not None:
+            lines = model_1b.run(args, binaries, log, ratio_lines)
+            log(
+                "\n".join(
+                    [
+                        "",
+                        "=== pyxllm vs llama.cpp, 1B shapes (ratios > 1: pyxllm better) ===",
+                        *lines,
+                    ]
+                )
+            )
+        return
     sections, skipped = sections_to_run(parser, args.only, args.skip)
     try:
         workloads = llama_server.parse_workloads(args.llama_server_workloads)

@@ -44,20 +44,26 @@ DEFAULT_BIN_DIR = (
 DEFAULT_WORKLOADS = "100x8,100x32,1000x8"
 # tokens of room beyond a prompt and its completion (a server may count a few more tokens)
 CONTEXT_MARGIN = 64
+# pyxllm's KV cache budget in the llama-server section, GiB
+KV_CACHE_GIB = 1.0
 # CPU flags of the int8 dot products that --quantization w8a8's GEMMs need to be fast
 INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
-def find_binaries(bin_dir: str | Path) -> dict[str, Path] | None:
-    """``{"llama-server": path, "llama-bench": path}`` in ``bin_dir``, or None (with a message
-    saying how to build them) when either is missing."""
-    found = {name: Path(bin_dir) / name for name in ("llama-server", "llama-bench")}
+def find_binaries(
+    bin_dir: str | Path,
+    names=("llama-server", "llama-bench"),
+    skipped: str = "llama-server and long-context",
+) -> dict[str, Path] | None:
+    """``{name: path}`` of llama.cpp's ``names`` in ``bin_dir``, or None (with a message saying
+    how to build them and that the ``skipped`` sections are skipped) when any is missing."""
+    found = {name: Path(bin_dir) / name for name in names}
     missing = [name for name, path in found.items() if not os.access(path, os.X_OK)]
     if not missing:
         return found
     log(
         f"{' and '.join(missing)} not built in {bin_dir} (run benchmarks/build_llama_server.sh, "
-        "a build of minutes, or pass --llama-server-dir): llama-server and long-context skipped"
+        f"a build of minutes, or pass --llama-server-dir): {skipped} skipped"
     )
     return None
 
@@ -93,9 +99,12 @@ def serving(
     output_len: int,
     requests_per_client: int,
     threads: int,
+    model: Path | None = None,
 ) -> dict[str, dict[str, dict]]:
     """The ``llama-server`` section: ``{workload label: {"pyxllm": figures, "llama-server":
-    figures}}``, each server started once for all the workloads."""
+    figures}}``, each server started once for all the workloads, on ``model`` (a GGUF file;
+    default: the embedded model's)."""
+    model = model or default_gguf_path()
     loads = {
         workload_label(n, c): (
             make_prompts(tokenizer, c * requests_per_client, n, "random", seed=1000 + i),
@@ -107,18 +116,19 @@ def serving(
     warmup = make_prompts(tokenizer, 2, 32, "random", seed=999)
     slot_len = max(n for n, _ in workloads) + output_len + CONTEXT_MARGIN
     slots = max(c for _, c in workloads)
-    sizing = (
-        f"--max-model-len {slot_len} --kv-cache-memory 1.0 --max-seqs-per-batch {max(64, slots)}"
+    sizing = ["--model", str(model)] + (
+        f"--max-model-len {slot_len} --kv-cache-memory {KV_CACHE_GIB} "
+        f"--max-seqs-per-batch {max(64, slots)}".split()
     )
     servers = {
         # the defaults: the GGUF's weights as stored, the graph runner
-        "pyxllm": (18933, pyxllm_serve_cmd(18933, *sizing.split())),
+        "pyxllm": (18933, pyxllm_serve_cmd(18933, *sizing)),
     }
     if INT8_DOT_FLAGS & cpu_flags():  # w8a8 has no fast kernel without them (README)
         servers["pyxllm w8a8"] = (
             18935,
             pyxllm_serve_cmd(
-                18935, *f"--quantization w8a8 --graph-backend {GRAPH_BACKEND} {sizing}".split()
+                18935, "--quantization", "w8a8", "--graph-backend", GRAPH_BACKEND, *sizing
             ),
         )
     else:
@@ -126,7 +136,7 @@ def serving(
     servers |= {
         "llama-server": (
             18934,
-            [str(binary), "-m", str(default_gguf_path())]
+            [str(binary), "-m", str(model)]
             + f"--host 127.0.0.1 --port 18934 -np {slots} -cb -t {threads} "
             f"-c {slots * slot_len}".split(),
         ),
