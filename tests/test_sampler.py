@@ -304,3 +304,21 @@ def test_sampling_params_validation_names_the_field():
         with pytest.raises(ValueError, match=f"^{field}:"):
             SamplingParams(**kwargs)
     assert SamplingParams(logit_bias={"5": 1}).logit_bias == {5: 1.0}
+
+
+def test_a_greedy_rows_logprobs_do_not_depend_on_a_neighbours_top_p():
+    """A greedy row's log-probabilities are those of its own logits: a neighbour sampling with
+    top-p or min-p (whose masks the batch computes for every row) changes none of their bits."""
+    torch.manual_seed(4)
+    logits = torch.randn(2, 500)
+    greedy = SamplingParams(temperature=0, logprobs=3)
+    alone = Sampler(seed=0).sample(
+        logits[:1].clone(), SamplingMetadata.build([_seq(greedy)], 500, CPU)
+    )
+    for neighbour in (
+        SamplingParams(temperature=0.8, top_p=0.5, seed=1),
+        SamplingParams(temperature=0.8, min_p=0.2, top_k=7, seed=1),
+    ):
+        meta = SamplingMetadata.build([_seq(greedy), _seq(neighbour)], 500, CPU)
+        together = Sampler(seed=0).sample(logits.clone(), meta)
+        assert together.logprobs.tolists()[0] == alone.logprobs.tolists()[0]

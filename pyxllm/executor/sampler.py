@@ -113,13 +113,14 @@ class Sampler:
         if meta.logprob_rows is None:
             return SamplerOutput(token_ids)
         rows = meta.logprob_rows
+        chosen = processed.index_select(0, rows)
+        if not meta.all_greedy:  # a greedy row's own logits, whatever its neighbours' settings
+            # (top-p or min-p over a batch that samples would also trim its tail)
+            greedy = meta.greedy.index_select(0, rows).unsqueeze(1)
+            chosen = torch.where(greedy, logits.index_select(0, rows), chosen)
         return SamplerOutput(
             token_ids,
-            compute_logprobs(
-                processed.index_select(0, rows),
-                token_ids.index_select(0, rows),
-                meta.max_num_logprobs,
-            ),
+            compute_logprobs(chosen, token_ids.index_select(0, rows), meta.max_num_logprobs),
         )
 
     @staticmethod
