@@ -94,6 +94,11 @@ class EngineConfig:
       in one step and must fit the budget.
     - ``enable_prefix_cache``: full KV blocks stay cached (by a hash of their prefix) after
       their request ends, and a request whose prompt starts with cached blocks skips them.
+    - ``batch_invariant``: kernels give a token the same bits whatever else its step holds
+      (vLLM's ``VLLM_BATCH_INVARIANT``, SGLang's ``--enable-deterministic-inference``, here
+      the default): attention through one kernel for every token, and the int4/int8 group
+      matmuls on their row-invariant integer path at any row count. Float matmuls (BLAS) do
+      not promise it yet; the executor says at start-up what is covered.
     - ``device``: ``auto`` picks CUDA, then NPU, then MLU, else the CPU (see ``pyxllm.platforms``).
     - ``graph_backend``: ``auto`` (the default: the platform's ``default_runner`` where the
       model allows it, the graph runner on the CPU, else ``eager``; see
@@ -154,6 +159,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_chunked_prefill: bool = True
     enable_prefix_cache: bool = True
+    batch_invariant: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
     nnodes: int = 1

@@ -311,6 +311,22 @@ def test_grouped_linear_gives_a_row_the_same_bits_in_any_batch(fmt):
 
 
 @pytest.mark.parametrize("fmt", GROUPED, ids=repr)
+def test_batch_invariant_grouped_linear_gives_a_row_its_bits_at_any_row_count(fmt):
+    """With ``batch_invariant`` the integer path runs at every row count (a prefill of 80 rows
+    too), so a row's bits are those it gets alone; without it, above 32 rows the GEMM on the
+    dequantized weights gives other bits."""
+    g = torch.Generator().manual_seed(8)
+    q, scales_and_zeros = fmt.quantize(torch.randn(64, 576, generator=g))
+    packed, pairs = fmt.pack(q, scales_and_zeros)
+    x, bias = torch.randn(80, 576, generator=g), torch.randn(64, generator=g)
+    alone = torch.cat([fmt.kernel(row[None], packed, pairs, fmt.group, bias) for row in x])
+    for rows in (33, 47, 80):
+        got = fmt.kernel(x[:rows], packed, pairs, fmt.group, bias, True)
+        assert torch.equal(got, alone[:rows])
+    assert not torch.equal(fmt.kernel(x, packed, pairs, fmt.group, bias), alone)
+
+
+@pytest.mark.parametrize("fmt", GROUPED, ids=repr)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_rows_read_the_packed_tiles_as_the_reference_reads_its_rows(fmt, dtype):
     """A tied token embedding looks its rows up in the LM head's packed tiles: every row, in

@@ -130,9 +130,20 @@ class TorchPagedAttentionStep:
 class TorchPagedAttentionBackend:
     """Builds a ``TorchPagedAttentionStep`` from each step's input batch (an
     :class:`~pyxllm.attention.abstract.AttentionBackend`). Its kernels read int8 caches too
-    (``--kv-cache-dtype int8``)."""
+    (``--kv-cache-dtype int8``).
+
+    With ``batch_invariant`` (``--batch-invariant``, set by the executor), every token of the
+    step attends through the decode kernel, one row each over its context up to itself: a row's
+    sums then run over its own keys in one order whether its sequence is prefilled at once, in
+    chunks over cached blocks, or decoded one token at a time (the prefill kernel reduces a
+    chunk's queries together, in an order that depends on the chunk).
+    """
 
     supports_int8_kv_cache = True
+    supports_batch_invariance = True
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def build_decode(
         self, slot_mapping, block_tables, seq_lens, max_seq_len: int
@@ -154,7 +165,7 @@ class TorchPagedAttentionBackend:
         """``batch``: an ``InputBatch`` (see ``pyxllm.executor.input_batch``). Its decode rows
         (:func:`decode_rows`: verified drafts included) attend through the decode kernel, the
         other sequences (prefill chunks) one call each."""
-        tokens, seqs, lens = decode_rows(batch)
+        tokens, seqs, lens = decode_rows(batch, every_token=self.batch_invariant)
         starts, query_lens = batch.query_start_list, batch.query_lens
         decoding = set(seqs)
         prefills = [
@@ -186,19 +197,20 @@ class TorchPagedAttentionBackend:
         )
 
 
-def decode_rows(batch) -> tuple[list[int], list[int], list[int]]:
+def decode_rows(batch, every_token: bool = False) -> tuple[list[int], list[int], list[int]]:
     """The step's decode rows as ``(token indices, their sequences, context lengths)``: every
     token of a sequence that decodes (one token, or its last token and the drafts it verifies),
-    each attending to its context up to itself (a verified draft sees the drafts before it,
-    whose K/V the step caches first). Computed by the decode kernel, a verifying sequence gets
-    the attention decoding without speculation gives its tokens one at a time (the graph
-    runner replays such steps as decode rows too).
+    or with ``every_token`` of every sequence (prefill chunks too), each attending to its
+    context up to itself (a verified draft sees the drafts before it, whose K/V the step caches
+    first). Computed by the decode kernel, a verifying sequence gets the attention decoding
+    without speculation gives its tokens one at a time (the graph runner replays such steps as
+    decode rows too).
     """
     tokens, seqs, lens = [], [], []
     for i, (start, n, drafts) in enumerate(
         zip(batch.query_start_list, batch.query_lens, batch.num_draft_tokens)
     ):
-        if n == 1 + drafts:
+        if every_token or n == 1 + drafts:
             tokens += range(start, start + n)
             seqs += [i] * n
             lens += range(batch.seq_lens_list[i] - n + 1, batch.seq_lens_list[i] + 1)

@@ -104,6 +104,11 @@ ENGINE_HELP = {
     "step (default: 2048; without chunked prefill --max-model-len when that is more, as vLLM)",
     "enable_chunked_prefill": "split long prompts across steps, sharing each step's token "
     "budget with running decodes; off, a whole prompt is computed in one step",
+    "batch_invariant": "give a request the same tokens whatever else runs beside it (other "
+    "requests, prefix-cache hits, prefill chunks): attention through one kernel for every "
+    "token, the GGUF/int4 matmuls on their row-invariant integer path at any batch size "
+    "(float matmuls not yet); off, prefills take the faster BLAS and prefill-attention paths "
+    "(see docs/defaults.md)",
     "tensor_parallel_size": "split the model over N ranks (tensor parallelism); on one node, "
     "N-1 worker processes are spawned here; on a CPU host they share its cores (see README, "
     "Tensor parallelism)",
@@ -194,7 +199,12 @@ ENGINE_GROUPS = {
         "gpu_memory_utilization",
         "enable_prefix_cache",
     ),
-    "scheduler flags": ("max_seqs_per_batch", "max_tokens_per_batch", "enable_chunked_prefill"),
+    "scheduler flags": (
+        "max_seqs_per_batch",
+        "max_tokens_per_batch",
+        "enable_chunked_prefill",
+        "batch_invariant",
+    ),
     "parallel flags": (
         "tensor_parallel_size",
         "nnodes",

@@ -157,7 +157,7 @@ class ModelExecutor:
         self.quantization = resolve_quantization(config.quantization, source.kind)
         prepare_model(self.model, self.quantization)
         load_weights(self.model, weights)
-        quantize_model(self.model, self.quantization)
+        quantize_model(self.model, self.quantization, batch_invariant=config.batch_invariant)
 
         cache_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self.kv_spec = KVCacheSpec.from_model(self.model, config.block_size, cache_dtype)
@@ -174,6 +174,8 @@ class ModelExecutor:
                 f"({backend_cls.__name__}) has no int8 KV cache; use --kv-cache-dtype auto"
             )
         self.attn_backend: AttentionBackend = backend_cls()
+        if config.batch_invariant:
+            self._make_batch_invariant(backend_cls)
         max_model_len = (
             config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
         )
@@ -207,6 +209,31 @@ class ModelExecutor:
             self.kv_spec.bytes_per_block * self.num_kv_blocks / 2**20,
             _resident_memory(),
         )
+
+    def _make_batch_invariant(self, backend_cls) -> None:
+        """``--batch-invariant``: the attention backend computes every token alike where it can
+        (the quantized layers were told by ``quantize_model``); the log names what is not
+        covered: matmuls without a row-invariant kernel (float weights on BLAS, W8A8) and an
+        attention backend without the mode."""
+        if getattr(backend_cls, "supports_batch_invariance", False):
+            self.attn_backend.batch_invariant = True
+        uncovered = []
+        matmuls = sum(
+            1
+            for m in self.model.modules()
+            if getattr(m, "quantizable", False)
+            and not getattr(getattr(m, "quant_method", None), "batch_invariant", False)
+        )
+        if matmuls:
+            uncovered.append(f"{matmuls} matmuls without a row-invariant kernel")
+        if not getattr(self.attn_backend, "batch_invariant", False):
+            uncovered.append(f"attention {backend_cls.__name__}")
+        if uncovered:
+            logger.info(
+                "--batch-invariant: not covered: %s; a request's tokens may depend on what "
+                "else runs beside it",
+                ", ".join(uncovered),
+            )
 
     def _load_draft(self, config: EngineConfig, model_config) -> DraftModel | None:
         """The draft model of ``--speculative-config``, if its method is ``draft_model``.

@@ -92,11 +92,11 @@ def _register_fakes() -> None:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake(lib + "int4_linear")
-    def _(x, packed, scales_and_zeros, group_size, bias):
+    def _(x, packed, scales_and_zeros, group_size, bias, batch_invariant=False):
         return x.new_empty(*x.shape[:-1], packed.shape[0] * INT4_TILE)
 
     @torch.library.register_fake(lib + "int8_group_linear")
-    def _(x, packed, scales_and_zeros, group_size, bias):
+    def _(x, packed, scales_and_zeros, group_size, bias, batch_invariant=False):
         return x.new_empty(*x.shape[:-1], packed.shape[0] * INT4_TILE)
 
 
@@ -263,23 +263,28 @@ def int4_linear(
     scales_and_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``pyxllm.kernels.native.int4_linear``'s weights with int8 activations (W4A8) up to 32
     rows: each row's groups of 32 activations quantized to two int8 parts (~15 bits), integer
     dot products per group (VNNI where the CPU has it), see ``csrc/group_linear.cpp``. One pass
     over the weights serves up to 8 rows, and a row's result does not depend on the other rows.
-    Above 32 rows, the dequantized weights in a BLAS GEMM.
+    Above 32 rows, the dequantized weights in a BLAS GEMM, unless ``batch_invariant``: then the
+    integer path at any row count, so a row gets the same bits in a batch of any size (a prompt
+    prefilled at once, in chunks, or a token decoded among 100 others).
 
     Args:
         x: ``[..., K]`` float32 or bfloat16; packed, scales_and_zeros: from
             :func:`pack_int4_weight`, the latter in ``x.dtype``; group_size: 32; bias: ``[N]`` or
-            None.
+            None; batch_invariant: see above.
     Returns:
         ``[..., N]`` in ``x.dtype``.
     Raises:
         RuntimeError: a shape, dtype or group size the kernel does not take.
     """
-    return torch.ops.pyxllm_cpu.int4_linear.default(x, packed, scales_and_zeros, group_size, bias)
+    return torch.ops.pyxllm_cpu.int4_linear.default(
+        x, packed, scales_and_zeros, group_size, bias, batch_invariant
+    )
 
 
 def int4_rows(
@@ -350,21 +355,23 @@ def int8_group_linear(
     scales_and_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``pyxllm.kernels.native.int8_group_linear``'s weights with int8 activations (W8A8 in groups
     of 32 or 16), the arithmetic of :func:`int4_linear` with signed 8-bit weights: a row's result
-    does not depend on the other rows up to 32 rows; above, the dequantized weights in a BLAS
-    GEMM.
+    does not depend on the other rows up to 32 rows (at any count with ``batch_invariant``);
+    above, the dequantized weights in a BLAS GEMM.
 
     Args:
         x: ``[..., K]`` float32 or bfloat16; packed, scales_and_zeros: from
             :func:`pack_int8_group_weight`, the latter in ``x.dtype``; group_size: 32 or 16 (the
-            groups of ``scales_and_zeros``); bias: ``[N]`` or None.
+            groups of ``scales_and_zeros``); bias: ``[N]`` or None; batch_invariant: as
+            :func:`int4_linear`'s.
     Returns:
         ``[..., N]`` in ``x.dtype``.
     Raises:
         RuntimeError: a shape, dtype or group size the kernel does not take.
     """
     return torch.ops.pyxllm_cpu.int8_group_linear.default(
-        x, packed, scales_and_zeros, group_size, bias
+        x, packed, scales_and_zeros, group_size, bias, batch_invariant
     )

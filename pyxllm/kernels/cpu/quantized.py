@@ -48,8 +48,10 @@ def int4_linear(
     scales_and_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """See ``pyxllm.kernels.native.quantized.int4_linear``."""
+    """See ``pyxllm.kernels.native.quantized.int4_linear`` (ATen's kernel promises no batch
+    invariance either)."""
     y = torch._weight_int4pack_mm_for_cpu(
         x.reshape(-1, x.shape[-1]), packed, group_size, scales_and_zeros
     )

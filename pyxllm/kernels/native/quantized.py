@@ -97,12 +97,15 @@ def int4_linear(
     scales_and_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``y = x @ W.T + bias`` with ``W`` dequantized from ``pack_int4_weight``'s output.
 
     Args:
         x: ``[..., K]``; packed, scales_and_zeros: from ``pack_int4_weight``, the latter in
-            ``x.dtype``; group_size: ``G`` (32); bias: ``[N]`` or None.
+            ``x.dtype``; group_size: ``G`` (32); bias: ``[N]`` or None; batch_invariant: taken
+            for the fused kernels' signature (this reference's ``F.linear`` promises nothing of
+            the kind: BLAS may sum a row differently in batches of other sizes).
     Returns:
         ``[..., N]`` in ``x.dtype``.
     """
@@ -131,12 +134,14 @@ def int8_group_linear(
     scales_and_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``y = x @ W.T + bias`` with ``W`` dequantized from ``pack_int8_group_weight``'s output.
 
     Args:
         x: ``[..., K]``; packed, scales_and_zeros: from ``pack_int8_group_weight``, the latter in
-            ``x.dtype``; group_size: ``G`` (32 or 16); bias: ``[N]`` or None.
+            ``x.dtype``; group_size: ``G`` (32 or 16); bias: ``[N]`` or None; batch_invariant:
+            as :func:`int4_linear`'s.
     Returns:
         ``[..., N]`` in ``x.dtype``.
     """

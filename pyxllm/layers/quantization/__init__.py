@@ -110,8 +110,12 @@ def prepare_model(model: nn.Module, quantization: str | None) -> None:
         collect_stored_weights(model)
 
 
-def quantize_model(model: nn.Module, quantization: str | None) -> int:
+def quantize_model(
+    model: nn.Module, quantization: str | None, batch_invariant: bool = False
+) -> int:
     """Convert every quantizable layer of a loaded ``model`` in place; returns how many.
+    ``batch_invariant`` puts the int4/int8 group matmuls on their row-invariant path at any row
+    count (``--batch-invariant``; the methods that support it keep it as their attribute).
 
     ``gguf`` (after :func:`prepare_model`) puts each layer on the groups its checkpoint stored
     (see ``stored.py``); the other methods quantize the loaded float weights:
@@ -130,7 +134,7 @@ def quantize_model(model: nn.Module, quantization: str | None) -> int:
     if quantization is None:
         return 0
     if quantization == "gguf":
-        taken = apply_stored_weights(model)
+        taken = apply_stored_weights(model, batch_invariant)
         return taken["int4"] + taken["int8"]
     if quantization not in _METHODS:
         raise ValueError(
@@ -147,6 +151,8 @@ def quantize_model(model: nn.Module, quantization: str | None) -> int:
         ):
             continue
         method = head_cls() if hasattr(module, "compute_logits") else linear_cls()
+        if hasattr(method, "batch_invariant"):
+            method.batch_invariant = batch_invariant
         try:
             method.process_weights_after_loading(module)
         except (ValueError, RuntimeError) as e:

@@ -121,8 +121,9 @@ class GroupedLinearMethod(UnquantizedLinearMethod):
 
     name = "gguf"
 
-    def __init__(self, fmt: str, group_size: int = 32) -> None:
+    def __init__(self, fmt: str, group_size: int = 32, batch_invariant: bool = False) -> None:
         self.format, self.group_size = fmt, group_size
+        self.batch_invariant = batch_invariant  # the kernel's row-invariant path at any count
 
     def process_stored(self, layer: nn.Module, stored: StoredRows) -> None:
         """Replace ``layer.weight`` by ``stored``'s groups, packed."""
@@ -141,7 +142,9 @@ class GroupedLinearMethod(UnquantizedLinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         linear = kernels.ops.int4_linear if self.format == "int4" else kernels.ops.int8_group_linear
-        return linear(x, layer.qweight, layer.scales_and_zeros, self.group_size, bias)
+        return linear(
+            x, layer.qweight, layer.scales_and_zeros, self.group_size, bias, self.batch_invariant
+        )
 
 
 class StoredEmbedding:
@@ -203,7 +206,7 @@ def collect_stored_weights(model: nn.Module) -> None:
             weight.stored_rows = StoredRows(rows)
 
 
-def apply_stored_weights(model: nn.Module) -> Counter:
+def apply_stored_weights(model: nn.Module, batch_invariant: bool = False) -> Counter:
     """After loading: each target layer on its stored groups where all its rows came so, else
     its float weight (the stored pieces dequantized into it); returns how many layers took each
     way (``int4``, ``int8``, ``float``)."""
@@ -223,7 +226,8 @@ def apply_stored_weights(model: nn.Module) -> Counter:
             module.stored_lookup = _embedding_lookup(module, stored, packed_by.get(id(stored)))
             taken[stored.format] += 1
         else:
-            GroupedLinearMethod(stored.format, stored.group_size).process_stored(module, stored)
+            method = GroupedLinearMethod(stored.format, stored.group_size, batch_invariant)
+            method.process_stored(module, stored)
             packed_by[id(stored)] = module
             taken[stored.format] += 1
     for _, module in targets:  # after every user of a shared (tied) weight is done

@@ -102,6 +102,7 @@ class Int4LinearMethod(UnquantizedLinearMethod):
 
     name = "int4"
     group_size = INT4_GROUP_SIZE
+    batch_invariant = False  # the kernel's row-invariant path at any row count
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.data
@@ -116,7 +117,7 @@ class Int4LinearMethod(UnquantizedLinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return kernels.ops.int4_linear(
-            x, layer.qweight, layer.scales_and_zeros, self.group_size, bias
+            x, layer.qweight, layer.scales_and_zeros, self.group_size, bias, self.batch_invariant
         )
 
 

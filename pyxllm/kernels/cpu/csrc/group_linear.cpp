@@ -26,7 +26,10 @@
 // every row is computed by the same instructions in the same order whatever the other rows are,
 // so a row's result does not depend on its batch: a sequence verifying drafts gets exactly the
 // logits it gets one token at a time. Above that (a prefill), the arithmetic dominates and the
-// weights are dequantized (transposed, [K, N]) for a BLAS GEMM (oneDNN's AMX or AVX-512 kernels).
+// weights are dequantized (transposed, [K, N]) for a BLAS GEMM (oneDNN's AMX or AVX-512 kernels),
+// unless the caller asks for batch invariance (--batch-invariant, the default): then every row
+// count takes the per-row integer path, so a prompt's rows get the same bits whether it is
+// prefilled at once, in chunks, or beside other requests.
 //
 // Packed layouts (pyxllm.kernels.cpu.fused.pack_int4_weight / pack_int8_group_weight), tiles of 16
 // output features, a tile's groups contiguous, so the kernel reads the weights front to back:
@@ -337,7 +340,8 @@ void dequantize_transposed(T* wt, const uint8_t* w, const T* pairs, int64_t k, i
 // y = x @ W.T + bias for any format; `op` names the operator in messages.
 template <typename F>
 at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& packed,
-                        const at::Tensor& scales_and_zeros, const std::optional<at::Tensor>& bias) {
+                        const at::Tensor& scales_and_zeros, const std::optional<at::Tensor>& bias,
+                        bool batch_invariant) {
   const int64_t k = x.size(-1), g = F::kScaleInputs;
   TORCH_CHECK(k % kGroup == 0, op, ": input features must be a multiple of ", kGroup, ", got ", k);
   const int64_t row_bytes = k / g * F::kScaleBytes;
@@ -362,7 +366,9 @@ at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& p
   if (rows == 0) return out.view(out_shape);
   auto run = [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    if (rows > kGemmRows) {  // a prefill: the arithmetic dominates, and BLAS does it fastest
+    // a prefill: the arithmetic dominates, and BLAS does it fastest (unless every row must get
+    // the bits it gets in any other batch: then the row-invariant integer path at any count)
+    if (rows > kGemmRows && !batch_invariant) {
       // kGemmTiles tiles of outputs at a time, so the dequantized weights take a buffer of a few
       // MB: a whole layer's [K, N] in float32 for each call (113 MB for SmolLM2's LM head) left
       // glibc's heap holding ~500 MB after the graph captures of 48 and 64 rows, and its fresh
@@ -396,25 +402,27 @@ at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& p
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
-                       int64_t group_size, const std::optional<at::Tensor>& bias) {
+                       int64_t group_size, const std::optional<at::Tensor>& bias, bool batch_invariant) {
   TORCH_CHECK(group_size == kGroup, "int4_linear: groups of ", kGroup, " input features only, got ", group_size);
-  return group_linear<Int4Format>("int4_linear", x, packed, scales_and_zeros, bias);
+  return group_linear<Int4Format>("int4_linear", x, packed, scales_and_zeros, bias, batch_invariant);
 }
 
 at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
-                             int64_t group_size, const std::optional<at::Tensor>& bias) {
+                             int64_t group_size, const std::optional<at::Tensor>& bias, bool batch_invariant) {
   TORCH_CHECK(group_size == 32 || group_size == 16, "int8_group_linear: groups of 32 or 16 input features only, got ",
               group_size);
   if (group_size == 16)
-    return group_linear<Int8Format<16>>("int8_group_linear", x, packed, scales_and_zeros, bias);
-  return group_linear<Int8Format<32>>("int8_group_linear", x, packed, scales_and_zeros, bias);
+    return group_linear<Int8Format<16>>("int8_group_linear", x, packed, scales_and_zeros, bias, batch_invariant);
+  return group_linear<Int8Format<32>>("int8_group_linear", x, packed, scales_and_zeros, bias, batch_invariant);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pyxllm_cpu, m) {
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, int group_size, Tensor? bias) -> Tensor");
-  m.def("int8_group_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, int group_size, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, int group_size, Tensor? bias, "
+        "bool batch_invariant=False) -> Tensor");
+  m.def("int8_group_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, int group_size, Tensor? bias, "
+        "bool batch_invariant=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pyxllm_cpu, CPU, m) {
