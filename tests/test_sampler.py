@@ -310,15 +310,16 @@ def test_a_greedy_rows_logprobs_do_not_depend_on_a_neighbours_top_p():
     """A greedy row's log-probabilities are those of its own logits: a neighbour sampling with
     top-p or min-p (whose masks the batch computes for every row) changes none of their bits."""
     torch.manual_seed(4)
-    logits = torch.randn(2, 500)
+    vocab = 49152  # SmolLM2's (the batch's top-p cut, at 1 for a greedy row, trimmed its tail)
+    logits = torch.randn(2, vocab)
     greedy = SamplingParams(temperature=0, logprobs=3)
     alone = Sampler(seed=0).sample(
-        logits[:1].clone(), SamplingMetadata.build([_seq(greedy)], 500, CPU)
+        logits[:1].clone(), SamplingMetadata.build([_seq(greedy)], vocab, CPU)
     )
     for neighbour in (
         SamplingParams(temperature=0.8, top_p=0.5, seed=1),
         SamplingParams(temperature=0.8, min_p=0.2, top_k=7, seed=1),
     ):
-        meta = SamplingMetadata.build([_seq(greedy), _seq(neighbour)], 500, CPU)
+        meta = SamplingMetadata.build([_seq(greedy), _seq(neighbour)], vocab, CPU)
         together = Sampler(seed=0).sample(logits.clone(), meta)
         assert together.logprobs.tolists()[0] == alone.logprobs.tolists()[0]
