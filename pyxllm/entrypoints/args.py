@@ -107,8 +107,8 @@ ENGINE_HELP = {
     "batch_invariant": "give a request the same tokens whatever else runs beside it (other "
     "requests, prefix-cache hits, prefill chunks): attention through one kernel for every "
     "token, the GGUF/int4 matmuls on their row-invariant integer path at any batch size "
-    "(float matmuls not yet); off, prefills take the faster BLAS and prefill-attention paths "
-    "(see docs/defaults.md)",
+    "(float matmuls not yet); off, prefills take the BLAS and prefill-attention paths, which "
+    "prefilled a 1000-token prompt 2x faster on an AVX2 CPU (see docs/defaults.md)",
     "tensor_parallel_size": "split the model over N ranks (tensor parallelism); on one node, "
     "N-1 worker processes are spawned here; on a CPU host they share its cores (see README, "
     "Tensor parallelism)",
