@@ -421,6 +421,7 @@ def _gguf_slices(
         else:
             shift = -1.0 if arch in _GEMMA and info.name.endswith("norm.weight") else 0.0
             yield name, GGUFWeight(name, gguf, info, qk_heads=qk_heads, shift=shift)
+    gguf.release_pages()  # every weight was handed out (and, by a loader, copied)
 
 
 def iter_gguf_weights(path: str | Path, config: Any = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -94,6 +94,14 @@ class GGUFFile:
         self.tensor_by_name = {t.name: t for t in self.tensors}
         self._array = np.frombuffer(self._map, dtype=np.uint8)
 
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident memory. They stay in the page
+        cache, and a later read faults them back in. A loaded model holds its weights in its
+        own tensors, and :func:`open_gguf` keeps the file mapped. Without this, the whole file
+        stayed resident after loading (603 MiB for a 1B Q4_0 file)."""
+        if hasattr(mmap, "MADV_DONTNEED"):  # (not on Windows)
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def _parse(self) -> tuple[dict[str, Any], list[GGUFTensorInfo]]:
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", self._map, 4)
         if version not in (2, 3):
