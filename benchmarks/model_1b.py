@@ -20,8 +20,8 @@ Sections (``--only`` / ``--skip`` names), each on every ``--model-1b-types`` fil
   flags and with the fastest flags (``--quantization int4 --graph-backend graph``).
 - ``llama-server``: ``pyxllm serve FILE`` with no flags against ``llama-server`` on the same file
   (``--llama-server-workloads``, by default 100-token prompts with 8 and 32 clients and
-  1000-token prompts with 8), with pyxllm's resident memory after start-up against the file's
-  size and the KV budget (``llama_server.py`` measures both).
+  1000-token prompts with 8), with pyxllm's resident memory after start-up (measured by
+  ``compare.measure_server``) against the file's size and the KV budget.
 - ``busy-core``: batch-1 decode quiet and with one core kept busy by another process, pyxllm
   with no flags against llama-bench (``busy_core.py``), on the first file.
 
@@ -79,9 +79,10 @@ def parse_types(text: str) -> list[str]:
 
 
 def _tensors(vocab: int):
-    """``(HF name, GGUF name, float32 array)`` of every weight, from :data:`SEED`. Query and key
-    rows are permuted for the GGUF as llama.cpp's converter does (``LlamaModel.permute``: each
-    head's two rotary halves interleaved), so both files hold one model."""
+    """``(HF name, GGUF name, float32 array, to_gguf)`` of every weight, from :data:`SEED`;
+    ``to_gguf`` (None: the array as it is) permutes the query and key rows for the GGUF as
+    llama.cpp's converter does (``LlamaModel.permute``: each head's two rotary halves
+    interleaved), so both files hold one model."""
     rng = np.random.default_rng(SEED)
     hidden, inter = SHAPE["hidden_size"], SHAPE["intermediate_size"]
     heads, kv_heads = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]

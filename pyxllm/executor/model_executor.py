@@ -215,7 +215,8 @@ class ModelExecutor:
         (the quantized layers were told by ``quantize_model``); the log names what is not
         covered: matmuls without a row-invariant kernel (float weights on BLAS, W8A8) and an
         attention backend without the mode."""
-        if getattr(backend_cls, "supports_batch_invariance", False):
+        attention = getattr(backend_cls, "supports_batch_invariance", False)
+        if attention:
             self.attn_backend.batch_invariant = True
         uncovered = []
         matmuls = sum(
@@ -226,7 +227,7 @@ class ModelExecutor:
         )
         if matmuls:
             uncovered.append(f"{matmuls} matmuls without a row-invariant kernel")
-        if not getattr(self.attn_backend, "batch_invariant", False):
+        if not attention:
             uncovered.append(f"attention {backend_cls.__name__}")
         if uncovered:
             logger.info(
