@@ -181,6 +181,13 @@ class Grouped:
         w = (q.double().view(n, k // self.group, self.group) - self.offset) * scale + zero
         return w.view(n, k)
 
+    def stored(self, pairs: torch.Tensor) -> torch.Tensor:
+        """The ``[K/G, N, 2]`` float64 (scale, zero) that the packed ``(scale, low)`` pairs (in
+        the dtype the pack chose) stand for."""
+        groups = pairs.shape[1]
+        scale, low = pairs.transpose(0, 1).reshape(groups, -1, 2).double().unbind(-1)
+        return torch.stack((scale, low + self.offset * scale), dim=-1)
+
     def __repr__(self) -> str:
         return f"{self.name}/{self.group}"
 
@@ -233,6 +240,7 @@ def test_grouped_linear_is_the_w_a8_arithmetic_and_near_float_activations(fmt, d
         q, scales_and_zeros = fmt.quantize(torch.randn(n, k, generator=g) * 0.05)
         scales_and_zeros = scales_and_zeros.to(dtype)
         packed, pairs = fmt.pack(q, scales_and_zeros)
+        scales_and_zeros = fmt.stored(pairs)  # bfloat16: low rounded once to it
         x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(dtype)
         x[0, :32] = 0  # a group of zeros: scale 0, no division by it
         want, terms, bound = grouped_reference(fmt, x, q, scales_and_zeros)
@@ -330,20 +338,44 @@ def test_batch_invariant_grouped_linear_gives_a_row_its_bits_at_any_row_count(fm
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_rows_read_the_packed_tiles_as_the_reference_reads_its_rows(fmt, dtype):
     """A tied token embedding looks its rows up in the LM head's packed tiles: every row, in
-    any order and repeated, is the format's value (in float64 from the pairs in ``dtype``) up to
-    float32's rounding, and the reference's unpacked reader gives the same bits."""
+    any order and repeated, is the format's value (in float64 from the packed pairs) up to
+    float32's rounding; with float32 pairs, those of the reference's unpacked reader (the same
+    bits for int8, whose ``q * scale + zero`` is the packed formula too)."""
     g = torch.Generator().manual_seed(7)
     q, scales_and_zeros = fmt.quantize(torch.randn(48, 96, generator=g))
     scales_and_zeros = scales_and_zeros.to(dtype)
     ids = torch.tensor([47, 0, 16, 15, 31, 0, 33])
     name = "int4_rows" if fmt.name == "int4" else "int8_group_rows"
-    got = getattr(fused, name)(*fmt.pack(q, scales_and_zeros), ids, fmt.group)
-    want = fmt.weights(q, scales_and_zeros)[ids]
+    packed, pairs = fmt.pack(q, scales_and_zeros)
+    got = getattr(fused, name)(packed, pairs, ids, fmt.group)
+    want = fmt.weights(q, fmt.stored(pairs))[ids]
     assert got.dtype == torch.float32 and got.shape == (len(ids), 96)
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-7)
-    assert torch.equal(
-        got, getattr(native, name)(*fmt.native_pack(q, scales_and_zeros), ids, fmt.group)
-    )
+    if dtype == torch.float32:
+        reference = getattr(native, name)(*fmt.native_pack(q, scales_and_zeros), ids, fmt.group)
+        torch.testing.assert_close(got, reference, rtol=1e-6, atol=1e-7)
+        assert fmt.name == "int4" or torch.equal(got, reference)
+
+
+@pytest.mark.parametrize("fmt", GROUPED, ids=repr)
+def test_grouped_pairs_are_held_in_float16_where_that_is_exact(fmt):
+    """Scales and lows that are float16 numbers (a GGUF Q4_0, Q4_1 or Q8_0 file's) are packed
+    as float16, and the kernel gives the bits it gives with the same pairs in float32, one row
+    or a GEMM's 40; a scale float16 cannot hold keeps the pairs in the given dtype."""
+    g = torch.Generator().manual_seed(9)
+    q, scales_and_zeros = fmt.quantize(torch.randn(64, 576, generator=g))
+    scale = scales_and_zeros[..., 0].half().float()
+    zero = torch.zeros_like(scale) if fmt.name == "int4" else scale.neg()  # low: -8 d, -d
+    packed, pairs = fmt.pack(q, torch.stack((scale, zero), dim=-1))
+    assert pairs.dtype == torch.float16
+    x = torch.randn(40, 576, generator=g)
+    for rows in (1, 40):
+        got = fmt.kernel(x[:rows], packed, pairs, fmt.group)
+        assert torch.equal(got, fmt.kernel(x[:rows], packed, pairs.float(), fmt.group))
+    inexact = torch.stack((scale + scale * 2.0**-14, zero), dim=-1)
+    assert fmt.pack(q, inexact)[1].dtype == torch.float32
+    tiny = torch.stack((scale * 2.0**-20, zero), dim=-1).bfloat16()  # below float16's range
+    assert fmt.pack(q, tiny)[1].dtype == torch.bfloat16
 
 
 def test_int4_linear_refuses_what_it_cannot_compute():

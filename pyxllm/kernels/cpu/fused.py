@@ -5,9 +5,9 @@ binds ``pyxllm.kernels.cpu``) with PyTorch's C++ extension loader, behind the si
 Why: on a CPU, a batch-1 decode step is mostly per-op overhead, not arithmetic. Each native
 RMSNorm, rotary embedding or decode attention is a chain of 5-15 small ATen ops (a few
 microseconds each, several tens for small bfloat16 matmuls), repeated in every layer; one fused
-call per op took SmolLM2-135M's int4 batch-1 decode step from 18 to 10 ms on 2 cores (README,
-Performance). vLLM's CPU backend fuses the same ops (its ``csrc/cpu``); ours are plain loops
-and GCC/Clang vector extensions that the compiler vectorizes, in float32 and bfloat16.
+call per op took SmolLM2-135M's int4 batch-1 decode step from 18 to 10 ms on 2 cores
+(docs/performance.md). vLLM's CPU backend fuses the same ops (its ``csrc/cpu``); ours are plain
+loops and GCC/Clang vector extensions that the compiler vectorizes, in float32 and bfloat16.
 
 One is a matmul: ``linear`` over 1 to 8 float32 rows (a small decode batch, a sequence
 verifying speculative drafts), which reads each weight row once for all rows. On the
@@ -232,13 +232,30 @@ def w8a8_linear(
 INT4_TILE = 16
 
 
+def _pack_pairs(scales_and_zeros: torch.Tensor, offset: int, tiles: int) -> torch.Tensor:
+    """The kernels' pairs: ``scales_and_zeros`` (``[G, N, 2]``, ``W = (q - offset) * scale +
+    zero``) as ``[N/16, G, 16, 2]`` ``(scale, low)`` with ``low = zero - offset * scale`` (what
+    ``q = 0`` stands for, computed in float32), in float16 where that holds every pair exactly (a
+    GGUF Q4_0, Q4_1 or Q8_0 file's), else in ``scales_and_zeros.dtype``."""
+    groups = scales_and_zeros.shape[0]
+    scale, zero = scales_and_zeros.float().unbind(-1)
+    pairs = torch.stack((scale, zero - offset * scale), dim=-1)
+    half = pairs.to(torch.float16)
+    if torch.equal(half.float(), pairs):
+        pairs = half
+    else:
+        pairs = pairs.to(scales_and_zeros.dtype)
+    return pairs.view(groups, tiles, INT4_TILE, 2).transpose(0, 1).contiguous()
+
+
 def pack_int4_weight(
     q: torch.Tensor, scales_and_zeros: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` (``[N, K]``, values ``0..15``) and ``scales_and_zeros`` (``[K/32, N, 2]``) in
     :func:`int4_linear`'s layout, tiles of 16 output features with each tile's groups of 32
     input features one after the other (``csrc/group_linear.cpp``): ``[N/16, 8 K]`` uint8, two
-    weights a byte, and ``[N/16, K/32, 16, 2]``.
+    weights a byte, and ``[N/16, K/32, 16, 2]`` (scale, low) pairs, ``W = q * scale + low``, in
+    float16 where that is exact, else in ``scales_and_zeros.dtype`` (:func:`_pack_pairs`).
 
     Raises:
         ValueError: ``N`` not a multiple of 16 or ``K`` not a multiple of 32.
@@ -253,8 +270,7 @@ def pack_int4_weight(
     # [tile, lane, group, chunk, nibble, byte] -> [tile, group, chunk, lane, byte, nibble]
     t = q.to(torch.uint8).view(tiles, INT4_TILE, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
     packed = (t[..., 0] | (t[..., 1] << 4)).contiguous().view(tiles, k * INT4_TILE // 2)
-    pairs = scales_and_zeros.view(groups, tiles, INT4_TILE, 2).transpose(0, 1).contiguous()
-    return packed, pairs
+    return packed, _pack_pairs(scales_and_zeros, 8, tiles)
 
 
 def int4_linear(
@@ -275,8 +291,8 @@ def int4_linear(
 
     Args:
         x: ``[..., K]`` float32 or bfloat16; packed, scales_and_zeros: from
-            :func:`pack_int4_weight`, the latter in ``x.dtype``; group_size: 32; bias: ``[N]`` or
-            None; batch_invariant: see above.
+            :func:`pack_int4_weight`, packed from pairs in ``x.dtype``; group_size: 32; bias:
+            ``[N]`` or None; batch_invariant: see above.
     Returns:
         ``[..., N]`` in ``x.dtype``.
     Raises:
@@ -304,8 +320,8 @@ def int4_rows(
     # nibble is input 8 chunk + byte of the group, its high nibble input 8 chunk + 4 + byte
     b = packed.view(tiles, k // 32, 4, INT4_TILE, 4)[tile, :, :, lane, :]
     q = torch.stack((b & 0xF, b >> 4), dim=-2).reshape(len(ids), k)
-    pairs = scales_and_zeros[tile, :, lane, :].transpose(0, 1).float()
-    return dequantize_groups(q, pairs, group_size, offset=8)
+    pairs = scales_and_zeros[tile, :, lane, :].transpose(0, 1).float()  # (scale, low)
+    return dequantize_groups(q, pairs, group_size)
 
 
 def int8_group_rows(
@@ -329,7 +345,7 @@ def pack_int8_group_weight(
     input features) in :func:`int8_group_linear`'s layout, tiles of 16 output features with each
     tile's groups of 32 input features one after the other, four input features of a lane
     together (``csrc/group_linear.cpp``): ``[N/16, 16 K]`` uint8 (the int8 bits) and ``[N/16,
-    K/G, 16, 2]``.
+    K/G, 16, 2]`` (scale, zero) pairs, in float16 where that is exact (:func:`_pack_pairs`).
 
     Raises:
         ValueError: ``N`` not a multiple of 16, ``K`` not a multiple of 32, or G not 32 or 16.
@@ -345,8 +361,7 @@ def pack_int8_group_weight(
     # [tile, lane, group of 32, chunk, byte] -> [tile, group of 32, chunk, lane, byte]
     t = q.to(torch.int8).view(torch.uint8).view(tiles, INT4_TILE, k // 32, 8, 4)
     packed = t.permute(0, 2, 3, 1, 4).contiguous().view(tiles, k * INT4_TILE)
-    pairs = scales_and_zeros.view(groups, tiles, INT4_TILE, 2).transpose(0, 1).contiguous()
-    return packed, pairs
+    return packed, _pack_pairs(scales_and_zeros, 0, tiles)
 
 
 def int8_group_linear(
@@ -364,8 +379,8 @@ def int8_group_linear(
 
     Args:
         x: ``[..., K]`` float32 or bfloat16; packed, scales_and_zeros: from
-            :func:`pack_int8_group_weight`, the latter in ``x.dtype``; group_size: 32 or 16 (the
-            groups of ``scales_and_zeros``); bias: ``[N]`` or None; batch_invariant: as
+            :func:`pack_int8_group_weight`, packed from pairs in ``x.dtype``; group_size: 32 or
+            16 (the groups of ``scales_and_zeros``); bias: ``[N]`` or None; batch_invariant: as
             :func:`int4_linear`'s.
     Returns:
         ``[..., N]`` in ``x.dtype``.

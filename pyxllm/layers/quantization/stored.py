@@ -117,7 +117,8 @@ class GroupedLinearMethod(UnquantizedLinearMethod):
     """The matmul over a weight in int4 groups of 32 or int8 groups of 32 or 16
     (``kernels.ops.int4_linear`` / ``int8_group_linear``); buffers ``qweight`` and
     ``scales_and_zeros`` in the platform kernel's layout (``ops.pack_int4_weight`` /
-    ``pack_int8_group_weight``), scales in the compute dtype."""
+    ``pack_int8_group_weight``), packed from pairs in the compute dtype (the CPU's fused pack
+    keeps them in float16 where that holds them exactly: a Q4_0, Q4_1 or Q8_0 file's)."""
 
     name = "gguf"
 
@@ -149,8 +150,8 @@ class GroupedLinearMethod(UnquantizedLinearMethod):
 
 class StoredEmbedding:
     """Token embedding rows from grouped weights: ``(q[ids] - offset) * scale + zero`` in float32,
-    then the compute dtype (with float32 scales, the file's values exactly, as gguf-py
-    dequantizes them).
+    then the compute dtype (with float32 or exact float16 pairs, the file's values exactly, as
+    gguf-py dequantizes them).
 
     Args:
         packed, scales_and_zeros: the groups in the layout ``read_rows`` takes: the reference's

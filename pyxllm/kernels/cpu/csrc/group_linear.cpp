@@ -11,8 +11,8 @@
 // s = max |x| / 127, x / s ~= q1 + q2 / 254 with q1 = rint(x / s), q2 = rint((x / s - q1) * 254),
 // so an activation is off by at most s / 508 (~15 bits; llama.cpp quantizes its activations to
 // q1 alone, Q8_1, which cost this model's logits twice bfloat16's error). Per group the dot
-// product is then an integer one (254 * sum q q1 + sum q q2), and with low the weight q = 0 stands
-// for (int4: zero - 8 scale, int8: zero)
+// product is then an integer one (254 * sum q q1 + sum q q2), and with low what the weight q = 0
+// stands for (int4: zero - 8 scale, int8: zero)
 //   y[m, n] = sum_g scale[g, n] * s[m, g] / 254 * (254 sum_k q[n, k] q1[m, k] + sum_k q[n, k] q2[m, k])
 //             + low[g, n] * xsum[m, g]
 // with xsum the group's float sum of x. The integer sums run on AVX512-VNNI (vpdpbusd, 16 output
@@ -36,10 +36,15 @@
 // int4 [N/16][K/32][4 chunks][16 lanes][4 bytes], byte j of lane l in chunk c of group g holding
 // q[16 t + l][32 g + 8 c + j] in its low nibble and q[16 t + l][32 g + 8 c + 4 + j] in its high
 // nibble; int8 [N/16][K/32][8 chunks][16 lanes][4 bytes], byte j of lane l in chunk c holding
-// q[16 t + l][32 g + 4 c + j]. The (scale, zero) pairs likewise: [N/16][K/32][16][2].
+// q[16 t + l][32 g + 4 c + j]. The pairs likewise, [N/16][K/32][16][2], as (scale, low): W = q *
+// scale + low, low computed once when packing, so int4's W = q * d + m for a GGUF Q4_1 block is
+// gguf-py's own formula; in float16 where that holds every pair exactly (GGUF Q4_0's, Q4_1's and
+// Q8_0's scales are float16 numbers: an int4 group of 16 outputs then takes 320 bytes instead of
+// 384 with float32 pairs), else in x's dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -55,6 +60,7 @@
 namespace {
 
 using c10::BFloat16;
+using c10::Half;
 
 constexpr int64_t kGroup = 32;                // input features per scale
 constexpr int64_t kTile = 16;                 // output features per tile
@@ -126,27 +132,51 @@ inline FloatV fma(FloatV a, FloatV b, FloatV c) {
 #endif
 }
 
-// One group's (scale, zero) for kLanes consecutive output features, from kLanes pairs.
-inline void load_scales(const float* pairs, FloatV& scale, FloatV& zero) {
-  FloatV a, b;
-  std::memcpy(&a, pairs, sizeof a);
-  std::memcpy(&b, pairs + kLanes, sizeof b);
+// The scales and lows of kLanes pairs (scale, low) given as floats a (the first kLanes / 2 pairs)
+// and b (the rest).
+inline void split_pairs(FloatV a, FloatV b, FloatV& scale, FloatV& low) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   scale = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  zero = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  low = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 #else
   scale = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
-  zero = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+  low = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
 #endif
 }
 
+// One group's (scale, low) for kLanes consecutive output features, from kLanes pairs.
+inline void load_scales(const float* pairs, FloatV& scale, FloatV& low) {
+  FloatV a, b;
+  std::memcpy(&a, pairs, sizeof a);
+  std::memcpy(&b, pairs + kLanes, sizeof b);
+  split_pairs(a, b, scale, low);
+}
+
+// float16 pairs, converted exactly (F16C's vcvtph2ps where the CPU has it).
+inline void load_scales(const Half* pairs, FloatV& scale, FloatV& low) {
+  FloatV a, b;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  a = (FloatV)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs)));
+  b = (FloatV)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + kLanes)));
+#elif defined(__F16C__)
+  a = (FloatV)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pairs)));
+  b = (FloatV)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pairs + kLanes)));
+#else
+  for (int i = 0; i < kLanes; ++i) {
+    a[i] = static_cast<float>(pairs[i]);
+    b[i] = static_cast<float>(pairs[kLanes + i]);
+  }
+#endif
+  split_pairs(a, b, scale, low);
+}
+
 // bfloat16 pairs: one 32-bit lane per pair, the scale in its low half (little-endian).
-inline void load_scales(const BFloat16* pairs, FloatV& scale, FloatV& zero) {
+inline void load_scales(const BFloat16* pairs, FloatV& scale, FloatV& low) {
   IntV p;
   std::memcpy(&p, pairs, sizeof p);
   const IntV s = p << 16, z = p & static_cast<int32_t>(0xFFFF0000u);
   std::memcpy(&scale, &s, sizeof s);
-  std::memcpy(&zero, &z, sizeof z);
+  std::memcpy(&low, &z, sizeof z);
 }
 
 // The activations of `rows` rows quantized per group, in two int8 parts: x / xs ~= q1 + q2 / 254
@@ -182,12 +212,12 @@ void quantize_groups(int8_t* xq, float* xs, float* xsum, const T* x, int64_t row
   });
 }
 
-// The weight formats, each a scale group of kScaleInputs input features (one (scale, zero) pair
+// The weight formats, each a scale group of kScaleInputs input features (one (scale, low) pair
 // per output feature) of kTile output features in kChunks chunks of kChunkBytes (kTile lanes of
 // 4 bytes); a chunk holds kPieces 4-byte pieces per lane, piece p of chunk c covering input
 // features c * kChunkInputs + 4 p ... + 3 of the scale group.
 //
-// Int4: W = (q - 8) * scale + zero, q in 0..15, scale groups of 32; two per byte (low nibbles: the
+// Int4: W = q * scale + low, q in 0..15, scale groups of 32; two per byte (low nibbles: the
 // chunk's first 4 features, high nibbles: the next 4). The integer dot products are u8 x s8.
 struct Int4Format {
   static constexpr int64_t kScaleInputs = 32, kScaleBytes = kTile * kScaleInputs / 2;
@@ -199,10 +229,9 @@ struct Int4Format {
   static IntV dot(IntV acc, IntV w, int32_t x) { return dot4(acc, w, x); }
   // weight j (0..7) of a chunk in every lane
   static IntV value(IntV packed, int j) { return (packed >> (j < 4 ? 8 * j : 8 * (j - 4) + 4)) & 0xF; }
-  static FloatV low(FloatV scale, FloatV zero) { return zero - 8.f * scale; }  // what q = 0 stands for
 };
 
-// Int8: W = q * scale + zero, q in -128..127, one per byte, scale groups of G = 32 (GGUF's Q8_0,
+// Int8: W = q * scale + low, q in -128..127, one per byte, scale groups of G = 32 (GGUF's Q8_0,
 // Q5_0/Q5_1 and Q5_K with q shifted to be signed) or 16 (Q6_K). The integer dot products are
 // s8 x s8, as |w| x (x with w's sign).
 template <int G>
@@ -212,11 +241,10 @@ struct Int8Format {
   static void unpack(IntV packed, IntV* piece) { piece[0] = packed; }
   static IntV dot(IntV acc, IntV w, int32_t x) { return dot4_signed(acc, w, x); }
   static IntV value(IntV packed, int j) { return (packed << (24 - 8 * j)) >> 24; }  // sign-extended
-  static FloatV low(FloatV, FloatV zero) { return zero; }
 };
 
 // acc[m] (m < M) += row m's products with kLanes output features over all scale groups. `w` is
-// the tile's first scale group, offset to this lane block; `pairs` the (scale, zero) pairs of that
+// the tile's first scale group, offset to this lane block; `pairs` the (scale, low) pairs of that
 // lane block in scale group 0, the next scale group's kTile pairs further; xs per 32 inputs, xsum
 // per scale group.
 template <typename F, int M, typename S>
@@ -243,9 +271,8 @@ inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, const int8_
         }
       }
     }
-    FloatV scale, zero;
-    load_scales(pairs + g * 2 * kTile, scale, zero);
-    const FloatV low = F::low(scale, zero);
+    FloatV scale, low;
+    load_scales(pairs + g * 2 * kTile, scale, low);
     const int64_t a = g * F::kScaleInputs / kGroup;  // the activations' group of 32
     for (int m = 0; m < M; ++m) {
       acc[m] = fma(__builtin_convertvector(sum1[m] * 254 + sum2[m], FloatV), scale * xs[m * groups + a], acc[m]);
@@ -272,8 +299,8 @@ void tile_rows_any(int rows, FloatV* acc, const uint8_t* w, const S* pairs, cons
   }
 }
 
-template <typename F, typename T>
-void group_linear_rows(T* y, const T* x, const uint8_t* w, const T* pairs, const T* bias, int64_t rows, int64_t k,
+template <typename F, typename T, typename P>
+void group_linear_rows(T* y, const T* x, const uint8_t* w, const P* pairs, const T* bias, int64_t rows, int64_t k,
                        int64_t n) {
   const int64_t groups = k / kGroup, scale_groups = k / F::kScaleInputs;
   std::vector<int8_t> xq(2 * rows * k);
@@ -314,16 +341,15 @@ inline void store_lanes(BFloat16* dst, FloatV v) {
 
 // Tiles [t0, t1) of the weights as T, transposed: wt[k][j] = W[16 t0 + j][k] ([K, 16 (t1 - t0)],
 // so that each lane block's kLanes outputs of one input feature are one vector store).
-template <typename F, typename T>
-void dequantize_transposed(T* wt, const uint8_t* w, const T* pairs, int64_t k, int64_t t0, int64_t t1) {
+template <typename F, typename T, typename P>
+void dequantize_transposed(T* wt, const uint8_t* w, const P* pairs, int64_t k, int64_t t0, int64_t t1) {
   const int64_t scale_groups = k / F::kScaleInputs, ld = (t1 - t0) * kTile;
   at::parallel_for(t0, t1, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t lane0 = 0; lane0 < kTile; lane0 += kLanes)
         for (int64_t g = 0; g < scale_groups; ++g) {
-          FloatV scale, zero;
-          load_scales(pairs + ((t * scale_groups + g) * kTile + lane0) * 2, scale, zero);
-          const FloatV low = F::low(scale, zero);
+          FloatV scale, low;
+          load_scales(pairs + ((t * scale_groups + g) * kTile + lane0) * 2, scale, low);
           const uint8_t* wg = w + (t * scale_groups + g) * F::kScaleBytes + lane0 * 4;
           T* out = wt + g * F::kScaleInputs * ld + (t - t0) * kTile + lane0;
           for (int c = 0; c < F::kChunks; ++c) {
@@ -349,10 +375,11 @@ at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& p
                   packed.size(1) == row_bytes,
               op, ": packed must be contiguous uint8 [N/16, ", row_bytes, "] (its pack function's layout)");
   const int64_t n = packed.size(0) * kTile;
-  TORCH_CHECK(scales_and_zeros.scalar_type() == x.scalar_type() && scales_and_zeros.is_contiguous() &&
-                  scales_and_zeros.numel() == n * k / g * 2,
+  const bool half_pairs = scales_and_zeros.scalar_type() == at::kHalf;
+  TORCH_CHECK((half_pairs || scales_and_zeros.scalar_type() == x.scalar_type()) &&
+                  scales_and_zeros.is_contiguous() && scales_and_zeros.numel() == n * k / g * 2,
               op, ": scales_and_zeros must be the pack function's contiguous [", n / kTile, ", ", k / g, ", ",
-              kTile, ", 2] in x's dtype");
+              kTile, ", 2] in float16 or x's dtype");
   at::Tensor b;
   if (bias.has_value()) {
     b = bias->contiguous();
@@ -364,8 +391,9 @@ at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& p
   out_shape.back() = n;
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out.view(out_shape);
-  auto run = [&](auto* type_tag) {
+  auto run = [&](auto* type_tag, auto* pair_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
+    using P = std::remove_pointer_t<decltype(pair_tag)>;
     // a prefill: the arithmetic dominates, and BLAS does it fastest (unless every row must get
     // the bits it gets in any other batch: then the row-invariant integer path at any count)
     if (rows > kGemmRows && !batch_invariant) {
@@ -378,8 +406,8 @@ at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& p
       for (int64_t t0 = 0; t0 < tiles; t0 += kGemmTiles) {
         const int64_t t1 = std::min(tiles, t0 + kGemmTiles), n0 = t0 * kTile, nb = (t1 - t0) * kTile;
         const at::Tensor wb = wt.narrow(0, 0, k * nb).view({k, nb});
-        dequantize_transposed<F, T>(wb.data_ptr<T>(), packed.data_ptr<uint8_t>(), scales_and_zeros.data_ptr<T>(), k,
-                                    t0, t1);
+        dequantize_transposed<F, T, P>(wb.data_ptr<T>(), packed.data_ptr<uint8_t>(), scales_and_zeros.data_ptr<P>(),
+                                       k, t0, t1);
         at::Tensor block = out.narrow(1, n0, nb);
         if (b.defined()) {
           at::addmm_out(block, b.narrow(0, n0, nb), x2, wb);
@@ -389,14 +417,22 @@ at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& p
       }
       return;
     }
-    group_linear_rows<F, T>(out.data_ptr<T>(), x2.data_ptr<T>(), packed.data_ptr<uint8_t>(),
-                            scales_and_zeros.data_ptr<T>(), b.defined() ? b.data_ptr<T>() : nullptr, rows, k, n);
+    group_linear_rows<F, T, P>(out.data_ptr<T>(), x2.data_ptr<T>(), packed.data_ptr<uint8_t>(),
+                               scales_and_zeros.data_ptr<P>(), b.defined() ? b.data_ptr<T>() : nullptr, rows, k, n);
   };
   if (x.scalar_type() == at::kFloat) {
-    run(static_cast<float*>(nullptr));
+    if (half_pairs) {
+      run(static_cast<float*>(nullptr), static_cast<Half*>(nullptr));
+    } else {
+      run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+    }
   } else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16 only, got ", x.scalar_type());
-    run(static_cast<BFloat16*>(nullptr));
+    if (half_pairs) {
+      run(static_cast<BFloat16*>(nullptr), static_cast<Half*>(nullptr));
+    } else {
+      run(static_cast<BFloat16*>(nullptr), static_cast<BFloat16*>(nullptr));
+    }
   }
   return out.view(out_shape);
 }
