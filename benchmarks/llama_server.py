@@ -124,7 +124,7 @@ def serving(
         # the defaults: the GGUF's weights as stored, the graph runner
         "pyxllm": (18933, pyxllm_serve_cmd(18933, *sizing)),
     }
-    if INT8_DOT_FLAGS & cpu_flags():  # w8a8 has no fast kernel without them (README)
+    if INT8_DOT_FLAGS & cpu_flags():  # w8a8 has no fast kernel without them (docs/performance.md)
         servers["pyxllm w8a8"] = (
             18935,
             pyxllm_serve_cmd(

@@ -58,7 +58,7 @@ SHAPE = {
     "max_position_embeddings": 8192,
     "tie_word_embeddings": True,
 }
-# the fastest flags on a float checkpoint at batch 1 (README, Performance)
+# the fastest flags on a float checkpoint at batch 1 (docs/performance.md)
 FASTEST_FLAGS = ("--quantization", "int4", "--graph-backend", "graph")
 SEED = 1234
 # repetitions of each batch-1 measurement (pyxllm bench latency --num-iters, llama-bench -r)

@@ -1,5 +1,5 @@
 """llama.cpp's perplexity of a GGUF on the windows ``pyxllm bench perplexity`` scores, through
-llama-cpp-python: the peer column of README's quality table.
+llama-cpp-python: the peer column of the quality table of docs/evaluation.md.
 
 Same tokens, windows and scoring half as ``pyxllm bench perplexity`` and llama.cpp's
 ``llama-perplexity`` (``tools/perplexity/perplexity.cpp``): the text (``--file``, else GSM8K's

@@ -19,7 +19,8 @@ from typing import Any
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Steps with more running sequences than this do not speculate unless the config says
 # otherwise: above a few sequences a decode step's cost grows with its tokens, so verifying k
-# more tokens per sequence no longer comes free (measured: benchmarks/speculative.py, README).
+# more tokens per sequence no longer comes free (measured: benchmarks/speculative.py,
+# docs/speculative.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 

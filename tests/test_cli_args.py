@@ -548,30 +548,30 @@ def test_serve_help_groups_flags_as_vllm_does(capsys):
     assert "--max-num-seqs" in scheduler and "--max-num-batched-tokens" in scheduler
 
 
-# --- the README's flag tables are the parser's ---------------------------------------------
+# --- docs/cli.md's flag tables are the parser's ---------------------------------------------
 
 
-def test_readme_flag_tables_are_written_from_the_parser():
+def test_cli_doc_flag_tables_are_written_from_the_parser():
     from pyxllm.entrypoints.flag_tables import readme_section, serve_tables
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert readme_section(readme) == serve_tables(), (
-        "the README's flag tables differ from `pyxllm serve --help`; rewrite them with "
-        "`.venv/bin/python -m pyxllm.entrypoints.flag_tables README.md`"
+    page = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    assert readme_section(page) == serve_tables(), (
+        "docs/cli.md's flag tables differ from `pyxllm serve --help`; rewrite them with "
+        "`.venv/bin/python -m pyxllm.entrypoints.flag_tables docs/cli.md`"
     )
 
 
-def test_every_readme_flag_row_is_a_flag_and_every_flag_has_a_row():
+def test_every_cli_doc_flag_row_is_a_flag_and_every_flag_has_a_row():
     import re
 
     from pyxllm.entrypoints.flag_tables import readme_section
 
-    section = readme_section((ROOT / "README.md").read_text(encoding="utf-8"))
+    section = readme_section((ROOT / "docs" / "cli.md").read_text(encoding="utf-8"))
     rows = [line for line in section.splitlines() if line.startswith("| `")]
-    in_readme = {name for row in rows for name in re.findall(r"`(--[\w-]+)`", row.split("|")[1])}
+    in_doc = {name for row in rows for name in re.findall(r"`(--[\w-]+)`", row.split("|")[1])}
     parser = make_arg_parser().command_parsers["serve"]
     options = parser._option_string_actions
-    assert in_readme <= set(options)
+    assert in_doc <= set(options)
     primary = {
         action.option_strings[0]
         for action in parser._actions
@@ -580,7 +580,7 @@ def test_every_readme_flag_row_is_a_flag_and_every_flag_has_a_row():
         and not action.help.startswith("same as --")
         and action.option_strings[0] != "-h"
     }
-    assert primary <= in_readme, sorted(primary - in_readme)
+    assert primary <= in_doc, sorted(primary - in_doc)
     # the two a new user found apart: --seed's meaning, --dist-init-timeout's row
     seed = next(row for row in rows if row.startswith("| `--seed`"))
     assert options["--seed"].help in seed

@@ -274,8 +274,9 @@ def test_data_parallel_replicas_on_the_cluster(cluster, tiny_qwen3):
 
 
 def test_a_killed_actor_fails_the_request_and_the_server_exits_naming_it(cluster, tiny_qwen3):
-    """README, "Ray": the in-flight request fails, ``/health`` answers 503 naming the rank, and
-    the server exits with status 1 naming the rank and its node, as with the mp backend."""
+    """docs/parallelism.md, "Ray": the in-flight request fails, ``/health`` answers 503 naming
+    the rank, and the server exits with status 1 naming the rank and its node, as with the mp
+    backend."""
     server = RemoteServer(
         ["--model", tiny_qwen3, "--tp", "2", "--served-model-name", "tp"]
         + ["--distributed-executor-backend", "ray", "--ray-address", cluster.address]

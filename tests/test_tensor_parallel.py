@@ -360,9 +360,9 @@ def test_manual_two_process_launch_answers_a_chat(two_nodes):
 
 
 def test_killed_worker_makes_the_server_unhealthy_and_exit(two_nodes):
-    """README, "Tensor parallelism": if a worker dies, the in-flight request fails, ``/health``
-    answers 503 (naming the rank) for about a second, then the server exits with status 1
-    naming the rank."""
+    """docs/parallelism.md, "Tensor parallelism": if a worker dies, the in-flight request
+    fails, ``/health`` answers 503 (naming the rank) for about a second, then the server exits
+    with status 1 naming the rank."""
     server = two_nodes.server
     kill = partial(two_nodes.worker.send_signal, signal.SIGKILL)
     unhealthy = kill_mid_stream(server, kill, "TP worker rank 1")

@@ -82,7 +82,7 @@ def connect_ray(address: str | None, local_cpus: int | None = None) -> bool:
             if cpus is not None:  # accepted: a local instance was started
                 logger.warning(
                     "started a local Ray instance with %d logical CPUs on %d cores: the ranks "
-                    "take turns on the cores (see README, Tensor parallelism)",
+                    "take turns on the cores (see docs/parallelism.md)",
                     cpus,
                     cores,
                 )

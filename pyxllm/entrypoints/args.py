@@ -42,7 +42,7 @@ from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
 from pyxllm.weights.source import is_model_id
 
 # Help per EngineConfig field; a field missing here still becomes a flag, with generic help.
-# These texts are also the README's flag tables (pyxllm/entrypoints/flag_tables.py), so a
+# These texts are also docs/cli.md's flag tables (pyxllm/entrypoints/flag_tables.py), so a
 # "(default: ...)" at the end of one is that table's default column.
 ENGINE_HELP = {
     "model": "a .gguf file, a Hugging Face directory (config.json, *.safetensors, tokenizer "
@@ -67,7 +67,7 @@ ENGINE_HELP = {
     "or directory's name)",
     "model_impl": "which code runs the model: pyxllm's own (also: python), transformers' (any "
     "causal LM transformers has, on pyxllm's paged attention), or auto: pyxllm's where it has "
-    "the architecture, else transformers' (see README, Models)",
+    "the architecture, else transformers' (see docs/models.md)",
     "dtype": "weight and activation dtype; auto: on the CPU bfloat16 where it has avx512_bf16 "
     "or amx_bf16, else float32, elsewhere the checkpoint's declared dtype (on the CPU float16 "
     "runs as bfloat16, with a warning)",
@@ -77,7 +77,7 @@ ENGINE_HELP = {
     "in --dtype; weight-only int8 (per channel) or int4 (groups of 32; the fastest single stream "
     "on a float checkpoint), or w8a8 (int8 weights and per-token int8 activations, int8 "
     "matmuls: the fastest from a few concurrent requests up and for long prompts), each with a "
-    "w8a8 LM head; see README, Performance (default: auto)",
+    "w8a8 LM head; see docs/performance.md (default: auto)",
     "max_model_len": "context limit: the longest prompt plus completion, in tokens; auto: the "
     "model's (default: the model's max_position_embeddings)",
     "seed": "seed of the random draws of requests that give no seed of their own (one generator "
@@ -94,7 +94,7 @@ ENGINE_HELP = {
     "on the CPU; on an accelerator what --gpu-memory-utilization leaves after the weights)",
     "kv_cache_dtype": "element type of the KV cache: auto (--dtype) or int8 (a float32 scale per "
     "token and head: about half bfloat16's bytes, so ~2x the tokens fit; CPU attention only; "
-    "see README, KV cache)",
+    "see docs/performance.md, KV cache)",
     "gpu_memory_utilization": "fraction of an accelerator's memory this engine may use in all; "
     "the KV cache gets what the weights leave of it",
     "enable_prefix_cache": "reuse the KV blocks of a prompt prefix computed before (by any "
@@ -110,8 +110,8 @@ ENGINE_HELP = {
     "(float matmuls not yet); off, prefills take the BLAS and prefill-attention paths, which "
     "prefilled a 1000-token prompt 2x faster on an AVX2 CPU (see docs/defaults.md)",
     "tensor_parallel_size": "split the model over N ranks (tensor parallelism); on one node, "
-    "N-1 worker processes are spawned here; on a CPU host they share its cores (see README, "
-    "Tensor parallelism)",
+    "N-1 worker processes are spawned here; on a CPU host they share its cores (see "
+    "docs/parallelism.md)",
     "nnodes": "number of nodes, one rank each, started by hand (xLLM's --nnodes)",
     "node_rank": "this node's rank in [0, nnodes); rank 0 serves HTTP, the others only compute",
     "master_addr": "host:port of node 0, where the ranks meet (xLLM's --master_node_addr) "
@@ -120,25 +120,25 @@ ENGINE_HELP = {
     "other ranks before giving up; with Ray, the whole start-up (placement group, actors)",
     "distributed_executor_backend": "who starts the tensor-parallel ranks: mp, processes "
     "(spawned on this host, or one per node started by hand with --nnodes), or ray, actors "
-    "placed on a Ray cluster (pip install 'pyxllm[ray]'; see README, Ray)",
+    "placed on a Ray cluster (pip install 'pyxllm[ray]'; see docs/parallelism.md, Ray)",
     "ray_address": "host:port of the Ray cluster's head to join (default: $RAY_ADDRESS, else the "
     "cluster `ray start` started on this node, else a new local one)",
     "ray_placement_strategy": "how Ray places the ranks' bundles (one per rank, rank 0's on "
     "this node): PACK, as few nodes as possible; STRICT_SPREAD, one rank per node; or SPREAD, "
     "STRICT_PACK (default: PACK)",
     "device": "device to run on; auto picks cuda, then npu (torch_npu), then mlu (torch_mlu), "
-    "else cpu (see README, Devices and runners)",
+    "else cpu (see docs/devices.md)",
     "graph_backend": "how the model runs: auto (graph on the CPU for a model it can capture on "
     "one rank, else eager), eager, compile (torch.compile) or graph (decode steps captured "
     "once: CUDA/ACL graphs, TorchScript traces on the CPU; prefill eager); also off/none, "
-    "inductor, cudagraphs/aclgraph (see README, Devices and runners) (default: auto)",
+    "inductor, cudagraphs/aclgraph (see docs/devices.md) (default: auto)",
     "structured_outputs_backend": "grammar library enforcing response_format, structured_outputs "
     "and tool calls",
     "speculative_config": "speculative decoding as a JSON object (vLLM's keys): "
     '\'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup; prompt_lookup_min '
     'and prompt_lookup_max, default 3 and 5) or \'{"method": "draft_model", "model": PATH, '
     '"num_speculative_tokens": 4}\'; "disable_by_batch_size": N (default 4) turns it off for '
-    "steps with more running sequences; see README, Speculative decoding (default: off)",
+    "steps with more running sequences; see docs/speculative.md (default: off)",
 }
 ENGINE_CHOICES = {
     "dtype": DTYPES,
@@ -414,7 +414,7 @@ def _add_security_args(group) -> None:
         metavar="KEY",
         help="require `Authorization: Bearer KEY` on every route but /health, /version, the "
         "API docs and /metrics; repeat it or separate keys by commas for several; the "
-        f"variable ${API_KEY_ENV} keeps keys out of ps (see README, Exposing the server) "
+        f"variable ${API_KEY_ENV} keeps keys out of ps (see docs/serving.md, Exposing the server) "
         f"(default: ${API_KEY_ENV}, comma-separated, else no key)",
     )
     add_bool_flag(group, "protect_metrics", False, "require the API key on /metrics too")
@@ -636,7 +636,7 @@ def _add_data_parallel_args(group) -> None:
         help="run N engine replicas behind this server, each its own process with its own "
         "scheduler, KV cache (--kv-cache-memory each) and --tp ranks; on the CPU the cores are "
         "divided between them; with --distributed-executor-backend ray, actors placed on the Ray "
-        "cluster (see README, Data parallelism)",
+        "cluster (see docs/parallelism.md, Data parallelism)",
     )
     group.add_argument(
         *flag_names("dp_routing"),
@@ -801,7 +801,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         formatter_class=fmt,
         description="Check the device's float32 logits against the CPU's, each runner's greedy "
-        "tokens against eager's, and measure decode throughput (see README, Devices and runners).",
+        "tokens against eager's, and measure decode throughput (see docs/devices.md).",
     )
     checks = check.add_argument_group("check flags")
     checks.add_argument(
@@ -887,7 +887,7 @@ def _add_bench_parsers(commands, fmt) -> argparse.ArgumentParser:
         help="benchmark a server (serve), score GSM8K (eval) or a text's perplexity, offline "
         "throughput or batch-1 latency",
         allow_abbrev=False,
-        description="Benchmarks; see README, Performance.",
+        description="Benchmarks; see docs/performance.md and docs/evaluation.md.",
     )
     kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     serve = kinds.add_parser(

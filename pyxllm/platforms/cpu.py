@@ -4,7 +4,7 @@ elsewhere), gloo for collectives, and bfloat16 by default where the CPU computes
 
 Why bfloat16: decoding is bound by reading the weights, and bf16 halves them; on this project's
 2-core Zen 4 machine (avx512_bf16) bf16 matmuls run about 2x faster than float32, at batch 1
-and batched (README, Performance). Without native bf16 (no ``avx512_bf16``/``amx_bf16``) bf16
+and batched (docs/performance.md). Without native bf16 (no ``avx512_bf16``/``amx_bf16``) bf16
 matmuls are converted on the fly and may be slower than float32, so float32 stays the default.
 ``PYXLLM_CPU_DEFAULT_DTYPE=float32|bfloat16`` overrides the choice (the test suite pins float32
 so its exact-parity checks against transformers' float32 hold on any machine). Both are read
@@ -81,7 +81,7 @@ def load() -> Platform:
         float16_dtype=torch.bfloat16,
         graph_capture=TorchScriptTraces(),
         # TorchScript replays of decode steps: batch-1 decode of the default model 81 -> 117
-        # tok/s on an AVX2 EPYC (README, Performance)
+        # tok/s on an AVX2 EPYC (docs/defaults.md)
         default_runner="graph",
         adaptive_threads=True,
     )

@@ -235,7 +235,7 @@ class Platform:
             f"CPUs), {self.threads_per_rank(local_world_size)} thread each, so they take turns on "
             "the cores and every layer waits for two all-reduces between them: expect it to be "
             "several times slower than --tensor-parallel-size 1 (3 ranks on 2 cores took 7x as "
-            "long), with a KV cache of --kv-cache-memory per rank; see README, Tensor parallelism"
+            "long), with a KV cache of --kv-cache-memory per rank; see docs/parallelism.md"
         )
 
     def check_runner(self, kind: str) -> None:

@@ -62,9 +62,10 @@ class EagerCapture:
 class TraceCapture:
     """The CPU's capture: ``torch.jit.trace`` records the decode step's ops once, and a replay
     runs them from TorchScript's C++ interpreter, without the ~2.5 ms of Python a step that
-    SmolLM2's 30 layers cost eagerly (about 25 % of a batch-1 int4 step on 2 cores; README,
-    Performance). CUDA graphs play this role on a GPU; on a CPU nothing else replays a recorded
-    step (``torch.compile`` keeps dynamo's guards and the Python attention op, and was slower).
+    SmolLM2's 30 layers cost eagerly (about 25 % of a batch-1 int4 step on 2 cores;
+    docs/performance.md). CUDA graphs play this role on a GPU; on a CPU nothing else replays a
+    recorded step (``torch.compile`` keeps dynamo's guards and the Python attention op, and was
+    slower).
 
     The static buffers and the KV caches are the traced function's inputs, not constants: a
     replay reads the copied inputs, and TorchScript keeps the cache writes (a write into a

@@ -8,7 +8,7 @@
 
 Both take 2-D activations in float32, bfloat16 or float16, with scales in the same dtype; on a
 CPU with AVX-512 (bf16) they are several times faster than a bfloat16 ``F.linear`` at small
-batches (see shared PERF_NOTES and README, Performance).
+batches (see shared PERF_NOTES and docs/performance.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ loaded; or ``gguf``: a GGUF file's weights kept in the format it stores them in 
 Layers with a ``quant_method`` attribute (the column/row-parallel linears and the LM head) and
 ``quantizable = True`` are converted by :func:`quantize_model`; the others (norms, the token
 embedding, a MoE router, stacked MoE experts) stay in the compute dtype. See
-``weight_only.py`` and ``w8a8.py`` for the formats and README (Performance) for speed and accuracy.
+``weight_only.py`` and ``w8a8.py`` for the formats and docs/performance.md for speed and accuracy.
 """
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ def quantize_model(
     ``_METHODS``: W8A8 for every choice. Its weights stay int8 (its rows are the vocabulary: an
     int4 head lost top-1 agreement with float32, an int8 one keeps it), and quantizing its
     activations too runs it on int8 kernels: at batch 1 that is ~1 ms of a ~8 ms int4 decode
-    step saved (+13 % tok/s) for logits about as close to float32 as bfloat16's (README,
-    Performance). ``w8a8`` first rotates the float weights (``rotation.py``).
+    step saved (+13 % tok/s) for logits about as close to float32 as bfloat16's
+    (docs/performance.md). ``w8a8`` first rotates the float weights (``rotation.py``).
 
     Raises:
         ValueError: an unknown method, or a layer whose shape the method cannot hold (naming

@@ -5,7 +5,7 @@ scales; activations are quantized per token each time a layer runs (``scale = ma
 dynamic, no calibration), so the matmul runs on int8 x int8 -> int32 kernels. On a CPU with
 AVX-512 VNNI these do about twice the multiply-adds per second of bfloat16 ``F.linear`` from
 batch 16 up, which weight-only methods cannot give: they dequantize to the activations' dtype
-and then cost what a bfloat16 matmul costs (README, Performance). The scheme is vLLM's dynamic
+and then cost what a bfloat16 matmul costs (docs/performance.md). The scheme is vLLM's dynamic
 per-token W8A8 int8 (its ``compressed-tensors`` scheme), quantized here from float weights at
 load time instead of read from a pre-quantized checkpoint, after the rotations of
 ``rotation.py`` (QuaRot), which keep the int8 activations accurate.

@@ -1089,7 +1089,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 // Each weight row is read once and multiplied with every x row while it is in registers (the x
 // rows stay in L1), so the step costs one pass over the weights, as a one-row GEMV does;
 // MKL's GEMM over 2-8 rows costs ~2.3x its one-row GEMV on the development machine's AVX2 CPU
-// (README, Speculative decoding).
+// (docs/speculative.md).
 constexpr int64_t kSmallLinearRows = 8;
 inline float hsum8(Vec8 v) {
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
