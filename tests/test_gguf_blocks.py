@@ -9,14 +9,31 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from pyxllm.weights.gguf_blocks import INT4_TYPES, INT8_TYPES, int4_groups, int8_groups
+from pyxllm.weights.gguf_blocks import (
+    GROUPS_OF_16,
+    INT4_TYPES,
+    INT8_TYPES,
+    int4_groups,
+    int8_groups,
+)
 from pyxllm.weights.gguf_reader import open_gguf
 from tests.gguf_quantize import ERROR_BOUND, quantize_rows
 
 T = GGMLQuantizationType
 TYPES = INT4_TYPES + INT8_TYPES
 # types whose zero is 0: the kernels' formula is gguf-py's float32 product, exactly
-ZERO_FREE = (T.Q4_0, T.Q8_0, T.Q5_0, T.Q6_K)
+ZERO_FREE = (T.Q4_0, T.Q8_0, T.Q5_0, T.Q6_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS)
+# ... and those whose zero is an exact product, added once as gguf-py adds it
+EXACT = (*ZERO_FREE, T.Q2_K)
+# the int8 q's range of each type (default: the 5-bit types' -16..15)
+Q_RANGE = {
+    T.Q8_0: (-128, 127),
+    T.Q6_K: (-32, 31),
+    T.Q2_K: (0, 3),
+    T.Q3_K: (-4, 3),
+    T.IQ4_NL: (-127, 113),
+    T.IQ4_XS: (-127, 113),
+}
 # byte offsets of each block's float16 fields (d, m / dmin)
 HALF_FIELDS = {
     T.Q4_0: (0,),
@@ -27,6 +44,10 @@ HALF_FIELDS = {
     T.Q4_K: (0, 2),
     T.Q5_K: (0, 2),
     T.Q6_K: (208,),
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+    T.IQ4_NL: (0,),
+    T.IQ4_XS: (0,),
 }
 SEEDS = (0, 1, 2)
 
@@ -79,17 +100,17 @@ def check_against_gguf(raw: np.ndarray, ggml_type) -> float:
     ref = dequantize(np.ascontiguousarray(raw), ggml_type).reshape(raw.shape[0], -1)
     w, q, scale, zero, group = decode(raw, ggml_type)
     rows, k = ref.shape
-    assert group == (16 if ggml_type == T.Q6_K else 32)
+    assert group == (16 if ggml_type in GROUPS_OF_16 else 32)
     assert q.shape == (rows, k) and scale.shape == zero.shape == (rows, k // group)
     assert scale.dtype == zero.dtype == np.float32
     if ggml_type in INT4_TYPES:
         assert q.dtype == np.uint8 and q.max() <= 15
     else:
         assert q.dtype == np.int8
-        low = {T.Q8_0: -128, T.Q6_K: -32}.get(ggml_type, -16)
-        assert low <= q.min() and q.max() <= -low - 1
-    if ggml_type in ZERO_FREE:
-        assert not zero.any()
+        low, high = Q_RANGE.get(ggml_type, (-16, 15))
+        assert low <= q.min() and q.max() <= high
+    if ggml_type in EXACT:
+        assert ggml_type not in ZERO_FREE or not zero.any()
         np.testing.assert_array_equal(w, ref)  # bit for bit, but 0.0 == -0.0
         return 1.0
     # zero rounded once more than gguf-py's sum: within an ulp of the result and of zero
@@ -158,7 +179,7 @@ def test_unsupported_types():
         (int4_groups, T.Q2_K),
         (int8_groups, T.Q4_K),
         (int8_groups, T.F16),
-        (int8_groups, T.IQ4_NL),
+        (int8_groups, T.IQ3_S),
     ):
         with pytest.raises(ValueError, match=ggml_type.name):
             decoder(raw, ggml_type)

@@ -7,9 +7,10 @@ int4/int8 kernels, against the same file dequantized (``--quantization none``).
   dequantized model's (measured: max 0.015, mean 0.0019, on log-probabilities of std 3.6)
   with the same top token at every position and the same greedy text.
 - A tiny llama written here in every type the kernels take (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
-  Q6_K, Q8_0) and a float32 tensor: each layer takes the format its pieces allow (a fused layer
-  of int4 and int8 pieces as int8, in groups of 16 with a Q6_K piece; a float piece dequantized),
-  and generates the dequantized file's greedy tokens.
+  Q6_K, Q8_0, Q2_K, Q3_K, IQ4_NL, IQ4_XS) and a float32 tensor: each layer takes the format its
+  pieces allow (a fused layer of int4 and int8 pieces as int8, in groups of 16 with a Q6_K,
+  Q3_K or Q2_K piece; a float piece dequantized), and generates the dequantized file's greedy
+  tokens.
 - What ``auto`` resolves to, and its override.
 """
 
@@ -111,16 +112,19 @@ def test_default_model_logprobs_and_greedy_text_match_the_dequantized_file(defau
 
 # llama.cpp's tensor names for a llama layer, and the type each layer's piece is written in
 _LAYER_TYPES = [  # a name left out stays float32
-    {"attn_q": T.Q4_K, "attn_k": T.Q4_0, "attn_v": T.Q6_K, "attn_output": T.Q8_0,
-     "ffn_gate": T.Q4_K, "ffn_up": T.Q5_K},
-    {"attn_q": T.Q5_0, "attn_k": T.Q5_1, "attn_v": T.Q8_0, "attn_output": T.Q4_K,
-     "ffn_gate": T.Q4_0, "ffn_up": T.Q4_1, "ffn_down": T.Q5_K},
+    {"attn_q": T.Q4_K, "attn_k": T.Q4_0, "attn_v": T.Q6_K, "attn_output": T.IQ4_XS,
+     "ffn_gate": T.Q4_K, "ffn_up": T.Q2_K},
+    {"attn_q": T.Q5_0, "attn_k": T.Q5_1, "attn_v": T.IQ4_NL, "attn_output": T.Q4_K,
+     "ffn_gate": T.Q4_0, "ffn_up": T.Q4_1, "ffn_down": T.Q3_K},
+    {"attn_q": T.Q8_0, "attn_k": T.Q8_0, "attn_v": T.Q8_0, "attn_output": T.Q5_K,
+     "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q4_0},
 ]  # fmt: skip
 # the format each fused layer must end in: all int4 pieces -> int4, any int8 -> int8 (groups of
-# 16 with a Q6_K piece), any float piece -> float
+# 16 with a Q6_K, Q3_K or Q2_K piece), any float piece -> float
 _EXPECTED = [
-    {"qkv_proj": "int8/16", "o_proj": "int8", "gate_up_proj": "int8", "down_proj": "float"},
-    {"qkv_proj": "int8", "o_proj": "int4", "gate_up_proj": "int4", "down_proj": "int8"},
+    {"qkv_proj": "int8/16", "o_proj": "int8", "gate_up_proj": "int8/16", "down_proj": "float"},
+    {"qkv_proj": "int8", "o_proj": "int4", "gate_up_proj": "int4", "down_proj": "int8/16"},
+    {"qkv_proj": "int8", "o_proj": "int8", "gate_up_proj": "int4", "down_proj": "int4"},
 ]
 _HF_TO_GGUF = {
     "self_attn.q_proj": "attn_q",
@@ -184,6 +188,7 @@ def llama_gguf(model, path):
 def tiny_llama(tmp_path_factory, hf_gguf_tokenizer):
     root = tmp_path_factory.mktemp("stored_gguf")
     config = tiny_config("llama", hidden_size=256)
+    config.num_hidden_layers = len(_LAYER_TYPES)
     config.intermediate_size = 512
     model = build_hf_model(config, seed=3)
     hf_gguf_tokenizer.save_pretrained(root / "tokenizer")
@@ -195,6 +200,7 @@ def tiny_llama(tmp_path_factory, hf_gguf_tokenizer):
 def test_each_layer_takes_the_format_its_pieces_allow(tiny_llama):
     _, stored = tiny_llama
     model = _model(stored)
+    assert len(model.model.layers) == len(_EXPECTED)
     for layer, expected in zip(model.model.layers, _EXPECTED):
         got = {
             name.rpartition(".")[2]: _format(module)

@@ -24,6 +24,10 @@ Q4_K   144   d, dmin, scales[12], qs[128]                           d*sc[s] * q 
 Q5_K   176   d, dmin, scales[12], qh[32] (bit s of qh[l]: bit 4 of  d*sc[s] * q - dmin*m[s]
              element l of sub-block s), qs[128]
 Q6_K   210   ql[128], qh[64], scales int8[16], d                    d * sc[k // 16] * (q-32)
+Q2_K   84    scales[16] (sc | m << 4), qs[64], d, dmin              d*sc[s] * q - dmin*m[s]
+Q3_K   110   hmask[32], qs[64], scales[12], d                       d * (sc[s] - 32) * q
+IQ4_NL 18    d, qs[16]                                              d * KVALUES[q]
+IQ4_XS 136   d, scales_h u16, scales_l[4], qs[128]                  d * (ls[s] - 32) * KV[q]
 ====== ===== ====================================================== =======================
 
 K-quant 6-bit scales (``sc``) and mins (``m``) of sub-block ``s`` (8 per super-block): for
@@ -31,15 +35,23 @@ K-quant 6-bit scales (``sc``) and mins (``m``) of sub-block ``s`` (8 per super-b
 ``scales[s + 4] & 15 | scales[s - 4] >> 6 << 4`` and ``scales[s + 4] >> 4 | scales[s] >> 6 << 4``.
 Q6_K: of half ``h`` (128 values), quarter ``c`` (32), lane ``l``: the low 4 bits are nibble
 ``c // 2`` of ``ql[64 h + 32 (c % 2) + l]``, the high 2 bits are bits ``2c, 2c + 1`` of
-``qh[32 h + l]``.
+``qh[32 h + l]``. Q2_K and Q3_K (sub-blocks of 16): element ``128 h + 32 c + l`` has its 2 low
+bits at bits ``2c`` of ``qs[32 h + l]``; Q3_K's third bit is bit ``j`` of ``hmask[l]`` for
+element ``32 j + l``, and ``q`` is those 3 bits minus 4 where that bit is 0 (-4..3, else 0..3);
+its 6-bit scale ``s`` has the low 4 bits in nibble ``s // 8`` of byte ``s % 8`` and the high 2
+bits at bits ``2 (s // 4)`` of byte ``8 + s % 4``. IQ4_NL and IQ4_XS look each 4-bit index up in
+llama.cpp's ``kvalues_iq4nl`` (:data:`IQ4_VALUES`, int8), nibbles as Q4_0's; IQ4_XS's 6-bit
+scale of sub-block ``s`` (of 32) is nibble ``s % 2`` of ``scales_l[s // 2]`` with bits ``2s,
+2s + 1`` of ``scales_h`` on top.
 
 Precision, against ``gguf.quants.dequantize`` of the same bytes: every product here
 (``d * sc``, ``(q - 8) * scale``, ``dmin * m``) is exact in float32, so where the zero is 0
-(Q4_0, Q5_0, Q8_0, Q6_K) the kernels' formula gives gguf-py's float32 values exactly (up to
-the sign of a zero). Where it is not (Q4_1, Q5_1, Q4_K, Q5_K), ``zero`` is one float32 sum,
-and the formula's final add rounds once, like gguf-py's: the results agree exactly whenever
-that sum is exact (the usual case: ``d`` and ``m`` within about 2^7 of each other), and
-otherwise within one rounding of ``zero``.
+(Q4_0, Q5_0, Q8_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS) or a product (Q2_K's ``-dmin m``), the
+kernels' formula rounds once where gguf-py does and gives its float32 values exactly (up to the
+sign of a zero). Where it is a sum (Q4_1, Q5_1, Q4_K, Q5_K), ``zero`` is one float32 sum, and
+the formula's final add rounds once, like gguf-py's: the results agree exactly whenever that
+sum is exact (the usual case: ``d`` and ``m`` within about 2^7 of each other), and otherwise
+within one rounding of ``zero``.
 """
 
 from __future__ import annotations
@@ -49,7 +61,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _T = GGMLQuantizationType
 INT4_TYPES = (_T.Q4_0, _T.Q4_1, _T.Q4_K)
-INT8_TYPES = (_T.Q8_0, _T.Q5_0, _T.Q5_1, _T.Q5_K, _T.Q6_K)
+INT8_TYPES = (_T.Q8_0, _T.Q5_0, _T.Q5_1, _T.Q5_K, _T.Q6_K, _T.Q2_K, _T.Q3_K, _T.IQ4_NL, _T.IQ4_XS)
+# the types held in groups of 16 input features (their sub-blocks), the others in groups of 32
+GROUPS_OF_16 = (_T.Q6_K, _T.Q2_K, _T.Q3_K)
+# llama.cpp's kvalues_iq4nl: the values IQ4_NL's and IQ4_XS's 4-bit indices stand for
+IQ4_VALUES = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8
+)
 
 
 def int4_groups(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -86,7 +104,8 @@ def int4_groups(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.
 
 
 def int8_groups(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Decode Q8_0 / Q5_0 / Q5_1 / Q5_K / Q6_K rows to the int8 format.
+    """Decode Q8_0 / Q5_0 / Q5_1 / Q5_K / Q6_K / Q2_K / Q3_K / IQ4_NL / IQ4_XS rows to the int8
+    format.
 
     Args:
         raw: uint8 ``[rows, row_bytes]``, whole rows as the GGUF file stores them (any strides).
@@ -94,10 +113,12 @@ def int8_groups(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.
     Returns:
         ``(q, scale, zero, group_size)``: ``q`` int8 ``[rows, K]``, ``scale`` and ``zero``
         float32 ``[rows, K // group_size]``, with ``W = q * scale + zero``. ``group_size`` is
-        16 for Q6_K (``q`` = stored - 32, ``scale = d * sc``, ``zero = 0``), else 32: Q8_0
-        ``scale = d``; Q5_0 ``q`` = stored - 16, ``scale = d``; Q5_1 ``q`` = stored - 16,
-        ``scale = d``, ``zero = m + 16 d``; Q5_K ``q`` = stored - 16, ``scale = d * sc``,
-        ``zero = 16 d sc - dmin m``; the others' zero is 0.
+        16 for Q6_K (``q`` = stored - 32, ``scale = d * sc``, ``zero = 0``), Q2_K (``q`` 0..3,
+        ``scale = d * sc``, ``zero = -dmin m``) and Q3_K (``q`` -4..3, ``scale = d (sc -
+        32)``), else 32: Q8_0 ``scale = d``; Q5_0 ``q`` = stored - 16, ``scale = d``; Q5_1
+        ``q`` = stored - 16, ``scale = d``, ``zero = m + 16 d``; Q5_K ``q`` = stored - 16,
+        ``scale = d * sc``, ``zero = 16 d sc - dmin m``; IQ4_NL ``q = IQ4_VALUES[index]``,
+        ``scale = d``; IQ4_XS ``q`` likewise, ``scale = d (ls - 32)``; the others' zero is 0.
     Raises:
         ValueError: another type, or ``raw`` not uint8 whole rows of it.
     """
@@ -128,6 +149,36 @@ def int8_groups(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.
         q = (q.astype(np.int8) - np.int8(16)).astype(np.int8)
         scale = d[..., None] * sc.astype(np.float32)
         zero = np.float32(16) * scale - dmin[..., None] * m.astype(np.float32)
+    elif ggml_type == _T.Q2_K:
+        group_size, n = 16, blocks.shape[:2]
+        q = _two_bits(blocks[..., 16:80]).astype(np.int8)
+        d, dmin = _f16(blocks, 80)[..., None], _f16(blocks, 82)[..., None]
+        scale = d * (blocks[..., :16] & 15).astype(np.float32)
+        zero = -(dmin * (blocks[..., :16] >> 4).astype(np.float32))
+    elif ggml_type == _T.Q3_K:
+        group_size, n = 16, blocks.shape[:2]
+        # bit j of hmask[l] for element 32 j + l
+        high = np.unpackbits(blocks[..., :32, None], axis=-1, bitorder="little")
+        high = high.swapaxes(-1, -2).reshape(*n, 256)
+        q = (_two_bits(blocks[..., 32:96]) | (high << 2)).astype(np.int8) - np.int8(4)
+        packed = blocks[..., 96:108]
+        low = np.concatenate([packed[..., :8] & 15, packed[..., :8] >> 4], axis=-1)
+        top = (packed[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+        sc = (low | (top.reshape(*n, 16) << 4)).astype(np.float32) - np.float32(32)
+        scale = _f16(blocks, 108)[..., None] * sc
+        zero = np.zeros_like(scale)
+    elif ggml_type == _T.IQ4_NL:
+        q = IQ4_VALUES[_nibbles(blocks[..., 2:18])]
+        scale = _f16(blocks, 0)[..., None]
+        zero = np.zeros_like(scale)
+    elif ggml_type == _T.IQ4_XS:
+        n = blocks.shape[:2]
+        q = IQ4_VALUES[_nibbles(blocks[..., 8:136].reshape(*n, 8, 16))].reshape(*n, 256)
+        low = blocks[..., 4:8, None] >> np.array([0, 4], np.uint8)
+        high = np.unpackbits(blocks[..., 2:4, None], axis=-1, bitorder="little").reshape(*n, 8, 2)
+        ls = (low.reshape(*n, 8) & 15) | (high[..., 0] << 4) | (high[..., 1] << 5)
+        scale = _f16(blocks, 0)[..., None] * (ls.astype(np.float32) - np.float32(32))
+        zero = np.zeros_like(scale)
     else:  # Q6_K
         group_size = 16
         n = blocks.shape[:2]
@@ -171,6 +222,13 @@ def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """``[..., 16]`` bytes -> ``[..., 32]`` values: low nibbles first, then high nibbles."""
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _two_bits(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K ``qs[64]`` -> ``[..., 256]`` values 0..3: half ``h``'s quarter ``c`` is bits
+    ``2c`` of ``qs[32 h : 32 h + 32]``."""
+    shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
+    return ((qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts) & 3).reshape(*qs.shape[:-1], 256)
 
 
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:

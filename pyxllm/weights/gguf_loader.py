@@ -342,9 +342,10 @@ class GGUFWeight(LazyWeight):
 
     def load_stored(self) -> StoredGroups | None:
         """The narrowed region as :class:`StoredGroups` straight from the file's blocks (no
-        float copy): Q4_0, Q4_1 and Q4_K as int4 groups of 32, Q8_0 and the 5-bit types as int8
-        groups of 32, Q6_K as int8 groups of 16 (``pyxllm.weights.gguf_blocks``, exact). ``None``
-        for other types (float tensors, the 2- and 3-bit ones), vectors, shifted tensors
+        float copy): Q4_0, Q4_1 and Q4_K as int4 groups of 32, Q8_0, the 5-bit types, IQ4_NL and
+        IQ4_XS as int8 groups of 32, Q6_K, Q3_K and Q2_K as int8 groups of 16
+        (``pyxllm.weights.gguf_blocks``, exact). ``None`` for other types (float tensors, the
+        other IQ types), vectors, shifted tensors
         (gemma's norms) and column ranges that do not start and end on a group of 32."""
         ggml_type = self.info.ggml_type
         if len(self.ranges) != 2 or self.shift or ggml_type not in (*INT4_TYPES, *INT8_TYPES):

@@ -4,8 +4,9 @@ stores them in, on kernels made for it, instead of dequantized to ``--dtype``.
 vLLM's GGUF support keeps each tensor's quantization blocks and multiplies by them; here the
 blocks are converted once, exactly, to the two grouped formats of the CPU kernels
 (``pyxllm.weights.gguf_blocks``): Q4_0, Q4_1 and Q4_K to int4 groups (``W = (q - 8) * scale +
-zero``, ``kernels.ops.int4_linear``), Q8_0 and the 5-bit types to int8 groups (``W = q * scale +
-zero``, ``kernels.ops.int8_group_linear``), Q6_K to int8 groups of 16. They quantize the
+zero``, ``kernels.ops.int4_linear``), Q8_0, the 5-bit types, IQ4_NL and IQ4_XS to int8 groups
+(``W = q * scale + zero``, ``kernels.ops.int8_group_linear``), Q6_K, Q3_K and Q2_K to int8
+groups of 16. They quantize the
 activations per group of 32 to ~15 bits (see ``csrc/group_linear.cpp``), so logits stay within
 ~1e-3 of the dequantized model's in float32 (tests/test_gguf_stored.py) with an eighth (int4) or
 a quarter (int8) of float32's bytes to read per token.
@@ -18,7 +19,7 @@ instead of writing the float parameter, which therefore never takes memory. Afte
 (a fused layer mixing int4 and int8 pieces, say a Q4_K query and a Q6_K value projection, is
 held as int8: an int4 ``q - 8`` is an int8 value, and a group of 32 is two groups of 16 with
 the same scale and zero, still exact). A layer with any region the file stores otherwise
-(float tensors, the 2- and 3-bit K-quants) is dequantized into its float weight, as without
+(float tensors, the IQ types below 4 bits) is dequantized into its float weight, as without
 this method. The token embedding looks its rows up from the groups (:class:`StoredEmbedding`):
 a tied one from its LM head's packed buffers, so the weight is held once.
 """
@@ -78,7 +79,7 @@ class StoredRows:
 
     @property
     def group_size(self) -> int:
-        """The smallest of the pieces' groups (32, or 16 with a Q6_K piece)."""
+        """The smallest of the pieces' groups (32, or 16 with a Q6_K, Q3_K or Q2_K piece)."""
         return min(p.group_size for p in self.pieces.values())
 
     def groups(self, total_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
