@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as T
 from model_fixtures import build_hf_model, tiny_config
 from test_gguf_models import write_gguf
 
-from pyxllm import LLM, SamplingParams
+from pyxllm import LLM, SamplingParams, kernels
 from pyxllm.config import EngineConfig
 from pyxllm.layers.quantization import DEFAULT_ENV, resolve_quantization
 from pyxllm.layers.quantization.stored import GroupedLinearMethod
@@ -194,11 +194,11 @@ def tiny_llama(tmp_path_factory, hf_gguf_tokenizer):
     hf_gguf_tokenizer.save_pretrained(root / "tokenizer")
     path = llama_gguf(model, root / "tiny-llama-mixed.gguf")
     kwargs = dict(model=str(path), tokenizer=str(root / "tokenizer"), **KWARGS)
-    return LLM(quantization="none", **kwargs), LLM(quantization="gguf", **kwargs)
+    return LLM(quantization="none", **kwargs), LLM(quantization="gguf", **kwargs), kwargs
 
 
 def test_each_layer_takes_the_format_its_pieces_allow(tiny_llama):
-    _, stored = tiny_llama
+    _, stored, _ = tiny_llama
     model = _model(stored)
     assert len(model.model.layers) == len(_EXPECTED)
     for layer, expected in zip(model.model.layers, _EXPECTED):
@@ -213,10 +213,30 @@ def test_each_layer_takes_the_format_its_pieces_allow(tiny_llama):
 
 
 def test_mixed_types_generate_the_dequantized_files_tokens(tiny_llama):
-    dequantized, stored = tiny_llama
+    dequantized, stored, _ = tiny_llama
     want, got = _prompt_logprobs(dequantized), _prompt_logprobs(stored)
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() < 2e-3 * scale
     texts = [o.outputs[0].token_ids for o in stored.generate(PROMPTS, GREEDY)]
     assert texts == [o.outputs[0].token_ids for o in dequantized.generate(PROMPTS, GREEDY)]
     assert len({tuple(t) for t in texts}) == len(PROMPTS)
+
+
+def test_int4_keeps_the_files_int4_layers_and_quantizes_the_rest(tiny_llama):
+    """``--quantization int4`` on a GGUF file: a layer the file stores in int4 blocks (Q4_0,
+    Q4_1, Q4_K) keeps them, so its weights are the file's values, not rounded a second time;
+    the others are quantized to int4 from their dequantized values."""
+    dequantized, _, kwargs = tiny_llama
+    model = _model(LLM(quantization="int4", **kwargs))
+    want = _model(dequantized)
+    for i, (layer, expected) in enumerate(zip(model.model.layers, _EXPECTED)):
+        for name, fmt in expected.items():
+            module = next(m for n, m in layer.named_modules() if n.endswith(name))
+            if fmt != "int4":
+                assert type(module.quant_method).__name__ == "Int4LinearMethod", (i, name)
+                continue
+            assert _format(module) == "int4", (i, name)
+            weight = next(m for n, m in want.model.layers[i].named_modules() if n.endswith(name))
+            ids = torch.arange(weight.weight.shape[0])
+            rows = kernels.ops.int4_rows(module.qweight, module.scales_and_zeros, ids, 32)
+            torch.testing.assert_close(rows, weight.weight, rtol=1e-6, atol=1e-7)

@@ -73,11 +73,12 @@ ENGINE_HELP = {
     "runs as bfloat16, with a warning)",
     "quantization": "how the linear layers' weights are held: auto: a GGUF file's as it stores "
     "them (gguf), other checkpoints' in --dtype (none); gguf: Q4_0/Q4_1/Q4_K as int4 groups, "
-    "Q8_0 and the 5-bit types as int8 groups, exactly, the rest dequantized; none: every weight "
-    "in --dtype; weight-only int8 (per channel) or int4 (groups of 32; the fastest single stream "
-    "on a float checkpoint), or w8a8 (int8 weights and per-token int8 activations, int8 "
+    "Q2_K/Q3_K/Q5/Q6_K/Q8_0/IQ4 as int8 groups, exactly, the rest dequantized; none: every "
+    "weight in --dtype; weight-only int8 (per channel) or int4 (groups of 32; the fastest single "
+    "stream on a float checkpoint), or w8a8 (int8 weights and per-token int8 activations, int8 "
     "matmuls: the fastest from a few concurrent requests up and for long prompts), each with a "
-    "w8a8 LM head; see docs/performance.md (default: auto)",
+    "w8a8 LM head; int4 and int8 keep the layers a GGUF file stores in their own grouped format "
+    "as stored; see docs/performance.md (default: auto)",
     "max_model_len": "context limit: the longest prompt plus completion, in tokens; auto: the "
     "model's (default: the model's max_position_embeddings)",
     "seed": "seed of the random draws of requests that give no seed of their own (one generator "

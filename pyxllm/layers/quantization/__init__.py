@@ -103,10 +103,17 @@ def resolve_quantization(quantization: str | None, checkpoint_kind: str) -> str 
     return quantization
 
 
+# the stored formats each method keeps as the checkpoint stores them, rather than quantizing the
+# dequantized weights again: a GGUF file's Q4_0 layer under --quantization int4 keeps the file's
+# own int4 groups (a second rounding would only lose accuracy)
+_KEEPS_STORED = {"gguf": ("int4", "int8"), "int4": ("int4",), "int8": ("int8",)}
+
+
 def prepare_model(model: nn.Module, quantization: str | None) -> None:
-    """Before loading: ``gguf`` makes the layers keep what the checkpoint stores in a format a
-    kernel takes (``stored.collect_stored_weights``); the other methods need nothing."""
-    if quantization == "gguf":
+    """Before loading: ``gguf``, ``int4`` and ``int8`` make the layers keep what the checkpoint
+    stores in a format a kernel takes (``stored.collect_stored_weights``; a checkpoint that
+    stores none, a Hugging Face directory, loads as without it); ``w8a8`` needs nothing."""
+    if quantization in _KEEPS_STORED:
         collect_stored_weights(model)
 
 
@@ -118,7 +125,9 @@ def quantize_model(
     count (``--batch-invariant``; the methods that support it keep it as their attribute).
 
     ``gguf`` (after :func:`prepare_model`) puts each layer on the groups its checkpoint stored
-    (see ``stored.py``); the other methods quantize the loaded float weights:
+    (see ``stored.py``); ``int4`` and ``int8`` do so for the layers a GGUF file stores in their
+    own grouped format (int4: Q4_0, Q4_1, Q4_K; int8: the others) and quantize the rest; the
+    methods quantize the loaded float weights so:
 
     The LM head (a module with ``compute_logits``) takes the second method of the pair in
     ``_METHODS``: W8A8 for every choice. Its weights stay int8 (its rows are the vocabulary: an
@@ -133,9 +142,12 @@ def quantize_model(
     """
     if quantization is None:
         return 0
-    if quantization == "gguf":
-        taken = apply_stored_weights(model, batch_invariant)
-        return taken["int4"] + taken["int8"]
+    kept = 0
+    if quantization in _KEEPS_STORED:
+        taken = apply_stored_weights(model, batch_invariant, _KEEPS_STORED[quantization])
+        kept = taken["int4"] + taken["int8"]
+        if quantization == "gguf":
+            return kept
     if quantization not in _METHODS:
         raise ValueError(
             f"--quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, got "
@@ -161,4 +173,4 @@ def quantize_model(
             ) from e
         count += 1
     logger.info("quantized %d layers to %s", count, quantization)
-    return count
+    return count + kept

@@ -208,20 +208,25 @@ def collect_stored_weights(model: nn.Module) -> None:
             weight.stored_rows = StoredRows(rows)
 
 
-def apply_stored_weights(model: nn.Module, batch_invariant: bool = False) -> Counter:
-    """After loading: each target layer on its stored groups where all its rows came so, else
-    its float weight (the stored pieces dequantized into it); returns how many layers took each
-    way (``int4``, ``int8``, ``float``)."""
+def apply_stored_weights(
+    model: nn.Module, batch_invariant: bool = False, keep: tuple[str, ...] = ("int4", "int8")
+) -> Counter:
+    """After loading: each target layer on its stored groups where all its rows came so in a
+    format of ``keep`` (token embeddings: in any format, since looking rows up needs no
+    kernel), else its float weight (the stored pieces dequantized into it); returns how many
+    layers took each way (``int4``, ``int8``, ``float``). Layers the checkpoint stores no
+    grouped piece of are left as loaded and not counted."""
     taken: Counter = Counter()
     # the layers first, so that a tied embedding finds its LM head's packed groups
     targets = sorted(_stored_targets(model), key=lambda target: _is_embedding(target[1]))
     packed_by: dict[int, nn.Module] = {}  # id(StoredRows) -> the layer that packed them
     for _, module in targets:
         stored = getattr(module.weight, "stored_rows", None)
-        if stored is None:
+        if stored is None or not stored.pieces:
             continue
         embedding = _is_embedding(module)  # looked up: no kernel tiles to fit
-        if not stored.complete or not (embedding or _fits(module.weight.shape)):
+        kept = embedding or (_fits(module.weight.shape) and stored.format in keep)
+        if not stored.complete or not kept:
             stored.dequantize_into(module.weight.data)
             taken["float"] += 1
         elif embedding:
@@ -236,6 +241,8 @@ def apply_stored_weights(model: nn.Module, batch_invariant: bool = False) -> Cou
         weight = getattr(module, "weight", None)
         if weight is not None and hasattr(weight, "stored_rows"):
             del weight.stored_rows  # an embedding's float weight stays unwritten (no memory)
+    if not taken:
+        return taken
     logger.info(
         "weights kept as the GGUF file stores them: %d layers as int4 groups, %d as int8 groups, "
         "%d dequantized to %s (--quantization none dequantizes every layer)",
