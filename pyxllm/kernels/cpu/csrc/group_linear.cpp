@@ -219,6 +219,10 @@ void quantize_groups(int8_t* xq, float* xs, float* xsum, const T* x, int64_t row
 //
 // Int4: W = q * scale + low, q in 0..15, scale groups of 32; two per byte (low nibbles: the
 // chunk's first 4 features, high nibbles: the next 4). The integer dot products are u8 x s8.
+// Without VNNI (AVX2 alone) each takes two multiplies, vpmaddubsw into int16 pairs and vpmaddwd
+// to widen them; a group's pairs are summed in int16 instead (16 products of at most 15 * 127
+// each: 30480, no overflow) and widened once, the same integers for half the multiplies (+5-10 %
+// GMAC/s on the AVX2 EPYC, 1 to 64 rows, 1024 x 1024, one thread).
 struct Int4Format {
   static constexpr int64_t kScaleInputs = 32, kScaleBytes = kTile * kScaleInputs / 2;
   static constexpr int kChunks = 4, kPieces = 2, kChunkInputs = 8;
@@ -226,7 +230,15 @@ struct Int4Format {
     piece[0] = packed & 0x0F0F0F0F;
     piece[1] = (packed >> 4) & 0x0F0F0F0F;
   }
+#if defined(__AVX2__) && !defined(__AVXVNNI__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+  static IntV dot(IntV acc, IntV w, int32_t x) {
+    return (IntV)_mm256_add_epi16((__m256i)acc, _mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(x)));
+  }
+  static IntV widen(IntV acc) { return (IntV)_mm256_madd_epi16((__m256i)acc, _mm256_set1_epi16(1)); }
+#else
   static IntV dot(IntV acc, IntV w, int32_t x) { return dot4(acc, w, x); }
+  static IntV widen(IntV acc) { return acc; }
+#endif
   // weight j (0..7) of a chunk in every lane
   static IntV value(IntV packed, int j) { return (packed >> (j < 4 ? 8 * j : 8 * (j - 4) + 4)) & 0xF; }
 };
@@ -240,6 +252,7 @@ struct Int8Format {
   static constexpr int kChunks = G / 4, kPieces = 1, kChunkInputs = 4;
   static void unpack(IntV packed, IntV* piece) { piece[0] = packed; }
   static IntV dot(IntV acc, IntV w, int32_t x) { return dot4_signed(acc, w, x); }
+  static IntV widen(IntV acc) { return acc; }  // pairs of s8 x s8 products fill an int16 alone
   static IntV value(IntV packed, int j) { return (packed << (24 - 8 * j)) >> 24; }  // sign-extended
 };
 
@@ -275,7 +288,8 @@ inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, const int8_
     load_scales(pairs + g * 2 * kTile, scale, low);
     const int64_t a = g * F::kScaleInputs / kGroup;  // the activations' group of 32
     for (int m = 0; m < M; ++m) {
-      acc[m] = fma(__builtin_convertvector(sum1[m] * 254 + sum2[m], FloatV), scale * xs[m * groups + a], acc[m]);
+      const IntV sum = F::widen(sum1[m]) * 254 + F::widen(sum2[m]);
+      acc[m] = fma(__builtin_convertvector(sum, FloatV), scale * xs[m * groups + a], acc[m]);
       acc[m] = fma(low, FloatV{} + xsum[m * scale_groups + g], acc[m]);
     }
   }
