@@ -84,10 +84,11 @@ class LLMEngine:
         """The draft proposer of ``--speculative-config`` (for a draft model: the slots it
         fills in the executor)."""
         spec = self.speculative
+        name = self.executor.driver.runner.name  # --graph-backend as resolved ("auto": its pick)
         runner = (
             "the graph runner replays each verification as 1 + k decode rows per sequence"
-            if config.graph_backend == "graph"
-            else f"runner {config.graph_backend}"
+            if name == "graph"
+            else f"runner {name}"
         )
         logger.info(
             "speculative decoding: %s, %d tokens, off above %d running sequences; %s",
