@@ -26,6 +26,9 @@ take comma-separated names):
    unquantized (``--dtype auto``) without and with n-gram speculation, llama-cpp-python
    without and with its prompt-lookup decoding (after every pyxllm run in this process), 256
    new tokens each.
+5. ``invariance``: ``pyxllm serve`` with no flags (batch-invariant) against the same with
+   ``--no-batch-invariant``, at 1, 8 and 32 clients of 100-token prompts and 8 of 1000-token
+   ones: what invariance costs (see ``invariance.py``).
 
 With ``--model-shape 1b`` the model is instead a random one of Llama-3.2-1B's shapes, built once
 in a cache directory as safetensors and as GGUF Q4_0 / Q8_0 / Q4_K_M, and the sections are
@@ -45,29 +48,22 @@ Peers that are not installed or built are skipped with a message. Every engine g
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import importlib.util
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
+import invariance
+import llama_server
+import model_1b
+import speculative
 import torch
+from harness import GRAPH_BACKEND, log, measure_server, pyxllm_serve_cmd, ratio_lines
 
-from pyxllm.benchmarks.metrics import compute_metrics
 from pyxllm.benchmarks.prompts import make_prompts
-from pyxllm.benchmarks.serve import run_benchmark
 from pyxllm.weights.source import default_gguf_path
-
-# pyxllm runs with its fastest CPU runner: decode steps replayed from TorchScript traces
-GRAPH_BACKEND = "graph"
-
-
-def log(*parts) -> None:
-    print(*parts, flush=True)
 
 
 def hf_throughput(path, prompts, output_len: int, batch_size: int) -> dict:
@@ -195,89 +191,6 @@ def pyxllm_figures(prompts, output_len: int, fresh) -> dict:
     return figures
 
 
-def pyxllm_serve_cmd(port: int, *flags: str) -> list[str]:
-    """The command serving with pyxllm (this interpreter's ``pyxllm serve``) on ``port``, with
-    ``flags``."""
-    return [sys.executable, "-m", "pyxllm.entrypoints.cli", "serve", "--port", str(port), *flags]
-
-
-def start_server(name: str, cmd: list[str], port: int, threads: int) -> subprocess.Popen:
-    """Start the server ``cmd`` with ``threads`` OpenMP threads and wait until it answers ``GET
-    http://127.0.0.1:{port}/v1/models`` (at most 300 s). Its output goes to a temporary file,
-    whose tail the error shows if it exits first.
-
-    Raises:
-        RuntimeError: the server exited during start-up.
-        TimeoutError: it did not answer within 300 s.
-    """
-    import httpx
-
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    output = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, env=env, stdout=output, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            output.seek(0)
-            tail = output.read().decode(errors="replace")[-2000:]
-            raise RuntimeError(f"{name} exited with status {proc.returncode}:\n{tail}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"{name} did not start within 300 s")
-
-
-def resident_mib(pid: int) -> float | None:
-    """Process ``pid``'s resident memory (``VmRSS``) in MiB, or None without ``/proc``."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            line = next(line for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return None
-    return int(line.split()[1]) / 1024
-
-
-def measure_server(
-    name: str,
-    cmd: list[str],
-    port: int,
-    threads: int,
-    loads: dict[str, tuple[list, int, int]],
-    warmup: list,
-) -> dict[str, dict]:
-    """Start the server ``cmd``, send it the ``warmup`` prompts (4 new tokens, 2 clients), then
-    each load ``label: (prompts, output_len, clients)`` in turn through ``pyxllm bench
-    serve``'s client, and stop it. Returns ``label: figures``: aggregate output tok/s, median
-    TTFT and TPOT in ms, completed and failed requests, output tokens, and the server's
-    resident memory in MiB once it answered (``VmRSS``; None where ``/proc`` has none)."""
-    proc = start_server(name, cmd, port, threads)
-    resident = resident_mib(proc.pid)
-    results = {}
-    try:
-        url = f"http://127.0.0.1:{port}/v1"
-        asyncio.run(run_benchmark(url, warmup, 4, 2))
-        for label, (prompts, output_len, clients) in loads.items():
-            records, duration = asyncio.run(run_benchmark(url, prompts, output_len, clients))
-            m = compute_metrics(records, duration)
-            results[label] = {
-                "output_tok_s": m.output_throughput,
-                "median_ttft_ms": m.ttft_ms["median"],
-                "median_tpot_ms": m.tpot_ms["median"],
-                "completed": m.completed,
-                "failed": m.failed,
-                "total_output_tokens": m.total_output_tokens,
-                "resident_mib_after_start": resident,
-            }
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    return results
-
-
 def serving(
     prompts, warmup, output_len: int, concurrency: int, threads: int, llamacpp: bool
 ) -> dict:
@@ -324,22 +237,6 @@ def serving(
     }
 
 
-def ratio_lines(
-    title: str, ours: float | None, peers: dict[str, float | None], unit: str, lower_better=False
-) -> list[str]:
-    lines = [f"{title}: pyxllm {ours:.1f} {unit}" if ours is not None else f"{title}: pyxllm n/a"]
-    for peer, value in peers.items():
-        if value is None or ours is None:
-            lines.append(f"    vs {peer}: skipped")
-            continue
-        r = value / ours if lower_better else ours / value
-        lines.append(
-            f"    vs {peer}: {value:.1f} {unit} -> pyxllm/{peer} = "
-            f"{r:.2f}x{' (lower is better, shown inverted)' if lower_better else ''}"
-        )
-    return lines
-
-
 SECTIONS = (
     "offline",
     "transformers",
@@ -348,6 +245,7 @@ SECTIONS = (
     "speculative",
     "llama-server",
     "long-context",
+    "invariance",
 )
 
 
@@ -369,10 +267,6 @@ def sections_to_run(
 
 
 def main() -> None:
-    import llama_server  # here: it imports this module's helpers
-    import model_1b
-    import speculative
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=100)
@@ -546,6 +440,10 @@ def main() -> None:
             args.requests_per_client,
             args.threads,
         )
+    if "invariance" in sections:
+        results["invariance"] = invariance.run(
+            tokenizer, args.output_len, args.requests_per_client, args.threads
+        )
     lines = ["", "=== pyxllm vs peers (ratios > 1: pyxllm better) ==="]
     lines += offline_rows(results)
     serve = results.get("serving", {})
@@ -564,6 +462,7 @@ def main() -> None:
             lower_better=True,
         )
     lines += llama_server.ratio_rows(results, args.output_len, args.long_context)
+    lines += invariance.ratio_rows(results.get("invariance", {}), args.output_len)
     spec = results.get("speculative", {})
     llama = spec.get("llama.cpp", {})
     for quantization, name in (("int4", "int4"), ("none", "unquantized")):

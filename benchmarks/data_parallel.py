@@ -32,7 +32,7 @@ import os
 import random
 
 import httpx
-from compare import log, pyxllm_serve_cmd, start_server
+from harness import log, pyxllm_serve_cmd, start_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from pyxllm.benchmarks.metrics import compute_metrics

@@ -27,7 +27,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from compare import GRAPH_BACKEND, log, measure_server, pyxllm_serve_cmd, ratio_lines
+from harness import GRAPH_BACKEND, log, measure_server, pyxllm_serve_cmd, ratio_lines
 
 from pyxllm.benchmarks.prompts import make_prompts
 from pyxllm.kernels.cpu.features import cpu_flags

@@ -21,7 +21,7 @@ Sections (``--only`` / ``--skip`` names), each on every ``--model-1b-types`` fil
 - ``llama-server``: ``pyxllm serve FILE`` with no flags against ``llama-server`` on the same file
   (``--llama-server-workloads``, by default 100-token prompts with 8 and 32 clients and
   1000-token prompts with 8), with pyxllm's resident memory after start-up (measured by
-  ``compare.measure_server``) against the file's size and the KV budget.
+  ``harness.measure_server``) against the file's size and the KV budget.
 - ``busy-core``: batch-1 decode quiet and with one core kept busy by another process, pyxllm
   with no flags against llama-bench (``busy_core.py``), on the first file.
 

@@ -21,7 +21,8 @@ import os
 import time
 
 import torch
-from compare import hf_throughput, log, ratio_lines
+from compare import hf_throughput
+from harness import log, ratio_lines
 
 from pyxllm.benchmarks.prompts import load_tokenizer, make_prompts
 from pyxllm.weights.source import default_gguf_path

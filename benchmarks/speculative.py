@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import torch
-from compare import log
+from harness import log
 
 ROOT = Path(__file__).resolve().parent.parent
 # int4 weights (the fused W4A8 kernel reads them once for all of a verifying step's rows, and a

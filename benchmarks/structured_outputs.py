@@ -22,7 +22,7 @@ import json
 import os
 import time
 
-from compare import log, pyxllm_serve_cmd, start_server
+from harness import log, pyxllm_serve_cmd, start_server
 
 from pyxllm.benchmarks.metrics import compute_metrics
 from pyxllm.benchmarks.prompts import load_tokenizer, make_prompts
