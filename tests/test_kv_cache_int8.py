@@ -30,7 +30,9 @@ PROMPTS = [
 ]
 ENGINE = dict(max_model_len=512, kv_cache_memory=0.05)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-needs_fused = pytest.mark.skipif(fused.load() is None, reason="no fused CPU kernels here")
+needs_fused = pytest.mark.skipif(
+    fused.load() is None, reason="PYXLLM_CPU_KERNELS=native: the fused CPU kernels are off"
+)
 
 
 def tokens(outputs) -> list[list[int]]:
