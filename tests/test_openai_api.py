@@ -174,7 +174,11 @@ def test_n3_streaming_matches_non_streaming(client):
     kwargs = dict(model=MODEL, messages=CAPITAL, n=3, temperature=1.0, seed=11, max_tokens=6)
     full = client.chat.completions.create(**kwargs)
     assert [c.index for c in full.choices] == [0, 1, 2]
-    assert full.usage.completion_tokens == 18 or all(c.finish_reason for c in full.choices)
+    # usage counts every choice's tokens (their logprobs entries: one per token)
+    counted = client.chat.completions.create(logprobs=True, **kwargs)
+    assert [c.message.content for c in counted.choices] == [c.message.content for c in full.choices]
+    lengths = [len(c.logprobs.content) for c in counted.choices]
+    assert full.usage.completion_tokens == sum(lengths) and all(0 < n <= 6 for n in lengths)
     texts, finishes = {0: "", 1: "", 2: ""}, {0: [], 1: [], 2: []}
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:

@@ -153,6 +153,9 @@ def test_missing_model_means_served_model(server):
 
 
 def test_concurrent_requests(client):
+    """Seeded requests sent together get the texts they get one at a time (a request's samples
+    depend on its own seed only)."""
+
     def one(i: int) -> str:
         response = client.completions.create(
             model=MODEL_NAME, prompt=f"Count to {i}:", max_tokens=6, temperature=0.7, seed=i
@@ -161,8 +164,9 @@ def test_concurrent_requests(client):
         return response.choices[0].text
 
     with ThreadPoolExecutor(4) as pool:
-        texts = list(pool.map(one, range(4)))
-    assert len(texts) == 4
+        together = list(pool.map(one, range(4)))
+    alone = [one(i) for i in range(4)]
+    assert together == alone and all(alone)
 
 
 def test_stream_disconnect_aborts(server):

@@ -278,7 +278,16 @@ def test_a_two_turn_exchange(client, required_calls):
     answer, auto = answer.choices[0], auto.choices[0]
     assert answer.message.content and not answer.message.tool_calls
     assert answer.finish_reason in ("stop", "length")
-    assert auto.message.content or auto.message.tool_calls
+    # auto: either calls of the declared tools with JSON arguments, or text
+    names = {tool["function"]["name"] for tool in TOOLS}
+    if auto.message.tool_calls:
+        assert auto.finish_reason == "tool_calls"
+        for call in auto.message.tool_calls:
+            assert call.function.name in names and isinstance(
+                json.loads(call.function.arguments), dict
+            )
+    else:
+        assert auto.message.content and auto.finish_reason in ("stop", "length")
 
 
 def post(server, body: dict) -> httpx.Response:
