@@ -9,6 +9,7 @@ scores and probabilities the kernel keeps in float32) within bf16 rounding.
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from pyxllm.kernels import native
 from pyxllm.kernels.cpu import fused
+from pyxllm.kernels.cpu.features import cpu_flags
 
 # (a failed build stops the suite in tests/conftest.py: only PYXLLM_CPU_KERNELS=native skips)
 pytestmark = pytest.mark.skipif(
@@ -532,3 +534,58 @@ def test_a_failed_build_stops_the_test_suite():
         if mode == "fused":
             assert "fused CPU kernels do not build" in run.stderr + run.stdout
             assert "no compiler here" in run.stderr + run.stdout
+
+
+def _older_levels() -> list[str]:
+    """The x86-64 levels below this CPU's own that it runs, whose kernel branches a native
+    build never compiles: x86-64-v2 (the plain vector code) everywhere, and x86-64-v3 (the
+    AVX2 branches) where the CPU has AVX-512."""
+    if platform.machine() != "x86_64":
+        return []
+    avx512 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= cpu_flags()
+    return ["x86-64-v2"] + (["x86-64-v3"] if avx512 else [])
+
+
+@pytest.mark.parametrize("arch", _older_levels())
+def test_the_kernels_on_an_older_isa_level(arch):
+    """The kernels built for ``arch`` (``PYXLLM_CPU_KERNELS_ARCH``, its own build) pass this
+    file's equivalence tests (fused against native, the grouped kernels' arithmetic and row
+    invariance) and the int8 KV cache's kernel tests, in a process of their own (the engine
+    runs and the tests that start processes themselves left out)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    skip = " and ".join(
+        f"not {name}"
+        for name in ("older_isa_level", "failed_build", "binding_builds", "native_kernels",
+                     "outputs_do_not_depend", "distributions_stay")
+    )  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+         "tests/test_cpu_fused_kernels.py", "tests/test_kv_cache_int8.py", "-k", skip],
+        env={**os.environ, "PYXLLM_CPU_KERNELS_ARCH": arch},
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+def test_isa_level_names_are_checked(monkeypatch):
+    """``PYXLLM_CPU_KERNELS_ARCH``: the default is the host's own; a level names its own build
+    (compile flags, hence build directory); a bad value is an error naming the variable, and
+    ``pyxllm env``'s status shows it instead of failing."""
+    from pyxllm.kernels.cpu import build
+
+    monkeypatch.delenv(build.ARCH_ENV, raising=False)
+    assert build.target_arch() == "native" and "-march=native" in build.compile_flags()[0]
+    native = build.extension_name()
+    if platform.machine() == "x86_64":
+        monkeypatch.setenv(build.ARCH_ENV, "x86-64-v2")
+        assert "-march=x86-64-v2" in build.compile_flags()[0]
+        assert build.extension_name() != native
+    monkeypatch.setenv(build.ARCH_ENV, "pentium3")
+    with pytest.raises(ValueError, match="PYXLLM_CPU_KERNELS_ARCH='pentium3'"):
+        build.compile_flags()
+    status = build.build_status()
+    assert status["arch"] == "pentium3" and "must be one of" in status["status"]

@@ -241,6 +241,7 @@ def format_report(report: dict) -> str:
                     f"{fused['status']} ({fused['mode']}; PYXLLM_CPU_KERNELS=native "
                     "turns them off)",
                 ),
+                ("built for", f"-march={fused['arch']} (PYXLLM_CPU_KERNELS_ARCH sets it)"),
                 ("cache directory", fused["cache_dir"]),
                 ("library", fused["library"]),
                 ("compiler", fused["compiler"] or "none on PATH"),

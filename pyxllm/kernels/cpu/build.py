@@ -39,6 +39,25 @@ SOURCES = tuple(
 )
 MODE_ENV = "PYXLLM_CPU_KERNELS"
 LOCK_TIMEOUT_ENV = "PYXLLM_CPU_KERNELS_LOCK_TIMEOUT"
+ARCH_ENV = "PYXLLM_CPU_KERNELS_ARCH"
+# the x86-64 levels the kernels can be built for instead of the host's own (``native``), from
+# the oldest: x86-64-v2 runs their plain vector code, v3 their AVX2 branches, v4 AVX-512
+X86_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
+
+
+def target_arch() -> str:
+    """The ``-march`` the kernels are built for: ``$PYXLLM_CPU_KERNELS_ARCH`` (``native``, the
+    default, or one of :data:`X86_LEVELS` on x86-64), so that every ISA branch of the kernels
+    can be built and tested on a CPU that runs it, not only the host's best.
+
+    Raises:
+        ValueError: a value the host cannot take, naming the variable and the choices.
+    """
+    arch = os.environ.get(ARCH_ENV, "native") or "native"
+    choices = ("native", *X86_LEVELS) if platform.machine() == "x86_64" else ("native",)
+    if arch not in choices:
+        raise ValueError(f"{ARCH_ENV}={arch!r}: must be one of {', '.join(choices)}")
+    return arch
 
 
 def compile_flags() -> tuple[list[str], list[str]]:
@@ -49,13 +68,14 @@ def compile_flags() -> tuple[list[str], list[str]]:
     kernel's row-count templates (contraction chosen per instantiation made ``int4_linear``'s
     rows differ in their last bits between a one-row decode and an eight-row verification).
     On x86-64/aarch64 Linux: ``-march=native`` (the build's name keys the CPU's feature flags, so
-    a home directory shared by different CPUs keeps one build each) and ``-fopenmp``, without
+    a home directory shared by different CPUs keeps one build each; :func:`target_arch` may
+    name an older level instead) and ``-fopenmp``, without
     which ``at::parallel_for`` runs on one thread (the library resolves to the ``libgomp.so.1``
     torch already loaded, so there is one OpenMP runtime).
     """
     flags = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
     if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64"):
-        return [*flags, "-march=native", "-fopenmp"], ["-fopenmp"]
+        return [*flags, f"-march={target_arch()}", "-fopenmp"], ["-fopenmp"]
     return flags, []
 
 
@@ -103,23 +123,36 @@ def build_status() -> dict[str, str | None]:
         ``mode``: ``fused`` or ``native`` (``$PYXLLM_CPU_KERNELS``); ``name``: the extension's
         name; ``cache_dir``: its build directory; ``library``: the built ``.so`` there, ``None``
         before the first build; ``compiler``: the C++ compiler torch would run (``$CXX``, else
-        ``c++``) as found on ``$PATH``, ``None`` when it is not there; ``status``: ``built``,
-        ``not built`` (these sources were not built here yet) or ``disabled``.
+        ``c++``) as found on ``$PATH``, ``None`` when it is not there; ``arch``: the ``-march``
+        they are built for (:func:`target_arch`); ``status``: ``built``, ``not built`` (these
+        sources were not built here yet), ``disabled``, or the error of a bad ``arch``.
     """
     from torch.utils.cpp_extension import get_cxx_compiler
 
+    disabled = os.environ.get(MODE_ENV, "fused") == "native"
+    compiler = shutil.which(get_cxx_compiler())
+    try:
+        arch = target_arch()
+    except ValueError as e:
+        arch = os.environ.get(ARCH_ENV, "")
+        status = {"status": str(e), "name": None, "cache_dir": None, "library": None}
+        return {
+            "mode": "native" if disabled else "fused",
+            "arch": arch,
+            "compiler": compiler,
+        } | status
     name = extension_name()
     directory = build_directory(name)
     library = directory / f"{name}.so"
     built = library.is_file()
-    disabled = os.environ.get(MODE_ENV, "fused") == "native"
     return {
         "mode": "native" if disabled else "fused",
         "status": "disabled" if disabled else "built" if built else "not built",
+        "arch": arch,
         "name": name,
         "cache_dir": str(directory),
         "library": str(library) if built else None,
-        "compiler": shutil.which(get_cxx_compiler()),
+        "compiler": compiler,
     }
 
 
@@ -201,7 +234,9 @@ def build_and_load() -> None:
     wait_for_build_lock(directory / "lock", float(os.environ.get(LOCK_TIMEOUT_ENV, 600)))
     if not before:
         logger.info(
-            "building the fused CPU kernels in %s (the first load of these sources: 15-60 s)",
+            "building the fused CPU kernels for -march=%s in %s (the first load of these "
+            "sources: 15-60 s)",
+            target_arch(),
             directory,
         )
     start = time.perf_counter()
