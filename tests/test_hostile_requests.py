@@ -132,9 +132,11 @@ def test_a_seed_beyond_64_bits_is_a_400_before_the_stream(server, stream):
     assert post(server, "chat/completions", body).status_code == 200
 
 
-def test_an_unexpected_error_is_a_500_that_keeps_the_connection():
-    """A route that raises answers 500 in the error shape, and the client's next request on
-    the same keep-alive connection is served (Starlette alone would drop the connection)."""
+def test_an_unexpected_error_is_a_500_that_keeps_the_connection(caplog):
+    """A route that raises answers 500 in the error shape, without the exception's text (it
+    may hold secrets) but with a request id that the log line carries with it, and the
+    client's next request on the same keep-alive connection is served (Starlette alone would
+    drop the connection)."""
     router = APIRouter(route_class=OpenAIRoute)
 
     @router.get("/boom")
@@ -161,7 +163,14 @@ def test_an_unexpected_error_is_a_500_that_keeps_the_connection():
         response = connection.getresponse()
         body = json.loads(response.read())
         assert response.status == 500 and body["error"]["type"] == "InternalServerError"
-        assert "kaput" in body["error"]["message"]
+        request_id = response.getheader("x-request-id")
+        assert "kaput" not in body["error"]["message"]
+        assert body["error"]["message"].startswith(f"internal error (request id {request_id};")
+        logged = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+        assert len(logged) == 1 and "RuntimeError: kaput" in logged[0]
+        connection.request("GET", "/boom", headers={"X-Request-Id": "client-7"})
+        response = connection.getresponse()
+        assert "request id client-7;" in json.loads(response.read())["error"]["message"]
         connection.request("GET", "/fine")  # the same socket
         assert connection.getresponse().status == 200
     finally:

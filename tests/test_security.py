@@ -16,6 +16,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from pyxllm.entrypoints.args import parse_args
+from pyxllm.entrypoints.openai.api_server import exposure_warning
 from pyxllm.entrypoints.openai.security import install_security
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from tests.utils import RemoteServer
@@ -28,7 +29,7 @@ PROTECTED = [
     ("GET", "/v1/models"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
-    ("POST", "/v1/responses"),  # no such route yet: still a 401, not a 404
+    ("POST", "/v1/responses"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
     ("GET", "/debug/stats"),
@@ -176,6 +177,27 @@ def test_tls_flags_check_the_files_and_default_cert_reqs(pki, capsys):
         assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "host, keys, warned",
+    [
+        ("127.0.0.1", (), False),
+        ("::1", (), False),
+        ("[::1]", (), False),
+        ("localhost", (), False),
+        ("0.0.0.0", (), True),
+        ("::", (), True),
+        ("192.168.1.20", (), True),
+        ("myhost.example", (), True),
+        ("0.0.0.0", KEYS[:1], False),
+    ],
+)
+def test_a_server_beyond_loopback_without_a_key_is_warned_of(host, keys, warned):
+    warning = exposure_warning(host, keys)
+    assert (warning is not None) == warned
+    if warned:
+        assert f"--host {host}" in warning and "--api-key" in warning
+
+
 def test_server_options_repr_hides_the_keys():
     assert "sk-alpha" not in repr(ServerOptions(api_keys=("sk-alpha",)))
 
@@ -254,6 +276,29 @@ def keyed_server():
     ]
     with RemoteServer(args, env={"OMP_NUM_THREADS": "1", "PYXLLM_API_KEY": ""}) as remote:
         yield remote
+
+
+def test_a_stored_response_belongs_to_the_key_that_created_it(keyed_server):
+    """Another key cannot read, continue or delete it (404, as if it did not exist); its own
+    key can."""
+    url = keyed_server.url_for("v1", "responses")
+    body = {"input": "Hi", "max_output_tokens": 2}
+    created = httpx.post(url, json=body, headers=bearer(KEYS[0]), timeout=60)
+    assert created.status_code == 200, created.text
+    response_id = created.json()["id"]
+    other = bearer(KEYS[1])
+    assert httpx.get(f"{url}/{response_id}", headers=other, timeout=10).status_code == 404
+    assert httpx.delete(f"{url}/{response_id}", headers=other, timeout=10).status_code == 404
+    follow = {**body, "previous_response_id": response_id}
+    refused = httpx.post(url, json=follow, headers=other, timeout=60)
+    assert refused.status_code == 404
+    assert refused.json()["error"]["param"] == "previous_response_id"
+    owner = bearer(KEYS[0])
+    assert httpx.post(url, json=follow, headers=owner, timeout=60).status_code == 200
+    got = httpx.get(f"{url}/{response_id}", headers=owner, timeout=10)
+    assert got.status_code == 200 and got.json()["id"] == response_id
+    assert httpx.delete(f"{url}/{response_id}", headers=owner, timeout=10).status_code == 200
+    assert httpx.get(f"{url}/{response_id}", headers=owner, timeout=10).status_code == 404
 
 
 def test_the_right_key_chats_with_the_openai_sdk(keyed_server):

@@ -23,6 +23,7 @@ process exits with status 1 after 20 s.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import signal
@@ -173,7 +174,7 @@ async def retrieve_response(response_id: str, raw_request: Request) -> JSONRespo
 async def delete_response(response_id: str, raw_request: Request) -> JSONResponse:
     """Forget a stored response (404 when it is not stored)."""
     handler: OpenAIServingResponses = raw_request.app.state.openai_serving_responses
-    return handler.delete(response_id)
+    return handler.delete(response_id, raw_request)
 
 
 @router.post("/tokenize")
@@ -338,6 +339,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def exposure_warning(host: str, api_keys) -> str | None:
+    """The start-up warning of a server that listens beyond this machine (``host`` not a
+    loopback address or ``localhost``) with no API key (``api_keys`` empty), else ``None``."""
+    if api_keys:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (
+        f"--host {host} listens beyond this machine and no API key is set: anyone who can reach "
+        "it can use the model (set --api-key or PYXLLM_API_KEY)"
+    )
+
+
 def run_server(config: EngineConfig, options: ServerOptions | None = None) -> None:
     """Load the engine, serve it over HTTP as ``options`` say until SIGINT/SIGTERM, then shut
     the engine down. pyxllm logs one line with the URLs (the API's, the chat page's) once it
@@ -363,6 +381,9 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
         get_tool_parser(options.tool_call_parser)
     _ensure_logging()
     sock = bind_socket(options.host, options.port)
+    warning = exposure_warning(options.host, options.api_keys)
+    if warning:
+        logger.warning("%s", warning)
     try:
         if options.data_parallel_size > 1:
             from pyxllm.engine.data_parallel.client import DataParallelEngine

@@ -9,6 +9,7 @@ field).
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable, Coroutine
 from http import HTTPStatus
 from typing import Any
@@ -161,9 +162,27 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
 
 
 def unexpected_error_response(request: Request, exc: Exception) -> JSONResponse:
-    """The 500 of an exception nothing expected (logged with its traceback)."""
-    logger.error("unexpected error serving %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500)
+    """The 500 of an exception nothing expected. The body says no more than "internal error"
+    (an exception's text can hold paths, prompts or keys) and a request id, the client's
+    ``X-Request-Id`` if it sent a plain one, else a new one; the log line carries the same id
+    with the exception and its traceback. The id is also the response's ``X-Request-Id``."""
+    given = request.headers.get("x-request-id", "")
+    plain = 0 < len(given) <= 64 and all(c.isalnum() or c in "-_." for c in given)
+    request_id = given if plain else uuid.uuid4().hex
+    logger.error(
+        "unexpected error serving %s %s (request id %s): %s: %s",
+        request.method,
+        request.url.path,
+        request_id,
+        type(exc).__name__,
+        exc,
+        exc_info=exc,
+    )
+    return error_response(
+        f"internal error (request id {request_id}; the server's log has the details)",
+        500,
+        headers={"X-Request-Id": request_id},
+    )
 
 
 _ANSWERED = (OpenAIError, InvalidRequestError, RequestValidationError, StarletteHTTPException)

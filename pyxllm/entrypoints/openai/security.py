@@ -59,6 +59,17 @@ UNAUTHORIZED_MESSAGE = (
 )
 
 
+# where a request's key owner goes in the ASGI scope's state (``request.state``)
+OWNER_STATE = "api_key_owner"
+
+
+def key_owner(request) -> str | None:
+    """The API key a request was let in with, as a name that is not the key (the start of its
+    SHA-256), to keep what the request stores apart from other keys' (stored responses);
+    ``None`` on a server without keys."""
+    return getattr(request.state, OWNER_STATE, None)
+
+
 def _digest(token: str | bytes) -> bytes:
     data = token.encode("utf-8", "surrogateescape") if isinstance(token, str) else token
     return hashlib.sha256(data).digest()
@@ -102,23 +113,30 @@ class APIKeyMiddleware:
 
     def authorized(self, scope: Scope) -> bool:
         """Whether the first ``Authorization`` header holds ``Bearer <one of the keys>``."""
+        return self.key_owner(scope) is not None
+
+    def key_owner(self, scope: Scope) -> str | None:
+        """Which key the first ``Authorization: Bearer`` header holds, as :func:`key_owner`
+        names it (never the key itself), or ``None`` for none of them."""
         header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
         if header is None:
-            return False
+            return None
         scheme, _, token = header.partition(b" ")
         if scheme.lower() != b"bearer":
-            return False
+            return None
         supplied = _digest(token.strip())
         matched = False
         for digest in self._digests:  # every key, no early exit
             matched |= hmac.compare_digest(supplied, digest)
-        return matched
+        return supplied.hex()[:16] if matched else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or self.is_open(scope):
             await self.app(scope, receive, send)
             return
-        if self.authorized(scope):
+        owner = self.key_owner(scope)
+        if owner is not None:
+            scope.setdefault("state", {})[OWNER_STATE] = owner
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":

@@ -303,9 +303,10 @@ class OpenAIServing:
 
     # --- running a request ----------------------------------------------------------------------
 
-    def engine_error(self, exc: Exception) -> OpenAIError:
-        """Map an exception from ``engine.generate``: ValueError -> 400, a dead engine (or the
-        data-parallel replica that ran the request) -> 503."""
+    def engine_error(self, exc: Exception, request_id: str) -> OpenAIError:
+        """Map an exception from ``engine.generate`` of ``request_id``: ValueError -> 400, a
+        dead engine (or the data-parallel replica that ran the request) -> 503, anything else
+        a 500 that names the request id and no more (the log line has the exception)."""
         if isinstance(exc, ValueError):
             return OpenAIError(str(exc), 400, param_from_message(str(exc)))
         if isinstance(exc, EngineDeadError):
@@ -314,8 +315,12 @@ class OpenAIServing:
             self.engine.check_health()
         except Exception as health_exc:  # noqa: BLE001
             return OpenAIError(f"the engine is not healthy: {health_exc}", 503)
-        logger.exception("engine error", exc_info=exc)
-        return OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", 500)
+        logger.error(
+            "engine error in request %s: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc
+        )
+        return OpenAIError(
+            f"internal error (request id {request_id}; the server's log has the details)", 500
+        )
 
     def abort(self, request_id: str) -> None:
         """Abort ``request_id`` in the engine; never raises."""
@@ -364,7 +369,7 @@ class OpenAIServing:
             try:
                 return drain_task.result()
             except (ValueError, RuntimeError) as exc:
-                raise self.engine_error(exc) from exc
+                raise self.engine_error(exc, request.request_id) from exc
         finally:
             watch_task.cancel()
             if not drain_task.done():
@@ -404,7 +409,7 @@ class OpenAIServing:
                             yield event
                     state["finished"] |= output.finished
             except Exception as exc:  # noqa: BLE001 - reported in the stream, the server lives on
-                for event in events.failed(self.stream_error(exc)):
+                for event in events.failed(self.stream_error(exc, request.request_id)):
                     yield event
                 return
             for index, finished in enumerate(done):
@@ -423,6 +428,6 @@ class OpenAIServing:
 
         return AbortOnCloseStreamingResponse(body(), on_close)
 
-    def stream_error(self, exc: Exception) -> OpenAIError:
-        """The error to report of an exception raised after the stream started."""
-        return exc if isinstance(exc, OpenAIError) else self.engine_error(exc)
+    def stream_error(self, exc: Exception, request_id: str) -> OpenAIError:
+        """The error to report of an exception raised after ``request_id``'s stream started."""
+        return exc if isinstance(exc, OpenAIError) else self.engine_error(exc, request_id)

@@ -40,6 +40,7 @@ from pyxllm.entrypoints.openai.responses_input import (
     input_messages,
 )
 from pyxllm.entrypoints.openai.responses_run import ResponseRun, ResponsesEvents
+from pyxllm.entrypoints.openai.security import key_owner
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.entrypoints.openai.serving_engine import ClientDisconnected
 from pyxllm.sampling_params import SamplingParams
@@ -53,11 +54,13 @@ MAX_STORED_CHARS = 64 * 2**20
 @dataclass(slots=True)
 class StoredResponse:
     """A kept response: its body, and its conversation as chat messages (input and output,
-    without ``instructions``); ``size`` is both's length as JSON text."""
+    without ``instructions``); ``size`` is both's length as JSON text; ``owner`` the API key
+    that created it, the only one that can read, continue or delete it."""
 
     body: dict[str, Any]
     messages: list[dict[str, Any]]
     size: int
+    owner: str | None = None  # the API key that created it (security.key_owner)
 
 
 class ResponseStore:
@@ -76,26 +79,35 @@ class ResponseStore:
         self.entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self.chars = 0
 
-    def put(self, response_id: str, body: dict[str, Any], messages: list[dict[str, Any]]) -> None:
-        """Keep a response, evicting the oldest ones past the bounds."""
+    def put(
+        self,
+        response_id: str,
+        body: dict[str, Any],
+        messages: list[dict[str, Any]],
+        owner: str | None = None,
+    ) -> None:
+        """Keep a response of ``owner`` (see :class:`StoredResponse`), evicting the oldest ones
+        past the bounds."""
         size = len(json.dumps(body)) + len(json.dumps(messages))
         if size > self.max_chars:
             return
-        self.entries[response_id] = StoredResponse(body, messages, size)
+        self.entries[response_id] = StoredResponse(body, messages, size, owner)
         self.chars += size
         while len(self.entries) > self.max_responses or self.chars > self.max_chars:
             self.chars -= self.entries.popitem(last=False)[1].size
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The kept response, ``None`` when it is not (never was, evicted, or deleted)."""
-        return self.entries.get(response_id)
+    def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        """``owner``'s kept response, ``None`` when it is not (never was, evicted, deleted, or
+        another key's: to that key it does not exist)."""
+        entry = self.entries.get(response_id)
+        return entry if entry is not None and entry.owner == owner else None
 
-    def delete(self, response_id: str) -> bool:
-        """Forget a response; False when it was not kept."""
-        entry = self.entries.pop(response_id, None)
-        if entry is not None:
-            self.chars -= entry.size
-        return entry is not None
+    def delete(self, response_id: str, owner: str | None = None) -> bool:
+        """Forget ``owner``'s response; False when it was not kept (or is another key's)."""
+        if self.get(response_id, owner) is None:
+            return False
+        self.chars -= self.entries.pop(response_id).size
+        return True
 
 
 _TOOL_PARAMETERS = re.compile(r"\btools\[(\d+)\]\.function\.parameters\b")
@@ -156,7 +168,8 @@ class OpenAIServingResponses:
         chat.check_health()
         chat.check_not_draining()
         check_supported(request)
-        conversation = self.history(request.previous_response_id)
+        owner = key_owner(raw_request)
+        conversation = self.history(request.previous_response_id, owner)
         response_id = f"resp_{uuid.uuid4().hex}"
         with responses_field_names():
             conversation = conversation + input_messages(request.input)
@@ -169,7 +182,7 @@ class OpenAIServingResponses:
         def keep(response: ResponsesResponse) -> None:
             if request.store is not False and response.status != "failed":
                 messages = [*conversation, run.output.assistant_message()]
-                self.store.put(response.id, response.model_dump(mode="json"), messages)
+                self.store.put(response.id, response.model_dump(mode="json"), messages, owner)
 
         if request.stream:
             events = ResponsesEvents(run, prepared, chat.model_name, keep)
@@ -190,15 +203,18 @@ class OpenAIServingResponses:
         keep(response)
         return JSONResponse(response.model_dump(mode="json"))
 
-    def history(self, previous_response_id: str | None) -> list[dict[str, Any]]:
-        """The conversation a request goes on from (empty without ``previous_response_id``).
+    def history(
+        self, previous_response_id: str | None, owner: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The conversation a request of ``owner`` (its API key) goes on from (empty without
+        ``previous_response_id``).
 
         Raises:
-            OpenAIError: 404 naming ``previous_response_id`` when it is not kept.
+            OpenAIError: 404 naming ``previous_response_id`` when ``owner`` has it not kept.
         """
         if previous_response_id is None:
             return []
-        stored = self.store.get(previous_response_id)
+        stored = self.store.get(previous_response_id, owner)
         if stored is None:
             raise OpenAIError(
                 f"Previous response with id '{previous_response_id}' not found.",
@@ -245,16 +261,18 @@ class OpenAIServingResponses:
         """
         for name in raw_request.query_params:
             raise OpenAIError(f"{name}: not supported when retrieving a response", 400, name)
-        return JSONResponse(self._stored(response_id).body)
+        return JSONResponse(self._stored(response_id, key_owner(raw_request)).body)
 
-    def delete(self, response_id: str) -> JSONResponse:
-        """``DELETE /v1/responses/{id}``: forget a kept response (404 when it is not kept)."""
-        self._stored(response_id)
-        self.store.delete(response_id)
+    def delete(self, response_id: str, raw_request: Request) -> JSONResponse:
+        """``DELETE /v1/responses/{id}``: forget a kept response (404 when it is not kept, or
+        another API key's)."""
+        owner = key_owner(raw_request)
+        self._stored(response_id, owner)
+        self.store.delete(response_id, owner)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
-    def _stored(self, response_id: str):
-        stored = self.store.get(response_id)
+    def _stored(self, response_id: str, owner: str | None):
+        stored = self.store.get(response_id, owner)
         if stored is None:
             raise OpenAIError(f"Response with id '{response_id}' not found.", 404, "response_id")
         return stored
