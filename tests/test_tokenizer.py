@@ -43,6 +43,26 @@ def test_encode_decode_round_trip(tok):
     assert tok.decode(ids[:1] + [end], skip_special_tokens=False) == "The<|im_end|>"
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_long_decode_equals_transformers(tok, skip_special_tokens):
+    """At LONG_DECODE_TOKENS ids and beyond decoding takes the GIL-free batch call of the Rust
+    tokenizer: the text is transformers' own, special tokens, a split UTF-8 character and
+    spaces included."""
+    from pyxllm.engine.tokenizer import LONG_DECODE_TOKENS
+
+    assert tok._backend is not None  # the default model's tokenizer takes the fast path
+    end = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    piece = tok.encode("a , b 's 中国 ", add_special_tokens=False) + [end]
+    ids = (piece * (LONG_DECODE_TOKENS // len(piece) + 1))[: LONG_DECODE_TOKENS + 1]
+    ids[-1] = tok.encode("🦊", add_special_tokens=False)[0]  # the first bytes of a character
+    expected = tok.hf.decode(
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
+    assert tok.decode(ids, skip_special_tokens) == expected
+    assert tok.decode(tuple(ids), skip_special_tokens) == expected
+    assert ("<|im_end|>" in expected) != skip_special_tokens
+
+
 def test_decode_does_not_clean_up_spaces(tok):
     text = "a , b . c 's"
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text

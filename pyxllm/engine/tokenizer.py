@@ -12,6 +12,11 @@ from typing import Any
 # with nested loops could run for ever), and the rendering thread has other requests to serve.
 CHAT_TEMPLATE_TIMEOUT_S = 2.0
 
+# Decodes of at least this many ids go through the Rust tokenizer's batch call, which releases
+# the GIL (its single-text ``decode`` holds it: ~0.3 s for a million ids, a stall for every
+# other thread, the server's event loop included); shorter ones skip the batch call's overhead.
+LONG_DECODE_TOKENS = 4096
+
 # Names of ``transformers`` ``apply_chat_template`` arguments that would change what it returns.
 _RESERVED_TEMPLATE_KWARGS = (
     "conversation",
@@ -56,6 +61,7 @@ class Tokenizer:
             eos.update(int(i) for i in hf_eos)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size: int = len(hf_tokenizer)
+        self._backend = _plain_backend(hf_tokenizer)
 
     def __repr__(self) -> str:
         return (
@@ -73,7 +79,11 @@ class Tokenizer:
         ``skip_special_tokens``.
 
         An incomplete UTF-8 sequence at either end comes out as U+FFFD, as in transformers.
+        A long decode (``LONG_DECODE_TOKENS``) lets other threads run meanwhile.
         """
+        if self._backend is not None and len(token_ids) >= LONG_DECODE_TOKENS:
+            ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+            return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.hf.decode(
             list(token_ids),
             skip_special_tokens=skip_special_tokens,
@@ -195,3 +205,12 @@ def _check_messages(messages: Any) -> None:
             raise ValueError(f"messages[{i}]: 'content' is null")
         if content is not None and not isinstance(content, (str, list)):
             raise ValueError(f"messages[{i}]: 'content' must be a string or a list of parts")
+
+
+def _plain_backend(hf_tokenizer: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` under a fast transformers tokenizer whose decoding is the
+    backend's own (no subclass changes it), else ``None``."""
+    from transformers import PreTrainedTokenizerFast
+
+    decode = getattr(type(hf_tokenizer), "_decode", None)
+    return hf_tokenizer.backend_tokenizer if decode is PreTrainedTokenizerFast._decode else None

@@ -31,10 +31,12 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from pyxllm.config import EngineConfig
@@ -138,8 +140,15 @@ async def retrieve_model(model_id: str, raw_request: Request) -> JSONResponse:
     raise OpenAIError(f"The model `{model_id}` does not exist.", 404, "model")
 
 
-# the routes that run the engine, admitted by AdmissionControl
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+# the routes admitted by AdmissionControl: those that run the engine, and those whose one
+# request can hold the tokenizer thread for a second (a body of a million tokens)
+ADMITTED_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
+)
 
 
 @router.post("/v1/chat/completions")
@@ -182,7 +191,7 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> JSONRespon
     """Token ids of a prompt or of chat messages: ``{"count", "max_model_len", "tokens"}``."""
     handler: OpenAIServingTokenization = raw_request.app.state.openai_serving_tokenization
     response = await handler.tokenize(request)
-    return JSONResponse(response.model_dump(mode="json", exclude_none=True))
+    return _json(response, exclude_none=True)
 
 
 @router.get("/tokenizer_info")
@@ -197,7 +206,13 @@ async def tokenizer_info(raw_request: Request) -> JSONResponse:
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> JSONResponse:
     """The text of token ids: ``{"prompt"}``."""
     handler: OpenAIServingTokenization = raw_request.app.state.openai_serving_tokenization
-    return JSONResponse(handler.detokenize(request).model_dump(mode="json"))
+    return _json(await handler.detokenize(request))
+
+
+def _json(model: BaseModel, **dump_options: Any) -> Response:
+    """``model`` as a JSON response, serialised by pydantic-core: for a million token ids
+    ~70 ms of the event loop, against ~270 ms through ``JSONResponse`` (same bytes)."""
+    return Response(model.model_dump_json(**dump_options), media_type="application/json")
 
 
 def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
@@ -232,7 +247,7 @@ def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
     app.add_middleware(
         AdmissionControl,
         max_requests=engine.data_parallel_size * engine.max_num_seqs + options.max_waiting_requests,
-        paths=GENERATION_PATHS,
+        paths=ADMITTED_PATHS,
     )
     install_security(app, options, install_web_ui(app) if options.web_ui else frozenset())
     if options.access_log:  # added last: outermost, so it sees every other middleware's answers

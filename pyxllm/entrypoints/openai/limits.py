@@ -60,8 +60,9 @@ class BodySizeLimit:
 
 
 class AdmissionControl:
-    """Answers 503 with ``Retry-After`` for a generation request (``POST`` to a path in
-    ``paths``) while ``max_requests`` of them are in progress, before its body is read.
+    """Answers 503 with ``Retry-After`` for a request that does real work (``POST`` to a path
+    in ``paths``: generation, tokenization) while ``max_requests`` of them are in progress,
+    before its body is read.
 
     A request counts from its arrival until its response (a stream included) has ended, so
     the work before the engine (parsing, templates, grammars) counts too; refusing here costs
@@ -73,8 +74,8 @@ class AdmissionControl:
         self.in_progress = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        generation = scope["type"] == "http" and scope["method"] == "POST"
-        if not generation or route_path(scope) not in self.paths:
+        post = scope["type"] == "http" and scope["method"] == "POST"
+        if not post or route_path(scope) not in self.paths:
             await self.app(scope, receive, send)
             return
         if self.in_progress >= self.max_requests:

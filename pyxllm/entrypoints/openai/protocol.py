@@ -54,6 +54,10 @@ class RequestModel(OpenAIBaseModel):
         return data
 
 
+# the JSON values with nothing in them to check
+_SCALARS = frozenset((int, float, bool, type(None)))
+
+
 def _body_fault(value: Any, path: str, depth: int) -> tuple[str, str] | None:
     """``(field path, problem)`` of the first lone surrogate or too deep nesting in a parsed
     JSON ``value``, else ``None``."""
@@ -68,6 +72,8 @@ def _body_fault(value: Any, path: str, depth: int) -> tuple[str, str] | None:
     if isinstance(value, (dict, list)):
         if depth >= MAX_JSON_DEPTH:
             return path, f"nested more than {MAX_JSON_DEPTH} levels deep"
+        if isinstance(value, list) and set(map(type, value)) <= _SCALARS:
+            return None  # numbers only (token ids): checked at C speed, ~30 ms a million
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             if isinstance(key, str):

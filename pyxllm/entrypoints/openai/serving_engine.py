@@ -207,8 +207,13 @@ class OpenAIServing:
         Raises:
             InvalidRequestError: see :meth:`InputProcessor.tokenize`.
         """
+        return await self.on_tokenizer_thread(self.processor.tokenize, prompt)
+
+    async def on_tokenizer_thread(self, fn, *args):
+        """``fn(*args)`` on the tokenizer thread (see :meth:`tokenize`), its result or its
+        exception."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_TOKENIZER_THREAD, self.processor.tokenize, prompt)
+        return await loop.run_in_executor(_TOKENIZER_THREAD, fn, *args)
 
     # --- checks -------------------------------------------------------------------------------
 

@@ -116,16 +116,22 @@ class OpenAIServingTokenization:
             count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs
         )
 
-    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
-        """The text of ``request.tokens`` (special tokens kept).
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of ``request.tokens`` (special tokens kept), checked and decoded on the
+        tokenizer thread: a body of a million ids takes a second, which the event loop (every
+        stream, ``/health``) must not wait for.
 
         Raises:
             OpenAIError: another model's name (404) or a token id out of the vocabulary (400).
         """
         self.chat.check_model(request.model)
-        self.processor.check_token_ids(request.tokens, "tokens")
+
+        def decode(tokens: list[int]) -> str:
+            self.processor.check_token_ids(tokens, "tokens")
+            return self.engine.tokenizer.decode(tokens, skip_special_tokens=False)
+
         return DetokenizeResponse(
-            prompt=self.engine.tokenizer.decode(request.tokens, skip_special_tokens=False)
+            prompt=await self.chat.on_tokenizer_thread(decode, request.tokens)
         )
 
     def tokenizer_info(self) -> dict[str, Any]:
