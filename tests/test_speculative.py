@@ -234,7 +234,7 @@ def test_draft_bitmask_rows_follow_the_drafts(backend, hf_gguf_tokenizer):
     rows = manager.fill_draft_bitmask(matcher, drafts[:4])
     assert rows.shape == (5, 49152 // 32)
     for j in range(5):  # the matcher was rolled back: accepting again reproduces each row
-        assert torch.equal(rows[j], manager.fill_bitmask([matcher])[0]), j
+        assert torch.equal(rows[j], manager.fill_bitmask([matcher])[0][0]), j
         if j < 4:
             assert matcher.accept_token(drafts[j])
     matcher.rollback(4)

@@ -239,3 +239,125 @@ def assert_eos_only_after_a_complete_constraint(llm):
 
 def test_only_eos_follows_a_complete_constraint(llm):
     assert_eos_only_after_a_complete_constraint(llm)
+
+
+# --- a constraint that fails while generating ---------------------------------------------------
+
+
+class _Sabotaged:
+    """A matcher that fails one way: the grammar library raises for its mask (``"mask"``; the
+    batched fill fails too), or its next token is refused (``"token"``)."""
+
+    def __init__(self, matcher, how: str) -> None:
+        self._matcher, self._how = matcher, how
+        if how == "mask":
+            self.matcher = "not a matcher"  # what the batched fill reads
+
+    def __getattr__(self, name):
+        return getattr(self._matcher, name)
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        if self._how == "mask":
+            raise RuntimeError("grammar library broke")
+        self._matcher.fill_bitmask(bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        return self._how != "token" and self._matcher.accept_token(token_id)
+
+
+def failures_counted(engine) -> float:
+    """``pyxllm:request_failures_total{cause="constraint"}`` of ``engine``."""
+    from prometheus_client import generate_latest
+
+    text = generate_latest(engine.metrics.registry).decode()
+    (line,) = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("pyxllm:request_failures_total") and 'cause="constraint"' in ln
+    ]
+    return float(line.split()[-1])
+
+
+@pytest.mark.parametrize(
+    "how, cause",
+    [
+        ("mask", "the grammar library could not compute the allowed tokens (RuntimeError)"),
+        ("token", "broke the request's constraint"),
+    ],
+)
+def test_a_failing_constraint_fails_its_request_alone(llm, how, cause):
+    """A grammar library that raises for a request's mask, or a sampled token its constraint
+    refuses, fails that request with ConstraintFailedError naming the cause (not a ``stop``
+    with output that may break the constraint), counted in the failures metric; a free and
+    another constrained request in the same batch get their tokens alone, and every KV block
+    is freed."""
+    from pyxllm.engine.errors import ConstraintFailedError
+
+    engine = llm.llm_engine
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    choice = StructuredOutputsParams(regex="[a-z ]{5,20}")
+    fine = SamplingParams(temperature=0, max_tokens=20, structured_outputs=choice)
+    bad = SamplingParams(temperature=0, max_tokens=20, structured_outputs=choice)
+    work = {"free": ("The sky is", free), "fine": ("Pick a word: ", fine)}
+    alone = {
+        rid: llm.generate(p, params)[0].outputs[0].token_ids for rid, (p, params) in work.items()
+    }
+    counted = failures_counted(engine)
+    for request_id, (prompt, params) in {**work, "bad": ("Say hi: ", bad)}.items():
+        engine.add_request(engine.input_processor.process(request_id, prompt, params))
+    engine.requests["bad"].matcher = _Sabotaged(engine.requests["bad"].matcher, how)
+    finished, failures = {}, {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+        failures.update(engine.pop_failures())
+    assert list(failures) == ["bad"] and isinstance(failures["bad"], ConstraintFailedError)
+    assert str(failures["bad"]).startswith("structured output failed: ")
+    assert cause in str(failures["bad"])
+    assert finished == alone
+    assert engine.kv_cache_manager.num_used_blocks == 0
+    assert failures_counted(engine) == counted + 1
+
+
+def test_a_failing_constraint_is_a_500_naming_the_cause():
+    """Over HTTP the failed request is a 500 whose message names the cause and the request id
+    (a streamed one: an error event after the first chunks), and the server serves on."""
+    from fastapi.testclient import TestClient
+
+    from pyxllm.engine.async_engine import AsyncEngine
+    from pyxllm.entrypoints.openai.api_server import build_app
+    from pyxllm.entrypoints.openai.server_options import ServerOptions
+
+    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory=0.05)
+    manager = llm.llm_engine.structured_outputs
+    backend = manager._get_backend().result()
+    real_new_matcher = backend.new_matcher
+    backend.new_matcher = lambda compiled: _Sabotaged(real_new_matcher(compiled), "token")
+    engine = AsyncEngine(llm.llm_engine)
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": "Say a word."}],
+        "max_tokens": 10,
+        "structured_outputs": {"regex": "[a-z]{3,8}"},
+    }
+    try:
+        with TestClient(build_app(engine, ServerOptions())) as client:
+            response = client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 500, response.text
+            error = response.json()["error"]
+            assert error["message"].startswith("structured output failed: the sampled token")
+            assert re.search(r"\(request id chatcmpl-\w+\)$", error["message"]), error
+            with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                events = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert r.status_code == 200
+            last = json.loads(events[-2][len("data: ") :])  # then data: [DONE]
+            assert last["error"]["message"].startswith("structured output failed:"), events
+            free = {**body, "structured_outputs": None}
+            assert client.post("/v1/chat/completions", json=free).status_code == 200
+            metrics = client.get("/metrics").text
+            assert 'pyxllm:request_failures_total{cause="constraint"' in metrics.replace(
+                'model_name="SmolLM2-135M-Instruct",', ""
+            )
+    finally:
+        engine.shutdown()

@@ -181,9 +181,9 @@ class EngineLoop:
                 if outputs:
                     self.sink.deliver(outputs)
                 for request_id, exc in engine.pop_failures().items():
-                    self.sink.fail(
-                        request_id, RequestFailedError(f"request {request_id} failed: {exc!r}")
-                    )
+                    if not isinstance(exc, RequestFailedError):
+                        exc = RequestFailedError(f"request {request_id} failed: {exc!r}")
+                    self.sink.fail(request_id, exc)
         except BaseException as e:  # the loop must report any failure to every waiting request
             logger.exception("engine loop died")
             self.error = e

@@ -7,6 +7,7 @@ import time
 
 from pyxllm.config import DEFAULT_MAX_TOKENS_PER_BATCH, EngineConfig
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
+from pyxllm.engine.errors import ConstraintFailedError
 from pyxllm.engine.frontend import EngineFrontend
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.engine.kv_cache_manager import KVCacheManager
@@ -188,18 +189,19 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.sequences:
             return []
-        self._constrain(plan)
+        broken = self._constrain(plan)  # (request, exception) of each that failed its step
         result = self.executor.execute(plan)
-        outputs, now, broken = [], time.monotonic(), []
+        outputs, now = [], time.monotonic()
         if result.logprobs is not None or result.prompt_logprobs is not None:
-            broken = record_logprobs(self.requests, plan, result, self.tokenizer.decode_each)
+            broken += record_logprobs(self.requests, plan, result, self.tokenizer.decode_each)
         for seq, tokens in zip(plan.sequences, result.sampled_token_ids):
             if seq.num_draft_tokens:
                 self.metrics.record_spec_decode(seq.num_draft_tokens, len(tokens) - 1)
         new_tokens = self.scheduler.update_from_output(result.sampled_token_ids)
         self.metrics.record_tokens(new_tokens, now)
         for request, exc in broken:
-            self._fail(request, exc)
+            if not request.status.finished:  # failed once already
+                self._fail(request, exc)
         for request, tokens in new_tokens:
             if request.status.finished:  # failed above
                 continue
@@ -219,12 +221,18 @@ class LLMEngine:
     def _process_tokens(self, request: Request, tokens: list[int]) -> RequestStatus | None:
         """Feed a request's new tokens (already appended) to its constraint and stop rules, one
         by one; at a stop the tokens after it are dropped (with their logprobs), so speculation
-        never emits past an EOS, a stop string, ``max_tokens`` or the context limit."""
+        never emits past an EOS, a stop string, ``max_tokens`` or the context limit.
+
+        Raises:
+            ConstraintFailedError: a token the request's constraint does not allow (the
+                sampler's mask should have made that impossible).
+        """
         first = request.num_tokens - len(tokens)  # where tokens[0] is in token_ids
         for i, token in enumerate(tokens):
             if not request.accept_token(first + i):
-                logger.warning(
-                    "request %s: token %d broke its constraint", request.request_id, token
+                raise ConstraintFailedError(
+                    f"structured output failed: the sampled token {token} broke the "
+                    "request's constraint"
                 )
             num_output = first + i + 1 - request.num_prompt_tokens
             status = self._check_stop(request, token, num_output)
@@ -267,6 +275,9 @@ class LLMEngine:
         logger.error("request %s failed", request_id, exc_info=exc)
         self.abort_request(request_id)
         self.failed[request_id] = exc
+        self.metrics.record_failed(
+            "constraint" if isinstance(exc, ConstraintFailedError) else "other"
+        )
 
     def pop_failures(self) -> dict[str, Exception]:
         """The requests that failed since the last call (request id -> the exception); they
@@ -274,23 +285,31 @@ class LLMEngine:
         failed, self.failed = self.failed, {}
         return failed
 
-    def _constrain(self, plan: SchedulerOutput) -> None:
-        """Give each sampling sequence with a constraint the bitmask of its allowed tokens."""
-        rows, manager = [], self.structured_outputs
+    def _constrain(self, plan: SchedulerOutput) -> list[tuple[Request, Exception]]:
+        """Give each sampling sequence with a constraint the bitmask of its allowed tokens;
+        returns the requests whose constraint the grammar library failed on, with a
+        :class:`ConstraintFailedError` each (their rows allow EOS alone for this step)."""
+        rows, manager, failed = [], self.structured_outputs, []
         for seq in plan.sequences:
             request = self.requests[seq.request_id] if seq.sample else None
             if request is None or not request.constrained:
                 continue
-            if seq.num_draft_tokens:  # one row per verified position
+            if not seq.num_draft_tokens:
+                rows.append((seq, request))
+                continue
+            try:  # one row per verified position
                 seq.allowed_token_bitmask = manager.fill_draft_bitmask(
                     request.matcher, seq.draft_token_ids
                 )
-            else:
-                rows.append((seq, request.matcher))
+            except Exception as exc:  # noqa: BLE001 - one request's grammar is its own
+                seq.allowed_token_bitmask = manager.eos_rows(1 + seq.num_draft_tokens)
+                failed.append((request, _grammar_failed(exc)))
         if rows:
-            bitmask = manager.fill_bitmask([matcher for _, matcher in rows])
+            bitmask, failures = manager.fill_bitmask([request.matcher for _, request in rows])
             for (seq, _), row in zip(rows, bitmask):
                 seq.allowed_token_bitmask = row
+            failed += [(rows[i][1], _grammar_failed(exc)) for i, exc in failures.items()]
+        return failed
 
     def _check_stop(self, request: Request, token: int, num_output: int) -> RequestStatus | None:
         """Apply the stop rules to a request's new token, its ``num_output``-th output token,
@@ -361,3 +380,13 @@ class LLMEngine:
             "spec_decode_num_draft_tokens": self.metrics.num_spec_draft_tokens,
             "spec_decode_num_accepted_tokens": self.metrics.num_spec_accepted,
         }
+
+
+def _grammar_failed(exc: Exception) -> ConstraintFailedError:
+    """The request's error when the grammar library raised ``exc`` for its constraint."""
+    error = ConstraintFailedError(
+        "structured output failed: the grammar library could not compute the allowed tokens "
+        f"({type(exc).__name__})"
+    )
+    error.__cause__ = exc
+    return error

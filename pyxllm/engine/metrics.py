@@ -10,7 +10,10 @@ tokens). Recorded by the engine as requests progress: ``vllm:prompt_tokens``,
 ``vllm:e2e_request_latency_seconds``; with speculative decoding ``vllm:spec_decode_num_drafts``
 (sequence-steps that verified drafts), ``vllm:spec_decode_num_draft_tokens``,
 ``vllm:spec_decode_num_accepted_tokens`` and ``vllm:spec_decode_num_accepted_tokens_per_pos
-{position}`` (drafts accepted at each draft position, 0-based). Counters are exposed with
+{position}`` (drafts accepted at each draft position, 0-based). vLLM has no count of requests
+that failed in the engine (their own processing raised, see ``LLMEngine._fail``; they also
+count as ``aborted`` successes, as vLLM's do), so ours has its own name:
+``pyxllm:request_failures{cause}``, ``cause`` one of ``FAILURE_CAUSES``. Counters are exposed with
 prometheus_client's ``_total`` suffix, as vLLM's are.
 
 The collectors live in a per-engine ``CollectorRegistry`` (``EngineMetrics.registry``), so
@@ -88,6 +91,8 @@ E2E_BUCKETS = (
     1800.0,
 )
 FINISHED_REASONS = tuple(s.value for s in RequestStatus if s.finished)
+# why a request failed in the engine: its structured-output constraint, or anything else
+FAILURE_CAUSES = ("constraint", "other")
 
 
 class _StateCollector(Collector):
@@ -195,6 +200,13 @@ class EngineMetrics:
             **kw,
         )
         self.request_success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
+        failures = Counter(
+            "pyxllm:request_failures",
+            "Requests that failed in the engine, by cause.",
+            ["model_name", "cause"],
+            **kw,
+        )
+        self.request_failures = {c: failures.labels(model_name, c) for c in FAILURE_CAUSES}
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token in seconds.",
@@ -253,6 +265,10 @@ class EngineMetrics:
                 self.itl.observe(now - request.last_token_time)
             request.last_token_time = now
         self.num_generation_tokens += count
+
+    def record_failed(self, cause: str) -> None:
+        """A request failed in the engine because of ``cause`` (one of ``FAILURE_CAUSES``)."""
+        self.request_failures[cause].inc()
 
     def record_finished(self, request: Request, now: float) -> None:
         """``request`` finished (its status says why) at ``now`` (``time.monotonic()`` seconds)."""

@@ -54,7 +54,12 @@ from pyxllm.engine.data_parallel.wire import (
     StopMessage,
     listen,
 )
-from pyxllm.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from pyxllm.engine.errors import (
+    ConstraintFailedError,
+    EngineDeadError,
+    InvalidRequestError,
+    RequestFailedError,
+)
 from pyxllm.engine.frontend import EngineFrontend
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.outputs import RequestOutput
@@ -321,11 +326,12 @@ class DataParallelEngine:
             elif isinstance(message, FailedMessage):
                 in_flight = self._requests.get(message.request_id)
                 if in_flight is not None and in_flight.replica == replica.index:
-                    exc = (
-                        InvalidRequestError(message.error, message.param)
-                        if message.invalid
-                        else RequestFailedError(message.error)
-                    )
+                    if message.invalid:
+                        exc = InvalidRequestError(message.error, message.param)
+                    elif message.constraint:
+                        exc = ConstraintFailedError(message.error)
+                    else:
+                        exc = RequestFailedError(message.error)
                     in_flight.stream.put(exc)
             elif isinstance(message, ScrapeReply):
                 replica.resolve_scrape(message.seq, message)

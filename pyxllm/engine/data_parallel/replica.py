@@ -39,7 +39,7 @@ from pyxllm.engine.data_parallel.wire import (
     StopMessage,
     connect,
 )
-from pyxllm.engine.errors import InvalidRequestError
+from pyxllm.engine.errors import ConstraintFailedError, InvalidRequestError
 from pyxllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,8 @@ class _ChannelSink:
         self._sent.pop(request_id, None)
         param = exc.param if isinstance(exc, InvalidRequestError) else None
         invalid = isinstance(exc, ValueError)
-        self._send(FailedMessage(request_id, str(exc), invalid, param))
+        constraint = isinstance(exc, ConstraintFailedError)
+        self._send(FailedMessage(request_id, str(exc), invalid, param, constraint))
 
     def died(self, exc: BaseException) -> None:
         """Say the engine loop died (the replica exits next)."""

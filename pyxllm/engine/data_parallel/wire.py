@@ -99,12 +99,14 @@ class OutputsMessage:
 
 @dataclass(frozen=True, slots=True)
 class FailedMessage:
-    """A request refused (``param`` set or ``invalid``: a 400) or failed in the engine."""
+    """A request refused (``param`` set or ``invalid``: a 400) or failed in the engine
+    (``constraint``: its structured-output constraint failed)."""
 
     request_id: str
     error: str
     invalid: bool = False
     param: str | None = None
+    constraint: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,19 +193,23 @@ class StructuredOutputManager:
                 self._cache.move_to_end(key)
         return GrammarHandle(spec, future, backend)
 
-    def fill_bitmask(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+    def fill_bitmask(
+        self, matchers: list[GrammarMatcher]
+    ) -> tuple[torch.Tensor, dict[int, Exception]]:
         """The bitmask ``int32 [len(matchers), ceil(vocab_size / 32)]`` of the matchers' next
-        allowed tokens (row ``i`` for ``matchers[i]``).
+        allowed tokens (row ``i`` for ``matchers[i]``), and the exception of each matcher the
+        library failed on, by row (logged; its row allows EOS alone, and the engine fails its
+        request: the engine loop goes on).
 
-        A complete constraint allows EOS alone (what follows it with ``ignore_eos``); so does a
-        matcher the library fails on (logged): the request ends rather than the engine loop.
+        A complete constraint allows EOS alone (what follows it with ``ignore_eos``).
         """
         bitmask = torch.empty(len(matchers), bitmask_width(self.vocab_size), dtype=torch.int32)
         live = [i for i, m in enumerate(matchers) if not m.is_terminated()]
         for i in set(range(len(matchers))) - set(live):
             bitmask[i] = self._eos_row
+        failures: dict[int, Exception] = {}
         if not live:
-            return bitmask
+            return bitmask, failures
         backend = self._get_backend().result()
         try:
             if len(live) == len(matchers):
@@ -219,9 +223,14 @@ class StructuredOutputManager:
             for i in live:
                 try:
                     matchers[i].fill_bitmask(bitmask, i)
-                except Exception:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001
                     bitmask[i] = self._eos_row
-        return bitmask
+                    failures[i] = exc
+        return bitmask, failures
+
+    def eos_rows(self, num_rows: int) -> torch.Tensor:
+        """``int32 [num_rows, ceil(vocab_size / 32)]`` bitmask rows that allow EOS alone."""
+        return self._eos_row.repeat(num_rows, 1)
 
     def fill_draft_bitmask(self, matcher: GrammarMatcher, drafts: list[int]) -> torch.Tensor:
         """The bitmask ``int32 [1 + k, ceil(vocab_size / 32)]`` of a sequence verifying the
@@ -232,7 +241,7 @@ class StructuredOutputManager:
         refused draft (its row's mask forbids it), so those rows are never used. (The engine
         cuts drafts at the first refused token before scheduling them; this is defensive.)
         """
-        bitmask = self._eos_row.repeat(1 + len(drafts), 1)
+        bitmask = self.eos_rows(1 + len(drafts))
         allowed = matcher.validate_tokens(drafts)
         advanced = 0
         try:

@@ -14,7 +14,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pyxllm.engine.errors import EngineDeadError
+from pyxllm.engine.errors import ConstraintFailedError, EngineDeadError
 from pyxllm.engine.input_processor import ChatPrompt, EngineRequest, TextPrompt, TokensPrompt
 from pyxllm.entrypoints.openai.errors import OpenAIError, error_body, param_from_message
 from pyxllm.entrypoints.openai.protocol import PromptTokenUsageInfo, SamplingFields, UsageInfo
@@ -311,7 +311,11 @@ class OpenAIServing:
     def engine_error(self, exc: Exception, request_id: str) -> OpenAIError:
         """Map an exception from ``engine.generate`` of ``request_id``: ValueError -> 400, a
         dead engine (or the data-parallel replica that ran the request) -> 503, anything else
-        a 500 that names the request id and no more (the log line has the exception)."""
+        a 500 that names the request id and no more (the log line has the exception), or for
+        a failed structured-output constraint one that names the cause too."""
+        if isinstance(exc, ConstraintFailedError):  # its message holds nothing to hide
+            logger.error("request %s: %s", request_id, exc, exc_info=exc)
+            return OpenAIError(f"{exc} (request id {request_id})", 500)
         if isinstance(exc, ValueError):
             return OpenAIError(str(exc), 400, param_from_message(str(exc)))
         if isinstance(exc, EngineDeadError):
