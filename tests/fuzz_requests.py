@@ -1807,6 +1807,10 @@ def check_case(
                 want = references.get(case.reference)
                 if want is not None and texts[0] != want:
                     problems.append(f"text {texts[0]!r} is not the greedy reference {want!r}")
+        elif case.kind == "responses":
+            from tests.fuzz_responses import check_responses_200  # it builds on this module
+
+            problems += check_responses_200(case, headers, body)
         else:
             problems += check_other_200(case, headers, body)
         return problems

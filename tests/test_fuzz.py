@@ -1,5 +1,7 @@
-"""A seeded fuzz of ``pyxllm serve`` (issue 15, section 4): 1,000 generated requests over every
-route and field, then ``n`` far above its bound, asserting that the server never fails.
+"""A seeded fuzz of ``pyxllm serve``: 1,000 generated requests over every route and field, 200
+more to the Responses API (:mod:`tests.fuzz_responses`), then ``n`` far above its bound, and
+stored responses created, retrieved, chained on and deleted, asserting that the server never
+fails.
 
 The corpus (:mod:`tests.fuzz_requests`, which says which fault must get which answer) holds
 valid requests in random combinations (``n`` with ``stream``, ``logprobs`` with ``echo``, stop
@@ -45,10 +47,12 @@ from tests.fuzz_requests import (
     summarize,
     wait_idle,
 )
+from tests.fuzz_responses import check_stored_round_trip, responses_cases
 from tests.utils import RemoteServer
 
 SEED = int(os.environ.get("PYXLLM_FUZZ_SEED", "15"))
 COUNT = int(os.environ.get("PYXLLM_FUZZ_COUNT", "1000"))  # the issue asks for >= 1,000
+RESPONSES_COUNT = COUNT // 5  # the Responses API's cases, on top
 ONLY = os.environ.get("PYXLLM_FUZZ_CASES", "")
 REPORT = os.environ.get("PYXLLM_FUZZ_REPORT", "")
 CONCURRENCY = 12
@@ -63,7 +67,8 @@ def test_fuzz_never_fails_the_server():
     with RemoteServer(SERVER_ARGS) as server:
         base = f"http://{server.host}:{server.port}"
         model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
-        cases = select_cases(generate_cases(SEED, COUNT, model), ONLY)
+        corpus = generate_cases(SEED, COUNT, model) + responses_cases(SEED, RESPONSES_COUNT, model)
+        cases = select_cases(corpus, ONLY)
         bounds = select_cases(bound_cases(model), ONLY)
         assert ONLY or len(cases) >= 1000
         print(f"fuzz seed {SEED} (PYXLLM_FUZZ_SEED): {len(cases)} requests, {len(bounds)} bounds")
@@ -100,6 +105,7 @@ def test_fuzz_never_fails_the_server():
             f"{len(results)} requests in {time.monotonic() - start:.1f} s ({corpus_s:.1f} s corpus)"
         )
 
+        stored = [] if ONLY else check_stored_round_trip(base, model, SEED)
         try:
             health = httpx.get(base + "/health", timeout=10).status_code
         except httpx.HTTPError as exc:
@@ -124,6 +130,8 @@ def test_fuzz_never_fails_the_server():
         log = server.output()
 
     report = [f"seed {SEED}: /health {health}, /debug/stats {stats}"]
+    if stored:
+        report.append("stored responses (create, retrieve, chain, delete):\n" + "\n".join(stored))
     if failed:
         report.append(summarize(results, SEED, base)[:24000])
     tracebacks = server_tracebacks(log)
@@ -131,5 +139,5 @@ def test_fuzz_never_fails_the_server():
         text = "\n---\n".join(tracebacks)
         report.append(f"server tracebacks (last, distinct; pyxllm frames):\n{text[-8000:]}")
     message = "\n".join(report)
-    served = not failed and health == 200 and is_idle(stats)
+    served = not failed and not stored and health == 200 and is_idle(stats)
     assert served, message

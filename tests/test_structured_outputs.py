@@ -151,6 +151,10 @@ def test_free_requests_in_a_mixed_batch_get_their_tokens_alone(llm):
         ),
         (StructuredOutputsParams(grammar="start: undefined_rule"), "structured_outputs.grammar"),
         (StructuredOutputsParams(json="{not json"), "structured_outputs.json"),
+        (  # llguidance's parser limit, met at the first token: refused before
+            StructuredOutputsParams(choice=[f"x{i}" for i in range(2000)]),
+            "structured_outputs.choice",
+        ),
     ],
 )
 def test_a_constraint_that_does_not_compile_is_refused_before_anything_runs(llm, spec, field):
@@ -318,6 +322,20 @@ def test_a_failing_constraint_fails_its_request_alone(llm, how, cause):
     assert finished == alone
     assert engine.kv_cache_manager.num_used_blocks == 0
     assert failures_counted(engine) == counted + 1
+
+
+def test_a_grammar_past_the_library_limits_fails_with_its_reason(llm):
+    """A Lark grammar of 2,500 alternatives compiles, then llguidance refuses the first token
+    (its parser holds 2,000 items a row): the request fails naming the library's reason, and
+    2,000 repeats of one choice are one choice."""
+    from pyxllm.engine.errors import RequestFailedError
+
+    grammar = "start: " + " | ".join(f'"x{i}"' for i in range(2500))
+    with pytest.raises(RequestFailedError, match="Current row has 2501 items; max is 2000"):
+        constrained(llm, "Say: ", StructuredOutputsParams(grammar=grammar), max_tokens=4)
+    assert llm.llm_engine.kv_cache_manager.num_used_blocks == 0
+    (out,) = constrained(llm, "Say: ", StructuredOutputsParams(choice=["a"] * 2000))
+    assert out.text == "a"
 
 
 def test_a_failing_constraint_is_a_500_naming_the_cause():

@@ -230,9 +230,10 @@ class LLMEngine:
         first = request.num_tokens - len(tokens)  # where tokens[0] is in token_ids
         for i, token in enumerate(tokens):
             if not request.accept_token(first + i):
+                reason = request.matcher.error()
                 raise ConstraintFailedError(
                     f"structured output failed: the sampled token {token} broke the "
-                    "request's constraint"
+                    "request's constraint" + (f" ({reason})" if reason else "")
                 )
             num_output = first + i + 1 - request.num_prompt_tokens
             status = self._check_stop(request, token, num_output)

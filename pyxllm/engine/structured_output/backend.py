@@ -52,6 +52,11 @@ class GrammarMatcher(Protocol):
         """Undo the last ``num_tokens`` accepted tokens."""
         ...
 
+    def error(self) -> str:
+        """Why the matcher is in an error state, in the library's words (first line; empty
+        when it is not, or when the library does not say)."""
+        ...
+
 
 class StructuredOutputBackend(Protocol):
     """A grammar library bound to one model's tokenizer and vocabulary.

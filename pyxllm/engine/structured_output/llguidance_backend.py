@@ -19,6 +19,9 @@ from pyxllm.sampling_params import JSON_WHITESPACE_LIMIT, StructuredOutputsParam
 # At most JSON_WHITESPACE_LIMIT spaces, newlines or tabs between two JSON tokens (or none).
 _JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{JSON_WHITESPACE_LIMIT}}}"}
 _COMPACT_JSON = {"whitespace_flexible": False}
+# llguidance's Earley parser holds at most 2,000 items in a row, and a choice among N strings
+# needs N + 1 once its first token is consumed: more fail then, not when compiled
+MAX_CHOICES = 1999
 
 
 class LLGuidanceMatcher:
@@ -43,6 +46,9 @@ class LLGuidanceMatcher:
 
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
+
+    def error(self) -> str:
+        return self.matcher.get_error().split("\n", 1)[0] if self.matcher.is_error() else ""
 
 
 class LLGuidanceBackend:
@@ -91,7 +97,13 @@ class LLGuidanceBackend:
             if spec.kind == "regex":
                 return matcher.grammar_from_regex(spec.regex)
             if spec.kind == "choice":
-                return grammar_from("choice", list(spec.choice))
+                choices = list(dict.fromkeys(spec.choice))  # a repeat changes nothing
+                if len(choices) > MAX_CHOICES:
+                    raise GrammarError(
+                        f"at most {MAX_CHOICES} different choices, got {len(choices)} "
+                        "(llguidance's parser takes 2,000 items a row)"
+                    )
+                return grammar_from("choice", choices)
             return grammar_from("grammar", spec.grammar)
         except (TypeError, ValueError) as exc:
             raise GrammarError(str(exc)) from exc

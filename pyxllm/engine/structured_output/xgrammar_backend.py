@@ -44,6 +44,9 @@ class XGrammarMatcher:
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 
+    def error(self) -> str:
+        return ""  # xgrammar refuses a token without saying why
+
 
 class XGrammarBackend:
     """xgrammar bound to a Hugging Face tokenizer (arguments as :class:`~.llguidance_backend.
