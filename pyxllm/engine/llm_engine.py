@@ -17,7 +17,8 @@ from pyxllm.engine.parallel_sampling import ParentRequest, fold_children
 from pyxllm.engine.proposers import DraftModelSlots, NgramProposer
 from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
-from pyxllm.executor.abstract import Executor, build_executor
+from pyxllm.executor.abstract import Executor
+from pyxllm.executor.factory import build_executor
 from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.platforms import resolve_platform, set_current_platform

@@ -879,7 +879,7 @@ def _add_bench_parsers(commands, fmt) -> argparse.ArgumentParser:
     ``args.bench_command`` names the benchmark. ``perplexity``, ``throughput`` and ``latency``
     also take the engine flags."""
     from pyxllm.benchmarks.eval import add_eval_args
-    from pyxllm.benchmarks.perplexity import add_perplexity_args
+    from pyxllm.benchmarks.perplexity_args import add_perplexity_args
     from pyxllm.benchmarks.serve import add_serve_args
     from pyxllm.benchmarks.throughput import add_offline_args
 

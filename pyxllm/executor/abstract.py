@@ -1,4 +1,5 @@
-"""What the engine drives: the :class:`Executor` protocol, and :func:`build_executor`.
+"""What the engine drives: the :class:`Executor` protocol (:func:`pyxllm.executor.factory.
+build_executor` picks the implementation).
 
 The engine's scheduler is the same for one process and for several tensor-parallel ranks; only
 the executor differs (vLLM's ``vllm/v1/executor/abstract.py``):
@@ -19,11 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from pyxllm.config import EngineConfig
     from pyxllm.executor.model_executor import ModelExecutor, StepResult
     from pyxllm.executor.scheduler_output import SchedulerOutput
-    from pyxllm.platforms import Platform
-    from pyxllm.weights import ModelSource
 
 
 class Executor(Protocol):
@@ -64,30 +62,3 @@ class Executor(Protocol):
     def shutdown(self) -> None:
         """Stop whatever the executor started (TP workers) and release the group; idempotent."""
         ...
-
-
-def build_executor(
-    config: EngineConfig, model_config, source: ModelSource, platform: Platform
-) -> Executor:
-    """A :class:`~pyxllm.executor.uniproc.UniprocExecutor` for one rank, else rank 0's
-    :class:`~pyxllm.executor.multiproc.MultiprocExecutor` (``config.world_size`` > 1), or its
-    :class:`~pyxllm.executor.ray_executor.RayDistributedExecutor` with
-    ``--distributed-executor-backend ray``.
-
-    Raises:
-        ValueError: see the executors (an unsupported model, a model that does not split, ...).
-        DistributedError: a rank did not join within ``--dist-init-timeout`` (with Ray: or the
-            placement group was not placed, naming the missing resources).
-    """
-    # imported here: both implementations import this module for the protocol
-    if config.world_size == 1:
-        from pyxllm.executor.uniproc import UniprocExecutor
-
-        return UniprocExecutor(config, model_config, source, platform)
-    if config.distributed_executor_backend == "ray":
-        from pyxllm.executor.ray_executor import RayDistributedExecutor
-
-        return RayDistributedExecutor(config, model_config, source, platform)
-    from pyxllm.executor.multiproc import MultiprocExecutor
-
-    return MultiprocExecutor(config, model_config, source, platform)

@@ -19,26 +19,17 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-from dataclasses import dataclass
 from typing import Protocol
 
 from pyxllm.config import EngineConfig
+from pyxllm.engine.data_parallel.placement import Placement
+from pyxllm.engine.data_parallel.ray_launcher import RayReplicaLauncher
 from pyxllm.engine.data_parallel.replica import ReplicaSpec, replica_main
 from pyxllm.executor.multiproc import describe_exit, stop_process
+from pyxllm.platforms import resolve_platform
 from pyxllm.platforms.interface import physical_core_groups
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where one replica computes: its torch ``threads`` (``None``: torch's count), the
-    ``cpus`` it is pinned to (empty: not pinned), and ``environ`` variables (the cards it
-    sees)."""
-
-    threads: int | None = None
-    cpus: tuple[int, ...] = ()
-    environ: tuple[tuple[str, str], ...] = ()
 
 
 class ReplicaHandle(Protocol):
@@ -198,11 +189,7 @@ def default_launcher(config: EngineConfig, size: int) -> ReplicaLauncher:
     Raises:
         ValueError: Ray is not installed; DistributedError: its cluster cannot be joined.
     """
-    from pyxllm.platforms import resolve_platform
-
     platform = resolve_platform(config.device)
     if config.distributed_executor_backend == "ray":
-        from pyxllm.engine.data_parallel.ray_launcher import RayReplicaLauncher
-
         return RayReplicaLauncher(platform, config, size)
     return MultiprocReplicaLauncher(platform)

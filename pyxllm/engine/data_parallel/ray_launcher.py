@@ -34,7 +34,7 @@ import uuid
 from pyxllm.config import EngineConfig
 from pyxllm.distributed import ray_utils
 from pyxllm.distributed.errors import DistributedError
-from pyxllm.engine.data_parallel.launcher import Placement
+from pyxllm.engine.data_parallel.placement import Placement
 from pyxllm.engine.data_parallel.replica import ReplicaSpec, run_replica, tag_logs
 from pyxllm.executor.ray_executor import rank_bundle
 

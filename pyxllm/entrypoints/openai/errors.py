@@ -21,6 +21,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pyxllm.engine.errors import InvalidRequestError
+from pyxllm.entrypoints.openai.exceptions import OpenAIError
 from pyxllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -38,24 +39,6 @@ ERROR_TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
-
-
-class OpenAIError(Exception):
-    """An error to answer with ``status_code``; ``param`` names the request field at fault;
-    ``headers`` go on the response (``Retry-After`` of a 503)."""
-
-    def __init__(
-        self,
-        message: str,
-        status_code: int = 400,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.param = param
-        self.headers = headers
 
 
 def _encodable(text: str | None) -> str | None:

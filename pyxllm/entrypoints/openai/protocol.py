@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from pyxllm.entrypoints.openai.exceptions import OpenAIError
+
 
 class OpenAIBaseModel(BaseModel):
     """Base of every request and response model: unknown request fields are ignored."""
@@ -44,8 +46,6 @@ class RequestModel(OpenAIBaseModel):
     @model_validator(mode="before")
     @classmethod
     def _check_text_and_depth(cls, data: Any) -> Any:
-        from pyxllm.entrypoints.openai.errors import OpenAIError  # errors imports this module
-
         fault = _body_fault(data, "", 0)
         if fault is not None:
             path, problem = fault

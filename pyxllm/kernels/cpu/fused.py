@@ -32,8 +32,8 @@ import os
 
 import torch
 
+import pyxllm.kernels.cpu.build as build  # the module, not the package (which imports this one)
 from pyxllm.kernels import native
-from pyxllm.kernels.cpu import build
 from pyxllm.kernels.native.quantized import dequantize_groups
 
 logger = logging.getLogger(__name__)

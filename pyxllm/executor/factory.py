@@ -1,0 +1,32 @@
+"""Which :class:`~pyxllm.executor.abstract.Executor` the engine gets, apart from the protocol
+that the implementations import (so no module imports one that imports it back)."""
+
+from __future__ import annotations
+
+from pyxllm.config import EngineConfig
+from pyxllm.executor.abstract import Executor
+from pyxllm.executor.multiproc import MultiprocExecutor
+from pyxllm.executor.ray_executor import RayDistributedExecutor
+from pyxllm.executor.uniproc import UniprocExecutor
+from pyxllm.platforms import Platform
+from pyxllm.weights import ModelSource
+
+
+def build_executor(
+    config: EngineConfig, model_config, source: ModelSource, platform: Platform
+) -> Executor:
+    """A :class:`~pyxllm.executor.uniproc.UniprocExecutor` for one rank, else rank 0's
+    :class:`~pyxllm.executor.multiproc.MultiprocExecutor` (``config.world_size`` > 1), or its
+    :class:`~pyxllm.executor.ray_executor.RayDistributedExecutor` with
+    ``--distributed-executor-backend ray``.
+
+    Raises:
+        ValueError: see the executors (an unsupported model, a model that does not split, ...).
+        DistributedError: a rank did not join within ``--dist-init-timeout`` (with Ray: or the
+            placement group was not placed, naming the missing resources).
+    """
+    if config.world_size == 1:
+        return UniprocExecutor(config, model_config, source, platform)
+    if config.distributed_executor_backend == "ray":
+        return RayDistributedExecutor(config, model_config, source, platform)
+    return MultiprocExecutor(config, model_config, source, platform)
