@@ -849,7 +849,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
 def _add_tool_parsers(commands, fmt) -> dict[str, argparse.ArgumentParser]:
     """``pyxllm env`` (:mod:`pyxllm.entrypoints.collect_env`) and ``pyxllm chat``
     (:mod:`pyxllm.entrypoints.chat_cli`), by name."""
-    from pyxllm.entrypoints.chat_cli import add_chat_args
+    from pyxllm.entrypoints.chat_args import add_chat_args
     from pyxllm.entrypoints.collect_env import add_env_args
 
     env = commands.add_parser(
