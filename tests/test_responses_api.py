@@ -385,9 +385,8 @@ def scripted_stream() -> tuple[ResponsesEvents, list]:
     request = EngineRequest("resp_1", [1, 2, 3], None, SamplingParams(max_tokens=8), 0.0)
     run = ResponseRun("resp_1", {"model": "m", "text": {"format": {"type": "text"}}}, 3, None)
     done: list = []
-    return ResponsesEvents(
-        run, PreparedChat(request, None, ToolPlan("none")), "m", done.append
-    ), done
+    prepared = PreparedChat(request, None, ToolPlan("none"))
+    return ResponsesEvents(run, prepared, "m", done.append, lambda token_id: b""), done
 
 
 def test_a_stream_that_fails_or_is_cut_short_ends_with_response_failed():

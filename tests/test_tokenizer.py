@@ -63,6 +63,34 @@ def test_a_long_decode_equals_transformers(tok, skip_special_tokens):
     assert ("<|im_end|>" in expected) != skip_special_tokens
 
 
+def test_token_bytes_join_into_the_text(tok):
+    """Each token's bytes (OpenAI's logprob ``bytes``), joined, are the text's UTF-8, though
+    the three tokens of an emoji each decode alone to U+FFFD; a special token's are its text."""
+    text = "🦊 café, 中国! <|im_end|>"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode_each(ids).count("\ufffd") >= 2  # the fox's pieces
+    assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()
+    assert tok.token_bytes(ids[0]) == "🦊".encode()[: len(tok.token_bytes(ids[0]))]
+
+
+class _SentencePieceLike:
+    """The little of a SentencePiece tokenizer that ``token_bytes`` reads (byte fallback)."""
+
+    eos_token_id = 2
+    pieces = {3: "<0xE4>", 4: "<0xB8>", 5: "<0xAD>", 6: "\u2581hello", 7: "é"}
+
+    def __len__(self):
+        return 8
+
+    def convert_ids_to_tokens(self, token_id):
+        return self.pieces.get(token_id)
+
+
+def test_token_bytes_of_sentencepiece_pieces():
+    tok = Tokenizer(_SentencePieceLike())
+    assert b"".join(tok.token_bytes(t) for t in (6, 3, 4, 5, 7)) == " hello中é".encode()
+
+
 def test_decode_does_not_clean_up_spaces(tok):
     text = "a , b . c 's"
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -62,6 +63,8 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size: int = len(hf_tokenizer)
         self._backend = _plain_backend(hf_tokenizer)
+        self._token_bytes: dict[int, bytes] = {}
+        self._byte_decoder = _byte_decoder(hf_tokenizer)
 
     def __repr__(self) -> str:
         return (
@@ -98,6 +101,34 @@ class Tokenizer:
             skip_special_tokens=False,
             clean_up_tokenization_spaces=False,
         )
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for, as OpenAI's logprob ``bytes``: a token
+        holding part of a UTF-8 character gives those bytes (its decoded text is U+FFFD), so the
+        bytes of a text's tokens joined are its UTF-8.
+
+        From the vocabulary string: byte-level BPE strings (GPT-2's byte-to-character table,
+        the tokenizer's ``ByteLevel`` decoder), SentencePiece byte tokens ``<0xE4>`` and ``▁``
+        for a space; an added or special token's own text.
+        """
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            cached = self._token_bytes[token_id] = self._bytes_of(token_id)
+        return cached
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return b""
+        added = getattr(self.hf, "added_tokens_decoder", {})
+        if token_id in added:
+            return str(added[token_id]).encode()
+        if self._byte_decoder is not None and all(c in self._byte_decoder for c in piece):
+            return bytes(self._byte_decoder[c] for c in piece)
+        byte_token = _BYTE_TOKEN.fullmatch(piece)
+        if byte_token:
+            return bytes([int(byte_token.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary strings of ``ids`` (e.g. ``"ĠParis"`` for a byte-level BPE)."""
@@ -214,3 +245,18 @@ def _plain_backend(hf_tokenizer: Any) -> Any:
 
     decode = getattr(type(hf_tokenizer), "_decode", None)
     return hf_tokenizer.backend_tokenizer if decode is PreTrainedTokenizerFast._decode else None
+
+
+# a SentencePiece byte-fallback token: one byte, written <0xHH>
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_decoder(hf_tokenizer: Any) -> dict[str, int] | None:
+    """GPT-2's character -> byte table when the tokenizer's strings are byte-level BPE (its
+    decoder is ``ByteLevel``), else ``None``."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None or "ByteLevel" not in repr(backend.decoder):
+        return None
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # transformers' own table
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}

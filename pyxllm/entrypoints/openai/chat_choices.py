@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.entrypoints.openai.logprobs import chat_logprobs
@@ -34,8 +34,10 @@ class ChatEvents(ChoiceEvents):
         model: str,
         reasoning: ReasoningParser | None,
         tools: ToolPlan,
+        token_bytes: Callable[[int], bytes],
     ) -> None:
         self.request_id, self.created, self.model = request.request_id, created, model
+        self.token_bytes = token_bytes
         self.params, self.reasoning = request.sampling_params, reasoning
         n = self.params.n
         self.texts, self.num_sent = [""] * n, [0] * n
@@ -73,7 +75,7 @@ class ChatEvents(ChoiceEvents):
         ``tool_calls`` when calls were sent, ``None`` until the choice finished)."""
         i, finished = completion.index, completion.finish_reason is not None
         delta = delta_message(self.texts[i], completion.text, finished, self.reasoning)
-        logprobs = choice_logprobs(completion, self.params, self.num_sent[i])
+        logprobs = choice_logprobs(completion, self.params, self.token_bytes, self.num_sent[i])
         self.texts[i], self.num_sent[i] = completion.text, len(completion.token_ids)
         finish_reason = completion.finish_reason
         calls = self.calls[i]
@@ -113,12 +115,19 @@ class ChatEvents(ChoiceEvents):
         return sum(self.num_sent)
 
 
-def choice_logprobs(completion: CompletionOutput, params: SamplingParams, start: int = 0):
+def choice_logprobs(
+    completion: CompletionOutput,
+    params: SamplingParams,
+    token_bytes: Callable[[int], bytes],
+    start: int = 0,
+):
     """The chat ``logprobs`` of the completion's tokens from ``start`` on (``None`` when the
-    request did not ask)."""
+    request did not ask); ``token_bytes`` gives each token's ``bytes``."""
     if params.logprobs is None or completion.logprobs is None:
         return None
-    return chat_logprobs(completion.token_ids[start:], completion.logprobs[start:], params.logprobs)
+    return chat_logprobs(
+        completion.token_ids[start:], completion.logprobs[start:], params.logprobs, token_bytes
+    )
 
 
 def chat_message(text: str, reasoning: ReasoningParser | None) -> ChatMessage:

@@ -7,7 +7,7 @@ token the sampling settings ruled out (``-inf``) is sent as -9999.0, as vLLM doe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -29,34 +29,38 @@ def _text(entry: Logprob) -> str:
     return entry.decoded_token or ""
 
 
-def _top(entries: dict[int, Logprob], num_top: int) -> list[Logprob]:
-    """The ``num_top`` most likely entries, by rank."""
+def _top(entries: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
+    """The ``num_top`` most likely ``(token id, entry)`` pairs, by rank."""
     ranked = sorted(
-        (e for e in entries.values() if e.rank is not None and e.rank <= num_top),
-        key=lambda e: e.rank,
+        ((t, e) for t, e in entries.items() if e.rank is not None and e.rank <= num_top),
+        key=lambda pair: pair[1].rank,
     )
     return ranked[:num_top]
 
 
 def chat_logprobs(
-    token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]], num_top: int
+    token_ids: Sequence[int],
+    logprobs: Sequence[dict[int, Logprob]],
+    num_top: int,
+    token_bytes: Callable[[int], bytes],
 ) -> ChatCompletionLogProbs:
     """Chat ``logprobs`` of generated ``token_ids`` (one dict each) with ``num_top``
-    alternatives."""
+    alternatives; ``token_bytes`` gives each token's ``bytes`` (see
+    :meth:`pyxllm.engine.tokenizer.Tokenizer.token_bytes`)."""
     content = []
     for token_id, entries in zip(token_ids, logprobs):
         chosen = entries[token_id]
         top = [
             ChatCompletionLogProb(
-                token=_text(e), logprob=_value(e.logprob), bytes=list(_text(e).encode())
+                token=_text(e), logprob=_value(e.logprob), bytes=list(token_bytes(top_id))
             )
-            for e in _top(entries, num_top)
+            for top_id, e in _top(entries, num_top)
         ]
         content.append(
             ChatCompletionLogProbsContent(
                 token=_text(chosen),
                 logprob=_value(chosen.logprob),
-                bytes=list(_text(chosen).encode()),
+                bytes=list(token_bytes(token_id)),
                 top_logprobs=top,
             )
         )
@@ -83,7 +87,7 @@ def completion_logprobs(
         else:
             chosen = entries[token_id]
             text, value = _text(chosen), _value(chosen.logprob)
-            top = {_text(e): _value(e.logprob) for e in _top(entries, num_top)}
+            top = {_text(e): _value(e.logprob) for _, e in _top(entries, num_top)}
             top.setdefault(text, value)
         out.tokens.append(text)
         out.token_logprobs.append(value)

@@ -146,8 +146,11 @@ class ResponsesEvents(ChatEvents):
         chat: PreparedChat,
         model: str,
         on_done: Callable[[ResponsesResponse], None],
+        token_bytes: Callable[[int], bytes],
     ) -> None:
-        super().__init__(chat.engine_request, run.created_at, model, chat.reasoning, chat.tools)
+        super().__init__(
+            chat.engine_request, run.created_at, model, chat.reasoning, chat.tools, token_bytes
+        )
         self.run, self.on_done = run, on_done
         self.buffer: list[str] = []
         self.sequence_number = 0

@@ -140,7 +140,14 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            events = ChatEvents(engine_request, created, self.model_name, reasoning, tools)
+            events = ChatEvents(
+                engine_request,
+                created,
+                self.model_name,
+                reasoning,
+                tools,
+                self.engine.tokenizer.token_bytes,
+            )
             return self.stream(engine_request, events, include_usage)
         try:
             final = await self.generate_full(engine_request, raw_request)
@@ -175,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponseChoice(
             index=completion.index,
             message=message,
-            logprobs=choice_logprobs(completion, params),
+            logprobs=choice_logprobs(completion, params, self.engine.tokenizer.token_bytes),
             finish_reason=finish_reason,
             stop_reason=completion.stop_reason,
         )

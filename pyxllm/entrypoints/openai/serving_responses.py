@@ -185,7 +185,8 @@ class OpenAIServingResponses:
                 self.store.put(response.id, response.model_dump(mode="json"), messages, owner)
 
         if request.stream:
-            events = ResponsesEvents(run, prepared, chat.model_name, keep)
+            token_bytes = chat.engine.tokenizer.token_bytes
+            events = ResponsesEvents(run, prepared, chat.model_name, keep, token_bytes)
             return chat.stream(engine_request, events, include_usage=False)
         try:
             with responses_field_names():
