@@ -115,6 +115,15 @@ RECORDED = [
         '{\n  "city": "Lima"\n}',
         (None, [("get_time", '{\n  "city": "Lima"\n}')]),
     ),
+    # cut short by max_tokens: the arguments as far as the model wrote them, never "{}"
+    (
+        HERMES,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+        (None, [("get_weather", '{"city": "Pa')]),
+    ),
+    (HERMES, '<tool_call>\n{"name": "get_weather", ', (None, [("get_weather", "")])),
+    (NamedCallParser("get_time"), '{"ci', (None, [("get_time", '{"ci')])),
+    (Llama3JsonToolParser(), '{"name": "ping"}', (None, [("ping", "{}")])),  # whole, no arguments
 ]
 
 
@@ -123,6 +132,8 @@ def streamed(parser, pieces: list[str]) -> tuple[str | None, list[tuple[str, str
     stream, content, calls = ToolCallStream(parser), "", {}
     for k, text in enumerate(pieces):
         delta, tool_calls = stream.update(text, k == len(pieces) - 1)
+        indices = [d.index for d in tool_calls]
+        assert len(set(indices)) == len(indices), "one entry per call in a chunk"
         content += delta
         for d in tool_calls:
             entry = calls.setdefault(d.index, ["", ""])

@@ -72,9 +72,11 @@ def call_from_json(text: str, final: bool, name: str | None = None) -> ToolCallS
         call.arguments = arguments_text(text, len(text) - len(text.lstrip()), final)
         return call
     match = _ARGUMENTS.search(text)
-    if match is None:
+    if match is None:  # no arguments (yet): "{}" only for a whole call written without them
         call.name = _name_in(text)
-        call.arguments = "{}" if final else ""
+        brace = text.find("{")
+        whole = brace >= 0 and json_value_span(text, brace) is not None
+        call.arguments = "{}" if final and whole else ""
         return call
     call.arguments = arguments_text(text, match.end(), final)
     end = json_value_span(text, match.end())
@@ -93,8 +95,8 @@ def arguments_text(text: str, start: int, final: bool) -> str:
     end = json_value_span(text, start)
     if end is not None:
         return text[start:end]
-    if final:
-        return text[start:].rstrip() or "{}"
+    if final:  # cut short (max_tokens): what the model wrote, never arguments it did not
+        return text[start:].rstrip()
     so_far = text[start:].rstrip()
     while so_far:
         try:
@@ -174,8 +176,10 @@ class ToolCallStream:
         return len(self.ids)
 
     def update(self, text: str, final: bool) -> tuple[str, list[DeltaToolCall]]:
-        """``(content delta, tool call deltas)`` now that the text is ``text``; a final text
-        in which no call was found is content as a whole (see :func:`split_tool_calls`)."""
+        """``(content delta, tool call deltas)`` now that the text is ``text``, at most one
+        delta per call (clients such as instructor read one entry per index from a chunk): a
+        new call's header carries the arguments parsed so far. A final text in which no call
+        was found is content as a whole (see :func:`split_tool_calls`)."""
         parsed = self.parser.parse(text, final)
         if final and not self.ids and not any(c.name for c in parsed.calls):
             parsed = ParsedToolOutput(text)
@@ -184,17 +188,18 @@ class ToolCallStream:
         deltas = []
         calls = [c for c in parsed.calls if c.name is not None][: self.limit]
         for index, call in enumerate(calls):
-            if index == len(self.ids):
+            if index == len(self.ids):  # the call's header, with the arguments so far
                 self.ids.append(new_call_id())
-                self.arguments_sent.append(0)
+                self.arguments_sent.append(len(call.arguments))
                 deltas.append(
                     DeltaToolCall(
                         index=index,
                         id=self.ids[index],
                         type="function",
-                        function=DeltaFunctionCall(name=call.name, arguments=""),
+                        function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
                     )
                 )
+                continue
             fragment = call.arguments[self.arguments_sent[index] :]
             if fragment:
                 self.arguments_sent[index] = len(call.arguments)
