@@ -254,6 +254,19 @@ def test_required_and_named_calls_validate_streamed_or_not(client, required_call
     assert streamed_calls == [(c.function.name, c.function.arguments) for c in calls]
 
 
+def test_a_forced_call_takes_response_format_beside_it(client, required_calls):
+    """OpenAI accepts response_format with a forced call (instructor sends both): the reply is
+    the call, shaped by the tool's schema alone, the same as without response_format."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    for response_format in ({"type": "json_object"}, schema):
+        choice = ask(client, tool_choice="required", response_format=response_format).choices[0]
+        expected = required_calls[0].choices[0].message.tool_calls
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+            (c.function.name, c.function.arguments) for c in expected
+        ]
+        assert choice.finish_reason == "tool_calls"
+
+
 def test_two_parallel_calls_and_only_one_when_not_parallel(client):
     full, chunks, single = run_together(
         lambda: ask(client, tools=TOOLS[:2], tool_choice="required"),
@@ -329,8 +342,8 @@ def post(server, body: dict) -> httpx.Response:
             "tools[0].function.parameters",
         ),
         (
-            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-            "response_format",
+            {"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a+"}},
+            "structured_outputs",
         ),
         ({"messages": ASK + [{"role": "tool", "content": "18 C"}]}, "messages[1].tool_call_id"),
         ({"tools": TOOLS, "tool_choice": "maybe"}, "tool_choice"),
