@@ -129,10 +129,13 @@ def test_gguf_tokenizer_matches_transformers(default_source, hf_gguf_tokenizer):
 
 
 def test_default_generation_defaults(default_source, default_config):
+    """The embedded model's GGUF has no generation config: its model card's temperature 0.2
+    and top_p 0.9 stand in (``auto``); ``vllm`` takes none."""
     defaults = load_generation_defaults(default_source, default_config)
     assert isinstance(defaults, GenerationDefaults)
     assert defaults.eos_token_ids == (2,)
-    assert defaults.sampling == {}
+    assert defaults.sampling == {"temperature": 0.2, "top_p": 0.9}
+    assert load_generation_defaults(default_source, default_config, "vllm").sampling == {}
 
 
 def test_unpermute_inverts_llama_cpp_permute():

@@ -19,7 +19,12 @@ from pyxllm.weights.gguf_loader import gguf_config_dict, iter_gguf_weight_slices
 from pyxllm.weights.gguf_reader import open_gguf
 from pyxllm.weights.lazy import LazyWeight
 from pyxllm.weights.safetensors_loader import iter_safetensors_slices, iter_safetensors_weights
-from pyxllm.weights.source import ModelSource, resolve_model_source
+from pyxllm.weights.source import (
+    DEFAULT_MODEL_SAMPLING,
+    ModelSource,
+    default_gguf_path,
+    resolve_model_source,
+)
 
 # generation_config.json key -> request default name (the keys vLLM takes as sampling defaults)
 _SAMPLING_KEYS = {
@@ -169,7 +174,17 @@ def load_generation_defaults(
             value = generation.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 sampling[name] = value
+    elif generation_config == "auto" and source.kind == "gguf" and _is_default(source.path):
+        sampling = dict(DEFAULT_MODEL_SAMPLING)
     return GenerationDefaults(tuple(dict.fromkeys(eos)), sampling)
+
+
+def _is_default(path: Path) -> bool:
+    """Whether ``path`` is the embedded default model's GGUF."""
+    try:
+        return path.resolve() == default_gguf_path().resolve()
+    except ModelLoadError:  # the package is not installed
+        return False
 
 
 def iter_weights(

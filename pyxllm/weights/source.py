@@ -36,6 +36,12 @@ def package_directories(name: str) -> list[Path]:
     return [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
 
 
+# The embedded model's sampling defaults, from its model card (HuggingFaceTB/SmolLM2-135M-
+# Instruct: ``generate(..., temperature=0.2, top_p=0.9, do_sample=True)``); its GGUF carries no
+# generation config, and at temperature 1 with no truncation a 135M model rambles.
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
 def default_gguf_path() -> Path:
     """Path of the embedded default model, SmolLM2-135M-Instruct quantized to Q4_1.
 
