@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pyxllm.distributed.address import parse_master_addr
+from pyxllm.distributed.ray_utils import PLACEMENT_STRATEGIES, import_ray
 from pyxllm.speculative_config import SpeculativeConfig
 
 # the dtypes pyxllm computes in, by torch's names (``platforms.interface.TORCH_DTYPES``)
@@ -250,8 +252,6 @@ class EngineConfig:
                 "--master-addr: --nnodes > 1 needs the host:port of node 0 (e.g. 10.0.0.1:19888)"
             )
         if self.master_addr:
-            from pyxllm.distributed.address import parse_master_addr
-
             parse_master_addr(self.master_addr)
         if self.dist_init_timeout <= 0:
             raise ValueError(
@@ -259,8 +259,6 @@ class EngineConfig:
             )
 
     def _check_ray(self) -> None:
-        from pyxllm.distributed.ray_utils import PLACEMENT_STRATEGIES, import_ray
-
         backend = self.distributed_executor_backend
         if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(

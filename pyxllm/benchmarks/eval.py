@@ -149,6 +149,7 @@ async def run_eval(
     Raises:
         ValueError: the server cannot list its models (when ``model_name`` is None).
     """
+    # lazy: httpx is optional (pyxllm[bench]), and `pyxllm bench --help` loads this module
     import httpx
     from tqdm import tqdm
 

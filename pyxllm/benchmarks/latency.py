@@ -14,15 +14,15 @@ import time
 
 from pyxllm.benchmarks.report import write_json
 from pyxllm.benchmarks.throughput import _config_kwargs, _token_prompts
+from pyxllm.engine.input_processor import TokensPrompt
+from pyxllm.entrypoints.llm import LLM
+from pyxllm.sampling_params import SamplingParams
 
 
 def _timed_request(
     engine, token_ids: list[int], max_tokens: int, request_id: str
 ) -> tuple[float, float, int]:
     """``(time to first token s, end-to-end s, output tokens)`` of one request run alone."""
-    from pyxllm.engine.input_processor import TokensPrompt
-    from pyxllm.sampling_params import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     engine.add_request(engine.input_processor.process(request_id, TokensPrompt(token_ids), params))
@@ -47,8 +47,6 @@ def bench_latency(args: argparse.Namespace, config) -> dict:
     Raises:
         ValueError: ``--num-iters`` below 1 or ``--num-iters-warmup`` below 0.
     """
-    from pyxllm.entrypoints.llm import LLM
-
     if args.num_iters < 1:
         raise ValueError(f"--num-iters: must be >= 1, got {args.num_iters}")
     if args.num_iters_warmup < 0:

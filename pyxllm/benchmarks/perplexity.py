@@ -50,6 +50,7 @@ from pyxllm.benchmarks.ppl_stats import (
 from pyxllm.benchmarks.report import write_json
 from pyxllm.benchmarks.throughput import _config_kwargs
 from pyxllm.config import EngineConfig
+from pyxllm.entrypoints.llm import LLM
 from pyxllm.sampling_params import FULL_VOCAB_LOGPROBS, SamplingParams
 
 
@@ -128,8 +129,6 @@ def bench_perplexity(args: argparse.Namespace, config: EngineConfig, out=sys.std
         ValueError: a flag value no run could use (naming it), or a text too short;
         FileNotFoundError: no ``--file``, or the data package is missing.
     """
-    from pyxllm.entrypoints.llm import LLM
-
     check_args(args)
     text = load_text(args.file)
     llm = LLM(**_config_kwargs(config))

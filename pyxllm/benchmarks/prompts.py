@@ -29,6 +29,8 @@ DATASETS = ("random", "fixed")
 def load_tokenizer(model: str | None = None):
     """The transformers tokenizer of ``model`` (a .gguf file or HF directory; ``None`` for the
     embedded SmolLM2), as ``pyxllm serve`` would load it."""
+    # here, not at the top: `pyxllm bench --help` loads this module, and the loader loads
+    # transformers
     from pyxllm.weights import load_hf_tokenizer, resolve_model_source
 
     return load_hf_tokenizer(resolve_model_source(model))

@@ -81,10 +81,11 @@ def plot_png(
     """A 2x2 figure: per-request TTFT, TPOT, ITL and E2E latency histograms, with the mean,
     median and p99 marked. Returns the path, or ``None`` (with a message) without matplotlib."""
     try:
+        # lazy: matplotlib is optional (pyxllm[bench])
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after use("Agg"): no display needed
     except ImportError:
         print("matplotlib is not installed (pip install 'pyxllm[bench]'); no plot written")
         return None

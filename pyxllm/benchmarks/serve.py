@@ -155,7 +155,7 @@ async def first_model(client, base_url: str) -> str:
     Raises:
         ValueError: naming ``--base-url``, when the server cannot be reached or refuses.
     """
-    import httpx
+    import httpx  # lazy: httpx is optional (pyxllm[bench])
 
     try:
         response = await client.get(f"{base_url}/models")
@@ -187,7 +187,7 @@ async def run_benchmark(
     Raises:
         ValueError: the server cannot list its models (when ``model_name`` is None).
     """
-    import httpx
+    import httpx  # lazy: httpx is optional (pyxllm[bench])
 
     base_url = base_url.rstrip("/")
     limits = httpx.Limits(

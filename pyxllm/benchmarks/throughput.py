@@ -9,10 +9,12 @@ and helpers here are shared with ``bench latency`` (``pyxllm.benchmarks.latency`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 from pyxllm.benchmarks.prompts import DATASETS, make_prompts
 from pyxllm.benchmarks.report import write_json
+from pyxllm.sampling_params import SamplingParams
 
 
 def add_offline_args(parser: argparse.ArgumentParser, kind: str) -> None:
@@ -50,8 +52,8 @@ def _token_prompts(llm, args) -> list[dict]:
 
 def bench_throughput(args: argparse.Namespace, config) -> dict:
     """Run ``pyxllm bench throughput``; prints and returns the figures."""
+    # here, not at the top: `pyxllm bench --help` loads this module, and LLM loads torch
     from pyxllm.entrypoints.llm import LLM
-    from pyxllm.sampling_params import SamplingParams
 
     llm = LLM(**{k: v for k, v in _config_kwargs(config).items()})
     prompts = _token_prompts(llm, args)
@@ -88,6 +90,4 @@ def bench_throughput(args: argparse.Namespace, config) -> dict:
 
 
 def _config_kwargs(config) -> dict:
-    import dataclasses
-
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

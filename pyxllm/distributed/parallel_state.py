@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from pyxllm.distributed.address import parse_master_addr
 from pyxllm.distributed.errors import DistributedError
@@ -198,8 +199,6 @@ def init_distributed(
         DistributedError: "rank i could not reach the master address host:port within N s", or
             rank 0 could not listen there, or not every rank joined in time.
     """
-    import torch.distributed as dist
-
     host, port = parse_master_addr(master_addr)
     deadline = time.monotonic() + timeout_s
     where = f"{host}:{port}"
@@ -261,8 +260,6 @@ def init_distributed(
 def destroy_distributed() -> None:
     """Leave the process group (if joined) and return to the one-process state."""
     global _TP
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _TP = _TPState()

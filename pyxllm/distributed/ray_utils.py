@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,7 +46,7 @@ def import_ray():
         ValueError: Ray is not installed (naming the flag and the install command).
     """
     try:
-        import ray
+        import ray  # lazy: ray is optional (pyxllm[ray])
     except ImportError:
         raise ValueError(
             f"--distributed-executor-backend ray: Ray is not installed here; {RAY_INSTALL}"
@@ -112,8 +113,6 @@ def node_info() -> dict[str, Any]:
     """Where the calling Ray worker (or driver) runs: ``node_id``, ``node_ip`` (the address
     other nodes reach it at), ``hostname``, ``pid``, and ``accelerators`` (Ray's accelerator ids
     assigned to it, by resource name)."""
-    import socket
-
     ray = import_ray()
     context = ray.get_runtime_context()
     return {
@@ -203,7 +202,7 @@ def reserve_placement_group(
             resources, see :func:`describe_shortfall`); the request is withdrawn first.
     """
     ray = import_ray()
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group  # lazy: ray is optional
 
     selectors = [{NODE_ID_LABEL: first_node} if first_node else {}] + [{}] * (len(bundles) - 1)
     pg = placement_group(
@@ -230,7 +229,7 @@ def reserve_placement_group(
 
 def remove_placement_group(pg) -> None:
     """Free a placement group's resources (its actors are killed with it)."""
-    from ray.util.placement_group import remove_placement_group as remove
+    from ray.util.placement_group import remove_placement_group as remove  # ray is optional
 
     remove(pg)
 
@@ -252,6 +251,7 @@ def start_actors(
         The actor handles, in bundle order (started asynchronously: a call on one waits for it).
     """
     ray = import_ray()
+    # lazy: ray is optional
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     remote_cls = ray.remote(actor_cls)

@@ -241,6 +241,7 @@ def _check_messages(messages: Any) -> None:
 def _plain_backend(hf_tokenizer: Any) -> Any:
     """The ``tokenizers.Tokenizer`` under a fast transformers tokenizer whose decoding is the
     backend's own (no subclass changes it), else ``None``."""
+    # lazy: transformers takes ~1 s to import; the engine's modules load without it
     from transformers import PreTrainedTokenizerFast
 
     decode = getattr(type(hf_tokenizer), "_decode", None)

@@ -21,6 +21,10 @@ import ssl
 import types
 import typing
 
+from pyxllm.benchmarks.eval import add_eval_args
+from pyxllm.benchmarks.perplexity_args import add_perplexity_args
+from pyxllm.benchmarks.serve import add_serve_args
+from pyxllm.benchmarks.throughput import add_offline_args
 from pyxllm.config import (
     DEVICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
@@ -35,6 +39,8 @@ from pyxllm.config import (
 )
 from pyxllm.distributed.ray_utils import PLACEMENT_STRATEGIES
 from pyxllm.engine.data_parallel.router import ROUTING_POLICIES
+from pyxllm.entrypoints.chat_args import add_chat_args
+from pyxllm.entrypoints.collect_env import add_env_args
 from pyxllm.entrypoints.flags import HelpFormatter, add_bool_flag, flag_names
 from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
 from pyxllm.entrypoints.openai.server_options import ServerOptions
@@ -849,9 +855,6 @@ def make_arg_parser() -> argparse.ArgumentParser:
 def _add_tool_parsers(commands, fmt) -> dict[str, argparse.ArgumentParser]:
     """``pyxllm env`` (:mod:`pyxllm.entrypoints.collect_env`) and ``pyxllm chat``
     (:mod:`pyxllm.entrypoints.chat_cli`), by name."""
-    from pyxllm.entrypoints.chat_args import add_chat_args
-    from pyxllm.entrypoints.collect_env import add_env_args
-
     env = commands.add_parser(
         "env",
         help="report this environment: torch, CPU features, threads, device libraries loaded",
@@ -878,11 +881,6 @@ def _add_bench_parsers(commands, fmt) -> argparse.ArgumentParser:
     """``pyxllm bench serve|eval|perplexity|throughput|latency`` (see ``pyxllm.benchmarks``);
     ``args.bench_command`` names the benchmark. ``perplexity``, ``throughput`` and ``latency``
     also take the engine flags."""
-    from pyxllm.benchmarks.eval import add_eval_args
-    from pyxllm.benchmarks.perplexity_args import add_perplexity_args
-    from pyxllm.benchmarks.serve import add_serve_args
-    from pyxllm.benchmarks.throughput import add_offline_args
-
     bench = commands.add_parser(
         "bench",
         help="benchmark a server (serve), score GSM8K (eval) or a text's perplexity, offline "

@@ -27,8 +27,10 @@ import torch
 
 from pyxllm.config import EngineConfig
 from pyxllm.engine.input_processor import TokensPrompt
+from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
+from pyxllm.platforms import resolve_platform
 from pyxllm.sampling_params import SamplingParams
 
 PROMPTS = (
@@ -41,8 +43,6 @@ KV_GIB = 0.5  # per engine, unless --kv-cache-memory says otherwise
 
 
 def _engine(config: EngineConfig, **changes):
-    from pyxllm.engine.llm_engine import LLMEngine
-
     kv = config.kv_cache_memory or KV_GIB
     return LLMEngine(dataclasses.replace(config, kv_cache_memory=kv, **changes))
 
@@ -91,8 +91,6 @@ def _generate(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[l
 def run_check_device(args, config: EngineConfig, out=None) -> int:
     """Run the checks for ``config.device``; ``args`` carries ``max_tokens``, ``batch_size``,
     ``atol`` and ``runners`` (comma-separated). Returns the exit status."""
-    from pyxllm.platforms import resolve_platform
-
     out = out if out is not None else sys.stdout
     say = lambda text: (out.write(text + "\n"), out.flush())  # noqa: E731
     platform = resolve_platform(config.device)

@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
 import sys
 
+from pyxllm.benchmarks.eval import bench_eval
+from pyxllm.benchmarks.serve import bench_serve
+from pyxllm.benchmarks.throughput import bench_throughput
 from pyxllm.config import EngineConfig
+from pyxllm.distributed.errors import DistributedError
+from pyxllm.entrypoints import collect_env
 from pyxllm.entrypoints.args import config_from_args, make_arg_parser, parse_args
+from pyxllm.entrypoints.openai.server_options import RequestLimits, ServerOptions
+from pyxllm.sampling_params import SamplingParams
 
 __all__ = [
     "main",
@@ -37,8 +45,7 @@ __all__ = [
 def run_worker_rank(config: EngineConfig) -> int:
     """A node with ``--node-rank`` > 0: be that TP rank until rank 0 stops it (status 0) or
     goes away (status 1)."""
-    import logging
-
+    # here, not at the top: pyxllm --help loads no torch
     from pyxllm.executor.worker import run_worker
 
     logging.basicConfig(
@@ -49,8 +56,8 @@ def run_worker_rank(config: EngineConfig) -> int:
 
 def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     """``pyxllm serve``: run the OpenAI-compatible server until interrupted."""
+    # here, not at the top: pyxllm --help loads no torch or fastapi
     from pyxllm.entrypoints.openai.api_server import run_server
-    from pyxllm.entrypoints.openai.server_options import RequestLimits, ServerOptions
 
     options = ServerOptions(
         host=args.host,
@@ -101,8 +108,6 @@ def _flag_error(message: str) -> str:
 def _sampling_params(args: argparse.Namespace, command: str):
     """``SamplingParams`` of the ``--max-tokens``, ``--temperature`` and ``--top-p`` flags; a bad
     value exits with ``command``'s usage error naming the flag."""
-    from pyxllm.sampling_params import SamplingParams
-
     try:
         return SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
@@ -117,6 +122,7 @@ def run_generate(args: argparse.Namespace, config: EngineConfig, out=None) -> in
     Sampling flags not given take the model's generation_config.json values (as the server's
     unset fields do), then ``SamplingParams``' defaults.
     """
+    # here, not at the top: pyxllm --help loads no torch
     from pyxllm.engine.input_processor import ChatPrompt, TextPrompt
 
     out = out if out is not None else sys.stdout
@@ -124,7 +130,7 @@ def run_generate(args: argparse.Namespace, config: EngineConfig, out=None) -> in
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     prompt = ChatPrompt([{"role": "user", "content": text}]) if args.chat else TextPrompt(text)
 
-    from pyxllm.engine.llm_engine import LLMEngine
+    from pyxllm.engine.llm_engine import LLMEngine  # loads torch: here, as above
 
     engine = LLMEngine(config)
     printed = 0
@@ -148,6 +154,7 @@ def run_generate(args: argparse.Namespace, config: EngineConfig, out=None) -> in
 def run_check_device(args: argparse.Namespace, config: EngineConfig) -> int:
     """``pyxllm check-device``: the device and runner checks of
     :mod:`pyxllm.entrypoints.check_device`."""
+    # here, not at the top: pyxllm --help loads no torch
     from pyxllm.entrypoints.check_device import run_check_device as check
 
     return check(args, config)
@@ -156,25 +163,21 @@ def run_check_device(args: argparse.Namespace, config: EngineConfig) -> int:
 def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     """``pyxllm bench serve|eval|perplexity|throughput|latency`` (see :mod:`pyxllm.benchmarks`)."""
     if args.bench_command == "serve":
-        from pyxllm.benchmarks.serve import bench_serve
-
         payload = bench_serve(args)
         return 0 if payload["completed"] else 1
     if args.bench_command == "eval":
-        from pyxllm.benchmarks.eval import bench_eval
-
         report = bench_eval(args)
         return 0 if report["failed"] < report["accuracy"]["Num"] else 1
     if args.bench_command == "perplexity":
+        # here, not at the top: pyxllm --help loads no torch
         from pyxllm.benchmarks.perplexity import bench_perplexity
 
         bench_perplexity(args, config)
         return 0
     if args.bench_command == "throughput":
-        from pyxllm.benchmarks.throughput import bench_throughput
-
         bench_throughput(args, config)
     else:
+        # here, not at the top: pyxllm --help loads no torch
         from pyxllm.benchmarks.latency import bench_latency
 
         bench_latency(args, config)
@@ -183,14 +186,13 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def run_env(args: argparse.Namespace, config: EngineConfig) -> int:
     """``pyxllm env``: the report of :mod:`pyxllm.entrypoints.collect_env`."""
-    from pyxllm.entrypoints.collect_env import run_env as report
-
-    return report(args)
+    return collect_env.run_env(args)
 
 
 def run_chat(args: argparse.Namespace, config: EngineConfig) -> int:
     """``pyxllm chat``: the terminal chat of :mod:`pyxllm.entrypoints.chat_cli`; its sampling
     flags are checked first (as ``generate``'s)."""
+    # here, not at the top: pyxllm --help loads no openai
     from pyxllm.entrypoints.chat_cli import run_chat as chat
 
     _sampling_params(args, "chat")
@@ -209,8 +211,6 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pyxllm`` console script; returns the exit status."""
-    from pyxllm.distributed.errors import DistributedError
-
     args, config = parse_args(argv)
     try:
         if config.node_rank > 0 and args.command in ("serve", "generate"):

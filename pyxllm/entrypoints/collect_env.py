@@ -130,7 +130,7 @@ def collect_env() -> dict:
         loaded_libraries,
         torch_environment,
     )
-    from pyxllm.platforms.interface import usable_cores
+    from pyxllm.platforms.interface import usable_cores  # lazy too: it loads torch
 
     location = os.path.dirname(os.path.abspath(pyxllm.__file__))
     platforms = [p.as_dict() for p in all_platforms()]

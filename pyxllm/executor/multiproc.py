@@ -46,6 +46,7 @@ from pyxllm.executor.messages import StopMessage, to_wire
 from pyxllm.executor.model_executor import ModelExecutor, StepResult
 from pyxllm.executor.plan_codec import PlanEncoder
 from pyxllm.executor.scheduler_output import SchedulerOutput
+from pyxllm.executor.worker import worker_main
 from pyxllm.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -185,8 +186,6 @@ class MultiprocExecutor(Executor):
         return master, platform.threads_per_rank(self.world_size if spawn else 1), 0
 
     def _spawn(self, config: EngineConfig, master: str) -> None:
-        from pyxllm.executor.worker import worker_main
-
         context = multiprocessing.get_context("spawn")
         for rank in range(1, self.world_size):
             proc = context.Process(

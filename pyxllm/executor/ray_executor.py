@@ -41,6 +41,7 @@ from pyxllm.executor.multiproc import (
     MultiprocExecutor,
     free_local_port,
 )
+from pyxllm.executor.worker import run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,6 @@ class RayWorker:
     ) -> int:
         """Be TP rank ``rank`` until rank 0 stops it (:func:`~pyxllm.executor.worker.run_worker`);
         returns its exit status, or raises what it raised."""
-        from pyxllm.executor.worker import run_worker
-
         logging.basicConfig(
             level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s"
         )

@@ -32,6 +32,10 @@ from pyxllm.distributed.parallel_state import (
     parse_master_addr,
 )
 from pyxllm.executor.messages import StopMessage, from_wire
+from pyxllm.executor.model_executor import ModelExecutor
+from pyxllm.executor.plan_codec import PlanDecoder
+from pyxllm.platforms import resolve_platform, set_current_platform
+from pyxllm.weights import load_model_config, resolve_model_source
 
 logger = logging.getLogger("pyxllm.worker")
 
@@ -54,11 +58,6 @@ def run_worker(
         DistributedError: the master address was not reachable within ``--dist-init-timeout``.
         ValueError: the model cannot be loaded (also reported to rank 0).
     """
-    from pyxllm.executor.model_executor import ModelExecutor
-    from pyxllm.executor.plan_codec import PlanDecoder
-    from pyxllm.platforms import resolve_platform, set_current_platform
-    from pyxllm.weights import load_model_config, resolve_model_source
-
     platform = set_current_platform(resolve_platform(config.device))
     init_distributed(platform, rank, world_size, master_addr, config.dist_init_timeout, local_rank)
     channel = None

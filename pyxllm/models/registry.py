@@ -67,6 +67,7 @@ def resolve_model_class(config, platform: str, model_impl: str = "auto") -> type
     )
     if model_impl == "pyxllm":
         raise ValueError(f"{unsupported} (--model-impl transformers runs others)")
+    # lazy: the transformers backend (and transformers) load only for a model pyxllm lacks
     from pyxllm.models.transformers_backend import TransformersForCausalLM, transformers_class
 
     try:

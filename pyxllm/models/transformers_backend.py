@@ -29,7 +29,10 @@ from __future__ import annotations
 import fnmatch
 
 import torch
+import transformers
 from torch import nn
+from transformers import AttentionInterface
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
 from pyxllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pyxllm.layers.attention import Attention, paged_attention
@@ -75,8 +78,6 @@ class _GivenHiddenStates(nn.Module):
     """
 
     def forward(self, *args, inputs_embeds: torch.Tensor, **kwargs):
-        from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
-
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=inputs_embeds)
 
     def __getattr__(self, name: str):
@@ -89,8 +90,6 @@ class _GivenHiddenStates(nn.Module):
 
 
 def _register_attention() -> None:
-    from transformers import AttentionInterface
-
     AttentionInterface.register(ATTN_IMPLEMENTATION, pyxllm_attention_forward)
 
 
@@ -102,8 +101,6 @@ def transformers_class(config) -> type:
         ValueError: transformers has none of them (remote code is not run), or its attention
             cannot be routed to pyxllm's (naming the class).
     """
-    import transformers
-
     archs = list(getattr(config, "architectures", None) or [])
     if archs:
         classes = [getattr(transformers, arch, None) for arch in archs]
@@ -162,6 +159,8 @@ def _checkpoint_renamer(causal_lm: nn.Module):
     The function raises ValueError for a tensor transformers would first merge with others
     (a ``WeightConverter``, e.g. per-expert tensors fused into one): pyxllm's loader does not.
     """
+    # here, not at the top: transformers 5's modules (pyproject allows 4.56), which only
+    # building the model needs
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -201,7 +200,7 @@ class TransformersForCausalLM(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        from transformers.initialization import no_init_weights
+        from transformers.initialization import no_init_weights  # transformers 5's: see above
 
         _register_attention()
         cls = transformers_class(config)

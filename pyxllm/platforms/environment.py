@@ -16,11 +16,18 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import platform as host
 import re
 import sys
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from pyxllm.config import PLATFORMS
+from pyxllm.kernels.cpu import build as kernel_build
+from pyxllm.kernels.cpu.features import KEY_FEATURES, cpu_flags, cpu_model_name
+from pyxllm.platforms import platform_module
+from pyxllm.platforms.cpu import cpu_default_dtype
 
 MAPS = "/proc/self/maps"
 # torch's own libraries, by name (a stray copy outside torch's directory is one of them)
@@ -174,8 +181,6 @@ def _devices(module) -> list[str]:
 
 def _probe(name: str) -> PlatformEnvironment:
     """Platform ``name``'s package: installed, imported (importing it), version, devices."""
-    from pyxllm.platforms import platform_module
-
     module = platform_module(name)
     package = module.PACKAGE
     env = PlatformEnvironment(
@@ -201,8 +206,6 @@ def _probe(name: str) -> PlatformEnvironment:
 
 def _add_libraries(env: PlatformEnvironment, loaded: list[str]) -> None:
     """Fill ``env.libraries`` from ``loaded`` and ``env.copies`` from the search path."""
-    from pyxllm.platforms import platform_module
-
     prefixes = platform_module(env.name).SHARED_LIBRARIES
     package_dirs = _package_dirs(env.package) if env.package != "torch" else []
     own = tuple(d + os.sep for d in package_dirs)
@@ -240,8 +243,6 @@ def environment_variables(environ=os.environ) -> dict[str, str]:
     """The variables that change what pyxllm, torch or a platform does (:data:`ENV_PREFIXES`
     and every platform's), sorted by name; the values of those named like secrets (``KEY``,
     ``TOKEN``, ``PASS`` ...) read ``<hidden>``."""
-    from pyxllm.platforms import platform_module
-
     prefixes = ENV_PREFIXES + tuple(
         prefix for name in PLATFORMS for prefix in platform_module(name).ENV_PREFIXES
     )
@@ -254,8 +255,6 @@ def environment_variables(environ=os.environ) -> dict[str, str]:
 
 def _torch_dirs() -> list[str]:
     """torch's package directory and the ``torch.libs`` beside it (libraries a wheel bundles)."""
-    import torch
-
     root = os.path.dirname(torch.__file__)
     return [d for d in (root, root.rstrip(os.sep) + ".libs") if os.path.isdir(d)]
 
@@ -266,8 +265,6 @@ def torch_environment() -> dict:
     (ATen's: OpenMP, native); ``libraries``: the loaded libraries from torch's directories and
     those named as torch's (``libtorch*``, ``libc10*``) wherever they came from; ``copies``:
     those with more than one copy on the search path."""
-    import torch
-
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if torch.version.hip:
         build = f"ROCm {torch.version.hip}"
@@ -313,14 +310,6 @@ def cpu_environment() -> dict:
     here for a checkpoint without a dtype, or the error of a bad
     ``$PYXLLM_CPU_DEFAULT_DTYPE``), ``fused_kernels``
     (``pyxllm.kernels.cpu.build.build_status``)."""
-    import platform as host
-
-    import torch
-
-    from pyxllm.kernels.cpu import build
-    from pyxllm.kernels.cpu.features import KEY_FEATURES, cpu_flags, cpu_model_name
-    from pyxllm.platforms.cpu import cpu_default_dtype
-
     flags = cpu_flags()
     try:
         default_dtype = str(cpu_default_dtype()).removeprefix("torch.")
@@ -332,5 +321,5 @@ def cpu_environment() -> dict:
         "features": {name: name in flags for name in KEY_FEATURES},
         "torch_capability": torch.backends.cpu.get_cpu_capability(),
         "default_dtype": default_dtype,
-        "fused_kernels": build.build_status(),
+        "fused_kernels": kernel_build.build_status(),
     }

@@ -59,6 +59,7 @@ def load_model_config(source: ModelSource | str | Path | None) -> Any:
         ModelLoadError: unreadable or invalid config, unsupported GGUF architecture (the message
             lists the supported ones: ``GGUF_ARCHITECTURES``), truncated or corrupt GGUF file.
     """
+    # lazy: transformers takes ~1 s to import; the engine's modules load without it
     from transformers import AutoConfig
 
     source = _as_source(source)
@@ -88,7 +89,7 @@ def load_hf_tokenizer(source: ModelSource | str | Path | None) -> Any:
     Raises:
         ModelLoadError: the tokenizer files are missing or unreadable.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # lazy, as above
 
     source = _as_source(source)
     try:

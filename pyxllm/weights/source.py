@@ -223,6 +223,7 @@ def _cached_repo_ggufs(repo_id: str, revision: str | None, cache_dir: str | None
     """The ``.gguf`` files of the repository's file listing, which ``huggingface_hub`` caches
     with a download; empty when none is cached (or the library predates that cache)."""
     try:
+        # here, in the try: an older huggingface_hub lacks it; lazy: see hub_snapshot
         from huggingface_hub import get_cached_repo_tree
 
         tree = get_cached_repo_tree(repo_id, revision=revision, cache_dir=cache_dir)
@@ -253,6 +254,7 @@ def hub_snapshot(
         ModelLoadError: not cached and offline, or the download failed; one line naming the id
             and the cache looked in.
     """
+    # here, not at the top: pyxllm --help loads this module, and huggingface_hub takes 0.2 s
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -195,8 +196,6 @@ class DataParallelEngine:
     def _accept(self, listener, handles: list[ReplicaHandle]) -> dict[int, ReplicaClient]:
         """Each replica's connection and hello (an acceptor thread takes the connections, so
         that a replica dying before it connects is noticed)."""
-        import queue
-
         accepted: queue.SimpleQueue = queue.SimpleQueue()
 
         def accept() -> None:

@@ -29,6 +29,7 @@ holds).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 from pyxllm.config import EngineConfig
@@ -148,8 +149,6 @@ class RayReplicaLauncher:
             DistributedError: a group could not be placed in time (naming the replica and the
                 missing resources); the groups reserved before it are freed.
         """
-        import time
-
         deadline = time.monotonic() + config.dist_init_timeout
         groups: list = []
         try:

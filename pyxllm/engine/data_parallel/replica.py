@@ -23,6 +23,9 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+import torch
+from prometheus_client import generate_latest
+
 from pyxllm.config import EngineConfig
 from pyxllm.engine.data_parallel.wire import (
     AbortMessage,
@@ -84,8 +87,6 @@ class ReplicaSpec:
 def apply_placement(spec: ReplicaSpec) -> None:
     """Pin this process to ``spec.cpus``, set its torch threads and its environment; TP
     workers it spawns inherit all three (their share is then computed within these CPUs)."""
-    import torch
-
     for name, value in spec.environ:
         os.environ[name] = value
     if spec.cpus and hasattr(os, "sched_setaffinity"):
@@ -164,6 +165,7 @@ class _Replica:
     """The running replica: its engine, loop and channel (see :func:`run_replica`)."""
 
     def __init__(self, engine, channel: Channel, stats_interval: float | None) -> None:
+        # here, not at the top: the engine's modules load in run_replica, after the placement
         from pyxllm.engine.engine_loop import EngineLoop
 
         self.engine, self.channel = engine, channel
@@ -201,8 +203,6 @@ class _Replica:
 
     def scrape(self, message: ScrapeMessage) -> ScrapeReply:
         """The engine's stats and Prometheus text (both safe to read from this thread)."""
-        from prometheus_client import generate_latest
-
         text = generate_latest(self.engine.metrics.registry).decode()
         return ScrapeReply(message.seq, self.engine.stats(), text)
 
@@ -273,6 +273,8 @@ def run_replica(spec: ReplicaSpec) -> int:
         watchdog.start()
         engine, failure = None, None
         try:
+            # here, not at the top: they load after the placement is applied, while the
+            # watchdog runs, and a failure to import is reported to the server
             from pyxllm.engine.engine_loop import load_on_own_thread
             from pyxllm.engine.llm_engine import LLMEngine
 
@@ -286,8 +288,6 @@ def run_replica(spec: ReplicaSpec) -> int:
         if failure is not None:
             channel.send(StartFailedMessage(failure))
             return 1
-        import torch
-
         replica = _Replica(engine, channel, spec.stats_interval)
         channel.send(
             ReadyMessage(engine.executor.num_kv_blocks, torch.get_num_threads(), spec.cpus)

@@ -31,7 +31,7 @@ class LLGuidanceMatcher:
         self.matcher = matcher
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        from llguidance.torch import fill_next_token_bitmask
+        from llguidance.torch import fill_next_token_bitmask  # lazy: see LLGuidanceBackend
 
         fill_next_token_bitmask(self.matcher, bitmask, row)
 
@@ -67,6 +67,8 @@ class LLGuidanceBackend:
     name = "llguidance"
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        # lazy: llguidance loads with the backend, on first use (a run with no constraint and
+        # no API server never builds it)
         import llguidance
         import llguidance.hf
 
@@ -84,7 +86,7 @@ class LLGuidanceBackend:
             GrammarError: a JSON schema that is not a JSON object, or a grammar that is neither
                 Lark nor GBNF.
         """
-        from llguidance import grammar_from
+        from llguidance import grammar_from  # lazy, as in __init__
 
         matcher = self._llguidance.LLMatcher
         options = _COMPACT_JSON if spec.disable_any_whitespace else _JSON_OPTIONS
@@ -124,7 +126,7 @@ class LLGuidanceBackend:
         return LLGuidanceMatcher(compiled.deep_copy())
 
     def fill_bitmasks(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor) -> None:
-        from llguidance.torch import fill_next_token_bitmask_par
+        from llguidance.torch import fill_next_token_bitmask_par  # lazy, as in __init__
 
         if len(matchers) == 1:
             matchers[0].fill_bitmask(bitmask, 0)

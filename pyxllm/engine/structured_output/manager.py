@@ -55,8 +55,10 @@ def _build_backend(name: str, *args) -> StructuredOutputBackend:
     vocabulary (2.7 s for llguidance on 49k tokens, 2 AVX2 cores; later masks take well under a
     millisecond), which no request should wait for."""
     if name == "llguidance":
+        # lazy: only the chosen backend's library loads, on first use
         from pyxllm.engine.structured_output.llguidance_backend import LLGuidanceBackend as cls
     else:
+        # lazy: xgrammar is optional, and loads only when chosen
         from pyxllm.engine.structured_output.xgrammar_backend import XGrammarBackend as cls
     backend = cls(*args)
     matcher = backend.new_matcher(backend.compile(StructuredOutputsParams(json_object=True)))

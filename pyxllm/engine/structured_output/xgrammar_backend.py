@@ -59,7 +59,7 @@ class XGrammarBackend:
     name = "xgrammar"
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
-        import xgrammar
+        import xgrammar  # lazy: xgrammar is optional (make installs it)
 
         self._xgrammar = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(

@@ -31,15 +31,21 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from pyxllm.config import EngineConfig
+from pyxllm.distributed.errors import DistributedError
+from pyxllm.engine.async_engine import AsyncEngine
+from pyxllm.engine.data_parallel.client import DataParallelEngine
 from pyxllm.entrypoints.openai.access_log import AccessLog
 from pyxllm.entrypoints.openai.errors import (
     OpenAIError,
@@ -55,6 +61,7 @@ from pyxllm.entrypoints.openai.protocol import (
     ModelList,
 )
 from pyxllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pyxllm.entrypoints.openai.security import install_security
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -65,6 +72,7 @@ from pyxllm.entrypoints.openai.serving_tokenization import (
     OpenAIServingTokenization,
     TokenizeRequest,
 )
+from pyxllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pyxllm.entrypoints.openai.web_ui import install_web_ui
 
 logger = logging.getLogger(__name__)
@@ -106,8 +114,6 @@ async def debug_stats(raw_request: Request) -> JSONResponse:
 async def metrics(raw_request: Request) -> Response:
     """The engine's Prometheus metrics, in the text exposition format (collected off the event
     loop: with data parallelism the replicas are asked)."""
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
     registry = raw_request.app.state.engine.metrics.registry
     body = await run_in_threadpool(generate_latest, registry)
     return Response(content=body, media_type=CONTENT_TYPE_LATEST)
@@ -116,9 +122,6 @@ async def metrics(raw_request: Request) -> Response:
 @router.get("/version")
 async def version() -> JSONResponse:
     """The pyxllm version."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as package_version
-
     try:
         return JSONResponse({"version": package_version("pyxllm")})
     except PackageNotFoundError:
@@ -384,11 +387,6 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
         DistributedError: the server stopped because a tensor-parallel worker died, or every
             data-parallel replica did (naming them).
     """
-    from pyxllm.distributed.errors import DistributedError
-    from pyxllm.engine.async_engine import AsyncEngine
-    from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
-    from pyxllm.entrypoints.openai.tool_parsers import get_tool_parser
-
     options = options or ServerOptions()
     if options.reasoning_parser:
         get_reasoning_parser(options.reasoning_parser)
@@ -401,8 +399,6 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
         logger.warning("%s", warning)
     try:
         if options.data_parallel_size > 1:
-            from pyxllm.engine.data_parallel.client import DataParallelEngine
-
             engine = DataParallelEngine(
                 config, options.data_parallel_size, options.dp_routing, options.stats_interval
             )

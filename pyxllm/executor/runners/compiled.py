@@ -27,9 +27,8 @@ class CompileRunner(Runner):
     name = "compile"
 
     def __init__(self, model: nn.Module, backend: str = "inductor") -> None:
-        from torch._dynamo.decorators import (
-            mark_unbacked,
-        )  # dynamo takes ~2 s to import: only when used
+        # lazy: dynamo takes ~2 s to import, and only this runner needs it
+        from torch._dynamo.decorators import mark_unbacked
 
         super().__init__(model)
         self.compiled = torch.compile(model, backend=backend, dynamic=True)

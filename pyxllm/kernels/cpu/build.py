@@ -96,6 +96,7 @@ def extension_name() -> str:
 def build_directory(name: str) -> Path:
     """Where extension ``name`` is built: under ``$TORCH_EXTENSIONS_DIR``, else torch's default
     extension root (not created here)."""
+    # lazy: cpp_extension takes ~0.15 s to import, and only a build or `pyxllm env` needs it
     from torch.utils.cpp_extension import get_default_build_root
 
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
@@ -127,7 +128,7 @@ def build_status() -> dict[str, str | None]:
         they are built for (:func:`target_arch`); ``status``: ``built``, ``not built`` (these
         sources were not built here yet), ``disabled``, or the error of a bad ``arch``.
     """
-    from torch.utils.cpp_extension import get_cxx_compiler
+    from torch.utils.cpp_extension import get_cxx_compiler  # lazy: see build_directory
 
     disabled = os.environ.get(MODE_ENV, "fused") == "native"
     compiler = shutil.which(get_cxx_compiler())
@@ -207,7 +208,7 @@ def _put_ninja_on_path() -> None:
     installs it in the environment's ``bin``, which is not on ``$PATH`` when the environment
     is not activated (``.venv/bin/pyxllm serve``)."""
     try:
-        import ninja
+        import ninja  # here, in a try: without the ninja wheel, $PATH stays as it is
     except ImportError:
         return
     path = os.environ.get("PATH", "")
@@ -223,7 +224,7 @@ def build_and_load() -> None:
         Exception: whatever the build raises (no compiler, a compile error), or TimeoutError
             for a stale lock.
     """
-    from torch.utils.cpp_extension import load as load_extension
+    from torch.utils.cpp_extension import load as load_extension  # lazy: see build_directory
 
     cflags, ldflags = compile_flags()
     _put_ninja_on_path()
