@@ -32,19 +32,11 @@ from tests.fuzz_requests import (
     ok_or_bad,
     strict_json,
 )
+from tests.fuzz_requests import TOOL as CHAT_TOOL
 
 RESPONSES_PATH = "/v1/responses"
 FINAL_STATUSES = ("completed", "incomplete")
-TOOL = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The weather in a city.",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
+TOOL = {"type": "function", **CHAT_TOOL["function"]}  # the Responses API's flat shape
 FORMATS = [
     {"type": "text"},
     {"type": "json_object"},
