@@ -871,12 +871,12 @@ def _constraint_fault(rng: random.Random, draft: _Draft) -> None:
                 ("tool_choice",),
             ),
             (
-                {
+                {  # (OpenAI's response_format beside a forced call is served)
                     "tools": [TOOL],
                     "tool_choice": "required",
-                    "response_format": {"type": "json_object"},
+                    "structured_outputs": {"regex": "a+"},
                 },
-                ("response_format", "tools", "tool_choice"),
+                ("structured_outputs", "tools", "tool_choice"),
             ),
         ]
         fields, params = rng.choice(faults)
