@@ -111,10 +111,6 @@ class APIKeyMiddleware:
             return b"origin" in names and b"access-control-request-method" in names
         return False
 
-    def authorized(self, scope: Scope) -> bool:
-        """Whether the first ``Authorization`` header holds ``Bearer <one of the keys>``."""
-        return self.key_owner(scope) is not None
-
     def key_owner(self, scope: Scope) -> str | None:
         """Which key the first ``Authorization: Bearer`` header holds, as :func:`key_owner`
         names it (never the key itself), or ``None`` for none of them."""

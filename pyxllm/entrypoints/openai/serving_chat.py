@@ -106,8 +106,9 @@ class OpenAIServingChat(OpenAIServing):
         if tools.constraint is not None:
             # a forced call's schema shapes the reply; OpenAI takes response_format beside it
             # (it shapes text, and there is none), vLLM's constraint fields are refused
-            field = (params.structured_outputs or tools.constraint).source.split(".")[0]
-            if params.structured_outputs is not None and field != "response_format":
+            current = params.structured_outputs
+            field = None if current is None else current.source.split(".")[0]
+            if field not in (None, "response_format"):
                 raise OpenAIError(
                     f"{field}: cannot be combined with tool_choice {request.tool_choice!r}"
                     if isinstance(request.tool_choice, str)

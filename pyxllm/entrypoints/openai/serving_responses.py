@@ -267,13 +267,17 @@ class OpenAIServingResponses:
     def delete(self, response_id: str, raw_request: Request) -> JSONResponse:
         """``DELETE /v1/responses/{id}``: forget a kept response (404 when it is not kept, or
         another API key's)."""
-        owner = key_owner(raw_request)
-        self._stored(response_id, owner)
-        self.store.delete(response_id, owner)
+        if not self.store.delete(response_id, key_owner(raw_request)):
+            raise _not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     def _stored(self, response_id: str, owner: str | None):
         stored = self.store.get(response_id, owner)
         if stored is None:
-            raise OpenAIError(f"Response with id '{response_id}' not found.", 404, "response_id")
+            raise _not_found(response_id)
         return stored
+
+
+def _not_found(response_id: str) -> OpenAIError:
+    """The 404 of a response that is not kept (or is another API key's)."""
+    return OpenAIError(f"Response with id '{response_id}' not found.", 404, "response_id")
