@@ -91,9 +91,10 @@ _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 JSON_WHITESPACE_LIMIT = 8
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How one request samples and when it stops.
+    """How one request samples and when it stops; immutable once built (a changed copy is
+    :meth:`replace`'s).
 
     Field names and meanings follow vLLM's ``SamplingParams`` (and so the OpenAI API):
 
@@ -162,16 +163,29 @@ class SamplingParams:
     unset_fields: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # the one place fields are written after __init__: normalising what was given
+        normalise = object.__setattr__
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        normalise(self, "stop", [s for s in (stop or []) if s])
+        normalise(self, "stop_token_ids", list(self.stop_token_ids or []))
         unset = [name for name in MODEL_DEFAULTABLE if getattr(self, name) is None]
         for name in unset:
-            setattr(self, name, MODEL_DEFAULTABLE[name])
-        self.unset_fields = frozenset(unset)
-        self.logit_bias = _int_keys(self.logit_bias) or None
+            normalise(self, name, MODEL_DEFAULTABLE[name])
+        normalise(self, "unset_fields", frozenset(unset))
+        normalise(self, "logit_bias", _int_keys(self.logit_bias) or None)
         self._check()
+
+    def replace(self, **changes) -> SamplingParams:
+        """A copy with ``changes`` (field name -> value), checked as a new one is; the fields
+        still unset stay unset (``dataclasses.replace`` alone would read their stand-in values
+        as given).
+
+        Raises:
+            ValueError: a value out of range (the message names the field).
+        """
+        copy = replace(self, **changes)
+        object.__setattr__(copy, "unset_fields", self.unset_fields - changes.keys())
+        return copy
 
     def with_model_defaults(self, defaults: Mapping[str, float | int]) -> SamplingParams:
         """A copy whose unset fields take ``defaults`` (a model's generation_config values, by
@@ -183,7 +197,7 @@ class SamplingParams:
         taken = {
             name: defaults[name] for name in self.unset_fields if defaults.get(name) is not None
         }
-        return replace(self, **taken) if taken else self
+        return self.replace(**taken) if taken else self
 
     def _check(self) -> None:
         for name in _FLOAT_FIELDS:

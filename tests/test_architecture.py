@@ -11,8 +11,10 @@ count, and so do modules named by a string (``"pyxllm.attention.torch_paged:..."
 from __future__ import annotations
 
 import ast
+import inspect
 import pathlib
 import re
+import textwrap
 
 import pyxllm
 
@@ -304,3 +306,66 @@ assert pyxllm.LLM.__name__ == "LLM" and "torch" in sys.modules
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _engine_attributes_used(source: str) -> set[str]:
+    """The attribute names read off an engine in ``source``: ``engine.X``, ``self.engine.X``
+    and ``app.state.engine.X``."""
+    used = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        if (isinstance(owner, ast.Name) and owner.id == "engine") or (
+            isinstance(owner, ast.Attribute) and owner.attr == "engine"
+        ):
+            used.add(node.attr)
+    return used
+
+
+def _provided_members(cls) -> set[str]:
+    """What ``cls`` itself provides: class-level names (those its bases up to the protocol
+    define included) and the attributes its ``__init__`` assigns to ``self``."""
+    from pyxllm.engine.protocol import EngineClient
+
+    provided = set()
+    for klass in cls.__mro__:
+        if klass is EngineClient or klass is object:
+            break
+        provided |= set(vars(klass))
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+            for node in ast.walk(tree):
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                for target in targets:
+                    for leaf in target.elts if isinstance(target, ast.Tuple) else [target]:
+                        if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name):
+                            provided.add(leaf.attr)
+    return provided
+
+
+def test_the_server_uses_the_engine_only_through_engine_client():
+    """The OpenAI layer reaches for no engine member that ``EngineClient`` does not declare,
+    and both engines the server runs provide every member themselves (none falls back to the
+    protocol's empty body)."""
+    from pyxllm.engine.async_engine import AsyncEngine
+    from pyxllm.engine.data_parallel.client import DataParallelEngine
+    from pyxllm.engine.protocol import EngineClient
+
+    members = {
+        name
+        for name in {*vars(EngineClient), *EngineClient.__annotations__}
+        if not name.startswith("_")
+    }
+    assert {"generate", "input_processor", "metrics", "shutdown"} <= members
+    used = set()
+    for path in (ROOT / "entrypoints" / "openai").rglob("*.py"):
+        used |= _engine_attributes_used(path.read_text())
+    assert used and used <= members, sorted(used - members)
+    for cls in (AsyncEngine, DataParallelEngine):
+        assert EngineClient in cls.__mro__
+        assert not members - _provided_members(cls), (
+            cls.__name__,
+            members - _provided_members(cls),
+        )

@@ -53,7 +53,7 @@ def _requests(rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
                 max_tokens=rng.randrange(4, 20),
                 logprobs=2,
             )
-        params.ignore_eos = True
+        params = params.replace(ignore_eos=True)
         requests.append((prompt, params))
     return requests
 

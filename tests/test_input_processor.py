@@ -7,6 +7,7 @@ defaults; the server and ``LLM`` load the same directory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -207,3 +208,18 @@ def test_a_field_the_request_sets_wins_over_the_model():
         "repetition_penalty",
     }  # the caller's copy is untouched
     assert params.top_p == 1.0
+
+
+def test_sampling_params_are_immutable_and_a_changed_copy_keeps_what_is_unset():
+    """A built ``SamplingParams`` cannot be edited; ``replace`` gives a checked copy whose
+    fields left unset still take the model's values when processed."""
+    params = SamplingParams(top_k=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.temperature = 0.0
+    copy = params.replace(max_tokens=3, top_p=0.5)
+    assert (copy.max_tokens, copy.top_p, params.max_tokens, params.top_p) == (3, 0.5, 16, 1.0)
+    assert copy.unset_fields == {"temperature", "min_p", "repetition_penalty"}
+    got = processor(temperature=0.7, top_p=0.3).process("a", "x y", copy).sampling_params
+    assert (got.temperature, got.top_p, got.top_k, got.max_tokens) == (0.7, 0.5, 2, 3)
+    with pytest.raises(ValueError, match="top_p: must be in"):
+        params.replace(top_p=2.0)

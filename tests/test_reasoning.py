@@ -185,15 +185,15 @@ def test_special_think_tags_keep_special_tokens(hf_gguf_tokenizer, think_tok):
         request = ChatCompletionRequest(
             messages=[{"role": "user", "content": "hi"}], skip_special_tokens=requested
         )
-        params = SamplingParams(skip_special_tokens=True if requested is None else requested)
-        prompt_ids = rendered(chat, request)
-        assert chat.request_reasoning_parser(request, params, prompt_ids) is chat.reasoning_parser
-        assert params.skip_special_tokens == expected
+        fields = {} if requested is None else {"skip_special_tokens": requested}
+        parser, needed = chat.request_reasoning(request, rendered(chat, request))
+        assert parser is chat.reasoning_parser
+        assert SamplingParams(**fields, **needed).skip_special_tokens == expected
     off = ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi"}],
         chat_template_kwargs={"enable_thinking": False},
     )
-    assert chat.request_reasoning_parser(off, SamplingParams(), rendered(chat, off)) is None
+    assert chat.request_reasoning(off, rendered(chat, off)) == (None, {})
 
 
 def fake_engine(tokenizer: Tokenizer) -> SimpleNamespace:

@@ -19,6 +19,7 @@ from pyxllm.engine.engine_loop import EngineLoop, load_on_own_thread
 from pyxllm.engine.errors import EngineDeadError
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.engine.llm_engine import LLMEngine
+from pyxllm.engine.protocol import EngineClient
 from pyxllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class RequestStream:
         return item
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     """Runs an ``LLMEngine`` in a background thread and streams its outputs to coroutines.
 
     Attributes:

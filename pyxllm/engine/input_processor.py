@@ -25,7 +25,6 @@ a field of :class:`EngineRequest`, checked here.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -177,7 +176,7 @@ class InputProcessor:
             len(ids), params.max_tokens, tokens.param, max_tokens_param
         )
         if max_tokens != params.max_tokens:
-            params = dataclasses.replace(params, max_tokens=max_tokens)
+            params = params.replace(max_tokens=max_tokens)
         grammar = None
         if params.structured_outputs is not None:
             if self.structured_outputs is None:

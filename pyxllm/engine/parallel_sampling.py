@@ -8,8 +8,6 @@ Only child 0 computes prompt logprobs.
 
 from __future__ import annotations
 
-import dataclasses
-
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.sampling_params import SamplingParams
 
@@ -45,8 +43,7 @@ class ParentRequest:
         """The sampling parameters of child ``index``: ``n=1``, ``seed + index``, and prompt
         logprobs for child 0 only."""
         params = self.params
-        return dataclasses.replace(
-            params,
+        return params.replace(
             n=1,
             seed=None if params.seed is None else (params.seed + index) % 2**64,
             prompt_logprobs=params.prompt_logprobs if index == 0 else None,

@@ -63,6 +63,7 @@ from pyxllm.engine.errors import (
 )
 from pyxllm.engine.frontend import EngineFrontend
 from pyxllm.engine.input_processor import EngineRequest
+from pyxllm.engine.protocol import EngineClient
 from pyxllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ STOP_WAIT_S = 10.0
 START_ABORT_WAIT_S = 5.0
 
 
-class DataParallelEngine:
+class DataParallelEngine(EngineClient):
     """``size`` engine replicas behind one API server (see the module doc); the handlers use
     it as they use an :class:`~pyxllm.engine.async_engine.AsyncEngine`.
 

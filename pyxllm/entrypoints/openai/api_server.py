@@ -46,6 +46,7 @@ from pyxllm.config import EngineConfig
 from pyxllm.distributed.errors import DistributedError
 from pyxllm.engine.async_engine import AsyncEngine
 from pyxllm.engine.data_parallel.client import DataParallelEngine
+from pyxllm.engine.protocol import EngineClient
 from pyxllm.entrypoints.openai.access_log import AccessLog
 from pyxllm.entrypoints.openai.errors import (
     OpenAIError,
@@ -218,7 +219,7 @@ def _json(model: BaseModel, **dump_options: Any) -> Response:
     return Response(model.model_dump_json(**dump_options), media_type="application/json")
 
 
-def build_app(engine, options: ServerOptions | None = None) -> FastAPI:
+def build_app(engine: EngineClient, options: ServerOptions | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an :class:`~pyxllm.engine.async_engine.AsyncEngine`,
     or a :class:`~pyxllm.engine.data_parallel.client.DataParallelEngine`) with ``options`` (the
     defaults when ``None``; see :class:`ServerOptions`).
@@ -273,7 +274,7 @@ class _Server(uvicorn.Server):
     timeout the remaining requests are cancelled, which aborts them in the engine.
     """
 
-    def __init__(self, config: uvicorn.Config, banner: str, engine=None):
+    def __init__(self, config: uvicorn.Config, banner: str, engine: EngineClient | None = None):
         super().__init__(config)
         self.banner, self.engine = banner, engine
         self.fatal: str | None = None

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pyxllm.engine.input_processor import ChatPrompt, EngineRequest
+from pyxllm.engine.protocol import EngineClient
 from pyxllm.entrypoints.openai.chat_choices import (
     ChatEvents,
     chat_message,
@@ -55,7 +56,7 @@ class OpenAIServingChat(OpenAIServing):
         ValueError: an unknown ``reasoning_parser``.
     """
 
-    def __init__(self, engine, options: ServerOptions | None = None):
+    def __init__(self, engine: EngineClient, options: ServerOptions | None = None):
         super().__init__(engine, options)
         reasoning_parser = self.options.reasoning_parser
         tool_call_parser = self.options.tool_call_parser
@@ -68,23 +69,27 @@ class OpenAIServingChat(OpenAIServing):
         template = getattr(engine.tokenizer.hf, "chat_template", None)
         self.template_renders_tools = isinstance(template, str) and "tools" in template
 
-    def request_reasoning_parser(
-        self, request: ChatCompletionRequest, params: SamplingParams, prompt_token_ids: list[int]
-    ) -> ReasoningParser | None:
-        """The parser splitting this request's text, ``None`` when nothing is to be split
-        (no parser, or the prompt already closed the reasoning); keeps special tokens in
-        ``params`` when the parser's tags are special (and the request did not say otherwise)."""
+    def request_reasoning(
+        self, request: ChatCompletionRequest, prompt_token_ids: list[int]
+    ) -> tuple[ReasoningParser | None, dict]:
+        """The parser splitting this request's text (``None`` when nothing is to be split:
+        no parser, or the prompt already closed the reasoning), and the sampling fields it
+        needs: special tokens kept when its tags are special, unless the request chose."""
         parser = self.reasoning_parser
         if parser is None or parser.is_reasoning_end(prompt_token_ids):
-            return None
+            return None, {}
         if parser.needs_special_tokens and request.skip_special_tokens is None:
-            params.skip_special_tokens = False
-        return parser
+            return parser, {"skip_special_tokens": False}
+        return parser, {}
 
     async def prepare_chat(self, request: ChatCompletionRequest, request_id: str) -> PreparedChat:
         """The engine request of a chat request (its sampling parameters, tools, prompt and
         reasoning parser), its constraint compiled: what chat completions and the Responses
         API (:mod:`.serving_responses`) run.
+
+        The sampling parameters are built once everything they depend on is known: a forced
+        tool call's constraint, and the reasoning parser (whose special-token tags are kept in
+        the text unless the request says otherwise).
 
         Raises:
             OpenAIError, InvalidRequestError: a field that is out of range, cannot be honoured
@@ -99,14 +104,14 @@ class OpenAIServingChat(OpenAIServing):
                 400,
                 "max_completion_tokens",
             )
-        params = self.sampling_params(request, max_tokens, logprobs=requested_logprobs(request))
+        fields = self.sampling_fields(request, max_tokens, logprobs=requested_logprobs(request))
         tools = plan_tools(request, self.tool_parser)
         if tools.mode != "none":
             await self.check_tools(request)
         if tools.constraint is not None:
             # a forced call's schema shapes the reply; OpenAI takes response_format beside it
             # (it shapes text, and there is none), vLLM's constraint fields are refused
-            current = params.structured_outputs
+            current = fields["structured_outputs"]
             field = None if current is None else current.source.split(".")[0]
             if field not in (None, "response_format"):
                 raise OpenAIError(
@@ -116,13 +121,14 @@ class OpenAIServingChat(OpenAIServing):
                     400,
                     field,
                 )
-            params.structured_outputs = tools.constraint
+            fields["structured_outputs"] = tools.constraint
         tokens = await self.tokenize(self.chat_prompt(request, tools.mode != "none"))
-        reasoning = self.request_reasoning_parser(request, params, list(tokens.token_ids))
+        reasoning, reasoning_fields = self.request_reasoning(request, list(tokens.token_ids))
+        fields.update(reasoning_fields)
         engine_request = self.processor.process(
             request_id,
             tokens,
-            params,
+            self.build_sampling_params(fields),
             max_tokens_param="max_tokens"
             if request.max_completion_tokens is None
             else "max_completion_tokens",

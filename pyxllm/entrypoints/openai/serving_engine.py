@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from pyxllm.engine.errors import ConstraintFailedError, EngineDeadError
 from pyxllm.engine.input_processor import ChatPrompt, EngineRequest, TextPrompt, TokensPrompt
+from pyxllm.engine.protocol import EngineClient
 from pyxllm.entrypoints.openai.errors import OpenAIError, error_body, param_from_message
 from pyxllm.entrypoints.openai.protocol import PromptTokenUsageInfo, SamplingFields, UsageInfo
 from pyxllm.entrypoints.openai.request_logger import RequestLogger, RequestWatch
@@ -177,13 +178,14 @@ class ChoiceEvents(abc.ABC):
 
 
 class OpenAIServing:
-    """Base of the chat and completion handlers, bound to one :class:`AsyncEngine`.
+    """Base of the chat and completion handlers, bound to one engine (an
+    :class:`~pyxllm.engine.protocol.EngineClient`).
 
     A handler builds the request's prompt and :class:`SamplingParams`, then calls the engine's
     input processor (:attr:`processor`) once; its ``InvalidRequestError`` becomes a 400 naming
     the field (:mod:`.errors`)."""
 
-    def __init__(self, engine, options: ServerOptions | None = None):
+    def __init__(self, engine: EngineClient, options: ServerOptions | None = None):
         self.engine = engine
         self.processor = engine.input_processor
         self.model_name: str = engine.model_name
@@ -285,15 +287,16 @@ class OpenAIServing:
         for name, value in unsupported_fields(request):
             raise OpenAIError(f"{name}: {value} is not supported", 400, name.split(".")[0])
 
-    def sampling_params(
-        self, request: SamplingFields, max_tokens: int | None, **extra
-    ) -> SamplingParams:
-        """The request's :class:`SamplingParams` (a field it leaves unset stays unset: the input
-        processor gives it the model's generation_config value); ``extra`` fields
-        (``logprobs``, ``prompt_logprobs``) are passed as given.
+    def sampling_fields(self, request: SamplingFields, max_tokens: int | None, **extra) -> dict:
+        """The request's :class:`SamplingParams` fields, by name: the one mapping from request
+        fields to sampling parameters, after the checks that need no tokenizer. A field the
+        request leaves unset stays out (the input processor gives it the model's
+        generation_config value); ``extra`` fields (``logprobs``, ``prompt_logprobs``) are
+        passed as given. Build the parameters with :meth:`build_sampling_params`.
 
         Raises:
-            OpenAIError: 400 naming the field of a value out of range.
+            OpenAIError: 400 naming a field pyxllm cannot honour or one over the server's
+                limits.
         """
         self.check_unsupported(request)
         self.check_limits(request)
@@ -301,10 +304,27 @@ class OpenAIServing:
         fields = {name: value for name, value in fields.items() if value is not None}
         fields.update(n=1 if request.n is None else request.n, max_tokens=max_tokens, **extra)
         fields["structured_outputs"] = requested_constraint(request)
+        return fields
+
+    @staticmethod
+    def build_sampling_params(fields: dict) -> SamplingParams:
+        """``SamplingParams(**fields)``; raises OpenAIError, a 400 naming the field of a value
+        out of range."""
         try:
             return SamplingParams(**fields)
         except ValueError as exc:
             raise OpenAIError(str(exc), 400, param_from_message(str(exc))) from exc
+
+    def sampling_params(
+        self, request: SamplingFields, max_tokens: int | None, **extra
+    ) -> SamplingParams:
+        """The request's :class:`SamplingParams`: :meth:`sampling_fields` built at once.
+
+        Raises:
+            OpenAIError: 400 naming the field of a value out of range, that pyxllm cannot
+                honour or over the server's limits.
+        """
+        return self.build_sampling_params(self.sampling_fields(request, max_tokens, **extra))
 
     # --- running a request ----------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from pyxllm.engine.input_processor import TextPrompt
+from pyxllm.engine.protocol import EngineClient
 from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionMessageParam,
@@ -79,7 +80,7 @@ class OpenAIServingTokenization:
     """Tokenizes and detokenizes with the engine's tokenizer (and the chat handler's template);
     ``info_endpoint`` turns ``/tokenizer_info`` on."""
 
-    def __init__(self, engine, chat_handler, info_endpoint: bool = False) -> None:
+    def __init__(self, engine: EngineClient, chat_handler, info_endpoint: bool = False) -> None:
         self.engine = engine
         self.processor = engine.input_processor
         self.chat = chat_handler
