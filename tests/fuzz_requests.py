@@ -19,6 +19,8 @@ Which fault must name which ``param`` (:class:`Expect`, prefix match: ``messages
   one field (``stop``, ``messages``, ``logit_bias``, ``prompt`` lists), nesting too deep
   under one field, a lone surrogate written as a JSON escape (``"\\udfff"``) in one field:
   that top-level field (an unknown field's own name, e.g. ``metadata``);
+- a top-level field the server does not know (:data:`UNKNOWN_FIELDS`): a 400 naming it, or the
+  field of the case's other fault, whichever is checked first;
 - two output constraints: either of them; a tool fault: ``tools`` or ``tool_choice``;
 - what fails as the body is parsed, before any field is known: raw invalid UTF-8 bytes in a
   string, ``NaN``/``Infinity`` literals (not JSON), a 5000-digit integer, nesting beyond what
@@ -109,6 +111,26 @@ def ok_or_bad(*params: str, statuses=(400,)) -> Expect:
 def any_error(*statuses: int) -> Expect:
     """One of ``statuses`` (all 4xx by default), any param."""
     return Expect(False, frozenset(statuses) if statuses else ALL_4XX)
+
+
+# Top-level fields the corpus sends that no request declares: a 400 naming them (OpenAI's
+# contract; the fuzz's server runs without --ignore-unknown-fields).
+UNKNOWN_FIELDS = frozenset({"metadata", "unknown_field"})
+
+
+def with_unknown_fields(expect: Expect, names: list[str]) -> Expect:
+    """``expect`` for a body that also holds the unknown fields ``names``: a 400 naming one of
+    them, or what ``expect`` allows (its fault may be found first); a case whose answer cannot
+    be a 400 (a 413 for its size, a 405) is left as it is."""
+    if not names or not (expect.ok or 400 in expect.errors):
+        return expect
+    if expect.params is not None:
+        params = expect.params | frozenset(names)
+    elif expect.errors:  # any 4xx was fine already
+        params = None
+    else:  # a valid body: the unknown field is its fault
+        params = frozenset(names)
+    return replace(expect, ok=False, errors=expect.errors | {400}, params=params)
 
 
 # --- request bodies ---------------------------------------------------------------------------
@@ -863,8 +885,9 @@ def _constraint_fault(rng: random.Random, draft: _Draft) -> None:
                 ("tools",),
             ),
             ({"tool_choice": "required"}, ("tool_choice",)),
-            ({"tools": [TOOL], "tool_choice": "auto"}, ("tool_choice",)),
-            ({"tools": [TOOL]}, ("tool_choice",)),  # "auto" by default, no parser here
+            # "auto" (the default with tools): the parser the chat template calls for serves it
+            ({"tools": [TOOL], "tool_choice": "auto"}, None),
+            ({"tools": [TOOL]}, None),
             ({"tools": [TOOL], "tool_choice": "maybe"}, ("tool_choice",)),
             (
                 {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
@@ -881,7 +904,11 @@ def _constraint_fault(rng: random.Random, draft: _Draft) -> None:
         ]
         fields, params = rng.choice(faults)
         body.update(fields)
-        draft.expect, draft.label = bad(*params), f"tool fault: {fields!r}"[:120]
+        if params is None:
+            draft.expect, draft.label = OK, f"auto tool choice: {fields!r}"[:120]
+            _risky_combinations(draft)
+        else:
+            draft.expect, draft.label = bad(*params), f"tool fault: {fields!r}"[:120]
 
 
 def _chat_fault(rng: random.Random, draft: _Draft) -> None:
@@ -1234,6 +1261,9 @@ def _draft_case(case_id: int, draft: _Draft) -> Case:
     options = body.get("stream_options")
     include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
     path = {"tokenize": "/tokenize", "detokenize": "/detokenize"}.get(draft.kind, draft.path)
+    unknown = []
+    if draft.kind in ("chat", "completion") and isinstance(body, dict):
+        unknown = sorted(UNKNOWN_FIELDS.intersection(body))
     return Case(
         id=case_id,
         label=draft.label,
@@ -1241,7 +1271,7 @@ def _draft_case(case_id: int, draft: _Draft) -> Case:
         path=path,
         body=raw,
         headers=draft.headers,
-        expect=draft.expect,
+        expect=with_unknown_fields(draft.expect, unknown),
         kind=draft.kind,
         stream=stream,
         n=max(n, 1),

@@ -14,7 +14,12 @@ import pytest
 
 from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pyxllm.entrypoints.openai.tool_parsers import ToolCallStream, split_tool_calls
+from pyxllm.entrypoints.openai.tool_parsers import (
+    ToolCallStream,
+    get_tool_parser,
+    split_tool_calls,
+    tool_parser_names,
+)
 from pyxllm.entrypoints.openai.tool_parsers.constrained import NamedCallParser, RequiredCallsParser
 from pyxllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pyxllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -163,6 +168,13 @@ def test_parsers_give_the_same_calls_however_the_text_arrives(
     assert streamed(parser, token_pieces(hf_gguf_tokenizer, text)) == expected
 
 
+def test_every_registered_parser_has_recorded_texts():
+    """Each parser --tool-call-parser offers is fed recorded texts character by character
+    (above), so a parser added to the registry needs texts of its own here."""
+    recorded = {type(parser) for parser, _, _ in RECORDED}
+    assert {get_tool_parser(name) for name in tool_parser_names()} <= recorded
+
+
 def test_tool_choice_rules_without_a_server():
     def plan(**body):
         return plan_tools(ChatCompletionRequest(messages=ASK, **body), auto_parser=None)
@@ -172,7 +184,7 @@ def test_tool_choice_rules_without_a_server():
     assert required.limit == 1 and required.constraint.json["maxItems"] == 1
     for body, message in [
         ({"tool_choice": "required"}, "tool_choice: requires tools"),
-        ({"tools": TOOLS}, '"auto" (the default with tools) needs a server'),
+        ({"tools": TOOLS}, '"auto" (the default with tools) cannot be served'),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "no tool is named 'nope'",

@@ -45,6 +45,7 @@ from pyxllm.entrypoints.flags import HelpFormatter, add_bool_flag, flag_names
 from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
+from pyxllm.entrypoints.openai.tool_parsers.auto import AUTO, NONE
 from pyxllm.weights.source import is_model_id
 
 # Help per EngineConfig field; a field missing here still becomes a flag, with generic help.
@@ -726,16 +727,27 @@ def make_arg_parser() -> argparse.ArgumentParser:
         server,
         "enable_auto_tool_choice",
         False,
-        'let the model decide whether to call tools (tool_choice "auto", the default with '
-        "tools); needs --tool-call-parser",
+        'require tool_choice "auto" (the default with tools) to be served, as vLLM\'s flag: '
+        "start-up fails when --tool-call-parser is none or auto finds no parser for the chat "
+        'template (without it, "auto" is served whenever there is a parser)',
     )
     server.add_argument(
         *flag_names("tool_call_parser"),
         dest="tool_call_parser",
-        default=None,
-        choices=tool_parser_names(),
-        help="the format of the model's own tool calls: hermes (Qwen2.5/Qwen3's <tool_call> "
-        "tags; also what the default model is asked to write) or llama3_json (Llama 3.x)",
+        default=AUTO,
+        choices=[AUTO, NONE, *tool_parser_names()],
+        help='the format of the model\'s own tool calls (tool_choice "auto"): auto, chosen '
+        "from the chat template (<tool_call> tags or a template without tools: hermes; Llama "
+        "3's: llama3_json; the start-up log says which and why); hermes (Qwen2.5/Qwen3's "
+        "<tool_call> tags; also what a model whose template has no tools is asked to write); "
+        'llama3_json (Llama 3.x); none: "auto" is refused (default: auto)',
+    )
+    add_bool_flag(
+        server,
+        "ignore_unknown_fields",
+        False,
+        "log and ignore request fields pyxllm does not know (vLLM's behaviour, for clients "
+        "that send vendor extras) instead of answering a 400 naming them (OpenAI's)",
     )
     add_bool_flag(
         server, "disable_web_ui", False, "serve no chat page at / (nor its files at /static/)"
@@ -936,8 +948,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
     """Parse ``argv`` and build the config; a bad value exits with the subcommand's usage error."""
     parser = make_arg_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
-        parser.command_parsers["serve"].error("--enable-auto-tool-choice: needs --tool-call-parser")
+    if getattr(args, "enable_auto_tool_choice", False) and args.tool_call_parser == NONE:
+        parser.command_parsers["serve"].error(
+            "--enable-auto-tool-choice: cannot be combined with --tool-call-parser none"
+        )
     if args.command == "serve":
         if args.model_tag is not None:
             if not (

@@ -60,6 +60,7 @@ from pyxllm.entrypoints.openai.protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    RequestModel,
 )
 from pyxllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
@@ -74,6 +75,7 @@ from pyxllm.entrypoints.openai.serving_tokenization import (
     TokenizeRequest,
 )
 from pyxllm.entrypoints.openai.tool_parsers import get_tool_parser
+from pyxllm.entrypoints.openai.tool_parsers.auto import AUTO, NONE
 from pyxllm.entrypoints.openai.web_ui import install_web_ui
 
 logger = logging.getLogger(__name__)
@@ -144,6 +146,12 @@ async def retrieve_model(model_id: str, raw_request: Request) -> JSONResponse:
     raise OpenAIError(f"The model `{model_id}` does not exist.", 404, "model")
 
 
+def _check_fields(request: RequestModel, raw_request: Request) -> None:
+    """A 400 naming a body field pyxllm does not know, or with ``--ignore-unknown-fields`` a log
+    line (see :meth:`RequestModel.check_unknown_fields`)."""
+    request.check_unknown_fields(raw_request.app.state.ignore_unknown_fields)
+
+
 # the routes admitted by AdmissionControl: those that run the engine, and those whose one
 # request can hold the tokenizer thread for a second (a body of a million tokens)
 ADMITTED_PATHS = (
@@ -158,6 +166,7 @@ ADMITTED_PATHS = (
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     """OpenAI chat completions, streamed (SSE) or not."""
+    _check_fields(request, raw_request)
     handler: OpenAIServingChat = raw_request.app.state.openai_serving_chat
     return await handler.create_chat_completion(request, raw_request)
 
@@ -165,6 +174,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
 @router.post("/v1/completions")
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
     """OpenAI (legacy) text completions, streamed (SSE) or not."""
+    _check_fields(request, raw_request)
     handler: OpenAIServingCompletion = raw_request.app.state.openai_serving_completion
     return await handler.create_completion(request, raw_request)
 
@@ -172,6 +182,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
 @router.post("/v1/responses")
 async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
     """OpenAI's Responses API, streamed (SSE events) or not (see :mod:`.serving_responses`)."""
+    _check_fields(request, raw_request)
     handler: OpenAIServingResponses = raw_request.app.state.openai_serving_responses
     return await handler.create_response(request, raw_request)
 
@@ -193,6 +204,7 @@ async def delete_response(response_id: str, raw_request: Request) -> JSONRespons
 @router.post("/tokenize")
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> JSONResponse:
     """Token ids of a prompt or of chat messages: ``{"count", "max_model_len", "tokens"}``."""
+    _check_fields(request, raw_request)
     handler: OpenAIServingTokenization = raw_request.app.state.openai_serving_tokenization
     response = await handler.tokenize(request)
     return _json(response, exclude_none=True)
@@ -209,6 +221,7 @@ async def tokenizer_info(raw_request: Request) -> JSONResponse:
 @router.post("/detokenize")
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> JSONResponse:
     """The text of token ids: ``{"prompt"}``."""
+    _check_fields(request, raw_request)
     handler: OpenAIServingTokenization = raw_request.app.state.openai_serving_tokenization
     return _json(await handler.detokenize(request))
 
@@ -237,6 +250,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     )
     app.include_router(router)
     app.state.engine = engine
+    app.state.ignore_unknown_fields = options.ignore_unknown_fields
     if engine.input_processor.structured_outputs is not None:  # ready for the first constraint
         engine.input_processor.structured_outputs.prepare()
     app.state.openai_serving_chat = OpenAIServingChat(engine, options)
@@ -391,7 +405,7 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
     options = options or ServerOptions()
     if options.reasoning_parser:
         get_reasoning_parser(options.reasoning_parser)
-    if options.tool_call_parser:
+    if options.tool_call_parser not in (None, AUTO, NONE):
         get_tool_parser(options.tool_call_parser)
     _ensure_logging()
     sock = bind_socket(options.host, options.port)

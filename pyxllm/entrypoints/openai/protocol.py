@@ -1,8 +1,9 @@
 """Pydantic models of the OpenAI HTTP API, field for field, with vLLM's extensions marked.
 
-Requests ignore fields they do not know (as OpenAI's SDK may send newer ones); fields we know
-but cannot honour (``suffix``, ``best_of``...) are rejected by the serving layer rather than
-silently dropped.
+A request body's top-level fields that pyxllm does not know are refused with a 400 naming them,
+as OpenAI answers an unknown parameter (:meth:`RequestModel.check_unknown_fields`; logged and
+ignored with ``--ignore-unknown-fields``, as vLLM does); fields we know but cannot honour
+(``suffix``, ``best_of``...) are rejected by the serving layer rather than silently dropped.
 Values are range-checked by :class:`~pyxllm.sampling_params.SamplingParams` (400 naming the
 field). Logprobs in responses are clamped to -9999.0 where the token was ruled out (``-inf``
 is not JSON), as vLLM does.
@@ -10,6 +11,7 @@ is not JSON), as vLLM does.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, ClassVar, Literal
 
@@ -24,9 +26,12 @@ from pydantic import (
 
 from pyxllm.entrypoints.openai.exceptions import OpenAIError
 
+logger = logging.getLogger(__name__)
+
 
 class OpenAIBaseModel(BaseModel):
-    """Base of every request and response model: unknown request fields are ignored."""
+    """Base of every request and response model: unknown fields of nested request objects are
+    ignored (a top-level body's are refused, see :class:`RequestModel`)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -41,7 +46,33 @@ class RequestModel(OpenAIBaseModel):
     walked once and refused with a 400 naming the field (``OpenAIError``, which pydantic lets
     through) if a string holds a lone surrogate (``"\\udfff"`` is valid JSON but not Unicode
     text: no tokenizer or JSON encoder takes it) or objects nest deeper than
-    :data:`MAX_JSON_DEPTH`."""
+    :data:`MAX_JSON_DEPTH`. Fields the model does not declare are kept aside
+    (``model_extra``) for :meth:`check_unknown_fields`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def check_unknown_fields(self, ignore: bool) -> None:
+        """Refuse the body's undeclared fields with a 400 naming the first (OpenAI's contract:
+        a field pyxllm does not know is one it cannot honour), or with ``ignore``
+        (``--ignore-unknown-fields``) log them and drop them.
+
+        Raises:
+            OpenAIError: an undeclared field, unless ``ignore``.
+        """
+        unknown = list(self.model_extra or ())
+        if not unknown:
+            return
+        if not ignore:
+            raise OpenAIError(
+                f"{unknown[0]}: unrecognized request argument"
+                + (f" (also {', '.join(unknown[1:])})" if len(unknown) > 1 else "")
+                + "; the server ignores unknown fields only when started with "
+                "--ignore-unknown-fields",
+                400,
+                unknown[0],
+            )
+        logger.warning("request fields ignored (not known to pyxllm): %s", ", ".join(unknown))
+        self.model_extra.clear()
 
     @model_validator(mode="before")
     @classmethod
@@ -240,6 +271,9 @@ class SamplingFields(RequestModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # llama.cpp's spellings: a JSON Schema, and a grammar (GBNF, or Lark)
+    json_schema: dict[str, Any] | str | None = None
+    grammar: str | None = None
     # Declared so that a request using them is refused with a 400 naming the field
     # (``OpenAIServing.check_unsupported``) instead of being answered as if they were absent.
     best_of: int | None = None
@@ -347,15 +381,17 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class ChatMessage(OpenAIBaseModel):
+class ChatMessage(OmitNoneModel):
     """The assistant message of a non-streamed chat choice; ``reasoning_content`` and its alias
-    ``reasoning`` (vLLM extensions) are set by ``--reasoning-parser``, else null."""
+    ``reasoning`` (vLLM extensions) are set by ``--reasoning-parser``, else null;
+    ``tool_calls`` is left out when there are none (as OpenAI sends it)."""
 
+    omit_if_none = ("tool_calls",)
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):

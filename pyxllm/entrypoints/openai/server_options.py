@@ -44,8 +44,13 @@ class ServerOptions:
             ``--disable-uvicorn-access-log``).
         reasoning_parser: the parser splitting chat text into ``reasoning_content`` and
             ``content`` (a registered name), ``None`` for none.
-        tool_call_parser: the parser of the model's own calls for ``tool_choice: "auto"``;
-            ``None`` refuses ``auto``.
+        tool_call_parser: the parser of the model's own calls for ``tool_choice: "auto"``: a
+            registered name, ``"auto"`` (chosen from the chat template, see
+            :mod:`.tool_parsers.auto`), or ``"none"``/``None``, which refuse ``auto``.
+        enable_auto_tool_choice: whether ``auto`` must be served (vLLM's flag): the server
+            then fails at start-up when there is no parser, instead of refusing ``auto``.
+        ignore_unknown_fields: whether a request field pyxllm does not know is logged and
+            ignored (vLLM's behaviour) rather than refused with a 400 naming it (OpenAI's).
         api_keys: the accepted ``Authorization: Bearer`` keys; empty: no key needed. Left out
             of ``repr`` so they never reach a log (see :mod:`.security`).
         protect_metrics: whether ``/metrics`` needs a key too (``/health`` never does).
@@ -86,7 +91,9 @@ class ServerOptions:
     log_level: str = "warning"
     access_log: bool = True
     reasoning_parser: str | None = None
-    tool_call_parser: str | None = None
+    tool_call_parser: str | None = "auto"
+    enable_auto_tool_choice: bool = False
+    ignore_unknown_fields: bool = False
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     protect_metrics: bool = False
     ssl_keyfile: str | None = None

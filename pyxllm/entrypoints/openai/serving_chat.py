@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import NamedTuple
@@ -30,9 +31,12 @@ from pyxllm.entrypoints.openai.tool_parsers import (
     get_tool_parser,
     split_tool_calls,
 )
+from pyxllm.entrypoints.openai.tool_parsers.auto import resolve_tool_parser, template_renders_tools
 from pyxllm.entrypoints.openai.tools import ToolPlan, plan_tools, template_messages, tool_specs
 from pyxllm.outputs import CompletionOutput
 from pyxllm.sampling_params import MAX_LOGPROBS, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class PreparedChat(NamedTuple):
@@ -48,12 +52,14 @@ class OpenAIServingChat(OpenAIServing):
     """Serves chat completions from one engine, streamed or not.
 
     With ``options.reasoning_parser`` (a registered name, e.g. ``"qwen3"``) the generated text is
-    split
-    into ``reasoning_content`` (also sent as ``reasoning``) and ``content``, unless the prompt
-    already closed the reasoning (then all of it is content).
+    split into ``reasoning_content`` (also sent as ``reasoning``) and ``content``, unless the
+    prompt already closed the reasoning (then all of it is content). ``tool_choice: "auto"`` is
+    read by the parser ``options.tool_call_parser`` names, or chooses from the chat template
+    (``auto``, :func:`~.tool_parsers.auto.choose_tool_parser`); the log says which and why.
 
     Raises:
-        ValueError: an unknown ``reasoning_parser``.
+        ValueError: an unknown ``reasoning_parser`` or ``tool_call_parser``, or no tool-call
+            parser for this chat template with ``options.enable_auto_tool_choice``.
     """
 
     def __init__(self, engine: EngineClient, options: ServerOptions | None = None):
@@ -63,11 +69,23 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_parser: ReasoningParser | None = None
         if reasoning_parser:
             self.reasoning_parser = get_reasoning_parser(reasoning_parser)(engine.tokenizer)
-        self.tool_parser: ToolParser | None = None
-        if tool_call_parser:
-            self.tool_parser = get_tool_parser(tool_call_parser)(engine.tokenizer)
         template = getattr(engine.tokenizer.hf, "chat_template", None)
-        self.template_renders_tools = isinstance(template, str) and "tools" in template
+        self.template_renders_tools = template_renders_tools(template)
+        self.tool_parser_choice = resolve_tool_parser(tool_call_parser, template)
+        name = self.tool_parser_choice.name
+        if name is None and self.options.enable_auto_tool_choice:
+            raise ValueError(
+                f"--enable-auto-tool-choice: no tool-call parser: "
+                f"{self.tool_parser_choice.reason}; name one with --tool-call-parser"
+            )
+        self.tool_parser: ToolParser | None = None
+        if name is not None:
+            self.tool_parser = get_tool_parser(name)(engine.tokenizer)
+        logger.info(
+            'tool_choice "auto": %s (%s)',
+            f"the {name} tool-call parser" if name else "refused",
+            self.tool_parser_choice.reason,
+        )
 
     def request_reasoning(
         self, request: ChatCompletionRequest, prompt_token_ids: list[int]
@@ -105,7 +123,7 @@ class OpenAIServingChat(OpenAIServing):
                 "max_completion_tokens",
             )
         fields = self.sampling_fields(request, max_tokens, logprobs=requested_logprobs(request))
-        tools = plan_tools(request, self.tool_parser)
+        tools = plan_tools(request, self.tool_parser, self.tool_parser_choice.reason)
         if tools.mode != "none":
             await self.check_tools(request)
         if tools.constraint is not None:
@@ -183,10 +201,11 @@ class OpenAIServingChat(OpenAIServing):
         found in the rest) and finish reason (``tool_calls`` when calls came back)."""
         message, finish_reason = chat_message(completion.text, reasoning), completion.finish_reason
         if tools.parser is not None:
-            message.content, message.tool_calls = split_tool_calls(
+            message.content, calls = split_tool_calls(
                 tools.parser, message.content or "", tools.limit
             )
-            if message.tool_calls and finish_reason == "stop":
+            message.tool_calls = calls or None
+            if calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
         return ChatCompletionResponseChoice(
             index=completion.index,

@@ -199,7 +199,9 @@ class OpenAIServingResponses:
         )
         message = choice.message
         logprobs = choice.logprobs.content if choice.logprobs is not None else None
-        run.output.whole(message.reasoning_content, message.content, logprobs, message.tool_calls)
+        run.output.whole(
+            message.reasoning_content, message.content, logprobs, message.tool_calls or []
+        )
         response = run.finish(completion, choice.finish_reason, final.num_cached_tokens or 0)
         keep(response)
         return JSONResponse(response.model_dump(mode="json"))

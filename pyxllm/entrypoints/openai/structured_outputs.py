@@ -2,10 +2,11 @@
 
 Sources, at most one per request: OpenAI's ``response_format`` (``json_object``, or
 ``json_schema`` with its ``schema``; ``text`` is no constraint), vLLM's ``structured_outputs``
-object, and vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
-``guided_grammar``. Each constraint remembers the request field it came from, so a schema or
-regex that does not compile gets a 400 naming that field
-(``response_format.json_schema.schema``, ``structured_outputs.regex`` ...).
+object, vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar``, and llama.cpp's top-level ``json_schema`` (a JSON Schema) and ``grammar``
+(GBNF, which llguidance reads as it reads Lark). Each constraint remembers the request field
+it came from, so a schema or regex that does not compile gets a 400 naming that field
+(``response_format.json_schema.schema``, ``structured_outputs.regex``, ``grammar`` ...).
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.protocol import SamplingFields
 from pyxllm.sampling_params import StructuredOutputsParams
 
+# the request fields that spell one kind of structured_outputs each: vLLM's older names and
+# llama.cpp's
 _GUIDED = {
     "guided_json": "json",
     "guided_regex": "regex",
     "guided_choice": "choice",
     "guided_grammar": "grammar",
+    "json_schema": "json",
+    "grammar": "grammar",
 }
 
 

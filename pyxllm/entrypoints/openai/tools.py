@@ -2,8 +2,9 @@
 ``required`` and named calls, and the messages and tools the chat template sees.
 
 - ``tool_choice`` ``none`` (the default without ``tools``): free text. ``auto`` (the default
-  with ``tools``): the model decides, and the server's ``--tool-call-parser`` finds its calls
-  (a 400 when the server was not started with ``--enable-auto-tool-choice``). ``required``: a
+  with ``tools``): the model decides, and the server's tool-call parser finds its calls (by
+  default chosen from the chat template, :mod:`.tool_parsers.auto`; a 400 saying why when there
+  is none). ``required``: a
   grammar makes the model write a JSON array of 1 to :data:`MAX_PARALLEL_TOOL_CALLS` calls
   (1 with ``parallel_tool_calls: false``), each ``{"name": <a tool's name>, "arguments":
   <that tool's parameters>}``. A named function: a grammar makes the model write its arguments.
@@ -57,12 +58,17 @@ def parameters_schema(tool: ChatCompletionToolParam) -> dict[str, Any]:
     return tool.function.parameters or NO_PARAMETERS
 
 
-def plan_tools(request: ChatCompletionRequest, auto_parser: ToolParser | None) -> ToolPlan:
+def plan_tools(
+    request: ChatCompletionRequest,
+    auto_parser: ToolParser | None,
+    no_parser_reason: str = "the server has no tool-call parser",
+) -> ToolPlan:
     """The request's :class:`ToolPlan`.
 
     Args:
-        auto_parser: the server's ``--tool-call-parser`` (``None`` without
-            ``--enable-auto-tool-choice``).
+        auto_parser: the parser of the server's ``tool_choice: "auto"`` (``None``: refused).
+        no_parser_reason: why there is none, for the 400 (see
+            :class:`~.tool_parsers.auto.ToolParserChoice`).
 
     Raises:
         OpenAIError: ``tool_choice`` without ``tools``, two tools with one name, a named
@@ -83,9 +89,9 @@ def plan_tools(request: ChatCompletionRequest, auto_parser: ToolParser | None) -
     if choice == "auto":
         if auto_parser is None:
             raise OpenAIError(
-                'tool_choice: "auto" (the default with tools) needs a server started with '
-                '--enable-auto-tool-choice and --tool-call-parser; send "required", a named '
-                'function or "none"',
+                f'tool_choice: "auto" (the default with tools) cannot be served: '
+                f"{no_parser_reason}; start the server with --tool-call-parser NAME, or send "
+                '"required", a named function or "none"',
                 400,
                 "tool_choice",
             )

@@ -1,0 +1,270 @@
+"""Tools on a server started with no tool flags, and strict request fields: the tool-call parser
+chosen from the chat template (the embedded model's, and templates in the style of Qwen's,
+Llama 3's and others'), ``tool_choice`` left out (``auto``) with the real ``openai`` SDK,
+``--tool-call-parser none``, unknown fields (a 400 naming them, or ignored with
+``--ignore-unknown-fields``), llama.cpp's ``json_schema`` and ``grammar``, and ``tool_calls``
+left out of a message without calls."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from pyxllm.entrypoints.args import parse_args
+from pyxllm.entrypoints.openai.protocol import ChatCompletionToolParam
+from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
+from pyxllm.entrypoints.openai.tool_parsers.auto import choose_tool_parser, resolve_tool_parser
+from pyxllm.entrypoints.openai.tools import template_messages
+from tests.test_tool_calls import TOOLS, assemble
+from tests.utils import RemoteServer, run_together
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+# Chat templates written in the style of each family, with the markers their real templates
+# hold: Qwen2.5/Qwen3 describe the tools and ask for <tool_call> blocks; Llama 3.1-3.3 describe
+# a {"name", "parameters"} JSON call under their header tokens; Qwen3-Coder writes XML inside
+# <tool_call>; Mistral lists tools in [AVAILABLE_TOOLS] and answers after [TOOL_CALLS].
+_TURNS = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- endif %}"
+)
+QWEN_STYLE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n\n<tools>{%- for tool in tools %}\n"
+    "{{ tool | tojson }}{%- endfor %}\n</tools>\n\nFor each function call, return a json object "
+    'within <tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\n</tool_call><|im_end|>\n{%- endif %}" + _TURNS
+)
+LLAMA3_STYLE = (
+    "{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
+    'Respond with a JSON call in the format {"name": function name, "parameters": dictionary '
+    "of argument name and its value}.{%- for tool in tools %}\n{{ tool | tojson }}"
+    "{%- endfor %}<|eot_id|>{%- endif %}{%- for message in messages %}<|start_header_id|>"
+    "{{ message.role }}<|end_header_id|>\n\n{{ message.content }}<|eot_id|>{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{%- endif %}"
+)
+QWEN3_CODER_STYLE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{%- for tool in tools %}\n<function>"
+    "<name>{{ tool.function.name }}</name></function>{%- endfor %}\n</tools>\nCall one as "
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter>\nvalue\n"
+    "</parameter>\n</function>\n</tool_call><|im_end|>\n{%- endif %}" + _TURNS
+)
+MISTRAL_STYLE = (
+    "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+    "{%- for message in messages %}[INST]{{ message.content }}[/INST]{%- endfor %}"
+    "{#- a call is answered after [TOOL_CALLS] #}"
+)
+
+
+def test_the_embedded_template_gets_the_tools_in_a_system_message_read_by_hermes(
+    hf_gguf_tokenizer,
+):
+    """The embedded SmolLM2 template does not render tools (rendered with them, they are not
+    there), so pyxllm offers them in a system message asking for <tool_call> blocks: hermes."""
+    template = hf_gguf_tokenizer.chat_template
+    rendered = hf_gguf_tokenizer.apply_chat_template(ASK, tools=TOOLS, tokenize=False)
+    assert "get_weather" not in rendered
+    choice = choose_tool_parser(template)
+    assert choice.name == "hermes" and "does not render tools" in choice.reason
+    tools = [ChatCompletionToolParam(**tool) for tool in TOOLS]
+    offered = hf_gguf_tokenizer.apply_chat_template(
+        template_messages(ASK, tools, in_template=False), tokenize=False
+    )
+    assert "get_weather" in offered and "<tool_call>" in offered
+
+
+@pytest.mark.parametrize(
+    "template, parser",
+    [
+        (QWEN_STYLE, "hermes"),
+        (LLAMA3_STYLE, "llama3_json"),
+        (QWEN3_CODER_STYLE, None),
+        (MISTRAL_STYLE, None),
+    ],
+)
+def test_a_template_that_renders_tools_chooses_its_parser(hf_gguf_tokenizer, template, parser):
+    rendered = hf_gguf_tokenizer.apply_chat_template(
+        ASK, tools=TOOLS, chat_template=template, tokenize=False
+    )
+    assert "get_weather" in rendered  # the template itself renders the tools
+    choice = choose_tool_parser(template)
+    assert choice.name == parser and choice.reason
+    assert choice.name is None or choice.name in tool_parser_names()
+
+
+def test_the_tool_call_parser_flag():
+    assert resolve_tool_parser("auto", QWEN_STYLE).name == "hermes"
+    assert resolve_tool_parser("llama3_json", QWEN_STYLE).name == "llama3_json"
+    assert resolve_tool_parser("none", QWEN_STYLE).name is None
+    args, _ = parse_args(["serve"])
+    assert args.tool_call_parser == "auto" and not args.enable_auto_tool_choice
+    assert not args.ignore_unknown_fields
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "none"])
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--tool-call-parser", "qwen3_xml"])
+
+
+# --- over HTTP: a server started with no tool flags -----------------------------------------
+
+MODEL = "smollm2-default-tools"
+SERVER_ARGS = ["--served-model-name", MODEL, "--max-model-len", "2048", "--kv-cache-memory", "0.25"]
+# A Hermes call, forced by a constraint beside the tools (auto leaves the output free), so
+# that what the parser finds does not depend on what the tiny model would write.
+FORCED_CALL = {
+    "regex": r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris", '
+    r'"unit": "celsius"\}\}\n</tool_call>'
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RemoteServer(SERVER_ARGS) as remote:
+        yield remote
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai_client()
+
+
+def chat(client, stream: bool = False, **kwargs):
+    body = {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 48, **kwargs}
+    return client.chat.completions.create(**body, stream=stream)
+
+
+def post(server, body: dict) -> httpx.Response:
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 8, **body}
+    return httpx.post(server.url_for("v1", "chat", "completions"), json=body, timeout=120)
+
+
+def test_the_start_up_log_says_which_parser_and_why(server):
+    assert (
+        'tool_choice "auto": the hermes tool-call parser (the chat template does not render '
+        "tools" in server.output()
+    )
+
+
+def test_tools_without_tool_choice_answer_streamed_as_unstreamed(client):
+    """tool_choice left out (as LangChain and most agent frameworks send tools): a 200 with a
+    well-formed message, calls of the declared tools or text, the same streamed."""
+    full, chunks = run_together(
+        lambda: chat(client, tools=TOOLS), lambda: list(chat(client, stream=True, tools=TOOLS))
+    )
+    choice = full.choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+    if calls:
+        assert choice.finish_reason == "tool_calls"
+        names = {tool["function"]["name"] for tool in TOOLS}
+        assert all(name in names for name, _ in calls)
+    else:
+        assert choice.message.content and choice.finish_reason in ("stop", "length")
+    assert assemble(chunks) == (choice.message.content, calls, choice.finish_reason)
+
+
+def test_a_hermes_call_comes_back_as_tool_calls(client):
+    full, chunks = run_together(
+        lambda: chat(client, tools=TOOLS, extra_body={"structured_outputs": FORCED_CALL}),
+        lambda: list(
+            chat(client, stream=True, tools=TOOLS, extra_body={"structured_outputs": FORCED_CALL})
+        ),
+    )
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    assert assemble(chunks) == (None, [("get_weather", call.function.arguments)], "tool_calls")
+
+
+def test_tool_calls_are_left_out_of_a_message_without_calls(server):
+    for body in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        response = post(server, body)
+        assert response.status_code == 200, response.text
+        message = response.json()["choices"][0]["message"]
+        assert "tool_calls" not in message and message["content"]
+
+
+def test_an_unknown_field_is_a_400_naming_it(server, client):
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    body = {"grammar": 'root ::= "a"', "json_schema": schema, "totally_unknown_field": 3}
+    response = post(server, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "totally_unknown_field"
+    assert "--ignore-unknown-fields" in error["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, extra_body={"vendor_extra": True})
+    assert caught.value.body["param"] == "vendor_extra"
+    for path, sent in (("/v1/completions", {"prompt": "Hi"}), ("/tokenize", {"prompt": "Hi"})):
+        response = httpx.post(server.url_for(path), json={**sent, "nope": 1}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "nope"
+
+
+def test_llama_cpp_json_schema_and_grammar_constrain_the_output(server):
+    city = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    asked = [{"role": "user", "content": "Name a city, as JSON."}]
+    schema, gbnf, completion = run_together(
+        lambda: post(server, {"messages": asked, "json_schema": city, "max_tokens": 64}),
+        lambda: post(server, {"grammar": 'root ::= "yes" | "no"', "max_tokens": 8}),
+        lambda: httpx.post(
+            server.url_for("v1", "completions"),
+            json={"prompt": "Is it raining?", "grammar": 'root ::= "yes" | "no"', "max_tokens": 8},
+            timeout=120,
+        ),
+    )
+    for response in (schema, gbnf, completion):
+        assert response.status_code == 200, response.text
+    choice = schema.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), city)
+    assert gbnf.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    assert completion.json()["choices"][0]["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize(
+    "body, params",
+    [
+        ({"grammar": "root ::= nothing_defined"}, {"grammar"}),
+        ({"json_schema": {"type": "nonsense"}}, {"json_schema"}),
+        (
+            {"json_schema": {"type": "object"}, "response_format": {"type": "json_object"}},
+            {"json_schema", "response_format"},
+        ),
+        ({"grammar": 'root ::= "a"', "tools": TOOLS, "tool_choice": "required"}, {"grammar"}),
+    ],
+)
+def test_json_schema_and_grammar_that_cannot_work_are_400s(server, body, params):
+    response = post(server, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] in params
+
+
+# --- a server started with --tool-call-parser none --ignore-unknown-fields ------------------
+
+
+def test_tool_call_parser_none_refuses_auto_and_unknown_fields_can_be_ignored():
+    args = [*SERVER_ARGS, "--tool-call-parser", "none", "--ignore-unknown-fields"]
+    with RemoteServer(args) as remote:
+        refused, ignored = run_together(
+            lambda: post(remote, {"tools": TOOLS}),
+            lambda: post(remote, {"totally_unknown_field": 3}),
+        )
+        log = remote.output()
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "tool_choice" and "--tool-call-parser none" in error["message"]
+    assert ignored.status_code == 200, ignored.text
+    assert ignored.json()["choices"][0]["message"]["content"]
+    assert 'tool_choice "auto": refused' in log
+    assert "request fields ignored (not known to pyxllm): totally_unknown_field" in log
