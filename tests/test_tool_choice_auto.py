@@ -268,3 +268,15 @@ def test_tool_call_parser_none_refuses_auto_and_unknown_fields_can_be_ignored():
     assert ignored.json()["choices"][0]["message"]["content"]
     assert 'tool_choice "auto": refused' in log
     assert "request fields ignored (not known to pyxllm): totally_unknown_field" in log
+
+
+def test_enable_auto_tool_choice_fails_start_up_without_a_parser():
+    """vLLM's flag makes "auto" a promise: a chat template whose call format no parser reads
+    stops the server at start-up, naming the flag and why."""
+    args = [*SERVER_ARGS, "--chat-template", MISTRAL_STYLE, "--enable-auto-tool-choice"]
+    with pytest.raises(RuntimeError, match="exited with status 2") as caught:
+        with RemoteServer(args):
+            pass
+    assert "error: --enable-auto-tool-choice: no tool-call parser: the chat template renders " in (
+        str(caught.value)
+    )

@@ -1,7 +1,8 @@
 """Tool parsers: find the calls in a chat completion's text (``tool_choice: "auto"``).
 
-``pyxllm serve --enable-auto-tool-choice --tool-call-parser NAME`` picks one by name, as in
-vLLM; the registry (a :class:`~..registry.LazyRegistry`) imports a parser only when it is chosen.
+``pyxllm serve --tool-call-parser NAME`` picks one by name, as in vLLM, and ``auto`` (the
+default) from the chat template (:mod:`.auto`); the registry (a
+:class:`~..registry.LazyRegistry`) imports a parser only when it is chosen.
 """
 
 from __future__ import annotations
