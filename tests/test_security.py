@@ -246,6 +246,16 @@ def test_middleware_streams_checks_every_key_and_the_scheme():
         assert_401(client.get("/v1/stream", headers=headers))
     assert_401(client.post("/tokenize"))
     assert_401(client.get("/nowhere"))
+    # Anthropic's header, alone or beside a Bearer token that is not a key
+    for key in KEYS:
+        assert client.get("/v1/stream", headers={"x-api-key": key}).is_success
+    assert client.get("/v1/stream", headers={"x-api-key": KEYS[1], **bearer("EMPTY")}).is_success
+    for headers in [{"x-api-key": WRONG_KEY}, {"x-api-key": ""}, {"X-API-KEY": KEYS[0] + "x"}]:
+        assert_401(client.get("/v1/stream", headers=headers))
+    # on Anthropic's routes, in Anthropic's error shape
+    refused = client.post("/v1/messages", headers={"x-api-key": WRONG_KEY})
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+    assert refused.json()["error"]["type"] == "authentication_error"
     assert client.get("/health").is_success and client.get("/metrics").is_success
     # no CORS configured: an OPTIONS "preflight" is not let through
     preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}

@@ -4,6 +4,9 @@
 Request validation errors, which FastAPI answers with 422, are answered with 400 here, as
 OpenAI and vLLM do; so are the input processor's refusals (``InvalidRequestError``, naming the
 field).
+
+Anthropic's routes (``/v1/messages``...) answer every error in Anthropic's shape instead
+(:mod:`pyxllm.entrypoints.anthropic.errors`): :func:`error_response` chooses by the path.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 from pyxllm.engine.errors import InvalidRequestError
+from pyxllm.entrypoints.anthropic.errors import ANTHROPIC_PATHS, anthropic_error_body
 from pyxllm.entrypoints.openai.exceptions import OpenAIError
 from pyxllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
@@ -64,15 +69,31 @@ def error_body(message: str, status_code: int = 400, param: str | None = None) -
     )
 
 
+def route_path(scope: Scope) -> str:
+    """The path a route matches: ``scope["path"]`` without the app's ``root_path`` prefix
+    (``--root-path``; a proxy may pass the prefix on or strip it), as Starlette's router
+    matches it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
 def error_response(
     message: str,
     status_code: int = 400,
     param: str | None = None,
     headers: dict[str, str] | None = None,
+    path: str | None = None,
 ) -> JSONResponse:
-    """A JSON error response in the one shape."""
-    body = error_body(message, status_code, param)
-    return JSONResponse(body.model_dump(mode="json"), status_code=status_code, headers=headers)
+    """A JSON error response in the one shape, or in Anthropic's when ``path`` (the route's,
+    :func:`route_path`) is one of Anthropic's routes (which have no ``param``: their messages
+    name the field)."""
+    if path in ANTHROPIC_PATHS:
+        content = anthropic_error_body(_encodable(message), status_code)
+    else:
+        content = error_body(message, status_code, param).model_dump(mode="json")
+    return JSONResponse(content, status_code=status_code, headers=headers)
 
 
 def param_from_message(message: str) -> str | None:
@@ -121,16 +142,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 async def _on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    return error_response(exc.message, exc.status_code, exc.param, exc.headers)
+    path = route_path(request.scope)
+    return error_response(exc.message, exc.status_code, exc.param, exc.headers, path)
 
 
 async def _on_invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
-    return error_response(str(exc), 400, exc.param)
+    return error_response(str(exc), 400, exc.param, path=route_path(request.scope))
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     message, param = _validation_message(exc)
-    return error_response(message, 400, param)
+    return error_response(message, 400, param, path=route_path(request.scope))
 
 
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -138,7 +160,7 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
         message = f"no route for {request.method} {request.url.path}"
     else:
         message = str(exc.detail)
-    response = error_response(message, exc.status_code)
+    response = error_response(message, exc.status_code, path=route_path(request.scope))
     if exc.headers:
         response.headers.update(exc.headers)
     return response
@@ -165,6 +187,7 @@ def unexpected_error_response(request: Request, exc: Exception) -> JSONResponse:
         f"internal error (request id {request_id}; the server's log has the details)",
         500,
         headers={"X-Request-Id": request_id},
+        path=route_path(request.scope),
     )
 
 

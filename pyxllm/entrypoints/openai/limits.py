@@ -7,21 +7,12 @@ from __future__ import annotations
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pyxllm.entrypoints.openai.errors import error_response
-
-
-def route_path(scope: Scope) -> str:
-    """The path a route matches: ``scope["path"]`` without the app's ``root_path`` prefix
-    (``--root-path``; a proxy may pass the prefix on or strip it), as Starlette's router
-    matches it."""
-    path, root = scope["path"], scope.get("root_path", "")
-    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
-        return path[len(root) :] or "/"
-    return path
+from pyxllm.entrypoints.openai.errors import error_response, route_path
 
 
 class BodySizeLimit:
-    """Answers 413 (OpenAI's error shape) for a request body over ``max_bytes`` bytes.
+    """Answers 413 (OpenAI's error shape, Anthropic's on its routes) for a request body over
+    ``max_bytes`` bytes.
 
     A declared ``Content-Length`` over the limit is refused before the body is read; a body
     without one (chunked) is counted as it arrives, and the read that passes the limit raises
@@ -37,7 +28,8 @@ class BodySizeLimit:
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await error_response(self._message(int(declared)), 413)(scope, receive, send)
+            response = error_response(self._message(int(declared)), 413, path=route_path(scope))
+            await response(scope, receive, send)
             return
         received = 0
 
@@ -83,7 +75,9 @@ class AdmissionControl:
                 f"the server is busy ({self.max_requests} requests in progress, "
                 "--max-seqs-per-batch plus --max-waiting-requests); retry later"
             )
-            response = error_response(message, 503, headers={"Retry-After": "1"})
+            response = error_response(
+                message, 503, headers={"Retry-After": "1"}, path=route_path(scope)
+            )
             await response(scope, receive, send)
             return
         self.in_progress += 1

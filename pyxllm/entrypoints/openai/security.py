@@ -2,23 +2,24 @@
 
 API keys. With one or more keys (``--api-key``, repeatable or comma-separated, else the
 ``PYXLLM_API_KEY`` environment variable, comma-separated), every request must send
-``Authorization: Bearer <one of the keys>``, except on the open paths: ``/health`` (load
-balancers and orchestrators probe it without credentials; it says only "up" or "down"),
-``/version``, FastAPI's API description (``/openapi.json``, ``/docs``, ``/redoc``: the schema
-of a public API, and a browser cannot send the header), the chat page's files (``/``,
-``/static/*``; see :mod:`.web_ui`) unless ``--disable-web-ui``, and ``/metrics`` unless
-``--protect-metrics``. So ``/v1/*`` (chat, completions, models, and any route added there
-later), ``/tokenize``, ``/detokenize`` and ``/debug/*`` need a key. Anything else answers
-401 ``AuthenticationError`` in OpenAI's error shape, with ``WWW-Authenticate: Bearer``, before
-the request body is read. A CORS preflight (``OPTIONS`` with ``Origin`` and
+``Authorization: Bearer <one of the keys>`` or ``x-api-key: <one of the keys>`` (Anthropic's
+header), except on the open paths: ``/health`` (load balancers and orchestrators probe it
+without credentials; it says only "up" or "down"), ``/version``, FastAPI's API description
+(``/openapi.json``, ``/docs``, ``/redoc``: the schema of a public API, and a browser cannot
+send the header), the chat page's files (``/``, ``/static/*``; see :mod:`.web_ui`) unless
+``--disable-web-ui``, and ``/metrics`` unless ``--protect-metrics``. So ``/v1/*`` (chat,
+completions, models, and any route added there later), ``/tokenize``, ``/detokenize`` and
+``/debug/*`` need a key. Anything else answers 401 ``AuthenticationError`` in OpenAI's error
+shape (Anthropic's ``authentication_error`` on Anthropic's routes), with ``WWW-Authenticate:
+Bearer``, before the request body is read. A CORS preflight (``OPTIONS`` with ``Origin`` and
 ``Access-Control-Request-Method``) passes without a key when CORS is configured, since browsers
 never send credentials on one.
 
-The supplied token is compared with every key, each through SHA-256 (so lengths are equal) and
-:func:`hmac.compare_digest`, without stopping at a match: the time taken says neither how much
-of a key was right nor which key matched. Keys are never logged (``ServerOptions`` leaves them
-out of its ``repr``, the banner says only that a key is required), and a 401 does not echo what
-the client sent.
+Each token supplied (in either header) is compared with every key, each through SHA-256 (so
+lengths are equal) and :func:`hmac.compare_digest`, without stopping at a match: the time taken
+says neither how much of a key was right nor which key matched. Keys are never logged
+(``ServerOptions`` leaves them out of its ``repr``, the banner says only that a key is
+required), and a 401 does not echo what the client sent.
 
 Where this differs from vLLM: vLLM's ``--api-key`` (``VLLM_API_KEY``) protects only paths
 under ``/v1``, so its ``/tokenize``, ``/detokenize``, ``/metrics`` and debug routes stay open,
@@ -46,8 +47,7 @@ import hmac
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pyxllm.entrypoints.openai.errors import error_response
-from pyxllm.entrypoints.openai.limits import route_path
+from pyxllm.entrypoints.openai.errors import error_response, route_path
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 
 OPEN_PATHS = frozenset(
@@ -55,7 +55,8 @@ OPEN_PATHS = frozenset(
 )
 METRICS_PATH = "/metrics"
 UNAUTHORIZED_MESSAGE = (
-    "missing or invalid API key: send it as the header `Authorization: Bearer <key>`"
+    "missing or invalid API key: send it as the header `Authorization: Bearer <key>` "
+    "(or `x-api-key: <key>`)"
 )
 
 
@@ -76,8 +77,9 @@ def _digest(token: str | bytes) -> bytes:
 
 
 class APIKeyMiddleware:
-    """Answer 401 unless the request sends ``Authorization: Bearer <key>`` with one of
-    ``api_keys``, on every path but the open ones (see the module docstring).
+    """Answer 401 unless the request sends ``Authorization: Bearer <key>`` or ``x-api-key:
+    <key>`` with one of ``api_keys``, on every path but the open ones (see the module
+    docstring).
 
     Args:
         app: the ASGI app to protect.
@@ -112,19 +114,17 @@ class APIKeyMiddleware:
         return False
 
     def key_owner(self, scope: Scope) -> str | None:
-        """Which key the first ``Authorization: Bearer`` header holds, as :func:`key_owner`
-        names it (never the key itself), or ``None`` for none of them."""
-        header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
-        if header is None:
-            return None
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return None
-        supplied = _digest(token.strip())
-        matched = False
-        for digest in self._digests:  # every key, no early exit
-            matched |= hmac.compare_digest(supplied, digest)
-        return supplied.hex()[:16] if matched else None
+        """Which key the request's ``Authorization: Bearer`` or ``x-api-key`` header holds
+        (the first that holds one, in that order), as :func:`key_owner` names it (never the
+        key itself), or ``None`` for none of them."""
+        for token in _supplied_tokens(scope):
+            supplied = _digest(token)
+            matched = False
+            for digest in self._digests:  # every key, no early exit
+                matched |= hmac.compare_digest(supplied, digest)
+            if matched:
+                return supplied.hex()[:16]
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or self.is_open(scope):
@@ -138,9 +138,25 @@ class APIKeyMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})  # policy violation
             return
-        response = error_response(UNAUTHORIZED_MESSAGE, 401)
+        response = error_response(UNAUTHORIZED_MESSAGE, 401, path=route_path(scope))
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
+
+
+def _supplied_tokens(scope: Scope) -> list[bytes]:
+    """The tokens a request offers: the first ``Authorization`` header's, when its scheme is
+    ``Bearer``, and the first ``x-api-key`` header's (Anthropic's SDK sends that one)."""
+    headers = scope.get("headers", ())
+    tokens = []
+    header = next((v for k, v in headers if k == b"authorization"), None)
+    if header is not None:
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() == b"bearer":
+            tokens.append(token.strip())
+    api_key = next((v for k, v in headers if k == b"x-api-key"), None)
+    if api_key is not None:
+        tokens.append(api_key.strip())
+    return tokens
 
 
 def install_security(app, options: ServerOptions, open_paths: frozenset[str] = frozenset()) -> None:
