@@ -2,7 +2,8 @@
 ``run_server(config, options)`` (see :class:`~.server_options.ServerOptions`).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
-(with ``GET`` and ``DELETE /v1/responses/{id}``), ``GET /v1/models``,
+(with ``GET`` and ``DELETE /v1/responses/{id}``), Anthropic's ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (see :mod:`pyxllm.entrypoints.anthropic`), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health`` (200, with a JSON body while data-parallel replicas
 are missing, or 503 when the engine loop died),
 ``GET /debug/stats`` (``engine.stats()``: running/waiting requests, KV blocks in use),
@@ -47,6 +48,8 @@ from pyxllm.distributed.errors import DistributedError
 from pyxllm.engine.async_engine import AsyncEngine
 from pyxllm.engine.data_parallel.client import DataParallelEngine
 from pyxllm.engine.protocol import EngineClient
+from pyxllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pyxllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pyxllm.entrypoints.openai.access_log import AccessLog
 from pyxllm.entrypoints.openai.errors import (
     OpenAIError,
@@ -158,6 +161,8 @@ ADMITTED_PATHS = (
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/tokenize",
     "/detokenize",
 )
@@ -185,6 +190,21 @@ async def create_response(request: ResponsesRequest, raw_request: Request) -> Re
     _check_fields(request, raw_request)
     handler: OpenAIServingResponses = raw_request.app.state.openai_serving_responses
     return await handler.create_response(request, raw_request)
+
+
+@router.post("/v1/messages")
+async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
+    """Anthropic's Messages API, streamed (SSE events) or not (see
+    :mod:`pyxllm.entrypoints.anthropic.serving_messages`)."""
+    handler: AnthropicServingMessages = raw_request.app.state.anthropic_serving_messages
+    return await handler.create_message(request, raw_request)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_message_tokens(request: CountTokensRequest, raw_request: Request) -> JSONResponse:
+    """The input tokens of an Anthropic Messages request: ``{"input_tokens"}``."""
+    handler: AnthropicServingMessages = raw_request.app.state.anthropic_serving_messages
+    return await handler.count_tokens(request)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -256,6 +276,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     app.state.openai_serving_chat = OpenAIServingChat(engine, options)
     app.state.openai_serving_completion = OpenAIServingCompletion(engine, options)
     app.state.openai_serving_responses = OpenAIServingResponses(app.state.openai_serving_chat)
+    app.state.anthropic_serving_messages = AnthropicServingMessages(app.state.openai_serving_chat)
     app.state.openai_serving_tokenization = OpenAIServingTokenization(
         engine, app.state.openai_serving_chat, options.enable_tokenizer_info_endpoint
     )

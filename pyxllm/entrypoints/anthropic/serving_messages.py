@@ -1,0 +1,146 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic's Messages API).
+
+A Messages request is served by chat completions' code, as vLLM and SGLang serve it: it
+becomes a chat request (:mod:`.messages_input`), goes through
+:meth:`OpenAIServingChat.prepare_chat` (sampling parameters, tools, the chat template, the
+input processor, a forced call's constraint), runs as a chat request does, and what chat makes
+of the reply becomes content blocks (:mod:`.messages_output`) or Anthropic's stream events
+(:mod:`.messages_stream`). Errors name Anthropic's fields (``stop_sequences``,
+``tools[0].input_schema``) where chat's code names its own, and take Anthropic's shape
+(:mod:`.errors`, chosen by the route).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pyxllm.engine.errors import InvalidRequestError
+from pyxllm.entrypoints.anthropic.messages_input import chat_request, check_supported
+from pyxllm.entrypoints.anthropic.messages_output import content_blocks, message_usage, stop_reason
+from pyxllm.entrypoints.anthropic.messages_stream import STOPPED, MessagesEvents
+from pyxllm.entrypoints.anthropic.protocol import (
+    CountTokensRequest,
+    Message,
+    MessagesRequest,
+    TokensCount,
+)
+from pyxllm.entrypoints.openai.errors import OpenAIError
+from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pyxllm.entrypoints.openai.serving_engine import ClientDisconnected
+from pyxllm.entrypoints.openai.tools import plan_tools
+
+_RENAMES = (
+    (re.compile(r"\btools\[(\d+)\]\.function\.parameters\b"), r"tools[\1].input_schema"),
+    (re.compile(r"^stop\b"), "stop_sequences"),
+    (re.compile(r"^messages\[\d+\]"), "messages"),  # chat's turns are not the request's
+    (
+        re.compile(r'send "required", a named function or "none"'),
+        'send tool_choice {"type": "any"}, {"type": "tool", "name": ...} or {"type": "none"}',
+    ),
+)
+
+
+def messages_field(text: str | None) -> str | None:
+    """A chat error's message or field with the Messages API's field names."""
+    if text is None:
+        return None
+    for pattern, name in _RENAMES:
+        text = pattern.sub(name, text)
+    return text
+
+
+@contextmanager
+def messages_field_names() -> Iterator[None]:
+    """Re-raise chat's request errors with the Messages API's field names."""
+    try:
+        yield
+    except OpenAIError as exc:
+        raise OpenAIError(
+            messages_field(exc.message), exc.status_code, messages_field(exc.param), exc.headers
+        ) from exc
+    except InvalidRequestError as exc:
+        raise OpenAIError(messages_field(str(exc)), 400, messages_field(exc.param)) from exc
+
+
+class AnthropicServingMessages:
+    """Serves Anthropic's Messages API through a chat completions handler (its engine, parsers
+    and checks; see the module docstring).
+
+    Args:
+        chat: the server's chat completions handler.
+    """
+
+    def __init__(self, chat: OpenAIServingChat) -> None:
+        self.chat = chat
+
+    async def create_message(self, request: MessagesRequest, raw_request: Request) -> Response:
+        """Answer one Messages request, streamed (Anthropic's SSE events) or not.
+
+        Raises:
+            OpenAIError: 400 naming a field that is invalid or cannot be honoured, 404 for an
+                unknown model, 503 when the engine cannot serve, 500 when it stopped the
+                request.
+        """
+        chat = self.chat
+        chat.check_model(request.model)
+        chat.check_health()
+        chat.check_not_draining()
+        check_supported(request)
+        message_id = f"msg_{uuid.uuid4().hex}"
+        served_as = chat_request(request)
+        with messages_field_names():
+            prepared = await chat.prepare_chat(served_as, message_id)
+        engine_request = prepared.engine_request
+        if request.stream:
+            token_bytes = chat.engine.tokenizer.token_bytes
+            events = MessagesEvents(message_id, prepared, chat.model_name, token_bytes)
+            return chat.stream(engine_request, events, include_usage=True)
+        try:
+            with messages_field_names():
+                final = await chat.generate_full(engine_request, raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        completion = final.outputs[0]
+        choice = chat.full_choice(
+            completion, engine_request.sampling_params, prepared.reasoning, prepared.tools
+        )
+        reason = stop_reason(choice.finish_reason, completion.stop_reason)
+        if reason is None:
+            raise OpenAIError(f"{STOPPED} (request id {message_id})", 500)
+        response = Message(
+            id=message_id,
+            content=content_blocks(choice.message),
+            model=chat.model_name,
+            stop_reason=reason[0],
+            stop_sequence=reason[1],
+            usage=message_usage(
+                len(engine_request.prompt_token_ids),
+                len(completion.token_ids),
+                final.num_cached_tokens or 0,
+            ),
+        )
+        return JSONResponse(response.model_dump(mode="json"))
+
+    async def count_tokens(self, request: CountTokensRequest) -> JSONResponse:
+        """``{"input_tokens"}``: the length of the prompt ``request`` would have as a Messages
+        request (system, messages and the tools it offers, rendered by the chat template), what
+        such a request's ``usage`` reports (``input_tokens`` plus ``cache_read_input_tokens``).
+
+        Raises:
+            OpenAIError: 400 naming a field that is invalid or cannot be honoured, 404 for an
+                unknown model.
+        """
+        chat = self.chat
+        chat.check_model(request.model)
+        check_supported(request)
+        served_as = chat_request(request)
+        with messages_field_names():
+            tools = plan_tools(served_as, chat.tool_parser)
+            tokens = await chat.tokenize(chat.chat_prompt(served_as, tools.mode != "none"))
+        return JSONResponse(TokensCount(input_tokens=len(tokens.token_ids)).model_dump())
