@@ -15,6 +15,7 @@ import anthropic
 import httpx
 import jsonschema
 import openai
+import partial_json_parser
 import pytest
 
 from pyxllm.engine.input_processor import EngineRequest
@@ -322,6 +323,35 @@ def test_a_forced_tool_call_and_its_results_turn(client, openai_client, tool_cho
     ]
     assert answer.stop_reason == expected_stop(chat_answer.choices[0].finish_reason)
     assert_usage_is_chats(answer.usage, chat_answer)
+
+
+def test_a_call_cut_short_by_max_tokens_holds_what_was_written(client, openai_client):
+    """``max_tokens`` inside a forced call: ``stop_reason`` ``max_tokens``, and ``input`` what
+    chat's cut arguments hold (their last string as far as it was written)."""
+    ask = {
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [TOOL],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+    }
+    message, reference = run_together(
+        lambda: create(client, **ask),
+        lambda: chat(
+            openai_client,
+            ask["messages"],
+            max_tokens=8,
+            tools=[CHAT_TOOL],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        ),
+    )
+    choice = reference.choices[0]
+    [expected] = choice.message.tool_calls
+    assert choice.finish_reason == "length" and message.stop_reason == "max_tokens"
+    [call] = message.content
+    assert call.type == "tool_use" and call.input
+    assert call.input == partial_json_parser.loads(expected.function.arguments)
+    with pytest.raises(ValueError):  # cut short indeed
+        json.loads(expected.function.arguments)
 
 
 def test_count_tokens_is_the_prompt_a_message_reports(client):

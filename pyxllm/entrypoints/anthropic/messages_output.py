@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import partial_json_parser
+
 from pyxllm.entrypoints.anthropic.protocol import (
     ContentBlock,
     StopReason,
@@ -35,12 +37,17 @@ def stop_reason(
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
-    """A call's ``input``: its JSON arguments as an object (``{}`` for arguments that are not
-    a JSON object; the parsers and the forced calls' grammars write objects)."""
+    """A call's ``input``: its JSON arguments as an object. Arguments cut short (``max_tokens``
+    came first) give what they hold so far, their last value as written (a string's start);
+    ``{}`` for arguments that are not a JSON object, which the parsers and the forced calls'
+    grammars do not write."""
     try:
         value = json.loads(arguments or "{}")
     except ValueError:
-        return {}
+        try:
+            value = partial_json_parser.loads(arguments)
+        except Exception:  # noqa: BLE001 - not even the start of a JSON value
+            return {}
     return value if isinstance(value, dict) else {}
 
 
