@@ -17,14 +17,21 @@ import jsonschema
 import openai
 import partial_json_parser
 import pytest
+from pydantic import TypeAdapter
 
 from pyxllm.engine.input_processor import EngineRequest
+from pyxllm.entrypoints.anthropic.messages_input import chat_messages, chat_request
+from pyxllm.entrypoints.anthropic.messages_output import content_blocks
 from pyxllm.entrypoints.anthropic.messages_stream import MessagesEvents
+from pyxllm.entrypoints.anthropic.protocol import CountTokensRequest, ToolChoiceParam, ToolParam
+from pyxllm.entrypoints.openai.chat_choices import chat_message
 from pyxllm.entrypoints.openai.errors import OpenAIError, error_response
+from pyxllm.entrypoints.openai.reasoning.think_tags import ThinkTagReasoningParser
 from pyxllm.entrypoints.openai.serving_chat import PreparedChat
 from pyxllm.entrypoints.openai.tools import ToolPlan
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.sampling_params import SamplingParams
+from tests.test_reasoning import TextTokenizer
 from tests.utils import RemoteServer, run_together, tool_calling_server_args
 
 MODEL = "smollm2-anthropic"
@@ -180,6 +187,9 @@ def test_a_streamed_answer_is_the_unstreamed_one_in_anthropics_events(client, se
     )
     names = [name for name, _ in events]
     assert [data["type"] for _, data in events] == names  # each event's name is its type
+    adapter = TypeAdapter(anthropic.types.RawMessageStreamEvent)  # each the SDK's type
+    for name, data in events:
+        assert name == "ping" or adapter.validate_python(data).type == name
     deltas = names.count("content_block_delta")
     assert deltas >= 1 and names == [
         "message_start",
@@ -510,11 +520,12 @@ def test_the_middlewares_errors_take_anthropics_shape_on_its_routes():
         assert body["error"]["code"] == status and body["error"]["param"] == "x"
 
 
-def stream_of(*outputs: RequestOutput | Exception) -> str:
-    """The events a Messages stream sends for ``outputs`` (an exception: the engine raised)."""
+def stream_of(*outputs: RequestOutput | Exception, reasoning=None) -> str:
+    """The events a Messages stream sends for ``outputs`` (an exception: the engine raised),
+    its text split by the ``reasoning`` parser if given."""
     request = EngineRequest("msg_1", [1, 2, 3], None, SamplingParams(max_tokens=8), 0.0)
     events = MessagesEvents(
-        "msg_1", PreparedChat(request, None, ToolPlan("none")), MODEL, lambda t: b""
+        "msg_1", PreparedChat(request, reasoning, ToolPlan("none")), MODEL, lambda t: b""
     )
     sent = list(events.opening())
     for output in outputs:
@@ -539,3 +550,109 @@ def test_a_stream_the_engine_stops_or_fails_ends_with_an_error_event():
         assert name == "event: error"
         assert json.loads(data.removeprefix("data: "))["error"]["type"] == error_type
         assert "message_stop" not in text and "event: content_block_delta" in text
+
+
+def parse_events(text: str) -> list:
+    """The SDK's models of a stream's events (each validated), from their ``data:`` lines."""
+    adapter = TypeAdapter(anthropic.types.RawMessageStreamEvent)
+    return [
+        adapter.validate_json(line.removeprefix("data: "))
+        for line in text.splitlines()
+        if line.startswith("data: ") and '"type":"ping"' not in line
+    ]
+
+
+def test_reasoning_streams_as_a_thinking_block_before_the_text():
+    """With a reasoning parser, the thinking is a ``thinking`` block (``thinking_delta``s)
+    before the ``text`` block, as the whole answer's content blocks have them."""
+    parser = ThinkTagReasoningParser(TextTokenizer())
+    texts = ["<think>Hmm", "<think>Hmm, Paris.</think>", "<think>Hmm, Paris.</think>Paris."]
+    outputs = [
+        RequestOutput("msg_1", None, [1, 2, 3], [CompletionOutput(0, text, [5] * (i + 1))])
+        for i, text in enumerate(texts)
+    ]
+    outputs[-1].outputs[0].finish_reason = "stop"
+    events = parse_events(stream_of(*outputs, reasoning=parser))
+    starts = [(e.index, e.content_block.type) for e in events if e.type == "content_block_start"]
+    assert starts == [(0, "thinking"), (1, "text")]
+    thinking = "".join(
+        e.delta.thinking for e in events if e.type == "content_block_delta" and e.index == 0
+    )
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.index == 1)
+    whole = content_blocks(chat_message(texts[-1], parser))
+    assert [b.model_dump() for b in whole] == [
+        {"type": "thinking", "thinking": thinking, "signature": ""},
+        {"type": "text", "text": text, "citations": None},
+    ]
+    assert (thinking, text) == ("Hmm, Paris.", "Paris.")
+    assert [e.type for e in events[-3:]] == ["content_block_stop", "message_delta", "message_stop"]
+    assert events[-2].delta.stop_reason == "end_turn" and events[-2].usage.output_tokens == 3
+
+
+def test_blocks_become_chats_messages():
+    """Each block type where chat has it: text joined, tool_use a call with JSON arguments,
+    thinking the turn's reasoning, tool_result a tool message in its place (an error's text
+    marked), a system turn a system message."""
+    request = CountTokensRequest(
+        model=MODEL,
+        system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Look it up.", "signature": "s"},
+                    {"type": "text", "text": "Let me look."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"x": 1}},
+                    {"type": "tool_use", "id": "toolu_2", "name": "g", "input": {}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "1"},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_2",
+                        "content": [{"type": "text", "text": "no g"}],
+                        "is_error": True,
+                    },
+                    {"type": "text", "text": "So?"},
+                ],
+            },
+            {"role": "system", "content": "Answer now."},
+        ],
+    )
+    calls = [
+        {"id": "toolu_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+        {"id": "toolu_2", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+    ]
+    assert chat_messages(request) == [
+        {"role": "system", "content": "Be brief.\nBe kind."},
+        {"role": "user", "content": "A\nB"},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": calls,
+            "reasoning_content": "Look it up.",
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "1"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no g"},
+        {"role": "user", "content": "So?"},
+        {"role": "system", "content": "Answer now."},
+    ]
+    served = chat_request(request)
+    assert served.tool_choice is None and served.parallel_tool_calls is True
+    request.tools = [ToolParam(**TOOL)]
+    for choice, expected, parallel in [
+        ({"type": "auto"}, "auto", True),
+        ({"type": "any", "disable_parallel_tool_use": True}, "required", False),
+        ({"type": "none"}, "none", True),
+    ]:
+        request.tool_choice = ToolChoiceParam(**choice)
+        served = chat_request(request)
+        assert (served.tool_choice, served.parallel_tool_calls) == (expected, parallel)
+    assert served.tools[0].function.parameters == WEATHER
