@@ -138,6 +138,9 @@ class MessagesEvents(ChatEvents):
         return ""  # the engine's outputs ended without a finish reason: closing says so
 
     def closing(self, usage: UsageInfo | None) -> Iterator[str]:
+        """The open block's stop, ``message_delta`` (with the counts this stream kept: the
+        ``usage`` chat's stream passes is not asked for) and ``message_stop``; an ``error``
+        event instead when the engine stopped the request."""
         reason = None if self.finish is None else stop_reason(*self.finish)
         if reason is None:
             yield error_event(STOPPED, 500)

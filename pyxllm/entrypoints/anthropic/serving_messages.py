@@ -100,7 +100,7 @@ class AnthropicServingMessages:
         if request.stream:
             token_bytes = chat.engine.tokenizer.token_bytes
             events = MessagesEvents(message_id, prepared, chat.model_name, token_bytes)
-            return chat.stream(engine_request, events, include_usage=True)
+            return chat.stream(engine_request, events, include_usage=False)
         try:
             with messages_field_names():
                 final = await chat.generate_full(engine_request, raw_request)
