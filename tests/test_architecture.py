@@ -346,9 +346,9 @@ def _provided_members(cls) -> set[str]:
 
 
 def test_the_server_uses_the_engine_only_through_engine_client():
-    """The OpenAI layer reaches for no engine member that ``EngineClient`` does not declare,
-    and both engines the server runs provide every member themselves (none falls back to the
-    protocol's empty body)."""
+    """The API server's layers (OpenAI's and Anthropic's routes) reach for no engine member
+    that ``EngineClient`` does not declare, and both engines the server runs provide every
+    member themselves (none falls back to the protocol's empty body)."""
     from pyxllm.engine.async_engine import AsyncEngine
     from pyxllm.engine.data_parallel.client import DataParallelEngine
     from pyxllm.engine.protocol import EngineClient
@@ -360,8 +360,9 @@ def test_the_server_uses_the_engine_only_through_engine_client():
     }
     assert {"generate", "input_processor", "metrics", "shutdown"} <= members
     used = set()
-    for path in (ROOT / "entrypoints" / "openai").rglob("*.py"):
-        used |= _engine_attributes_used(path.read_text())
+    for server_side in ("openai", "anthropic"):
+        for path in (ROOT / "entrypoints" / server_side).rglob("*.py"):
+            used |= _engine_attributes_used(path.read_text())
     assert used and used <= members, sorted(used - members)
     for cls in (AsyncEngine, DataParallelEngine):
         assert EngineClient in cls.__mro__
