@@ -27,19 +27,10 @@ def free_port() -> int:
 
 
 def tool_calling_server_args(model: str) -> list[str]:
-    """Flags of a server on the default model serving tool calls (hermes' parser) under
-    ``model``, as the tool-calling and Responses tests start it."""
-    return [
-        "--served-model-name",
-        model,
-        "--max-model-len",
-        "2048",
-        "--kv-cache-memory",
-        "0.25",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-    ]
+    """Flags of a server on the default model under ``model``, as the tool-calling,
+    Responses and Messages tests start it: no tool flags, as ``tool_choice: "auto"`` works
+    with the parser chosen from the chat template (hermes' for the default model)."""
+    return ["--served-model-name", model, "--max-model-len", "2048", "--kv-cache-memory", "0.25"]
 
 
 class RemoteServer:

@@ -59,7 +59,7 @@ def content_blocks(message: ChatMessage) -> list[ContentBlock]:
         blocks.append(ThinkingBlock(thinking=message.reasoning_content))
     if message.content:
         blocks.append(TextBlock(text=message.content))
-    for call in message.tool_calls:
+    for call in message.tool_calls or ():
         function = call.function
         blocks.append(
             ToolUseBlock(id=call.id, name=function.name, input=tool_input(function.arguments))
