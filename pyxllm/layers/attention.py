@@ -108,3 +108,24 @@ class Attention(nn.Module):
             self.logits_soft_cap,
         )
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+
+class EncoderAttention(nn.Module):
+    """Bidirectional multi-head attention of an encoder (BERT's): each token attends to every
+    token of its own sequence in the step, which holds whole sequences; no KV cache.
+
+    ``forward(q, k, v [T, heads*head_dim])`` returns ``[T, heads*head_dim]``, through the
+    forward context's step (``pyxllm.attention.encoder.EncoderAttentionStep``), called with no
+    caches.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        shape = (-1, self.num_heads, self.head_dim)
+        out = get_forward_context().attn.forward(
+            q.view(shape), k.view(shape), v.view(shape), None, None, self.scale
+        )
+        return out.reshape(-1, self.num_heads * self.head_dim)

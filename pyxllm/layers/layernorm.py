@@ -1,8 +1,9 @@
-"""RMSNorm with an optional fused residual add."""
+"""RMSNorm with an optional fused residual add, and LayerNorm (BERT's)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pyxllm import kernels
@@ -24,3 +25,17 @@ class RMSNorm(nn.Module):
         if residual is None:
             return kernels.ops.rms_norm(x, self.weight, self.eps)
         return kernels.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dimension (``hidden_size``): weight and bias ``[hidden_size]``
+    (BERT's ``LayerNorm``); ``forward(x [..., hidden_size])`` -> the same shape and dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-12) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)

@@ -32,7 +32,33 @@ MODEL_REGISTRY: dict[str, RegisteredModel] = {
     "Qwen3MoeForCausalLM": RegisteredModel("pyxllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Gemma2ForCausalLM": RegisteredModel("pyxllm.models.gemma3", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": RegisteredModel("pyxllm.models.gemma3", "Gemma3ForCausalLM"),
+    # encoders for the embed task (sentence-transformers' all-MiniLM-L6-v2)
+    "BertModel": RegisteredModel("pyxllm.models.bert", "BertModel"),
 }
+# architectures that pool rather than generate: run with --task embed only
+POOLING_ARCHITECTURES = frozenset({"BertModel"})
+
+
+def check_task(config, task: str) -> None:
+    """Check that ``config.architectures`` runs the engine task ``task`` (``generate`` or
+    ``embed``), before any model module is imported.
+
+    Raises:
+        ValueError: an encoder for ``generate``, or a model without pyxllm's pooling for
+            ``embed`` (naming the architecture and the ``--task`` that fits).
+    """
+    archs = list(getattr(config, "architectures", None) or [])
+    pooling = any(arch in POOLING_ARCHITECTURES for arch in archs)
+    if task == "embed" and not pooling:
+        raise ValueError(
+            f"--task embed: architecture {', '.join(archs) or '(none)'} has no pooling in pyxllm; "
+            f"embedding models: {', '.join(sorted(POOLING_ARCHITECTURES))}"
+        )
+    if task != "embed" and pooling:
+        raise ValueError(
+            f"architecture {', '.join(archs)} is an encoder that makes embeddings, not text: "
+            "serve it with --task embed"
+        )
 
 
 def supported_architectures() -> list[str]:

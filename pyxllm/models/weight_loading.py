@@ -88,7 +88,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     Names are routed through the model's ``expert_params_mapping`` first, then its
     ``packed_modules_mapping`` (see the module docstring), after the model's
     ``rename_checkpoint_tensor(name) -> name`` where it has one (the transformers backend's
-    renamings). A tied LM head is skipped.
+    renamings; ``None`` skips a tensor the model does not use). A tied LM head is skipped.
 
     Raises:
         ValueError: a checkpoint tensor with no parameter to go to, a piece of a parameter the
@@ -103,7 +103,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     loaded: set[_Piece] = set()
     for name, tensor in weights:
         key = name if rename is None else rename(name)
-        if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+        if key is None or key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
             continue
         piece = _route(key, packed, experts)
         target, shard_id, expert_id = piece

