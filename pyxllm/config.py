@@ -45,6 +45,9 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # which code runs the model (vLLM's --model-impl); xLLM's "python" is pyxllm's own
 MODEL_IMPLS = ("auto", "pyxllm", "transformers")
 MODEL_IMPL_ALIASES = {"python": "pyxllm"}
+# what the engine serves (vLLM's --task): text (generate) or embeddings (embed: an encoder model
+# and a pooler, see pyxllm.executor.pooling_executor)
+TASKS = ("generate", "embed")
 # xLLM's spellings of --graph-backend, and ours, -> the runner kind
 GRAPH_BACKEND_ALIASES = {
     "auto": "auto",
@@ -74,6 +77,9 @@ class EngineConfig:
     - ``tokenizer``: the tokenizer and chat template come from this directory, ``.gguf`` file or
       model id (at ``tokenizer_revision``) instead of the model (for a GGUF model: instead of
       its embedded vocabulary). ``None`` takes the model's.
+    - ``task``: ``generate`` (text) or ``embed`` (embeddings: an encoder model such as
+      all-MiniLM-L6-v2, the embedded one when ``model`` is ``None``; one rank, no chunked
+      prefill or prefix cache, see ``pyxllm.executor.pooling_executor``).
     - ``model_impl``: ``pyxllm`` (its native model code; xLLM's ``python`` is read as this),
       ``transformers`` (transformers' model code with pyxllm's paged attention, see
       ``pyxllm.models.transformers_backend``), or ``auto``: native where pyxllm has the
@@ -147,6 +153,7 @@ class EngineConfig:
     tokenizer: str | None = None
     tokenizer_revision: str | None = None
     served_model_name: tuple[str, ...] | None = None
+    task: str = "generate"
     model_impl: str = "auto"
     dtype: str = "auto"
     quantization: str | None = "auto"
@@ -299,9 +306,26 @@ class EngineConfig:
                 "tokenizer follows --revision)"
             )
 
+    def _check_task(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"--task: must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.task != "embed":
+            return
+        for name, given in (
+            ("tensor_parallel_size", self.world_size > 1),
+            ("speculative_config", self.speculative_config is not None),
+            ("gguf_file", self.gguf_file is not None),
+        ):
+            if given:
+                raise ValueError(
+                    f"--{name.replace('_', '-')}: not with --task embed (an embedding model runs "
+                    "on one rank, from a Hugging Face directory, and generates nothing)"
+                )
+
     def __post_init__(self) -> None:
         self._check_parallel()
         self._check_sources()
+        self._check_task()
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(
                 "--structured-outputs-backend: must be one of "

@@ -73,3 +73,29 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_tensor: torch.Tensor | None = None
     num_cached_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """An embedding request's result (vLLM's ``PoolingOutput``): ``data``, the pooled vector,
+    ``float32 [dimensions]`` on the CPU (the model's ``hidden_size`` unless the request asked
+    for fewer dimensions), L2-normalized where the model (or the request) normalizes."""
+
+    data: torch.Tensor
+
+    @property
+    def embedding(self) -> list[float]:
+        """``data`` as a list of floats (vLLM's ``EmbeddingOutput.embedding``)."""
+        return self.data.tolist()
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """The result of one embedding request (vLLM's ``PoolingRequestOutput``; the embed task):
+    it comes once, finished, after the step that computed its prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True

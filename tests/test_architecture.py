@@ -19,7 +19,7 @@ import textwrap
 import pyxllm
 
 ROOT = pathlib.Path(pyxllm.__file__).parent
-SHARED = {"config", "speculative_config", "sampling_params", "outputs"}
+SHARED = {"config", "speculative_config", "sampling_params", "pooling_params", "outputs"}
 # The pyxllm command: it binds every other unit (the benchmarks' subcommands included).
 CLI_MODULES = {
     "entrypoints/cli.py",
@@ -34,6 +34,7 @@ ALLOWED = {
     "distributed": set(),
     "weights": {"lazy_exports"},
     "sampling_params": set(),
+    "pooling_params": set(),
     "speculative_config": set(),
     "outputs": set(),
     # parses --master-addr with distributed's parser, and --speculative-config

@@ -64,6 +64,8 @@ class AsyncEngine(EngineClient):
             the engine (the processor is thread-safe: callers process a request, then
             :meth:`generate` it).
         max_num_seqs: the most requests the engine runs at once (``--max-seqs-per-batch``).
+        task: ``--task``: ``generate`` (text) or ``embed`` (embedding requests, whose one
+            output is a ``PoolingRequestOutput``).
         data_parallel_size: 1 (one engine; see :mod:`pyxllm.engine.data_parallel` for more).
         metrics: the engine's :class:`~pyxllm.engine.metrics.EngineMetrics` (thread-safe to scrape).
     """
@@ -78,6 +80,7 @@ class AsyncEngine(EngineClient):
         self.served_model_names = engine.served_model_names
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.config.max_seqs_per_batch
+        self.task = engine.config.task
         self.metrics = engine.metrics
         self._streams: dict[str, RequestStream] = {}
         self._loop = EngineLoop(engine, self, stats_interval)

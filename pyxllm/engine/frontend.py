@@ -21,11 +21,13 @@ from pyxllm.weights import (
     resolve_model_source,
     resolve_tokenizer_source,
 )
+from pyxllm.weights.pooling_config import load_pooling_config
 
 
 def resolve_max_model_len(config: EngineConfig, model_config) -> int:
     """The context limit in tokens: ``--max-model-len``, else the model's
-    ``max_position_embeddings``.
+    ``max_position_embeddings`` (for the embed task, see :meth:`EngineFrontend.load`: capped to
+    sentence-transformers' ``max_seq_length``).
 
     Raises:
         ValueError: the flag exceeds the model's limit, or neither is known (naming the flag).
@@ -78,10 +80,14 @@ class EngineFrontend:
                 budget a whole prompt cannot fit without chunked prefill (naming the flag).
         """
         source = resolve_model_source(
-            config.model, config.revision, config.download_dir, config.gguf_file
+            config.model, config.revision, config.download_dir, config.gguf_file, config.task
         )
         model_config = load_model_config(source)
         max_model_len = resolve_max_model_len(config, model_config)
+        if config.task == "embed" and config.max_model_len is None and source.kind == "hf":
+            # sentence-transformers' max_seq_length, as vLLM takes it: what the model embeds
+            seq_len = load_pooling_config(source.path, "CLS").max_seq_length
+            max_model_len = min(max_model_len, seq_len or max_model_len)
         budget = config.token_budget(max_model_len)
         if not config.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(
@@ -128,4 +134,5 @@ class EngineFrontend:
             block_size=self.config.block_size,
             generation_defaults=self.defaults.sampling,
             structured_outputs=structured_outputs,
+            embedding_size=self.model_config.hidden_size if self.config.task == "embed" else None,
         )

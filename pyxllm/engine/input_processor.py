@@ -33,6 +33,7 @@ from typing import Any
 from pyxllm.engine.errors import InvalidRequestError
 from pyxllm.engine.structured_output import GrammarHandle, StructuredOutputManager
 from pyxllm.engine.tokenizer import Tokenizer
+from pyxllm.pooling_params import PoolingParams
 from pyxllm.sampling_params import SamplingParams
 
 
@@ -93,6 +94,8 @@ class EngineRequest:
         constrain_after: token ids that end the model's reasoning (``</think>``): the
             constraint applies to what follows them in the output, not to the reasoning
             (vLLM's behaviour); empty: from the first token.
+        pooling_params: an embedding request's (see :meth:`InputProcessor.process_pooling`),
+            ``None`` for generation.
     """
 
     request_id: str
@@ -102,6 +105,7 @@ class EngineRequest:
     arrival_time: float
     grammar: GrammarHandle | None = None
     constrain_after: tuple[int, ...] = ()
+    pooling_params: PoolingParams | None = None
 
 
 class InputProcessor:
@@ -119,6 +123,8 @@ class InputProcessor:
             (:class:`~pyxllm.weights.GenerationDefaults.sampling`: ``temperature``, ``top_p``,
             ``top_k``, ``min_p``, ``repetition_penalty``, ``max_tokens``; those present).
         structured_outputs: compiles constraints; ``None`` refuses them.
+        embedding_size: an embedding model's vector length (``hidden_size``; the embed task),
+            the most ``dimensions`` a request may ask for; ``None`` for generation.
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class InputProcessor:
         block_size: int,
         generation_defaults: Mapping[str, float | int] | None = None,
         structured_outputs: StructuredOutputManager | None = None,
+        embedding_size: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -139,6 +146,7 @@ class InputProcessor:
         self.block_size = block_size
         self.generation_defaults = dict(generation_defaults or {})
         self.structured_outputs = structured_outputs
+        self.embedding_size = embedding_size
 
     def process(
         self,
@@ -188,6 +196,74 @@ class InputProcessor:
         return EngineRequest(
             request_id, ids, tokens.text, params, now, grammar, constrain_after if grammar else ()
         )
+
+    def process_pooling(
+        self,
+        request_id: str,
+        prompt: str | TokensPrompt,
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        arrival_time: float | None = None,
+    ) -> EngineRequest:
+        """The validated embedding request for ``prompt`` (text, tokenized with special tokens,
+        or token ids): prefill only, its output a pooled vector (vLLM's pooling requests).
+
+        Args:
+            truncate_prompt_tokens: keep at most this many tokens (``-1``: ``max_model_len``):
+                text is tokenized with the tokenizer's truncation (a BERT tokenizer keeps
+                ``[CLS]``, the first tokens and ``[SEP]``), token ids keep their last ones
+                (vLLM's rules); ``None``: a longer prompt is refused.
+
+        Raises:
+            InvalidRequestError: an empty prompt, a token id outside the vocabulary, a prompt
+                longer than ``max_model_len`` without truncation (naming ``input``), a bad
+                ``truncate_prompt_tokens`` or ``dimensions``.
+        """
+        params = pooling_params or PoolingParams()
+        size = self.embedding_size
+        if size is not None and (params.dimensions or 0) > size:
+            raise InvalidRequestError(
+                f"dimensions: {params.dimensions} exceeds the model's embedding size ({size})",
+                "dimensions",
+            )
+        limit = truncate_prompt_tokens
+        if limit == -1:
+            limit = self.max_model_len
+        if limit is not None and not 1 <= limit <= self.max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens: must be -1 or in [1, {self.max_model_len}] "
+                f"(max_model_len), got {truncate_prompt_tokens}",
+                "truncate_prompt_tokens",
+            )
+        if isinstance(prompt, TokensPrompt):
+            ids = [int(t) for t in prompt.token_ids]
+            if limit is not None:
+                ids = ids[len(ids) - limit :] if len(ids) > limit else ids
+            text, param = prompt.text, prompt.param
+        else:
+            text, param = prompt, "input"
+            try:
+                if limit is None:
+                    ids = self.tokenizer.encode(text)
+                else:
+                    ids = list(
+                        self.tokenizer.hf(text, truncation=True, max_length=limit)["input_ids"]
+                    )
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequestError(f"input: cannot be tokenized ({exc})", "input") from exc
+        if not ids or text == "":
+            raise InvalidRequestError(f"{param}: must not be empty", param)
+        self.check_token_ids(ids, param)
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum input length is {self.max_model_len} tokens "
+                f"(max_model_len), but the input has {len(ids)} tokens; shorten it or set "
+                "truncate_prompt_tokens.",
+                param,
+            )
+        now = time.monotonic() if arrival_time is None else arrival_time
+        sampling = SamplingParams(max_tokens=1)
+        return EngineRequest(request_id, ids, text, sampling, now, pooling_params=params)
 
     def tokenize(self, prompt: str | TextPrompt | ChatPrompt) -> TokensPrompt:
         """The token ids of a text or chat prompt (a ``str`` is a :class:`TextPrompt`).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -20,7 +21,7 @@ from pyxllm.engine.scheduler import Scheduler
 from pyxllm.executor.abstract import Executor
 from pyxllm.executor.factory import build_executor
 from pyxllm.executor.scheduler_output import SchedulerOutput
-from pyxllm.outputs import CompletionOutput, RequestOutput
+from pyxllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from pyxllm.platforms import resolve_platform, set_current_platform
 from pyxllm.sampling_params import SamplingParams
 
@@ -30,12 +31,23 @@ logger = logging.getLogger("pyxllm")
 class LLMEngine:
     """Loads a model and runs continuous batching over it, one ``step()`` at a time.
 
+    With ``--task embed`` the requests are embedding requests
+    (:meth:`InputProcessor.process_pooling`), scheduled as generation requests are, each a
+    whole prompt in one step (no chunked prefill, no prefix cache: an encoder's attention is
+    bidirectional, so no prefix of a prompt is computed alone), run by the
+    :class:`~pyxllm.executor.pooling_executor.PoolingExecutor`; each finishes in the step that
+    computes it, with a :class:`PoolingRequestOutput`.
+
     Raises (at construction):
         ValueError: a bad flag value, a model that cannot be found or loaded (``ModelLoadError``),
             an unsupported architecture.
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.task == "embed":  # whole prompts, each step (see the class docstring)
+            config = dataclasses.replace(
+                config, enable_chunked_prefill=False, enable_prefix_cache=False
+            )
         self.config = config
         platform = resolve_platform(config.device)  # a missing device package fails first
         platform.check_runner(config.graph_backend)
@@ -50,7 +62,10 @@ class LLMEngine:
             config.block_size,
             enable_prefix_cache=config.enable_prefix_cache,
         )
-        self.structured_outputs = front.structured_output_manager()
+        # an embedding model has no grammar to follow
+        self.structured_outputs = (
+            None if config.task == "embed" else front.structured_output_manager()
+        )
         self.input_processor = front.input_processor(
             self.executor.num_kv_blocks, self.structured_outputs
         )
@@ -69,6 +84,14 @@ class LLMEngine:
         self.parents: dict[str, ParentRequest] = {}  # n > 1: parent id -> its children's outputs
         self.failed: dict[str, Exception] = {}  # see _fail
         self._parent_of: dict[str, ParentRequest] = {}  # child id -> parent
+        if config.task == "embed":
+            logger.info(
+                "model %s, task embed: up to %d sequences of at most %d tokens a step",
+                self.model_name,
+                config.max_seqs_per_batch,
+                self.max_model_len,
+            )
+            return
         max_concurrency = self.executor.num_kv_blocks * config.block_size / self.max_model_len
         logger.info(
             "model %s, dtype %s, device %s, %d KV blocks of %d tokens, max %.2fx concurrent "
@@ -137,6 +160,19 @@ class LLMEngine:
     def _add_child(
         self, request_id: str, request: EngineRequest, params: SamplingParams, index: int = 0
     ) -> None:
+        if request.pooling_params is not None:  # prefill only: nothing to detokenize or stop
+            pooled = Request(
+                request_id,
+                request.prompt,
+                list(request.prompt_token_ids),
+                params,
+                None,
+                arrival_time=request.arrival_time,
+                pooling_params=request.pooling_params,
+            )
+            self.requests[request_id] = pooled
+            self.scheduler.add_request(pooled)
+            return
         detokenizer = IncrementalDetokenizer(
             self.tokenizer,
             request.prompt_token_ids,
@@ -179,7 +215,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor's TP workers, if any, and the grammar compile threads; idempotent."""
-        self.structured_outputs.shutdown()
+        if self.structured_outputs is not None:
+            self.structured_outputs.shutdown()
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
@@ -192,6 +229,8 @@ class LLMEngine:
             return []
         broken = self._constrain(plan)  # (request, exception) of each that failed its step
         result = self.executor.execute(plan)
+        if result.pooled is not None:
+            return self._finish_pooled(plan, result.pooled)
         outputs, now = [], time.monotonic()
         if result.logprobs is not None or result.prompt_logprobs is not None:
             broken += record_logprobs(self.requests, plan, result, self.tokenizer.decode_each)
@@ -218,6 +257,25 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose_drafts()
         return fold_children(outputs, self.parents, self._parent_of) if self.parents else outputs
+
+    def _finish_pooled(self, plan: SchedulerOutput, pooled: list) -> list[PoolingRequestOutput]:
+        """End each embedding request of an embed step with its pooled vector (``pooled[i]``
+        for ``plan.sequences[i]``, each a whole prompt) and free its blocks."""
+        self.scheduler.update_from_output([[] for _ in plan.sequences])
+        outputs, now = [], time.monotonic()
+        for seq, vector in zip(plan.sequences, pooled):
+            request = self.requests.pop(seq.request_id)
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            self.metrics.record_finished(request, now)
+            outputs.append(
+                PoolingRequestOutput(
+                    request.request_id,
+                    request.prompt,
+                    request.prompt_token_ids,
+                    PoolingOutput(vector),
+                )
+            )
+        return outputs
 
     def _process_tokens(self, request: Request, tokens: list[int]) -> RequestStatus | None:
         """Feed a request's new tokens (already appended) to its constraint and stop rules, one

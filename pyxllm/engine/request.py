@@ -11,6 +11,7 @@ import torch
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.structured_output import GrammarMatcher
 from pyxllm.outputs import PromptLogprobs, SampleLogprobs
+from pyxllm.pooling_params import PoolingParams
 from pyxllm.sampling_params import FULL_VOCAB_LOGPROBS, SamplingParams
 
 
@@ -54,13 +55,15 @@ class Request:
             part of ``token_ids`` until the target model accepts them.
         num_cached_tokens: prompt tokens its first scheduling found in the prefix cache
             (``None`` before; a preempted request keeps its first figure, as in vLLM).
+        pooling_params: an embedding request's (the embed task: it ends after its prefill with
+            a pooled vector, see ``LLMEngine``); ``None`` for generation.
     """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None for an embedding request
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -78,6 +81,7 @@ class Request:
     constrain_after: tuple[int, ...] = ()
     spec_token_ids: list[int] = field(default_factory=list, repr=False)
     num_cached_tokens: int | None = None
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

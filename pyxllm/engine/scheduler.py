@@ -141,6 +141,7 @@ class Scheduler:
             penalty_token_ids=request.token_ids if params.uses_penalties else None,
             num_prompt_tokens=request.num_prompt_tokens,
             prompt_logprob_targets=targets,
+            pooling_params=request.pooling_params,
         )
 
     def update_from_output(

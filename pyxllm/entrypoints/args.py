@@ -35,6 +35,7 @@ from pyxllm.config import (
     MODEL_IMPLS,
     QUANTIZATIONS,
     STRUCTURED_OUTPUTS_BACKENDS,
+    TASKS,
     EngineConfig,
 )
 from pyxllm.distributed.ray_utils import PLACEMENT_STRATEGIES
@@ -55,7 +56,8 @@ ENGINE_HELP = {
     "model": "a .gguf file, a Hugging Face directory (config.json, *.safetensors, tokenizer "
     "files) or a Hugging Face model id ORG/NAME, taken from the Hugging Face cache when it is "
     "there, else downloaded into it (with HF_HUB_OFFLINE=1, the cache only); `pyxllm serve "
-    "MODEL` gives it too (default: the embedded SmolLM2-135M-Instruct GGUF)",
+    "MODEL` gives it too (default: the embedded SmolLM2-135M-Instruct GGUF; with --task embed, "
+    "the embedded all-MiniLM-L6-v2)",
     "revision": "branch, tag or commit of a Hugging Face model id (default: main)",
     "download_dir": "the Hugging Face cache model ids are read from and downloaded into "
     "(default: $HF_HUB_CACHE)",
@@ -72,6 +74,10 @@ ENGINE_HELP = {
     "a b`: both are accepted, responses report the first; it takes every word up to the next "
     "flag, so a positional MODEL goes before it) (default: the model id, else the model file's "
     "or directory's name)",
+    "task": "what the server makes: generate, text (the completion, chat and responses "
+    "routes); embed, embeddings (/v1/embeddings) from an encoder model such as "
+    "sentence-transformers/all-MiniLM-L6-v2, embedded in pyxllm's install and served when no "
+    "model is given (see docs/models.md, Embedding models) (default: generate)",
     "model_impl": "which code runs the model: pyxllm's own (also: python), transformers' (any "
     "causal LM transformers has, on pyxllm's paged attention), or auto: pyxllm's where it has "
     "the architecture, else transformers' (see docs/models.md)",
@@ -155,6 +161,7 @@ ENGINE_CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS,
     "model_impl": (*MODEL_IMPLS, *MODEL_IMPL_ALIASES),
+    "task": TASKS,
     "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
     "ray_placement_strategy": PLACEMENT_STRATEGIES,
 }
@@ -192,6 +199,7 @@ ENGINE_GROUPS = {
         "tokenizer",
         "tokenizer_revision",
         "served_model_name",
+        "task",
         "model_impl",
         "dtype",
         "quantization",

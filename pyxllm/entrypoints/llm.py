@@ -13,7 +13,8 @@ from pyxllm.engine.errors import RequestFailedError
 from pyxllm.engine.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.engine.tokenizer import Tokenizer
-from pyxllm.outputs import RequestOutput
+from pyxllm.outputs import PoolingRequestOutput, RequestOutput
+from pyxllm.pooling_params import PoolingParams
 from pyxllm.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -21,6 +22,9 @@ PromptType = str | dict[str, Any]
 
 class LLM:
     """An engine for offline batched generation.
+
+    ``LLM(task="embed")`` embeds instead (:meth:`embed`; ``model=None`` is then the embedded
+    all-MiniLM-L6-v2).
 
     Args:
         model: ``None`` (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file, a Hugging Face
@@ -62,6 +66,46 @@ class LLM:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         return self._run([_as_prompt(p) for p in prompts], sampling_params, use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[PoolingRequestOutput]:
+        """Embed every prompt, batched (an ``LLM(task="embed")``); outputs come back in the
+        order of ``prompts``, each vector in ``output.outputs.embedding`` (a list) and
+        ``output.outputs.data`` (``float32 [dimensions]``).
+
+        Args:
+            prompts: text or ``{"prompt_token_ids": [...]}`` (or ``{"prompt": text}``), or a
+                list of them; text gets the tokenizer's special tokens (BERT's ``[CLS]`` and
+                ``[SEP]``).
+            pooling_params: ``dimensions`` and ``normalize`` for all prompts.
+            truncate_prompt_tokens: keep at most this many tokens of each prompt (``-1``:
+                ``max_model_len``), as ``/v1/embeddings``' field.
+
+        Raises:
+            ValueError: an engine that does not embed, or an invalid prompt or parameters
+                (nothing is run then).
+        """
+        engine = self.llm_engine
+        if engine.config.task != "embed":
+            raise ValueError(
+                f"embed: this LLM runs task {engine.config.task!r}; create it with task='embed' "
+                "and an embedding model"
+            )
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        requests = []
+        for prompt in map(_as_prompt, prompts):
+            item = prompt.text if isinstance(prompt, TextPrompt) else prompt
+            requests.append(
+                engine.input_processor.process_pooling(
+                    str(next(self._ids)), item, pooling_params, truncate_prompt_tokens
+                )
+            )
+        return self._drain(requests, use_tqdm, "Embedding")
+
     def chat(
         self,
         messages: list[dict] | Sequence[list[dict]],
@@ -82,6 +126,10 @@ class LLM:
         )
 
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if self.llm_engine.config.task != "generate":
+            raise ValueError(
+                f"generate: this LLM runs task {self.llm_engine.config.task!r} (use embed())"
+            )
         params = sampling_params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
@@ -94,10 +142,16 @@ class LLM:
         for request in requests:  # every constraint compiles before anything runs
             if request.grammar is not None:
                 request.grammar.compiled()
+        return self._drain(requests, use_tqdm, "Generating")
+
+    def _drain(self, requests: list, use_tqdm: bool, desc: str) -> list:
+        """Add the processed ``requests`` and step until all finish; their final outputs in
+        order (a failed request aborts the others and raises ``RequestFailedError``)."""
+        engine = self.llm_engine
         for request in requests:
             engine.add_request(request)
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm) as bar:
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
+        with tqdm(total=len(requests), desc=desc, disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:

@@ -6,8 +6,10 @@ from __future__ import annotations
 from pyxllm.config import EngineConfig
 from pyxllm.executor.abstract import Executor
 from pyxllm.executor.multiproc import MultiprocExecutor
+from pyxllm.executor.pooling_executor import PoolingExecutor
 from pyxllm.executor.ray_executor import RayDistributedExecutor
 from pyxllm.executor.uniproc import UniprocExecutor
+from pyxllm.models.registry import check_task
 from pyxllm.platforms import Platform
 from pyxllm.weights import ModelSource
 
@@ -15,16 +17,21 @@ from pyxllm.weights import ModelSource
 def build_executor(
     config: EngineConfig, model_config, source: ModelSource, platform: Platform
 ) -> Executor:
-    """A :class:`~pyxllm.executor.uniproc.UniprocExecutor` for one rank, else rank 0's
+    """For ``--task embed`` a :class:`~pyxllm.executor.pooling_executor.PoolingExecutor`; else
+    a :class:`~pyxllm.executor.uniproc.UniprocExecutor` for one rank, else rank 0's
     :class:`~pyxllm.executor.multiproc.MultiprocExecutor` (``config.world_size`` > 1), or its
     :class:`~pyxllm.executor.ray_executor.RayDistributedExecutor` with
     ``--distributed-executor-backend ray``.
 
     Raises:
-        ValueError: see the executors (an unsupported model, a model that does not split, ...).
+        ValueError: a model that does not run ``config.task`` (an encoder for generation);
+            see the executors (an unsupported model, a model that does not split, ...).
         DistributedError: a rank did not join within ``--dist-init-timeout`` (with Ray: or the
             placement group was not placed, naming the missing resources).
     """
+    check_task(model_config, config.task)
+    if config.task == "embed":
+        return PoolingExecutor(config, model_config, source, platform)
     if config.world_size == 1:
         return UniprocExecutor(config, model_config, source, platform)
     if config.distributed_executor_backend == "ray":

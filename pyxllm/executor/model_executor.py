@@ -99,11 +99,16 @@ class StepResult:
     entry, or for ``prompt_logprobs=-1`` the whole vocabulary's log-softmax at those positions,
     ``float32 [len(targets), vocab_size]`` on the CPU. Each list is ``None`` when no sequence
     asked, and holds ``None`` for those that did not.
+
+    ``pooled[i]`` (the embed task, :mod:`pyxllm.executor.pooling_executor`): sequence ``i``'s
+    embedding, ``float32 [dimensions or hidden_size]`` on the CPU, once its whole prompt is
+    computed (``None`` before); ``pooled`` is ``None`` for a generation step.
     """
 
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
     prompt_logprobs: list[list[TokenLogprobs] | torch.Tensor | None] | None = None
+    pooled: list[torch.Tensor | None] | None = None
 
 
 def _resident_memory() -> str:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pyxllm.pooling_params import PoolingParams
 from pyxllm.sampling_params import SamplingParams
 
 
@@ -42,6 +43,7 @@ class ScheduledSequence:
             unconstrained.
         num_draft_tokens: ``k``, the speculative drafts at the end of ``token_ids`` (0: none);
             the step computes logits at the last ``1 + k`` positions and verifies the drafts.
+        pooling_params: an embedding request's (the embed task), ``None`` for generation.
     """
 
     request_id: str
@@ -58,6 +60,7 @@ class ScheduledSequence:
     prompt_logprob_targets: list[int] | None = None
     allowed_token_bitmask: torch.Tensor | None = None
     num_draft_tokens: int = 0
+    pooling_params: PoolingParams | None = None
 
     @property
     def draft_token_ids(self) -> list[int]:

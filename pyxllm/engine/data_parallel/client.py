@@ -118,6 +118,7 @@ class DataParallelEngine(EngineClient):
     ) -> None:
         Router(size, routing)  # a bad size or policy fails before anything starts
         self.max_num_seqs = config.max_seqs_per_batch
+        self.task = config.task  # always generate: run_server refuses embed with replicas
         self.data_parallel_size = size
         self.launcher = launcher or default_launcher(config, size)
         self._requests: dict[str, InFlightRequest] = {}

@@ -3,13 +3,15 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
 (with ``GET`` and ``DELETE /v1/responses/{id}``), Anthropic's ``POST /v1/messages`` and
-``POST /v1/messages/count_tokens`` (see :mod:`pyxllm.entrypoints.anthropic`), ``GET /v1/models``,
+``POST /v1/messages/count_tokens`` (see :mod:`pyxllm.entrypoints.anthropic`), and with
+``--task embed`` instead of those ``POST /v1/embeddings`` (see :mod:`.serving_embedding`),
+``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health`` (200, with a JSON body while data-parallel replicas
 are missing, or 503 when the engine loop died),
 ``GET /debug/stats`` (``engine.stats()``: running/waiting requests, KV blocks in use),
 ``GET /metrics`` (Prometheus text format, see :mod:`pyxllm.engine.metrics`), ``GET /version``,
 and vLLM's ``POST /tokenize`` and ``POST /detokenize`` (see :mod:`.serving_tokenization`);
-``GET /`` is the chat page unless ``--disable-web-ui`` (see :mod:`.web_ui`).
+``GET /`` is the chat page unless ``--disable-web-ui`` or ``--task embed`` (see :mod:`.web_ui`).
 Who may call them (``--api-key``, CORS) is :mod:`.security`'s; TLS is uvicorn's.
 
 With ``--data-parallel-size N`` the engine is N replica processes behind a router
@@ -65,12 +67,14 @@ from pyxllm.entrypoints.openai.protocol import (
     ModelList,
     RequestModel,
 )
+from pyxllm.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from pyxllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pyxllm.entrypoints.openai.security import install_security
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pyxllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pyxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pyxllm.entrypoints.openai.serving_tokenization import (
     DetokenizeRequest,
@@ -163,15 +167,36 @@ ADMITTED_PATHS = (
     "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/embeddings",
     "/tokenize",
     "/detokenize",
 )
+
+
+def _check_generates(raw_request: Request) -> None:
+    """400 on a text route when the server runs another task (``--task embed``), naming it."""
+    task = getattr(raw_request.app.state.engine, "task", "generate")
+    if task != "generate":
+        raise OpenAIError(
+            f"{raw_request.url.path}: this server runs --task {task}, which makes embeddings, "
+            "not text: use /v1/embeddings (text needs a server started with --task generate)",
+            400,
+            "model",
+        )
+
+
+@router.post("/v1/embeddings")
+async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+    """OpenAI embeddings (with ``--task embed``; see :mod:`.serving_embedding`)."""
+    handler: OpenAIServingEmbedding = raw_request.app.state.openai_serving_embedding
+    return await handler.create_embedding(request, raw_request)
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     """OpenAI chat completions, streamed (SSE) or not."""
     _check_fields(request, raw_request)
+    _check_generates(raw_request)
     handler: OpenAIServingChat = raw_request.app.state.openai_serving_chat
     return await handler.create_chat_completion(request, raw_request)
 
@@ -180,6 +205,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
     """OpenAI (legacy) text completions, streamed (SSE) or not."""
     _check_fields(request, raw_request)
+    _check_generates(raw_request)
     handler: OpenAIServingCompletion = raw_request.app.state.openai_serving_completion
     return await handler.create_completion(request, raw_request)
 
@@ -188,6 +214,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
 async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
     """OpenAI's Responses API, streamed (SSE events) or not (see :mod:`.serving_responses`)."""
     _check_fields(request, raw_request)
+    _check_generates(raw_request)
     handler: OpenAIServingResponses = raw_request.app.state.openai_serving_responses
     return await handler.create_response(request, raw_request)
 
@@ -275,6 +302,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
         engine.input_processor.structured_outputs.prepare()
     app.state.openai_serving_chat = OpenAIServingChat(engine, options)
     app.state.openai_serving_completion = OpenAIServingCompletion(engine, options)
+    app.state.openai_serving_embedding = OpenAIServingEmbedding(engine, options)
     app.state.openai_serving_responses = OpenAIServingResponses(app.state.openai_serving_chat)
     app.state.anthropic_serving_messages = AnthropicServingMessages(app.state.openai_serving_chat)
     app.state.openai_serving_tokenization = OpenAIServingTokenization(
@@ -288,7 +316,8 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
         max_requests=engine.data_parallel_size * engine.max_num_seqs + options.max_waiting_requests,
         paths=ADMITTED_PATHS,
     )
-    install_security(app, options, install_web_ui(app) if options.web_ui else frozenset())
+    chat_page = options.web_ui and getattr(engine, "task", "generate") == "generate"
+    install_security(app, options, install_web_ui(app) if chat_page else frozenset())
     if options.access_log:  # added last: outermost, so it sees every other middleware's answers
         app.add_middleware(AccessLog)
     return app
@@ -428,6 +457,8 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
         get_reasoning_parser(options.reasoning_parser)
     if options.tool_call_parser not in (None, AUTO, NONE):
         get_tool_parser(options.tool_call_parser)
+    if config.task == "embed" and options.data_parallel_size > 1:
+        raise ValueError("--data-parallel-size: not with --task embed (one engine embeds)")
     _ensure_logging()
     sock = bind_socket(options.host, options.port)
     warning = exposure_warning(options.host, options.api_keys)
@@ -456,7 +487,7 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
             + (f"; also served as {', '.join(names[1:])}" if len(names) > 1 else "")
             + (f"; routes also under --root-path {options.root_path}" if options.root_path else "")
             + ("; an API key is required" if options.api_keys else "")
-            + (f"; chat page at {root}" if options.web_ui else "")
+            + (f"; chat page at {root}" if options.web_ui and config.task == "generate" else "")
         )
         uv_config = uvicorn.Config(
             app,

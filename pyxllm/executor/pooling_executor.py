@@ -1,0 +1,121 @@
+"""The executor of the embed task (``--task embed``): an encoder model and a pooler instead of
+a KV cache, attention backend, runner and sampler.
+
+The engine schedules embedding requests as it schedules generation (continuous batching, the
+same token and sequence budgets), each a prompt computed whole in one step with no prefix cache
+(see ``LLMEngine``); this executor runs such steps. Why not :class:`ModelExecutor`: an encoder's
+attention is bidirectional over the whole prompt and keeps nothing for later steps, so the paged
+KV cache, its attention backends (causal over cached blocks), the graph runners (decode steps)
+and the sampler have nothing to do; an encoder step is the model's forward over whole sequences
+(:class:`~pyxllm.attention.encoder.EncoderAttentionStep`) and one pooled vector per sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from tqdm import tqdm
+
+from pyxllm.attention.encoder import EncoderAttentionStep
+from pyxllm.config import EngineConfig
+from pyxllm.executor.input_batch import InputBatch
+from pyxllm.executor.model_executor import StepResult, resolve_dtype
+from pyxllm.executor.scheduler_output import SchedulerOutput
+from pyxllm.layers.forward_context import ForwardContext, set_forward_context
+from pyxllm.layers.pooler import Pooler
+from pyxllm.models.build_context import build_model
+from pyxllm.models.registry import resolve_model_class
+from pyxllm.models.weight_loading import load_weights
+from pyxllm.platforms import Platform
+from pyxllm.weights import ModelSource, iter_weight_slices
+from pyxllm.weights.pooling_config import load_pooling_config
+
+logger = logging.getLogger(__name__)
+
+
+class PoolingExecutor:
+    """Loads an encoder model and its pooler, and runs embed steps in this process (an
+    :class:`~pyxllm.executor.abstract.Executor`; one rank, so ``failure`` stays ``None``).
+
+    Attributes:
+        num_kv_blocks: the block count the engine's scheduler books prompts against: enough
+            for ``--max-seqs-per-batch`` prompts of ``max_model_len`` tokens (bookkeeping
+            only: no cache memory exists, so nothing is ever preempted).
+        hidden_size: the length of a whole embedding.
+        pooler: the model's pooling (sentence-transformers' modules, else the model's default).
+
+    Raises:
+        ValueError: an unsupported architecture, a bad checkpoint, or an unsupported pooling
+            mode (``ModelLoadError``).
+    """
+
+    def __init__(
+        self, config: EngineConfig, model_config, source: ModelSource, platform: Platform
+    ) -> None:
+        self.config, self.model_config = config, model_config
+        self.device = platform.set_device(platform.device_index(0))
+        self.dtype = resolve_dtype(config.dtype, platform, model_config)
+        model_cls = resolve_model_class(model_config, platform.name, config.model_impl)
+        self.model = build_model(model_cls, model_config, self.device, self.dtype, None)
+        weights = tqdm(
+            iter_weight_slices(source, model_config),
+            desc="Loading weights",
+            unit=" tensors",
+            leave=False,
+            disable=None,
+        )
+        load_weights(self.model, weights)
+        directory = source.path if source.kind == "hf" else None
+        pooling = load_pooling_config(directory, model_cls.default_pooling_type)
+        self.pooler = Pooler(pooling.pooling_type, pooling.normalize)
+        self.hidden_size = model_config.hidden_size
+        max_len = config.max_model_len or model_config.max_position_embeddings
+        self.num_kv_blocks = config.max_seqs_per_batch * -(-max_len // config.block_size)
+        self.failure: str | None = None
+        self.driver = self
+        logger.info(
+            "embedding model %s, device %s, dtype %s, %s pooling%s, %d dimensions",
+            type(self.model).__name__,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            pooling.pooling_type.lower(),
+            ", normalized" if pooling.normalize else "",
+            self.hidden_size,
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        """Encode ``plan``'s sequences (each a whole prompt, positions from 0) and pool each
+        into its embedding, cut to its ``pooling_params.dimensions`` and normalized as it
+        asks; no token is sampled.
+
+        Raises:
+            ValueError: a sequence that is not a whole prompt (a prefix-cache hit or a prefill
+                chunk: the engine turns both off for the embed task).
+        """
+        for seq in plan.sequences:
+            if seq.num_computed_tokens or not seq.sample:
+                raise ValueError(
+                    f"request {seq.request_id}: an encoder step needs whole prompts, got tokens "
+                    f"{seq.num_computed_tokens}..{seq.num_computed_tokens + len(seq.token_ids)} "
+                    f"of {seq.num_prompt_tokens}"
+                )
+        batch = InputBatch.build(plan, self.config.block_size, self.device)
+        context = ForwardContext(EncoderAttentionStep(batch.query_lens), [])
+        with set_forward_context(context):
+            hidden_states = self.model(batch.input_ids, batch.positions)
+        vectors = self.pooler(hidden_states, batch.query_lens).cpu()
+        pooled = []
+        for seq, vector in zip(plan.sequences, vectors):
+            params = seq.pooling_params
+            dimensions = None if params is None else params.dimensions
+            normalize = None if params is None else params.normalize
+            pooled.append(self.pooler.finish(vector, dimensions, normalize))
+        return StepResult([[] for _ in plan.sequences], pooled=pooled)
+
+    def check_health(self) -> None:
+        """Always healthy: there is no other process to lose."""
+
+    def shutdown(self) -> None:
+        """Nothing to stop."""

@@ -1,0 +1,192 @@
+"""``/v1/embeddings`` and ``LLM.embed`` on the embedded all-MiniLM-L6-v2 (``--task embed``):
+a real ``pyxllm serve`` driven with the ``openai`` SDK, against transformers' ``AutoModel``
+with sentence-transformers' pooling (mean over the attention mask, then L2 normalization)
+computed here."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from pyxllm.weights.embedded import embedded_embedding_model_dir
+from tests.utils import RemoteServer, stub_app_client
+
+MODEL = "all-MiniLM-L6-v2"
+TEXTS = [
+    "The cat sits on the mat.",
+    "A quick brown fox jumps over the lazy dog, twice!",
+    "Embeddings map text to vectors.",
+]
+MIN_COSINE = 1 - 1e-5
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RemoteServer(["--task", "embed", "--max-seqs-per-batch", "8"]) as remote:
+        yield remote
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai_client()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """``reference(texts, pooling="mean", max_length=None) -> float32 [len(texts), 384]``:
+    transformers' BertModel on the same checkpoint, pooled and L2-normalized."""
+    from transformers import AutoModel, AutoTokenizer
+
+    path = embedded_embedding_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+
+    def embed(texts, pooling="mean", max_length=None):
+        batch = tokenizer(
+            texts,
+            padding=True,
+            truncation=max_length is not None,
+            max_length=max_length,
+            return_tensors="pt",
+        )
+        with torch.no_grad():
+            hidden = model(**batch).last_hidden_state
+        if pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            mask = batch["attention_mask"].unsqueeze(-1).float()
+            pooled = (hidden * mask).sum(1) / mask.sum(1)
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
+    embed.tokenizer = tokenizer
+    return embed
+
+
+def cosine(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def post(server, body: dict) -> httpx.Response:
+    return httpx.post(server.url_for("v1/embeddings"), json={"model": MODEL, **body}, timeout=60)
+
+
+def test_single_and_batched_inputs_equal_sentence_transformers(client, reference):
+    expected = reference(TEXTS)
+    single = client.embeddings.create(model=MODEL, input=TEXTS[0], encoding_format="float")
+    assert single.model == MODEL and len(single.data) == 1
+    assert cosine(single.data[0].embedding, expected[0]) >= MIN_COSINE
+    batched = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    assert [d.index for d in batched.data] == [0, 1, 2]
+    for data, want in zip(batched.data, expected):
+        assert len(data.embedding) == 384
+        assert cosine(data.embedding, want) >= MIN_COSINE
+        assert math.isclose(np.linalg.norm(data.embedding), 1.0, abs_tol=1e-5)
+    num_tokens = sum(len(reference.tokenizer(t)["input_ids"]) for t in TEXTS)
+    assert batched.usage.prompt_tokens == batched.usage.total_tokens == num_tokens
+
+
+def test_base64_is_the_float32_vector(client, server):
+    """The SDK's default asks for base64 and decodes it: the same floats as ``float``."""
+    floats = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    decoded = client.embeddings.create(model=MODEL, input=TEXTS)  # base64 on the wire
+    for a, b in zip(floats.data, decoded.data):
+        assert np.allclose(a.embedding, b.embedding, rtol=0, atol=1e-6)
+    raw = post(server, {"input": TEXTS[0], "encoding_format": "base64"}).json()
+    assert isinstance(raw["data"][0]["embedding"], str)
+
+
+def test_dimensions_truncate_and_renormalize(client, reference):
+    full = reference(TEXTS[:2])
+    response = client.embeddings.create(
+        model=MODEL, input=TEXTS[:2], dimensions=64, encoding_format="float"
+    )
+    for data, want in zip(response.data, full):
+        assert len(data.embedding) == 64
+        assert math.isclose(np.linalg.norm(data.embedding), 1.0, abs_tol=1e-5)
+        assert cosine(data.embedding, want[:64]) >= MIN_COSINE
+
+
+def test_token_id_inputs_equal_their_text(client, reference):
+    ids = [reference.tokenizer(t)["input_ids"] for t in TEXTS[:2]]
+    text = client.embeddings.create(model=MODEL, input=TEXTS[:2], encoding_format="float")
+    one = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float")
+    many = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    assert one.usage.prompt_tokens == len(ids[0])
+    assert np.allclose(one.data[0].embedding, text.data[0].embedding, atol=1e-6)
+    for a, b in zip(many.data, text.data):
+        assert np.allclose(a.embedding, b.embedding, atol=1e-6)
+
+
+def test_long_input_is_refused_unless_truncated(client, server, reference):
+    """max_model_len is sentence-transformers' max_seq_length (256), as in vLLM."""
+    long_text = "word " * 400
+    refused = post(server, {"input": long_text})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "input"
+    assert "256" in refused.json()["error"]["message"]
+    cut = post(server, {"input": long_text, "truncate_prompt_tokens": 256}).json()
+    assert cut["usage"]["prompt_tokens"] == 256
+    want = reference([long_text], max_length=256)[0]
+    assert cosine(cut["data"][0]["embedding"], want) >= MIN_COSINE
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"input": []}, 400, "input"),
+        ({"input": ""}, 400, "input"),
+        ({"input": "hi", "dimensions": 0}, 400, "dimensions"),
+        ({"input": "hi", "dimensions": 385}, 400, "dimensions"),
+        ({"input": [101, 99999, 102]}, 400, "input"),
+        ({"input": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+        ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
+        ({"input": "hi", "model": "gpt-4"}, 404, "model"),
+    ],
+)
+def test_bad_requests_name_the_field(server, body, status, param):
+    response = post(server, body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_text_routes_name_the_task(client, server):
+    with pytest.raises(openai.BadRequestError, match="--task embed"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="/v1/embeddings"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert httpx.get(server.url_for("health")).status_code == 200
+
+
+def test_generation_server_refuses_embeddings():
+    response = stub_app_client().post("/v1/embeddings", json={"model": "m", "input": "hi"})
+    assert response.status_code == 400
+    assert "--task embed" in response.json()["error"]["message"]
+
+
+def test_llm_embed_equals_the_server(client, tmp_path, reference):
+    """``LLM.embed`` gives the server's vectors; a plain BertModel directory (no
+    sentence-transformers modules) pools its [CLS] token, normalized, as vLLM does."""
+    from pyxllm import LLM
+
+    llm = LLM(task="embed")
+    outputs = llm.embed(TEXTS)
+    served = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    for output, data in zip(outputs, served.data):
+        assert np.allclose(output.outputs.embedding, data.embedding, atol=1e-6)
+    with pytest.raises(ValueError, match="embed"):
+        llm.generate("hi")
+    plain = tmp_path / "bert"
+    shutil.copytree(embedded_embedding_model_dir(), plain)
+    (plain / "modules.json").unlink()
+    cls = LLM(str(plain), task="embed").embed(TEXTS)
+    for output, want in zip(cls, reference(TEXTS, pooling="cls")):
+        assert cosine(output.outputs.embedding, want) >= MIN_COSINE
