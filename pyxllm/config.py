@@ -315,17 +315,20 @@ class EngineConfig:
             ("tensor_parallel_size", self.world_size > 1),
             ("speculative_config", self.speculative_config is not None),
             ("gguf_file", self.gguf_file is not None),
+            ("quantization", self.quantization not in (None, "auto")),
+            ("kv_cache_dtype", self.kv_cache_dtype != "auto"),
+            ("graph_backend", self.graph_backend not in ("auto", "eager")),
         ):
             if given:
                 raise ValueError(
                     f"--{name.replace('_', '-')}: not with --task embed (an embedding model runs "
-                    "on one rank, from a Hugging Face directory, and generates nothing)"
+                    "eagerly on one rank, unquantized, from a Hugging Face directory, with no KV "
+                    "cache)"
                 )
 
     def __post_init__(self) -> None:
         self._check_parallel()
         self._check_sources()
-        self._check_task()
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(
                 "--structured-outputs-backend: must be one of "
@@ -379,6 +382,7 @@ class EngineConfig:
         self.model_impl = impl
         if self.speculative_config is not None:  # checked now, one line naming the key
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config).to_json()
+        self._check_task()
         self._check_frontend()
 
     def _check_frontend(self) -> None:

@@ -190,3 +190,26 @@ def test_llm_embed_equals_the_server(client, tmp_path, reference):
     cls = LLM(str(plain), task="embed").embed(TEXTS)
     for output, want in zip(cls, reference(TEXTS, pooling="cls")):
         assert cosine(output.outputs.embedding, want) >= MIN_COSINE
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        ({"quantization": "int8"}, "--quantization"),
+        ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+        ({"graph_backend": "graph"}, "--graph-backend"),
+        ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype"),
+    ],
+)
+def test_embed_task_refuses_what_it_cannot_honour(flags, named):
+    from pyxllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"{named}: not with --task embed"):
+        EngineConfig(task="embed", **flags)
+
+
+def test_generate_task_refuses_an_encoder():
+    from pyxllm import LLM
+
+    with pytest.raises(ValueError, match="--task embed"):
+        LLM(str(embedded_embedding_model_dir()))
