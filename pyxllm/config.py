@@ -318,12 +318,13 @@ class EngineConfig:
             ("quantization", self.quantization not in (None, "auto")),
             ("kv_cache_dtype", self.kv_cache_dtype != "auto"),
             ("graph_backend", self.graph_backend not in ("auto", "eager")),
+            ("model_impl", self.model_impl == "transformers"),
         ):
             if given:
                 raise ValueError(
                     f"--{name.replace('_', '-')}: not with --task embed (an embedding model runs "
-                    "eagerly on one rank, unquantized, from a Hugging Face directory, with no KV "
-                    "cache)"
+                    "pyxllm's own code eagerly on one rank, unquantized, from a Hugging Face "
+                    "directory, with no KV cache)"
                 )
 
     def __post_init__(self) -> None:

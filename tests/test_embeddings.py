@@ -5,6 +5,7 @@ computed here."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -139,6 +140,24 @@ def test_long_input_is_refused_unless_truncated(client, server, reference):
     assert cosine(cut["data"][0]["embedding"], want) >= MIN_COSINE
 
 
+def prompt_tokens_metric(server) -> float:
+    """``vllm:prompt_tokens_total`` from the server's ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url_for("metrics"), timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:prompt_tokens_total":
+                return sample.value
+    raise AssertionError("no vllm:prompt_tokens_total in /metrics")
+
+
+def test_metrics_count_the_embedded_tokens(client, server):
+    before = prompt_tokens_metric(server)
+    response = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    assert prompt_tokens_metric(server) - before == response.usage.prompt_tokens
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
@@ -199,6 +218,7 @@ def test_llm_embed_equals_the_server(client, tmp_path, reference):
         ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
         ({"graph_backend": "graph"}, "--graph-backend"),
         ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype"),
+        ({"model_impl": "transformers"}, "--model-impl"),
     ],
 )
 def test_embed_task_refuses_what_it_cannot_honour(flags, named):
@@ -213,3 +233,47 @@ def test_generate_task_refuses_an_encoder():
 
     with pytest.raises(ValueError, match="--task embed"):
         LLM(str(embedded_embedding_model_dir()))
+
+
+def _last_token_reference(hf_model, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' base model's last hidden state at each prompt's last token, normalized."""
+    with torch.no_grad():
+        return [
+            torch.nn.functional.normalize(
+                hf_model.model(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1
+            )
+            for ids in prompts
+        ]
+
+
+def test_decoder_embeddings_pool_the_last_token(tmp_path, hf_gguf_tokenizer):
+    """A decoder embedding model (Qwen3-Embedding's layout: last-token pooling, normalized)
+    runs on the paged path: a tiny random Qwen3 as a causal LM checkpoint, and saved from the
+    base model with sentence-transformers' modules, as Qwen3-Embedding ships, give
+    transformers' vectors."""
+    from pyxllm import LLM
+    from tests.model_fixtures import build_checkpoint
+
+    path, hf_model = build_checkpoint("qwen3", tmp_path / "lm", hf_gguf_tokenizer)
+    prompts = [hf_gguf_tokenizer(t)["input_ids"] for t in TEXTS]
+    expected = _last_token_reference(hf_model, prompts)
+    llm = LLM(str(path), task="embed", kv_cache_memory=0.05)
+    outputs = llm.embed([{"prompt_token_ids": ids} for ids in prompts])
+    for output, want in zip(outputs, expected):
+        assert cosine(output.outputs.embedding, want) >= MIN_COSINE
+    base = tmp_path / "embedding"
+    hf_model.model.save_pretrained(base, safe_serialization=True)
+    hf_gguf_tokenizer.save_pretrained(base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    kinds = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
+    modules = [
+        {"idx": i, "name": str(i), "path": where, "type": f"sentence_transformers.models.{kind}"}
+        for i, (where, kind) in enumerate(kinds)
+    ]
+    (base / "modules.json").write_text(json.dumps(modules))
+    (base / "1_Pooling").mkdir()
+    (base / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    outputs = LLM(str(base), task="embed", kv_cache_memory=0.05).embed(TEXTS[:2])
+    for output, want in zip(outputs, expected):
+        assert cosine(output.outputs.embedding, want) >= MIN_COSINE

@@ -96,7 +96,7 @@ class AsyncEngine(EngineClient):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit a processed request (see :attr:`input_processor`) and yield its output after
-        every step that changed it.
+        every step that changed it (an embedding request's one ``PoolingRequestOutput``).
 
         The last output has ``finished=True``. Closing or cancelling the iterator early aborts
         the request, which frees its KV blocks at the engine's next step.

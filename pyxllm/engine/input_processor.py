@@ -261,6 +261,13 @@ class InputProcessor:
                 "truncate_prompt_tokens.",
                 param,
             )
+        needed = -(-len(ids) // self.block_size)
+        if needed > self.max_kv_blocks:
+            raise InvalidRequestError(
+                f"{param}: {len(ids)} tokens need {needed} KV blocks but the cache has "
+                f"{self.max_kv_blocks}; raise --kv-cache-memory",
+                param,
+            )
         now = time.monotonic() if arrival_time is None else arrival_time
         sampling = SamplingParams(max_tokens=1)
         return EngineRequest(request_id, ids, text, sampling, now, pooling_params=params)

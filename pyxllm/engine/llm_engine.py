@@ -34,9 +34,11 @@ class LLMEngine:
     With ``--task embed`` the requests are embedding requests
     (:meth:`InputProcessor.process_pooling`), scheduled as generation requests are, each a
     whole prompt in one step (no chunked prefill, no prefix cache: an encoder's attention is
-    bidirectional, so no prefix of a prompt is computed alone), run by the
-    :class:`~pyxllm.executor.pooling_executor.PoolingExecutor`; each finishes in the step that
-    computes it, with a :class:`PoolingRequestOutput`.
+    bidirectional, so no prefix of a prompt is computed alone, and mean pooling needs every
+    token's hidden state in the step), run by the
+    :class:`~pyxllm.executor.pooling_executor.PoolingExecutor` (an encoder) or by the
+    ``ModelExecutor`` with a pooler (a decoder such as Qwen3-Embedding, on the paged KV cache);
+    each finishes in the step that computes it, with a :class:`PoolingRequestOutput`.
 
     Raises (at construction):
         ValueError: a bad flag value, a model that cannot be found or loaded (``ModelLoadError``),
@@ -46,7 +48,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         if config.task == "embed":  # whole prompts, each step (see the class docstring)
             config = dataclasses.replace(
-                config, enable_chunked_prefill=False, enable_prefix_cache=False
+                config,
+                enable_chunked_prefill=False,
+                enable_prefix_cache=False,
+                graph_backend="eager",  # a graph runner captures decode steps: there are none
             )
         self.config = config
         platform = resolve_platform(config.device)  # a missing device package fails first
@@ -266,7 +271,7 @@ class LLMEngine:
         for seq, vector in zip(plan.sequences, pooled):
             request = self.requests.pop(seq.request_id)
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-            self.metrics.record_finished(request, now)
+            self.metrics.record_pooled(request, now)
             outputs.append(
                 PoolingRequestOutput(
                     request.request_id,

@@ -270,6 +270,12 @@ class EngineMetrics:
         """A request failed in the engine because of ``cause`` (one of ``FAILURE_CAUSES``)."""
         self.request_failures[cause].inc()
 
+    def record_pooled(self, request: Request, now: float) -> None:
+        """An embedding request ended at ``now`` with its pooled vector: its prompt tokens
+        count as processed (it gets no token, so :meth:`record_tokens` never sees it)."""
+        self.num_prompt_tokens += request.num_prompt_tokens
+        self.record_finished(request, now)
+
     def record_finished(self, request: Request, now: float) -> None:
         """``request`` finished (its status says why) at ``now`` (``time.monotonic()`` seconds)."""
         self.num_finished += 1

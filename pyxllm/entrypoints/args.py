@@ -75,9 +75,10 @@ ENGINE_HELP = {
     "flag, so a positional MODEL goes before it) (default: the model id, else the model file's "
     "or directory's name)",
     "task": "what the server makes: generate, text (the completion, chat and responses "
-    "routes); embed, embeddings (/v1/embeddings) from an encoder model such as "
-    "sentence-transformers/all-MiniLM-L6-v2, embedded in pyxllm's install and served when no "
-    "model is given (see docs/models.md, Embedding models) (default: generate)",
+    "routes); embed, embeddings (/v1/embeddings) from an embedding model: a BERT encoder such "
+    "as sentence-transformers/all-MiniLM-L6-v2, embedded in pyxllm's install and served when no "
+    "model is given, or a decoder such as Qwen3-Embedding (see docs/models.md, Embedding "
+    "models) (default: generate)",
     "model_impl": "which code runs the model: pyxllm's own (also: python), transformers' (any "
     "causal LM transformers has, on pyxllm's paged attention), or auto: pyxllm's where it has "
     "the architecture, else transformers' (see docs/models.md)",

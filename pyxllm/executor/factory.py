@@ -9,7 +9,7 @@ from pyxllm.executor.multiproc import MultiprocExecutor
 from pyxllm.executor.pooling_executor import PoolingExecutor
 from pyxllm.executor.ray_executor import RayDistributedExecutor
 from pyxllm.executor.uniproc import UniprocExecutor
-from pyxllm.models.registry import check_task
+from pyxllm.models.registry import check_task, is_encoder
 from pyxllm.platforms import Platform
 from pyxllm.weights import ModelSource
 
@@ -17,8 +17,10 @@ from pyxllm.weights import ModelSource
 def build_executor(
     config: EngineConfig, model_config, source: ModelSource, platform: Platform
 ) -> Executor:
-    """For ``--task embed`` a :class:`~pyxllm.executor.pooling_executor.PoolingExecutor`; else
-    a :class:`~pyxllm.executor.uniproc.UniprocExecutor` for one rank, else rank 0's
+    """For ``--task embed`` on an encoder a
+    :class:`~pyxllm.executor.pooling_executor.PoolingExecutor`; else (a decoder embedding
+    model too, pooled by the ``ModelExecutor``) a
+    :class:`~pyxllm.executor.uniproc.UniprocExecutor` for one rank, else rank 0's
     :class:`~pyxllm.executor.multiproc.MultiprocExecutor` (``config.world_size`` > 1), or its
     :class:`~pyxllm.executor.ray_executor.RayDistributedExecutor` with
     ``--distributed-executor-backend ray``.
@@ -30,7 +32,7 @@ def build_executor(
             placement group was not placed, naming the missing resources).
     """
     check_task(model_config, config.task)
-    if config.task == "embed":
+    if config.task == "embed" and is_encoder(model_config):
         return PoolingExecutor(config, model_config, source, platform)
     if config.world_size == 1:
         return UniprocExecutor(config, model_config, source, platform)

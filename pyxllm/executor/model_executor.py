@@ -3,6 +3,7 @@ the runner and the sampler, and executes one scheduler step at a time."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.executor.spec_decode import GeneratorRewind, accept_drafts, expand_for_verification
 from pyxllm.executor.thread_tuner import make_thread_tuner
 from pyxllm.layers.forward_context import ForwardContext
+from pyxllm.layers.pooler import Pooler
 from pyxllm.layers.quantization import (
     prepare_model,
     quantize_model,
@@ -40,6 +42,7 @@ from pyxllm.platforms import Platform
 from pyxllm.platforms.interface import TORCH_DTYPES, load_class
 from pyxllm.sampling_params import FULL_VOCAB_LOGPROBS
 from pyxllm.weights import ModelSource, iter_weight_slices
+from pyxllm.weights.pooling_config import load_pooling_config
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +138,13 @@ class ModelExecutor:
     The device is the card at this rank's index (``platform.device_index``); the attention
     backend is the platform's choice for ``--block-size``; the runner is ``--graph-backend``'s.
 
+    With ``--task embed`` (a decoder embedding model such as Qwen3-Embedding) the steps pool
+    instead of sampling: each sequence is a whole prompt, its hidden states go to
+    :attr:`pooler` (last-token pooling unless the checkpoint's sentence-transformers modules say
+    otherwise) and the step's :class:`StepResult` carries ``pooled``. The LM head is not
+    loaded (it is tied to the embedding, and the checkpoint's is skipped), and a checkpoint
+    saved from the base model (``layers.0...`` without ``model.``) loads too.
+
     Raises:
         ValueError: an unsupported architecture or runner, a bad checkpoint, or a KV cache
             budget too small to hold one block.
@@ -149,10 +159,19 @@ class ModelExecutor:
         self.dtype = resolve_dtype(config.dtype, platform, model_config)
         model_cls = resolve_model_class(model_config, platform.name, config.model_impl)
         torch.manual_seed(config.seed)
+        self.pooler: Pooler | None = None
+        built_config = model_config
+        if config.task == "embed":
+            pooling = load_pooling_config(source.path if source.kind == "hf" else None, "LAST")
+            self.pooler = Pooler(pooling.pooling_type, pooling.normalize)
+            built_config = copy.copy(model_config)  # the LM head is never computed
+            built_config.tie_word_embeddings = True
         # --max-model-len reaches the models that depend on it (Phi-3's LongRoPE factors)
         self.model = build_model(
-            model_cls, model_config, self.device, self.dtype, config.max_model_len
+            model_cls, built_config, self.device, self.dtype, config.max_model_len
         )
+        if self.pooler is not None:
+            self.model.rename_checkpoint_tensor = _embedding_checkpoint_name
         # unread weights: each parameter's loader reads only this TP rank's slice
         weights = iter_weight_slices(source, model_config)
         if get_tp_rank() == 0:  # one progress bar, not one per rank
@@ -273,8 +292,11 @@ class ModelExecutor:
             return self._run(plan, batch)
 
     def _run(self, plan: SchedulerOutput, batch: InputBatch) -> StepResult:
-        """The forward pass over ``batch`` (``plan``'s inputs), then sampling."""
+        """The forward pass over ``batch`` (``plan``'s inputs), then sampling (or, for the
+        embed task, pooling each whole prompt)."""
         hidden_states = self.runner.execute(batch, self.make_context)
+        if self.pooler is not None:
+            return self._pool(plan, batch, hidden_states)
         result = StepResult([[] for _ in plan.sequences])
         rows = [i for i, s in enumerate(plan.sequences) if s.sample]
         if rows:
@@ -286,6 +308,27 @@ class ModelExecutor:
         if any(s.prompt_logprob_targets for s in plan.sequences):
             result.prompt_logprobs = self._prompt_logprobs(plan, batch, hidden_states)
         return result
+
+    def _pool(
+        self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor
+    ) -> StepResult:
+        """Each sequence's embedding (the embed task: every sequence is a whole prompt, as
+        the engine schedules them), cut and normalized as its ``pooling_params`` ask.
+
+        Raises:
+            ValueError: a sequence that is not a whole prompt.
+        """
+        for seq in plan.sequences:
+            if seq.num_computed_tokens or not seq.sample:
+                raise ValueError(f"request {seq.request_id}: pooling needs whole prompts")
+        vectors = self.pooler(hidden_states[: sum(batch.query_lens)], batch.query_lens).cpu()
+        pooled = []
+        for seq, vector in zip(plan.sequences, vectors):
+            params = seq.pooling_params
+            dimensions = None if params is None else params.dimensions
+            normalize = None if params is None else params.normalize
+            pooled.append(self.pooler.finish(vector, dimensions, normalize))
+        return StepResult([[] for _ in plan.sequences], pooled=pooled)
 
     def _sample(
         self, logits: torch.Tensor, seqs: list, rows: list[int], result: StepResult
@@ -338,3 +381,12 @@ class ModelExecutor:
                 target_ids = torch.tensor(targets, device=logits.device)
                 out[i] = compute_logprobs(logits.float(), target_ids, num_top).tolists()
         return out
+
+
+def _embedding_checkpoint_name(name: str) -> str | None:
+    """A decoder embedding checkpoint's tensor name as the causal LM class has it: one saved
+    from the base model (Qwen3-Embedding's ``layers.0.self_attn...``, ``norm.weight``) gets
+    ``model.``; its LM head, if stored, is skipped (``None``)."""
+    if name.startswith("lm_head."):
+        return None
+    return name if name.startswith("model.") else f"model.{name}"

@@ -35,24 +35,33 @@ MODEL_REGISTRY: dict[str, RegisteredModel] = {
     # encoders for the embed task (sentence-transformers' all-MiniLM-L6-v2)
     "BertModel": RegisteredModel("pyxllm.models.bert", "BertModel"),
 }
-# architectures that pool rather than generate: run with --task embed only
+# encoders, which pool rather than generate: run with --task embed only, by the pooling executor
 POOLING_ARCHITECTURES = frozenset({"BertModel"})
+
+
+def is_encoder(config) -> bool:
+    """Whether ``config.architectures`` names an encoder of :data:`POOLING_ARCHITECTURES`."""
+    return any(
+        arch in POOLING_ARCHITECTURES for arch in getattr(config, "architectures", None) or []
+    )
 
 
 def check_task(config, task: str) -> None:
     """Check that ``config.architectures`` runs the engine task ``task`` (``generate`` or
-    ``embed``), before any model module is imported.
+    ``embed``), before any model module is imported: ``embed`` takes an encoder or one of
+    pyxllm's own decoders (an embedding model such as Qwen3-Embedding, pooled from its hidden
+    states); ``generate`` takes anything but an encoder.
 
     Raises:
-        ValueError: an encoder for ``generate``, or a model without pyxllm's pooling for
-            ``embed`` (naming the architecture and the ``--task`` that fits).
+        ValueError: an encoder for ``generate``, or for ``embed`` a model pyxllm has no code of
+            its own for (naming the architecture and the ``--task`` that fits).
     """
     archs = list(getattr(config, "architectures", None) or [])
-    pooling = any(arch in POOLING_ARCHITECTURES for arch in archs)
-    if task == "embed" and not pooling:
+    pooling = is_encoder(config)
+    if task == "embed" and not pooling and not any(arch in MODEL_REGISTRY for arch in archs):
         raise ValueError(
             f"--task embed: architecture {', '.join(archs) or '(none)'} has no pooling in pyxllm; "
-            f"embedding models: {', '.join(sorted(POOLING_ARCHITECTURES))}"
+            f"embedding models: {', '.join(sorted(MODEL_REGISTRY))}"
         )
     if task != "embed" and pooling:
         raise ValueError(

@@ -85,17 +85,15 @@ class OpenAIServingEmbedding(OpenAIServing):
         except ValueError as exc:
             raise OpenAIError(str(exc), 400, "dimensions") from exc
         request_id = f"embd-{uuid.uuid4().hex}"
-        requests = []
-        for i, item in enumerate(inputs):
-            requests.append(
-                await self.on_tokenizer_thread(
-                    self.processor.process_pooling,
-                    f"{request_id}-{i}",
-                    item,
-                    params,
-                    request.truncate_prompt_tokens,
-                )
-            )
+
+        def process_all() -> list[EngineRequest]:  # on the tokenizer thread, in one go
+            truncate = request.truncate_prompt_tokens
+            return [
+                self.processor.process_pooling(f"{request_id}-{i}", item, params, truncate)
+                for i, item in enumerate(inputs)
+            ]
+
+        requests = await self.on_tokenizer_thread(process_all)
         try:
             outputs = await self._run_all(requests, raw_request, request_id)
         except ClientDisconnected:
