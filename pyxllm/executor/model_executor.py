@@ -22,6 +22,7 @@ from pyxllm.executor.draft_model import DraftModel
 from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.kv_cache import KVCacheSpec, allocate_kv_caches
 from pyxllm.executor.logits_processors import compute_logprobs
+from pyxllm.executor.pooling import pool_sequences
 from pyxllm.executor.runners import build_runner, resolve_runner
 from pyxllm.executor.sampler import Sampler, SamplingMetadata
 from pyxllm.executor.scheduler_output import SchedulerOutput
@@ -296,7 +297,8 @@ class ModelExecutor:
         embed task, pooling each whole prompt)."""
         hidden_states = self.runner.execute(batch, self.make_context)
         if self.pooler is not None:
-            return self._pool(plan, batch, hidden_states)
+            pooled = pool_sequences(self.pooler, plan, hidden_states, batch.query_lens)
+            return StepResult([[] for _ in plan.sequences], pooled=pooled)
         result = StepResult([[] for _ in plan.sequences])
         rows = [i for i, s in enumerate(plan.sequences) if s.sample]
         if rows:
@@ -308,27 +310,6 @@ class ModelExecutor:
         if any(s.prompt_logprob_targets for s in plan.sequences):
             result.prompt_logprobs = self._prompt_logprobs(plan, batch, hidden_states)
         return result
-
-    def _pool(
-        self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor
-    ) -> StepResult:
-        """Each sequence's embedding (the embed task: every sequence is a whole prompt, as
-        the engine schedules them), cut and normalized as its ``pooling_params`` ask.
-
-        Raises:
-            ValueError: a sequence that is not a whole prompt.
-        """
-        for seq in plan.sequences:
-            if seq.num_computed_tokens or not seq.sample:
-                raise ValueError(f"request {seq.request_id}: pooling needs whole prompts")
-        vectors = self.pooler(hidden_states[: sum(batch.query_lens)], batch.query_lens).cpu()
-        pooled = []
-        for seq, vector in zip(plan.sequences, vectors):
-            params = seq.pooling_params
-            dimensions = None if params is None else params.dimensions
-            normalize = None if params is None else params.normalize
-            pooled.append(self.pooler.finish(vector, dimensions, normalize))
-        return StepResult([[] for _ in plan.sequences], pooled=pooled)
 
     def _sample(
         self, logits: torch.Tensor, seqs: list, rows: list[int], result: StepResult

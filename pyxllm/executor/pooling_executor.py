@@ -21,6 +21,7 @@ from pyxllm.attention.encoder import EncoderAttentionStep
 from pyxllm.config import EngineConfig
 from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.model_executor import StepResult, resolve_dtype
+from pyxllm.executor.pooling import pool_sequences
 from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.layers.forward_context import ForwardContext, set_forward_context
 from pyxllm.layers.pooler import Pooler
@@ -91,27 +92,13 @@ class PoolingExecutor:
         asks; no token is sampled.
 
         Raises:
-            ValueError: a sequence that is not a whole prompt (a prefix-cache hit or a prefill
-                chunk: the engine turns both off for the embed task).
+            ValueError: a sequence that is not a whole prompt (see :func:`pool_sequences`).
         """
-        for seq in plan.sequences:
-            if seq.num_computed_tokens or not seq.sample:
-                raise ValueError(
-                    f"request {seq.request_id}: an encoder step needs whole prompts, got tokens "
-                    f"{seq.num_computed_tokens}..{seq.num_computed_tokens + len(seq.token_ids)} "
-                    f"of {seq.num_prompt_tokens}"
-                )
         batch = InputBatch.build(plan, self.config.block_size, self.device)
         context = ForwardContext(EncoderAttentionStep(batch.query_lens), [])
         with set_forward_context(context):
             hidden_states = self.model(batch.input_ids, batch.positions)
-        vectors = self.pooler(hidden_states, batch.query_lens).cpu()
-        pooled = []
-        for seq, vector in zip(plan.sequences, vectors):
-            params = seq.pooling_params
-            dimensions = None if params is None else params.dimensions
-            normalize = None if params is None else params.normalize
-            pooled.append(self.pooler.finish(vector, dimensions, normalize))
+        pooled = pool_sequences(self.pooler, plan, hidden_states, batch.query_lens)
         return StepResult([[] for _ in plan.sequences], pooled=pooled)
 
     def check_health(self) -> None:
