@@ -45,9 +45,10 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # which code runs the model (vLLM's --model-impl); xLLM's "python" is pyxllm's own
 MODEL_IMPLS = ("auto", "pyxllm", "transformers")
 MODEL_IMPL_ALIASES = {"python": "pyxllm"}
-# what the engine serves (vLLM's --task): text (generate) or embeddings (embed: an encoder model
-# and a pooler, see pyxllm.executor.pooling_executor)
-TASKS = ("generate", "embed")
+# what the engine serves (vLLM's --task): text (generate) or embeddings (embed: an embedding
+# model and a pooler, see pyxllm.executor.pooling_executor); auto: embed for an encoder, else
+# generate (pyxllm.executor.tasks)
+TASKS = ("auto", "generate", "embed")
 # xLLM's spellings of --graph-backend, and ours, -> the runner kind
 GRAPH_BACKEND_ALIASES = {
     "auto": "auto",
@@ -77,9 +78,10 @@ class EngineConfig:
     - ``tokenizer``: the tokenizer and chat template come from this directory, ``.gguf`` file or
       model id (at ``tokenizer_revision``) instead of the model (for a GGUF model: instead of
       its embedded vocabulary). ``None`` takes the model's.
-    - ``task``: ``generate`` (text) or ``embed`` (embeddings: an encoder model such as
-      all-MiniLM-L6-v2, the embedded one when ``model`` is ``None``; one rank, no chunked
-      prefill or prefix cache, see ``pyxllm.executor.pooling_executor``).
+    - ``task``: ``generate`` (text), ``embed`` (embeddings from an encoder such as
+      all-MiniLM-L6-v2, the embedded one when ``model`` is ``None``, or a decoder; one rank,
+      no chunked prefill or prefix cache, see ``pyxllm.executor.pooling_executor``) or ``auto``
+      (``embed`` for an encoder, else ``generate``; resolved by ``EngineFrontend.load``).
     - ``model_impl``: ``pyxllm`` (its native model code; xLLM's ``python`` is read as this),
       ``transformers`` (transformers' model code with pyxllm's paged attention, see
       ``pyxllm.models.transformers_backend``), or ``auto``: native where pyxllm has the
@@ -153,7 +155,7 @@ class EngineConfig:
     tokenizer: str | None = None
     tokenizer_revision: str | None = None
     served_model_name: tuple[str, ...] | None = None
-    task: str = "generate"
+    task: str = "auto"
     model_impl: str = "auto"
     dtype: str = "auto"
     quantization: str | None = "auto"

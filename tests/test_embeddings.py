@@ -206,7 +206,7 @@ def test_llm_embed_equals_the_server(client, tmp_path, reference):
     plain = tmp_path / "bert"
     shutil.copytree(embedded_embedding_model_dir(), plain)
     (plain / "modules.json").unlink()
-    cls = LLM(str(plain), task="embed").embed(TEXTS)
+    cls = LLM(str(plain)).embed(TEXTS)  # --task auto: an encoder embeds
     for output, want in zip(cls, reference(TEXTS, pooling="cls")):
         assert cosine(output.outputs.embedding, want) >= MIN_COSINE
 
@@ -228,11 +228,16 @@ def test_embed_task_refuses_what_it_cannot_honour(flags, named):
         EngineConfig(task="embed", **flags)
 
 
-def test_generate_task_refuses_an_encoder():
+def test_task_auto_embeds_with_an_encoder_only():
+    """``--task auto`` (the default) makes an encoder embed, refusing the flags embedding
+    cannot honour; ``--task generate`` refuses it, naming ``--task embed``."""
     from pyxllm import LLM
 
+    path = str(embedded_embedding_model_dir())
+    with pytest.raises(ValueError, match="--quantization: not with --task embed"):
+        LLM(path, quantization="int8")
     with pytest.raises(ValueError, match="--task embed"):
-        LLM(str(embedded_embedding_model_dir()))
+        LLM(path, task="generate")
 
 
 def _last_token_reference(hf_model, prompts: list[list[int]]) -> list[torch.Tensor]:

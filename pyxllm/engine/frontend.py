@@ -8,12 +8,14 @@ replicas from one API process that never loads the model itself.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pyxllm.config import EngineConfig, load_chat_template
 from pyxllm.engine.input_processor import InputProcessor
 from pyxllm.engine.structured_output import StructuredOutputManager
 from pyxllm.engine.tokenizer import Tokenizer
+from pyxllm.executor.tasks import resolve_task
 from pyxllm.weights import (
     load_generation_defaults,
     load_hf_tokenizer,
@@ -47,13 +49,34 @@ def resolve_max_model_len(config: EngineConfig, model_config) -> int:
     return config.max_model_len
 
 
+def _with_task(config: EngineConfig, task: str) -> EngineConfig:
+    """``config`` running ``task``; for ``embed`` every step computes whole prompts (no chunked
+    prefill, no prefix cache: an encoder's attention runs both ways, and mean pooling needs
+    every token of the prompt in the step) on the eager runner (there are no decode steps to
+    capture).
+
+    Raises:
+        ValueError: a flag ``embed`` cannot honour (see ``EngineConfig``), naming it.
+    """
+    if task == "embed":
+        return dataclasses.replace(
+            config,
+            task=task,
+            enable_chunked_prefill=False,
+            enable_prefix_cache=False,
+            graph_backend="eager",
+        )
+    return config if task == config.task else dataclasses.replace(config, task=task)
+
+
 @dataclass(slots=True)
 class EngineFrontend:
     """The model's config, context limit, request defaults, tokenizer and names (see
     :meth:`load`).
 
     Attributes:
-        config: the engine configuration it was loaded for.
+        config: the engine configuration it was loaded for, its ``task`` resolved (see
+            :meth:`load`).
         source: where the model is (``pyxllm.weights.ModelSource``).
         model_config: the checkpoint's config (``vocab_size``, ``max_position_embeddings`` ...).
         max_model_len: the context limit in tokens.
@@ -73,16 +96,20 @@ class EngineFrontend:
     @classmethod
     def load(cls, config: EngineConfig) -> EngineFrontend:
         """Resolve the model (downloading a model id's files when they are not cached) and
-        load its config and tokenizer, not its weights.
+        load its config and tokenizer, not its weights. ``--task auto`` is resolved for the
+        model; the loaded :attr:`config` says the task (for ``embed``: no chunked prefill, no
+        prefix cache, the eager runner).
 
         Raises:
-            ValueError: a model that cannot be found, a bad ``--max-model-len``, or a token
-                budget a whole prompt cannot fit without chunked prefill (naming the flag).
+            ValueError: a model that cannot be found, a bad ``--max-model-len``, a token
+                budget a whole prompt cannot fit without chunked prefill, or a flag the
+                resolved task cannot honour (naming the flag).
         """
         source = resolve_model_source(
             config.model, config.revision, config.download_dir, config.gguf_file, config.task
         )
         model_config = load_model_config(source)
+        config = _with_task(config, resolve_task(model_config, config.task))
         max_model_len = resolve_max_model_len(config, model_config)
         if config.task == "embed" and config.max_model_len is None and source.kind == "hf":
             # sentence-transformers' max_seq_length, as vLLM takes it: what the model embeds

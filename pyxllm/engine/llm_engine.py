@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -31,7 +30,7 @@ logger = logging.getLogger("pyxllm")
 class LLMEngine:
     """Loads a model and runs continuous batching over it, one ``step()`` at a time.
 
-    With ``--task embed`` the requests are embedding requests
+    With ``--task embed`` (or ``auto`` on an encoder) the requests are embedding requests
     (:meth:`InputProcessor.process_pooling`), scheduled as generation requests are, each a
     whole prompt in one step (no chunked prefill, no prefix cache: an encoder's attention is
     bidirectional, so no prefix of a prompt is computed alone, and mean pooling needs every
@@ -46,17 +45,11 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.task == "embed":  # whole prompts, each step (see the class docstring)
-            config = dataclasses.replace(
-                config,
-                enable_chunked_prefill=False,
-                enable_prefix_cache=False,
-                graph_backend="eager",  # a graph runner captures decode steps: there are none
-            )
-        self.config = config
         platform = resolve_platform(config.device)  # a missing device package fails first
         platform.check_runner(config.graph_backend)
         front = EngineFrontend.load(config)
+        # the task resolved for the model (--task auto), and embed's settings
+        self.config = config = front.config
         self.max_model_len, self.tokenizer = front.max_model_len, front.tokenizer
         self.served_model_names, self.model_name = front.served_model_names, front.model_name
         set_current_platform(platform)

@@ -78,7 +78,7 @@ ENGINE_HELP = {
     "routes); embed, embeddings (/v1/embeddings) from an embedding model: a BERT encoder such "
     "as sentence-transformers/all-MiniLM-L6-v2, embedded in pyxllm's install and served when no "
     "model is given, or a decoder such as Qwen3-Embedding (see docs/models.md, Embedding "
-    "models) (default: generate)",
+    "models); auto: embed for an encoder, else generate (default: auto)",
     "model_impl": "which code runs the model: pyxllm's own (also: python), transformers' (any "
     "causal LM transformers has, on pyxllm's paged attention), or auto: pyxllm's where it has "
     "the architecture, else transformers' (see docs/models.md)",

@@ -118,13 +118,13 @@ class DataParallelEngine(EngineClient):
     ) -> None:
         Router(size, routing)  # a bad size or policy fails before anything starts
         self.max_num_seqs = config.max_seqs_per_batch
-        self.task = config.task  # always generate: run_server refuses embed with replicas
         self.data_parallel_size = size
         self.launcher = launcher or default_launcher(config, size)
         self._requests: dict[str, InFlightRequest] = {}
         self._closing = False
         # the replicas load the model while this process loads the tokenizer
         front, self.replicas = self._start(config, size, stats_interval)
+        self.task = front.config.task  # generate: _start refuses embed
         self.tokenizer, self.max_model_len = front.tokenizer, front.max_model_len
         self.served_model_names, self.model_name = front.served_model_names, front.model_name
         num_blocks = min(replica.ready.num_kv_blocks for replica in self.replicas)
@@ -171,6 +171,8 @@ class DataParallelEngine(EngineClient):
                 )
                 handles.append(self.launcher.launch(spec))
             front = EngineFrontend.load(config)
+            if front.config.task == "embed":
+                raise ValueError("--data-parallel-size: not with --task embed (one engine embeds)")
             replicas = self._accept(listener, handles)
             self._wait_ready(replicas)
         except BaseException:

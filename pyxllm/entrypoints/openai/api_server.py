@@ -487,7 +487,7 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
             + (f"; also served as {', '.join(names[1:])}" if len(names) > 1 else "")
             + (f"; routes also under --root-path {options.root_path}" if options.root_path else "")
             + ("; an API key is required" if options.api_keys else "")
-            + (f"; chat page at {root}" if options.web_ui and config.task == "generate" else "")
+            + (f"; chat page at {root}" if options.web_ui and engine.task == "generate" else "")
         )
         uv_config = uvicorn.Config(
             app,
