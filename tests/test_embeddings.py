@@ -140,6 +140,62 @@ def test_long_input_is_refused_unless_truncated(client, server, reference):
     assert cosine(cut["data"][0]["embedding"], want) >= MIN_COSINE
 
 
+def test_score_is_the_cosine_of_the_embeddings(server, reference):
+    """vLLM's /v1/score on an embedding model: 1 to N and pairwise, each the cosine
+    similarity of transformers' vectors."""
+    vectors = reference(TEXTS)
+    one_to_n = httpx.post(
+        server.url_for("v1/score"), json={"text_1": TEXTS[0], "text_2": TEXTS}, timeout=60
+    ).json()
+    assert [d["index"] for d in one_to_n["data"]] == [0, 1, 2]
+    for data, vector in zip(one_to_n["data"], vectors):
+        assert math.isclose(data["score"], float(vectors[0] @ vector), abs_tol=1e-5)
+    assert one_to_n["data"][0]["score"] > max(d["score"] for d in one_to_n["data"][1:])
+    pairwise = httpx.post(
+        server.url_for("score"), json={"text_1": TEXTS[:2], "text_2": TEXTS[1:]}, timeout=60
+    ).json()
+    for data, a, b in zip(pairwise["data"], vectors[:2], vectors[1:]):
+        assert math.isclose(data["score"], float(a @ b), abs_tol=1e-5)
+    num_tokens = sum(len(reference.tokenizer(t)["input_ids"]) for t in TEXTS[:2] + TEXTS[1:])
+    assert pairwise["usage"]["prompt_tokens"] == num_tokens
+
+
+def test_rerank_orders_documents_by_similarity(server, reference):
+    query, documents = "A cat on a mat", [TEXTS[1], TEXTS[2], TEXTS[0]]
+    vectors = reference([query, *documents])
+    want = sorted(range(3), key=lambda i: -float(vectors[0] @ vectors[i + 1]))
+    for path in ("v1/rerank", "rerank", "v2/rerank"):
+        body = {"query": query, "documents": documents, "top_n": 2}
+        response = httpx.post(server.url_for(path), json=body, timeout=60).json()
+        assert [r["index"] for r in response["results"]] == want[:2]
+        for result in response["results"]:
+            assert result["document"]["text"] == documents[result["index"]]
+            expected = float(vectors[0] @ vectors[result["index"] + 1])
+            assert math.isclose(result["relevance_score"], expected, abs_tol=1e-5)
+    everything = httpx.post(
+        server.url_for("v1/rerank"), json={"query": query, "documents": documents}, timeout=60
+    ).json()
+    assert [r["index"] for r in everything["results"]] == want
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("v1/score", {"text_1": [], "text_2": "x"}, "text_1"),
+        ("v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
+        ("v1/rerank", {"query": "q", "documents": []}, "documents"),
+        ("v1/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n"),
+        ("v1/rerank", {"query": "", "documents": ["d"]}, "query"),
+        ("v1/rerank", {"query": "q", "documents": ["d", ""]}, "documents"),
+        ("v1/score", {"text_1": "a", "text_2": ["b", ""]}, "text_2"),
+    ],
+)
+def test_bad_score_and_rerank_requests_name_the_field(server, path, body, param):
+    response = httpx.post(server.url_for(path), json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 def prompt_tokens_metric(server) -> float:
     """``vllm:prompt_tokens_total`` from the server's ``/metrics``."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -186,9 +242,15 @@ def test_text_routes_name_the_task(client, server):
 
 
 def test_generation_server_refuses_embeddings():
-    response = stub_app_client().post("/v1/embeddings", json={"model": "m", "input": "hi"})
-    assert response.status_code == 400
-    assert "--task embed" in response.json()["error"]["message"]
+    client = stub_app_client()
+    for path, body in (
+        ("/v1/embeddings", {"input": "hi"}),
+        ("/v1/score", {"text_1": "a", "text_2": "b"}),
+        ("/v1/rerank", {"query": "q", "documents": ["d"]}),
+    ):
+        response = client.post(path, json={"model": "m", **body})
+        assert response.status_code == 400
+        assert "--task embed" in response.json()["error"]["message"]
 
 
 def test_llm_embed_equals_the_server(client, tmp_path, reference):

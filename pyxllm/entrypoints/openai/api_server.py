@@ -4,7 +4,9 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
 (with ``GET`` and ``DELETE /v1/responses/{id}``), Anthropic's ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (see :mod:`pyxllm.entrypoints.anthropic`), and with
-``--task embed`` instead of those ``POST /v1/embeddings`` (see :mod:`.serving_embedding`),
+``--task embed`` instead of those ``POST /v1/embeddings`` (see :mod:`.serving_embedding`)
+and vLLM's ``POST /v1/score`` and ``POST /v1/rerank`` (also ``/score``, ``/rerank``,
+``/v2/rerank``; see :mod:`.serving_score`),
 ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health`` (200, with a JSON body while data-parallel replicas
 are missing, or 503 when the engine loop died),
@@ -67,15 +69,19 @@ from pyxllm.entrypoints.openai.protocol import (
     ModelList,
     RequestModel,
 )
-from pyxllm.entrypoints.openai.protocol_embeddings import EmbeddingRequest
+from pyxllm.entrypoints.openai.protocol_embeddings import (
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from pyxllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pyxllm.entrypoints.openai.security import install_security
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pyxllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pyxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pyxllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pyxllm.entrypoints.openai.serving_tokenization import (
     DetokenizeRequest,
     OpenAIServingTokenization,
@@ -168,6 +174,11 @@ ADMITTED_PATHS = (
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/embeddings",
+    "/v1/score",
+    "/score",
+    "/v1/rerank",
+    "/rerank",
+    "/v2/rerank",
     "/tokenize",
     "/detokenize",
 )
@@ -188,8 +199,25 @@ def _check_generates(raw_request: Request) -> None:
 @router.post("/v1/embeddings")
 async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
     """OpenAI embeddings (with ``--task embed``; see :mod:`.serving_embedding`)."""
-    handler: OpenAIServingEmbedding = raw_request.app.state.openai_serving_embedding
+    handler: OpenAIServingScore = raw_request.app.state.openai_serving_embedding
     return await handler.create_embedding(request, raw_request)
+
+
+@router.post("/v1/score")
+@router.post("/score")
+async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+    """vLLM's scores: cosine similarities of embeddings (see :mod:`.serving_score`)."""
+    handler: OpenAIServingScore = raw_request.app.state.openai_serving_embedding
+    return await handler.create_score(request, raw_request)
+
+
+@router.post("/v1/rerank")
+@router.post("/rerank")
+@router.post("/v2/rerank")
+async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
+    """vLLM's (Jina's, Cohere's) rerank: documents by similarity to the query."""
+    handler: OpenAIServingScore = raw_request.app.state.openai_serving_embedding
+    return await handler.create_rerank(request, raw_request)
 
 
 @router.post("/v1/chat/completions")
@@ -302,7 +330,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
         engine.input_processor.structured_outputs.prepare()
     app.state.openai_serving_chat = OpenAIServingChat(engine, options)
     app.state.openai_serving_completion = OpenAIServingCompletion(engine, options)
-    app.state.openai_serving_embedding = OpenAIServingEmbedding(engine, options)
+    app.state.openai_serving_embedding = OpenAIServingScore(engine, options)
     app.state.openai_serving_responses = OpenAIServingResponses(app.state.openai_serving_chat)
     app.state.anthropic_serving_messages = AnthropicServingMessages(app.state.openai_serving_chat)
     app.state.openai_serving_tokenization = OpenAIServingTokenization(

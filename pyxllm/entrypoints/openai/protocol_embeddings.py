@@ -1,5 +1,7 @@
-"""``POST /v1/embeddings``'s request and response bodies, OpenAI's fields with vLLM's
-extensions (``truncate_prompt_tokens``, ``normalize``)."""
+"""The bodies of the embedding routes: ``POST /v1/embeddings`` (OpenAI's fields with vLLM's
+extensions ``truncate_prompt_tokens`` and ``normalize``), and vLLM's ``POST /v1/score`` and
+``POST /v1/rerank`` (Jina's and Cohere's shape), which an embedding model answers with the
+cosine similarity of two embeddings."""
 
 from __future__ import annotations
 
@@ -58,3 +60,72 @@ class EmbeddingResponse(OpenAIBaseModel):
     model: str
     data: list[EmbeddingData]
     usage: EmbeddingUsage
+
+
+class ScoreRequest(RequestModel):
+    """``POST /v1/score`` (vLLM's): the similarity of ``text_1`` to ``text_2``, one pair each
+    (``text_1`` one text and ``text_2`` several: 1 to N; two lists of one length: pairwise)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+
+
+class ScoreData(OpenAIBaseModel):
+    """The score of pair ``index``: the cosine similarity of its two embeddings, in [-1, 1]."""
+
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(OpenAIBaseModel):
+    """The body of ``POST /v1/score``'s answer."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankRequest(RequestModel):
+    """``POST /v1/rerank`` (vLLM's, Jina's and Cohere's shape): ``documents`` ordered by their
+    similarity to ``query``; ``top_n`` keeps the best ones (``None`` or 0: all)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None
+    truncate_prompt_tokens: int | None = None
+
+
+class RerankDocument(OpenAIBaseModel):
+    """A reranked document's text."""
+
+    text: str
+
+
+class RerankResult(OpenAIBaseModel):
+    """One document: its ``index`` in the request, its text and its score."""
+
+    index: int
+    document: RerankDocument
+    relevance_score: float
+
+
+class RerankUsage(OpenAIBaseModel):
+    """Tokens of the query and every document, as vLLM counts them."""
+
+    total_tokens: int = 0
+
+
+class RerankResponse(OpenAIBaseModel):
+    """The body of ``POST /v1/rerank``'s answer: results by decreasing score."""
+
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage

@@ -65,40 +65,67 @@ def encode_embedding(vector: torch.Tensor, encoding_format: str) -> list[float] 
 class OpenAIServingEmbedding(OpenAIServing):
     """Serves ``POST /v1/embeddings`` from an engine running ``--task embed``."""
 
-    async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
-        """Answer one embeddings request (raises :class:`OpenAIError` for a bad request: 400
-        naming the field, 404 for an unknown model, 400 when the server does not embed)."""
-        self.check_model(request.model)
+    def check_embeds(self, model: str | None, route: str) -> None:
+        """The checks before any embedding route: 404 for an unknown ``model``, 400 naming the
+        task when the server does not embed, 503 when the engine cannot serve or drains."""
+        self.check_model(model)
         task = getattr(self.engine, "task", "generate")
         if task != "embed":
             raise OpenAIError(
-                f"/v1/embeddings: this server runs --task {task}; embeddings need a server "
-                "started with --task embed and an embedding model",
+                f"{route}: this server runs --task {task}; embeddings need a server started "
+                "with --task embed and an embedding model",
                 400,
                 "model",
             )
         self.check_health()
         self.check_not_draining()
+
+    async def embed(
+        self,
+        inputs: list[str | TokensPrompt],
+        params: PoolingParams,
+        truncate_prompt_tokens: int | None,
+        request_id: str,
+        raw_request: Request,
+    ) -> tuple[list[PoolingRequestOutput], int]:
+        """Embed ``inputs`` (processed on the tokenizer thread, then run in the engine at once):
+        their outputs in order, and their prompt tokens in all.
+
+        Raises:
+            InvalidRequestError: an input or parameter the input processor refuses.
+            ClientDisconnected: the client went away first (what ran is aborted).
+            OpenAIError: the engine refused or failed a request.
+        """
+
+        def process_all() -> list[EngineRequest]:  # on the tokenizer thread, in one go
+            return [
+                self.processor.process_pooling(
+                    f"{request_id}-{i}", item, params, truncate_prompt_tokens
+                )
+                for i, item in enumerate(inputs)
+            ]
+
+        requests = await self.on_tokenizer_thread(process_all)
+        outputs = await self._run_all(requests, raw_request, request_id)
+        return outputs, sum(len(r.prompt_token_ids) for r in requests)
+
+    async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
+        """Answer one embeddings request (raises :class:`OpenAIError` for a bad request: 400
+        naming the field, 404 for an unknown model, 400 when the server does not embed)."""
+        self.check_embeds(request.model, "/v1/embeddings")
         inputs = embedding_inputs(request)
         try:
             params = PoolingParams(request.dimensions, request.normalize)
         except ValueError as exc:
             raise OpenAIError(str(exc), 400, "dimensions") from exc
         request_id = f"embd-{uuid.uuid4().hex}"
-
-        def process_all() -> list[EngineRequest]:  # on the tokenizer thread, in one go
-            truncate = request.truncate_prompt_tokens
-            return [
-                self.processor.process_pooling(f"{request_id}-{i}", item, params, truncate)
-                for i, item in enumerate(inputs)
-            ]
-
-        requests = await self.on_tokenizer_thread(process_all)
+        truncate = request.truncate_prompt_tokens
         try:
-            outputs = await self._run_all(requests, raw_request, request_id)
+            outputs, num_tokens = await self.embed(
+                inputs, params, truncate, request_id, raw_request
+            )
         except ClientDisconnected:
             return Response(status_code=499)
-        num_tokens = sum(len(r.prompt_token_ids) for r in requests)
         response = EmbeddingResponse(
             id=request_id,
             model=self.model_name,
