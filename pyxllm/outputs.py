@@ -99,3 +99,22 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     outputs: PoolingOutput
     finished: bool = True
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """A text pair's score (vLLM's ``ScoringOutput``): with an embedding model, the cosine
+    similarity of the two texts' embeddings, in [-1, 1]."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """The result of scoring one text pair (vLLM's ``ScoringRequestOutput``): ``prompt_token_ids``
+    are the two texts' token ids, the first text's then the second's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -253,9 +253,10 @@ def test_generation_server_refuses_embeddings():
         assert "--task embed" in response.json()["error"]["message"]
 
 
-def test_llm_embed_equals_the_server(client, tmp_path, reference):
-    """``LLM.embed`` gives the server's vectors; a plain BertModel directory (no
-    sentence-transformers modules) pools its [CLS] token, normalized, as vLLM does."""
+def test_llm_embed_and_score_equal_the_server(client, server, tmp_path, reference):
+    """``LLM.embed`` and ``LLM.score`` give the server's vectors and scores; a plain BertModel
+    directory (no sentence-transformers modules) pools its [CLS] token, normalized, as vLLM
+    does."""
     from pyxllm import LLM
 
     llm = LLM(task="embed")
@@ -265,6 +266,12 @@ def test_llm_embed_equals_the_server(client, tmp_path, reference):
         assert np.allclose(output.outputs.embedding, data.embedding, atol=1e-6)
     with pytest.raises(ValueError, match="embed"):
         llm.generate("hi")
+    body = {"text_1": TEXTS[0], "text_2": TEXTS}
+    scored = httpx.post(server.url_for("v1/score"), json=body, timeout=60).json()
+    for output, data in zip(llm.score(TEXTS[0], TEXTS), scored["data"]):
+        assert math.isclose(output.outputs.score, data["score"], abs_tol=1e-6)
+    with pytest.raises(ValueError, match="text_2"):
+        llm.score(TEXTS[:2], TEXTS)
     plain = tmp_path / "bert"
     shutil.copytree(embedded_embedding_model_dir(), plain)
     (plain / "modules.json").unlink()

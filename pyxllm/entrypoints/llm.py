@@ -13,7 +13,13 @@ from pyxllm.engine.errors import RequestFailedError
 from pyxllm.engine.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.engine.tokenizer import Tokenizer
-from pyxllm.outputs import PoolingRequestOutput, RequestOutput
+from pyxllm.entrypoints.score_utils import cosine_scores, distinct_texts, score_pairs
+from pyxllm.outputs import (
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pyxllm.pooling_params import PoolingParams
 from pyxllm.sampling_params import SamplingParams
 
@@ -23,8 +29,8 @@ PromptType = str | dict[str, Any]
 class LLM:
     """An engine for offline batched generation.
 
-    ``LLM(task="embed")`` embeds instead (:meth:`embed`; ``model=None`` is then the embedded
-    all-MiniLM-L6-v2).
+    ``LLM(task="embed")`` embeds instead (:meth:`embed`, :meth:`score`; ``model=None`` is then
+    the embedded all-MiniLM-L6-v2; an encoder model embeds under the default ``task="auto"``).
 
     Args:
         model: ``None`` (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file, a Hugging Face
@@ -124,6 +130,34 @@ class LLM:
         return self._run(
             [ChatPrompt(c, True, kwargs) for c in conversations], sampling_params, use_tqdm
         )
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ScoringRequestOutput]:
+        """Score text pairs (an ``LLM(task="embed")``): ``text_1`` against each of ``text_2``
+        (or the reverse), or two lists of one length pairwise; each score
+        (``output.outputs.score``) is the cosine similarity of the two texts' embeddings, as
+        ``/v1/score`` gives it. Each distinct text is embedded once.
+
+        Raises:
+            ValueError: an engine that does not embed, an empty text or list, or lists of
+                different lengths (``InvalidRequestError``, naming ``text_1`` or ``text_2``).
+        """
+        text_1 = text_1 if isinstance(text_1, str) else list(text_1)
+        text_2 = text_2 if isinstance(text_2, str) else list(text_2)
+        pairs = score_pairs(text_1, text_2)
+        texts = distinct_texts(pairs)
+        outputs = self.embed(texts, None, truncate_prompt_tokens, use_tqdm)
+        vectors = {text: out.outputs.data for text, out in zip(texts, outputs)}
+        ids = {text: out.prompt_token_ids for text, out in zip(texts, outputs)}
+        return [
+            ScoringRequestOutput(str(next(self._ids)), ids[a] + ids[b], ScoringOutput(score))
+            for (a, b), score in zip(pairs, cosine_scores(pairs, vectors))
+        ]
 
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if self.llm_engine.config.task != "generate":

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import uuid
 
-import torch
-import torch.nn.functional as F
 from fastapi import Request
 from fastapi.responses import Response
 
 from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.protocol_embeddings import (
-    MAX_EMBEDDING_INPUTS,
     EmbeddingUsage,
     RerankDocument,
     RerankRequest,
@@ -26,43 +23,8 @@ from pyxllm.entrypoints.openai.protocol_embeddings import (
 )
 from pyxllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pyxllm.entrypoints.openai.serving_engine import ClientDisconnected
+from pyxllm.entrypoints.score_utils import cosine_scores, distinct_texts, score_pairs
 from pyxllm.pooling_params import PoolingParams
-
-
-def score_pairs(
-    text_1: str | list[str], text_2: str | list[str], names: tuple[str, str] = ("text_1", "text_2")
-) -> list[tuple[str, str]]:
-    """The ``(text_1, text_2)`` pairs of a score request: one text against each of several
-    (1 to N, either side), or two lists of one length pairwise; ``names`` are the request's
-    fields for the two sides (a rerank's ``query`` and ``documents``).
-
-    Raises:
-        OpenAIError: 400 naming the field: an empty list or text, lists of different lengths,
-            or more than :data:`MAX_EMBEDDING_INPUTS` pairs.
-    """
-    left = [text_1] if isinstance(text_1, str) else list(text_1)
-    right = [text_2] if isinstance(text_2, str) else list(text_2)
-    for name, texts in zip(names, (left, right)):
-        if not texts or "" in texts:
-            raise OpenAIError(f"{name}: must not be empty", 400, name)
-    if len(left) == 1:
-        left = left * len(right)
-    elif len(right) == 1:
-        right = right * len(left)
-    elif len(left) != len(right):
-        raise OpenAIError(
-            f"{names[1]}: {len(right)} texts for {len(left)} in {names[0]}; give one text on a "
-            "side, or lists of one length",
-            400,
-            names[1],
-        )
-    if len(left) > MAX_EMBEDDING_INPUTS:
-        raise OpenAIError(
-            f"{names[1]}: at most {MAX_EMBEDDING_INPUTS} pairs per request, got {len(left)}",
-            400,
-            names[1],
-        )
-    return list(zip(left, right))
 
 
 class OpenAIServingScore(OpenAIServingEmbedding):
@@ -77,16 +39,11 @@ class OpenAIServingScore(OpenAIServingEmbedding):
     ) -> tuple[list[float], int]:
         """The cosine similarity of each pair's embeddings (each distinct text embedded once),
         and the prompt tokens of every text of the pairs, as vLLM counts them."""
-        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-        outputs, _ = await self.embed(
-            texts, PoolingParams(normalize=True), truncate, request_id, raw_request
-        )
+        texts = distinct_texts(pairs)
+        outputs, _ = await self.embed(texts, PoolingParams(), truncate, request_id, raw_request)
         vectors = {text: out.outputs.data for text, out in zip(texts, outputs)}
         lengths = {text: len(out.prompt_token_ids) for text, out in zip(texts, outputs)}
-        left = torch.stack([vectors[a] for a, _ in pairs])
-        right = torch.stack([vectors[b] for _, b in pairs])
-        scores = F.cosine_similarity(left, right, dim=-1).tolist()
-        return scores, sum(lengths[a] + lengths[b] for a, b in pairs)
+        return cosine_scores(pairs, vectors), sum(lengths[a] + lengths[b] for a, b in pairs)
 
     async def create_score(self, request: ScoreRequest, raw_request: Request) -> Response:
         """Answer one score request (raises :class:`OpenAIError` for a bad request)."""
