@@ -202,6 +202,7 @@ def stub_app_client(**options):
         max_model_len=8,
         max_num_seqs=1,
         data_parallel_size=1,
+        task="generate",
         tokenizer=SimpleNamespace(hf=None),
     )
     return TestClient(build_app(engine, ServerOptions(**options)))

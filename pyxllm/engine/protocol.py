@@ -45,6 +45,8 @@ class EngineClient(Protocol):
         max_model_len: the context length in tokens, prompt and output together.
         max_num_seqs: the most requests one engine runs at once (``--max-seqs-per-batch``).
         data_parallel_size: the number of engine replicas (1 for one engine).
+        task: what the engine makes, ``generate`` (text) or ``embed`` (pooled vectors;
+            ``--task``).
         metrics: the engine's Prometheus metrics.
     """
 
@@ -55,6 +57,7 @@ class EngineClient(Protocol):
     max_model_len: int
     max_num_seqs: int
     data_parallel_size: int
+    task: str
     metrics: EngineMetrics
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:

@@ -186,7 +186,7 @@ ADMITTED_PATHS = (
 
 def _check_generates(raw_request: Request) -> None:
     """400 on a text route when the server runs another task (``--task embed``), naming it."""
-    task = getattr(raw_request.app.state.engine, "task", "generate")
+    task = raw_request.app.state.engine.task
     if task != "generate":
         raise OpenAIError(
             f"{raw_request.url.path}: this server runs --task {task}, which makes embeddings, "
@@ -199,6 +199,7 @@ def _check_generates(raw_request: Request) -> None:
 @router.post("/v1/embeddings")
 async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
     """OpenAI embeddings (with ``--task embed``; see :mod:`.serving_embedding`)."""
+    _check_fields(request, raw_request)
     handler: OpenAIServingScore = raw_request.app.state.openai_serving_embedding
     return await handler.create_embedding(request, raw_request)
 
@@ -207,6 +208,7 @@ async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> R
 @router.post("/score")
 async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
     """vLLM's scores: cosine similarities of embeddings (see :mod:`.serving_score`)."""
+    _check_fields(request, raw_request)
     handler: OpenAIServingScore = raw_request.app.state.openai_serving_embedding
     return await handler.create_score(request, raw_request)
 
@@ -216,6 +218,7 @@ async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
 @router.post("/v2/rerank")
 async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
     """vLLM's (Jina's, Cohere's) rerank: documents by similarity to the query."""
+    _check_fields(request, raw_request)
     handler: OpenAIServingScore = raw_request.app.state.openai_serving_embedding
     return await handler.create_rerank(request, raw_request)
 
@@ -251,6 +254,7 @@ async def create_response(request: ResponsesRequest, raw_request: Request) -> Re
 async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
     """Anthropic's Messages API, streamed (SSE events) or not (see
     :mod:`pyxllm.entrypoints.anthropic.serving_messages`)."""
+    _check_generates(raw_request)
     handler: AnthropicServingMessages = raw_request.app.state.anthropic_serving_messages
     return await handler.create_message(request, raw_request)
 
@@ -258,6 +262,7 @@ async def create_message(request: MessagesRequest, raw_request: Request) -> Resp
 @router.post("/v1/messages/count_tokens")
 async def count_message_tokens(request: CountTokensRequest, raw_request: Request) -> JSONResponse:
     """The input tokens of an Anthropic Messages request: ``{"input_tokens"}``."""
+    _check_generates(raw_request)
     handler: AnthropicServingMessages = raw_request.app.state.anthropic_serving_messages
     return await handler.count_tokens(request)
 

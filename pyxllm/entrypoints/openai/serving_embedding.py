@@ -69,7 +69,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         """The checks before any embedding route: 404 for an unknown ``model``, 400 naming the
         task when the server does not embed, 503 when the engine cannot serve or drains."""
         self.check_model(model)
-        task = getattr(self.engine, "task", "generate")
+        task = self.engine.task
         if task != "embed":
             raise OpenAIError(
                 f"{route}: this server runs --task {task}; embeddings need a server started "
