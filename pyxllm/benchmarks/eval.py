@@ -26,7 +26,10 @@ TASKS = ("gsm8k",)
 
 def add_eval_args(parser: argparse.ArgumentParser) -> None:
     """The flags of ``pyxllm bench eval``."""
-    parser.add_argument("--task", choices=TASKS, default="gsm8k", help="the task to score")
+    # its own dest: `task` is the engine setting (--task generate|embed) of the serve flags
+    parser.add_argument(
+        "--task", dest="eval_task", choices=TASKS, default="gsm8k", help="the task to score"
+    )
     parser.add_argument(
         "--base-url",
         default="http://127.0.0.1:8000/v1",
@@ -246,7 +249,7 @@ def bench_eval(args: argparse.Namespace) -> dict:
     if errors:
         print(f"{summary['failed']} failed requests:", *errors[:5], sep="\n  ")
     report = {
-        "task": args.task,
+        "task": args.eval_task,
         "format": args.format,
         "num_fewshot": fewshot,
         "max_tokens": args.max_tokens,
