@@ -129,6 +129,9 @@ RECORDED = [
     (HERMES, '<tool_call>\n{"name": "get_weather", ', (None, [("get_weather", "")])),
     (NamedCallParser("get_time"), '{"ci', (None, [("get_time", '{"ci')])),
     (Llama3JsonToolParser(), '{"name": "ping"}', (None, [("ping", "{}")])),  # whole, no arguments
+    # a forced call cut before its name: no call to report, and its JSON is not content
+    (RequiredCallsParser(), '[\n{\n    "name": "', (None, [])),
+    (RequiredCallsParser(), "[\n{", (None, [])),
 ]
 
 

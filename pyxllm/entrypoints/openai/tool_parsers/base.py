@@ -120,7 +120,15 @@ class ToolParser(abc.ABC):
 
     Args:
         tokenizer: the engine's tokenizer (parsers that look at token ids may need it).
+
+    Attributes:
+        text_is_content: whether a reply in which no call is found is content (a model that
+            answered instead of calling); ``False`` for a forced call's parser, whose text is
+            always the call's JSON, so a call cut before its name gives neither content nor a
+            call.
     """
+
+    text_is_content = True
 
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer
@@ -148,11 +156,12 @@ def split_tool_calls(
     parser: ToolParser, text: str, limit: int | None = None
 ) -> tuple[str | None, list[ToolCall]]:
     """``(content, tool_calls)`` of a whole reply: the content is ``None`` when empty, and the
-    whole text when no call is found."""
+    whole text when no call is found (``None`` for a forced call's parser, see
+    :attr:`ToolParser.text_is_content`)."""
     parsed = parser.parse(text, final=True)
     calls = tool_calls_of(parsed, limit)
     if not calls:
-        return text or None, []
+        return (text or None) if parser.text_is_content else None, []
     return parsed.content or None, calls
 
 
@@ -179,9 +188,11 @@ class ToolCallStream:
         """``(content delta, tool call deltas)`` now that the text is ``text``, at most one
         delta per call (clients such as instructor read one entry per index from a chunk): a
         new call's header carries the arguments parsed so far. A final text in which no call
-        was found is content as a whole (see :func:`split_tool_calls`)."""
+        was found is content as a whole, unless the parser says otherwise (see
+        :func:`split_tool_calls`)."""
         parsed = self.parser.parse(text, final)
-        if final and not self.ids and not any(c.name for c in parsed.calls):
+        no_call = final and not self.ids and not any(c.name for c in parsed.calls)
+        if no_call and self.parser.text_is_content:
             parsed = ParsedToolOutput(text)
         content = parsed.content[self.content_sent :]
         self.content_sent = len(parsed.content)

@@ -11,6 +11,8 @@ from pyxllm.entrypoints.openai.tool_parsers.llama3_json import json_sequence
 class RequiredCallsParser(ToolParser):
     """A JSON array of calls."""
 
+    text_is_content = False
+
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
         start = text.find("[")
         calls = [] if start < 0 else json_sequence(text, final, separators=",", start=start + 1)
@@ -19,6 +21,8 @@ class RequiredCallsParser(ToolParser):
 
 class NamedCallParser(ToolParser):
     """The arguments of the one function ``name``."""
+
+    text_is_content = False
 
     def __init__(self, name: str) -> None:
         super().__init__()
