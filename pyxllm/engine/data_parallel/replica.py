@@ -69,7 +69,9 @@ class ReplicaSpec:
         authkey: the listener's key (never logged).
         threads: torch threads (``None``: leave torch's count).
         cpus: the CPUs to pin the process to (empty: not pinned).
-        environ: variables to set before anything loads (an accelerator's visible devices).
+        environ: variables set in the replica's process before its engine is built; torch is
+            imported by then, so only variables read when a device is first used take effect
+            (an accelerator's visible devices), not those read at import.
         stats_interval: seconds between the engine's stats lines; ``None`` logs none.
     """
 
