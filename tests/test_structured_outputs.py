@@ -4,6 +4,7 @@ a constraint that does not compile is refused before anything runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -12,6 +13,7 @@ import jsonschema
 import pytest
 
 from pyxllm import LLM, SamplingParams
+from pyxllm.engine.errors import InvalidRequestError
 from pyxllm.sampling_params import JSON_WHITESPACE_LIMIT, StructuredOutputsParams
 
 PERSON = {
@@ -379,3 +381,46 @@ def test_a_failing_constraint_is_a_500_naming_the_cause():
             )
     finally:
         engine.shutdown()
+
+
+def test_a_request_waits_in_the_engine_while_its_grammar_compiles(llm, monkeypatch):
+    """``add_request`` never waits for a grammar (vLLM's WAITING_FOR_FSM): the request waits in
+    the engine, which steps the others meanwhile and admits it once its grammar has compiled;
+    an abort reaches it there, and one that compiles too late fails naming its field."""
+    from concurrent.futures import Future
+
+    from pyxllm.engine.structured_output import GrammarHandle
+
+    engine, manager = llm.llm_engine, llm.llm_engine.structured_outputs
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    compiled = manager.submit(spec)
+    pending: list[Future] = []
+
+    def submit(spec):  # a compile that finishes when the test says
+        pending.append(Future())
+        return GrammarHandle(spec, pending[-1], compiled.backend)
+
+    monkeypatch.setattr(manager, "submit", submit)
+    params = SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec)
+    free = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    process = engine.input_processor.process
+    engine.add_request(process("waits", "Answer: ", params))
+    engine.add_request(process("free", "Hello", free))
+    assert set(engine.waiting_for_grammar) == {"waits"} and engine.stats()["num_waiting"] == 2
+    finished = {}
+    while "free" not in finished:
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+    assert "waits" in engine.waiting_for_grammar and engine.has_unfinished_requests()
+    pending[0].set_result(compiled.compiled())
+    while "waits" not in finished:
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+    assert finished["waits"].outputs[0].text in ("yes", "no")
+    assert not engine.waiting_for_grammar and not engine.pop_failures()
+    engine.add_request(process("aborted", "Answer: ", params))
+    engine.abort_request("aborted")
+    assert not engine.waiting_for_grammar and not engine.has_unfinished_requests()
+    late = process("late", "Answer: ", params)
+    engine.add_request(dataclasses.replace(late, arrival_time=late.arrival_time - 60))
+    assert engine.step() == [] and not engine.waiting_for_grammar
+    (error,) = engine.pop_failures().values()
+    assert isinstance(error, InvalidRequestError) and "took longer than" in str(error)

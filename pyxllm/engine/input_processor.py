@@ -15,8 +15,10 @@ it returns and checks nothing again. Every rule a request must satisfy lives her
 - ``max_tokens``: ``None`` becomes the model's ``max_new_tokens`` capped to the room the context
   leaves, else that room; the prompt plus ``max_tokens`` must fit ``max_model_len`` and the KV
   cache (one message, naming the numbers);
-- a structured-output constraint starts compiling (off the caller's thread): the request's
-  ``grammar`` handle, which the caller waits on before running the request (see
+- a structured-output constraint needs a grammar backend; :meth:`InputProcessor.constraint`
+  starts compiling it (off the caller's thread), and the server and ``LLM`` wait on that to
+  refuse a constraint that does not compile before the request runs. The request itself stays a
+  plain value: the engine compiles (or finds in its cache) the grammar it follows (see
   :mod:`pyxllm.engine.structured_output`).
 
 A new per-request option (a structured-output spec, a tool parser, speculative settings) becomes
@@ -87,10 +89,6 @@ class EngineRequest:
             ``max_model_len`` and the KV cache.
         arrival_time: ``time.monotonic()`` seconds when the request was processed (TTFT and
             end-to-end latency count from here).
-        grammar: the compiling or compiled constraint of ``sampling_params.structured_outputs``
-            (``None`` without one); wait for it (``grammar.compiled()`` or
-            ``await grammar.wait()``, which raise ``InvalidRequestError`` when it does not
-            compile) before the engine gets the request.
         constrain_after: token ids that end the model's reasoning (``</think>``): the
             constraint applies to what follows them in the output, not to the reasoning
             (vLLM's behaviour); empty: from the first token.
@@ -103,7 +101,6 @@ class EngineRequest:
     prompt: str | None
     sampling_params: SamplingParams
     arrival_time: float
-    grammar: GrammarHandle | None = None
     constrain_after: tuple[int, ...] = ()
     pooling_params: PoolingParams | None = None
 
@@ -185,17 +182,23 @@ class InputProcessor:
         )
         if max_tokens != params.max_tokens:
             params = params.replace(max_tokens=max_tokens)
-        grammar = None
-        if params.structured_outputs is not None:
-            if self.structured_outputs is None:
-                raise InvalidRequestError(
-                    "structured_outputs: this engine has no grammar backend", "structured_outputs"
-                )
-            grammar = self.structured_outputs.submit(params.structured_outputs)
+        constrained = params.structured_outputs is not None
+        if constrained and self.structured_outputs is None:
+            raise InvalidRequestError(
+                "structured_outputs: this engine has no grammar backend", "structured_outputs"
+            )
         now = time.monotonic() if arrival_time is None else arrival_time
         return EngineRequest(
-            request_id, ids, tokens.text, params, now, grammar, constrain_after if grammar else ()
+            request_id, ids, tokens.text, params, now, constrain_after if constrained else ()
         )
+
+    def constraint(self, request: EngineRequest) -> GrammarHandle | None:
+        """The request's constraint, compiling or compiled (``None`` without one): wait on it
+        (``compiled()``, or ``await wait()``; they raise ``InvalidRequestError`` naming the
+        field when it does not compile) to refuse a bad constraint before the request runs.
+        The compiled grammar is cached, so an engine in this process finds it ready."""
+        spec = request.sampling_params.structured_outputs
+        return None if spec is None else self.structured_outputs.submit(spec)
 
     def process_pooling(
         self,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_for_futures
 
 from pyxllm.config import DEFAULT_MAX_TOKENS_PER_BATCH, EngineConfig
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
-from pyxllm.engine.errors import ConstraintFailedError
+from pyxllm.engine.errors import ConstraintFailedError, InvalidRequestError
 from pyxllm.engine.frontend import EngineFrontend
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.engine.kv_cache_manager import KVCacheManager
@@ -17,6 +19,8 @@ from pyxllm.engine.parallel_sampling import ParentRequest, fold_children
 from pyxllm.engine.proposers import DraftModelSlots, NgramProposer
 from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
+from pyxllm.engine.structured_output import GrammarHandle
+from pyxllm.engine.structured_output.manager import GRAMMAR_COMPILE_TIMEOUT_S
 from pyxllm.executor.abstract import Executor
 from pyxllm.executor.factory import build_executor
 from pyxllm.executor.scheduler_output import SchedulerOutput
@@ -25,6 +29,9 @@ from pyxllm.platforms import resolve_platform, set_current_platform
 from pyxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pyxllm")
+
+# Longest wait of a step that has nothing to run but requests whose grammar compiles (seconds).
+GRAMMAR_POLL_S = 0.01
 
 
 class LLMEngine:
@@ -81,6 +88,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, ParentRequest] = {}  # n > 1: parent id -> its children's outputs
         self.failed: dict[str, Exception] = {}  # see _fail
+        # request id -> (request, its compiling grammar): see add_request
+        self.waiting_for_grammar: dict[str, tuple[EngineRequest, GrammarHandle]] = {}
         self._parent_of: dict[str, ParentRequest] = {}  # child id -> parent
         if config.task == "embed":
             logger.info(
@@ -134,29 +143,72 @@ class LLMEngine:
         :mod:`pyxllm.engine.parallel_sampling`) whose outputs come back as one ``RequestOutput``
         under ``request_id``.
 
-        A request with a constraint (``request.grammar``) waits here for it to compile if it
-        has not yet; the server and ``LLM`` wait before, so the engine loop never does.
+        A request with a constraint waits, before joining the scheduler, until its grammar has
+        compiled (vLLM's ``WAITING_FOR_FSM``): the compile runs on the grammar threads and
+        :meth:`step` admits the request once it is done, so adding never blocks. The server and
+        ``LLM`` have compiled the constraint before (to answer a bad one at once), and in the
+        same process this finds it compiled; a data-parallel replica compiles it here.
 
         Raises:
             ValueError: the ``request_id`` is already in use.
-            InvalidRequestError: the request's constraint does not compile.
+            InvalidRequestError: the request's constraint does not compile (when that is known
+                at once; later, :meth:`pop_failures` holds the error).
         """
-        request_id, params = request.request_id, request.sampling_params
+        request_id = request.request_id
         if request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if request.grammar is not None:
-            request.grammar.compiled()
+        if request_id in self.waiting_for_grammar:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        spec = request.sampling_params.structured_outputs
+        if spec is None or request.pooling_params is not None:
+            self._admit(request, None)
+            return
+        grammar = self.structured_outputs.submit(spec)
+        if not grammar.done():
+            self.waiting_for_grammar[request_id] = (request, grammar)
+            return
+        grammar.compiled(timeout=0)  # raises when it did not compile
+        self._admit(request, grammar)
+
+    def _admit_compiled(self) -> None:
+        """Admit the requests whose grammar has compiled since the last step; one whose grammar
+        did not compile, or not within ``GRAMMAR_COMPILE_TIMEOUT_S`` of its arrival, fails
+        (:meth:`pop_failures`)."""
+        now = time.monotonic()
+        for request_id, (request, grammar) in list(self.waiting_for_grammar.items()):
+            late = now - request.arrival_time > GRAMMAR_COMPILE_TIMEOUT_S
+            if not (grammar.done() or late):
+                continue
+            del self.waiting_for_grammar[request_id]
+            try:
+                if not grammar.done():
+                    raise grammar.timeout_error(GRAMMAR_COMPILE_TIMEOUT_S)
+                grammar.compiled(timeout=0)
+            except InvalidRequestError as exc:
+                self.failed[request_id] = exc
+                continue
+            self._admit(request, grammar)
+
+    def _admit(self, request: EngineRequest, grammar: GrammarHandle | None) -> None:
+        """Hand a request (its grammar compiled, if it has one) to the scheduler: as one
+        request, or as ``n`` children."""
+        request_id, params = request.request_id, request.sampling_params
         if params.n == 1:
-            self._add_child(request_id, request, params)
+            self._add_child(request_id, request, params, grammar)
             return
         parent = ParentRequest(request_id, request.prompt, request.prompt_token_ids, params)
         self.parents[request_id] = parent
         for index, child_id in enumerate(parent.child_ids):
             self._parent_of[child_id] = parent
-            self._add_child(child_id, request, parent.child_params(index), index)
+            self._add_child(child_id, request, parent.child_params(index), grammar, index)
 
     def _add_child(
-        self, request_id: str, request: EngineRequest, params: SamplingParams, index: int = 0
+        self,
+        request_id: str,
+        request: EngineRequest,
+        params: SamplingParams,
+        grammar: GrammarHandle | None,
+        index: int = 0,
     ) -> None:
         if request.pooling_params is not None:  # prefill only: nothing to detokenize or stop
             pooled = Request(
@@ -193,8 +245,8 @@ class LLMEngine:
             index=index,
             min_tokens_stop_ids=min_tokens_stop_ids,
         )
-        if request.grammar is not None:
-            child.matcher = request.grammar.new_matcher()
+        if grammar is not None:
+            child.matcher = grammar.new_matcher()
             child.constrain_after = request.constrain_after
         self.requests[request_id] = child
         self.scheduler.add_request(child)
@@ -202,6 +254,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request (every child of an ``n > 1`` one) now and free its KV blocks (unknown
         ids are ignored)."""
+        self.waiting_for_grammar.pop(request_id, None)
         parent = self.parents.pop(request_id, None)
         for child_id in parent.child_ids if parent is not None else ():
             self._parent_of.pop(child_id, None)
@@ -218,12 +271,20 @@ class LLMEngine:
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self.waiting_for_grammar) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the outputs of requests that got a token this step."""
+        """Run one scheduler step; returns the outputs of requests that got a token this step.
+        With nothing to run but requests waiting for their grammar, it waits for one to compile
+        (at most :data:`GRAMMAR_POLL_S`) rather than return at once, so a loop stepping an
+        engine that waits does not spin."""
+        if self.waiting_for_grammar:
+            self._admit_compiled()
         plan = self.scheduler.schedule()
         if not plan.sequences:
+            if self.waiting_for_grammar:
+                pending = [grammar.future for _, grammar in self.waiting_for_grammar.values()]
+                wait_for_futures(pending, GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
             return []
         broken = self._constrain(plan)  # (request, exception) of each that failed its step
         result = self.executor.execute(plan)
@@ -428,7 +489,7 @@ class LLMEngine:
         kv = self.kv_cache_manager
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": len(self.scheduler.waiting) + len(self.waiting_for_grammar),
             "num_kv_blocks_total": kv.num_blocks,
             "num_kv_blocks_used": kv.num_used_blocks,
             "num_preemptions": self.scheduler.num_preemptions,

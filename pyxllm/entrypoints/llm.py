@@ -174,8 +174,9 @@ class LLM:
             for prompt, p in zip(prompts, params)
         ]
         for request in requests:  # every constraint compiles before anything runs
-            if request.grammar is not None:
-                request.grammar.compiled()
+            grammar = engine.input_processor.constraint(request)
+            if grammar is not None:
+                grammar.compiled()
         return self._drain(requests, use_tqdm, "Generating")
 
     def _drain(self, requests: list, use_tqdm: bool, desc: str) -> list:

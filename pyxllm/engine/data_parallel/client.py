@@ -286,9 +286,7 @@ class DataParallelEngine(EngineClient):
         self._requests[request_id] = in_flight
         finished = False
         try:
-            self.replicas[decision.replica].send(
-                AddMessage(dataclasses.replace(request, grammar=None))
-            )
+            self.replicas[decision.replica].send(AddMessage(request))
             while not finished:
                 output = await in_flight.stream.get()
                 finished = output.finished

@@ -6,8 +6,8 @@ process here; with Ray, an actor, see :mod:`.ray_launcher`): it applies its plac
 threads, visible devices), connects back to the API server, loads the engine, then runs an
 :class:`~pyxllm.engine.engine_loop.EngineLoop` whose outputs it sends back, one message per
 step holding what the step added to each (the server rebuilds the whole outputs), while it
-reads requests, aborts and scrapes. A request with a constraint is queued once
-its grammar has compiled here, off the engine loop. It stops on the server's stop message
+reads requests, aborts and scrapes. A request with a constraint waits in the engine until its
+grammar has compiled here, off the engine loop. It stops on the server's stop message
 (status 0); when the server's connection closes (the server died) or its engine fails for good
 (a TP worker of this replica died), it exits with status 1, after saying why when it can.
 """
@@ -172,35 +172,15 @@ class _Replica:
 
         self.engine, self.channel = engine, channel
         self.loop = EngineLoop(engine, _ChannelSink(channel, engine), stats_interval)
-        self._compiling: set[str] = set()  # ids of requests waiting for their grammar
-        self._lock = threading.Lock()
 
     def add(self, message: AddMessage) -> None:
-        """Queue the request, once its constraint (if any) has compiled here."""
-        request = message.request
-        spec = request.sampling_params.structured_outputs
-        if spec is None:
-            self.loop.add(request)
-            return
-        grammar = self.engine.structured_outputs.submit(spec)
-        ready = dataclasses.replace(request, grammar=grammar)
-        with self._lock:
-            self._compiling.add(request.request_id)
-        grammar.future.add_done_callback(lambda _: self._compiled(ready))
-
-    def _compiled(self, request) -> None:
-        """Queue a request whose grammar has compiled, unless it was aborted meanwhile."""
-        with self._lock:
-            if request.request_id not in self._compiling:
-                return
-            self._compiling.discard(request.request_id)
-        self.loop.add(request)
+        """Queue the request (a constraint compiles in the engine, which admits the request
+        once it has: :meth:`LLMEngine.add_request`)."""
+        self.loop.add(message.request)
 
     def abort(self, message: AbortMessage) -> None:
-        """Abort requests, also those still waiting for their grammar."""
+        """Abort requests (also those still waiting for their grammar)."""
         for request_id in message.request_ids:
-            with self._lock:
-                self._compiling.discard(request_id)
             self.loop.abort(request_id)
 
     def scrape(self, message: ScrapeMessage) -> ScrapeReply:

@@ -34,8 +34,8 @@ from pyxllm.outputs import RequestOutput
 
 @dataclass(frozen=True, slots=True)
 class AddMessage:
-    """Run ``request`` (its ``grammar`` is ``None``: the replica compiles
-    ``sampling_params.structured_outputs`` again; its prompt text and ids are there)."""
+    """Run ``request``, a plain value (the replica's engine compiles
+    ``sampling_params.structured_outputs``; its prompt text and ids are there)."""
 
     request: EngineRequest
 

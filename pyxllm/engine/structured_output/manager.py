@@ -110,7 +110,7 @@ class GrammarHandle:
         try:
             return self.future.result(timeout)
         except FutureTimeout:
-            raise self._timed_out(timeout) from None
+            raise self.timeout_error(timeout) from None
         except GrammarError as exc:
             raise self._refused(exc) from None
 
@@ -123,14 +123,15 @@ class GrammarHandle:
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.future)), timeout)
         except asyncio.TimeoutError:
-            raise self._timed_out(timeout) from None
+            raise self.timeout_error(timeout) from None
         except GrammarError as exc:
             raise self._refused(exc) from None
 
     def _refused(self, exc: GrammarError) -> InvalidRequestError:
         return InvalidRequestError(f"{self.spec.source}: {exc}", self.spec.source)
 
-    def _timed_out(self, timeout: float) -> InvalidRequestError:
+    def timeout_error(self, timeout: float) -> InvalidRequestError:
+        """The error of a constraint that took longer than ``timeout`` seconds to compile."""
         source = self.spec.source
         return InvalidRequestError(f"{source}: took longer than {timeout:g} s to compile", source)
 

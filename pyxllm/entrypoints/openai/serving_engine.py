@@ -362,8 +362,9 @@ class OpenAIServing:
         """Wait, off the event loop, for the request's constraint to compile, so that one that
         does not is a 400 before the response starts (``InvalidRequestError``); then write
         its arrival line (``--enable-log-requests``)."""
-        if request.grammar is not None:
-            await request.grammar.wait()
+        grammar = self.processor.constraint(request)
+        if grammar is not None:
+            await grammar.wait()
         if self.request_logger is not None:
             self.request_logger.log_inputs(request)
         return request
