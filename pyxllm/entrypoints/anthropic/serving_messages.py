@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pyxllm.engine.errors import InvalidRequestError
 from pyxllm.entrypoints.anthropic.messages_input import chat_request, check_supported
 from pyxllm.entrypoints.anthropic.messages_output import content_blocks, message_usage, stop_reason
 from pyxllm.entrypoints.anthropic.messages_stream import STOPPED, MessagesEvents
@@ -30,7 +27,7 @@ from pyxllm.entrypoints.anthropic.protocol import (
     MessagesRequest,
     TokensCount,
 )
-from pyxllm.entrypoints.openai.errors import OpenAIError
+from pyxllm.entrypoints.openai.errors import OpenAIError, renamed_fields
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.entrypoints.openai.serving_engine import ClientDisconnected
 from pyxllm.entrypoints.openai.tools import plan_tools
@@ -53,19 +50,6 @@ def messages_field(text: str | None) -> str | None:
     for pattern, name in _RENAMES:
         text = pattern.sub(name, text)
     return text
-
-
-@contextmanager
-def messages_field_names() -> Iterator[None]:
-    """Re-raise chat's request errors with the Messages API's field names."""
-    try:
-        yield
-    except OpenAIError as exc:
-        raise OpenAIError(
-            messages_field(exc.message), exc.status_code, messages_field(exc.param), exc.headers
-        ) from exc
-    except InvalidRequestError as exc:
-        raise OpenAIError(messages_field(str(exc)), 400, messages_field(exc.param)) from exc
 
 
 class AnthropicServingMessages:
@@ -94,7 +78,7 @@ class AnthropicServingMessages:
         check_supported(request)
         message_id = f"msg_{uuid.uuid4().hex}"
         served_as = chat_request(request)
-        with messages_field_names():
+        with renamed_fields(messages_field):
             prepared = await chat.prepare_chat(served_as, message_id)
         engine_request = prepared.engine_request
         if request.stream:
@@ -102,7 +86,7 @@ class AnthropicServingMessages:
             events = MessagesEvents(message_id, prepared, chat.model_name, token_bytes)
             return chat.stream(engine_request, events, include_usage=False)
         try:
-            with messages_field_names():
+            with renamed_fields(messages_field):
                 final = await chat.generate_full(engine_request, raw_request)
         except ClientDisconnected:
             return Response(status_code=499)
@@ -140,7 +124,7 @@ class AnthropicServingMessages:
         chat.check_model(request.model)
         check_supported(request)
         served_as = chat_request(request)
-        with messages_field_names():
+        with renamed_fields(messages_field):
             tools = plan_tools(served_as, chat.tool_parser)
             tokens = await chat.tokenize(chat.chat_prompt(served_as, tools.mode != "none"))
         return JSONResponse(TokensCount(input_tokens=len(tokens.token_ids)).model_dump())

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from http import HTTPStatus
 from typing import Any
 
@@ -229,3 +230,18 @@ def install_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected_error)
+
+
+@contextmanager
+def renamed_fields(rename: Callable[[str | None], str | None]) -> Iterator[None]:
+    """Re-raise a chat request's errors (:class:`OpenAIError`, ``InvalidRequestError``) with
+    another API's field names, ``rename`` mapping a message or a param (the Responses and
+    Messages APIs run through the chat handler)."""
+    try:
+        yield
+    except OpenAIError as exc:
+        raise OpenAIError(
+            rename(exc.message), exc.status_code, rename(exc.param), exc.headers
+        ) from exc
+    except InvalidRequestError as exc:
+        raise OpenAIError(rename(str(exc)), 400, rename(exc.param)) from exc

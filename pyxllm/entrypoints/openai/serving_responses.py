@@ -19,16 +19,13 @@ import json
 import re
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pyxllm.engine.errors import InvalidRequestError
-from pyxllm.entrypoints.openai.errors import OpenAIError
+from pyxllm.entrypoints.openai.errors import OpenAIError, renamed_fields
 from pyxllm.entrypoints.openai.protocol_responses import (
     ResponseFormatText,
     ResponsesRequest,
@@ -130,19 +127,6 @@ def responses_field(text: str | None) -> str | None:
     return text
 
 
-@contextmanager
-def responses_field_names() -> Iterator[None]:
-    """Re-raise chat's request errors with the Responses field names."""
-    try:
-        yield
-    except OpenAIError as exc:
-        raise OpenAIError(
-            responses_field(exc.message), exc.status_code, responses_field(exc.param), exc.headers
-        ) from exc
-    except InvalidRequestError as exc:
-        raise OpenAIError(responses_field(str(exc)), 400, responses_field(exc.param)) from exc
-
-
 class OpenAIServingResponses:
     """Serves the Responses API through a chat completions handler (its engine, parsers and
     checks; see the module docstring).
@@ -171,7 +155,7 @@ class OpenAIServingResponses:
         owner = key_owner(raw_request)
         conversation = self.history(request.previous_response_id, owner)
         response_id = f"resp_{uuid.uuid4().hex}"
-        with responses_field_names():
+        with renamed_fields(responses_field):
             conversation = conversation + input_messages(request.input)
             prepared = await chat.prepare_chat(chat_request(request, conversation), response_id)
         engine_request = prepared.engine_request
@@ -189,7 +173,7 @@ class OpenAIServingResponses:
             events = ResponsesEvents(run, prepared, chat.model_name, keep, token_bytes)
             return chat.stream(engine_request, events, include_usage=False)
         try:
-            with responses_field_names():
+            with renamed_fields(responses_field):
                 final = await chat.generate_full(engine_request, raw_request)
         except ClientDisconnected:
             return Response(status_code=499)
