@@ -279,7 +279,7 @@ TORCH_FREE_MODULES = (
     "pyxllm.entrypoints.openai.protocol",
     "pyxllm.engine.data_parallel.router",
 )
-SUBCOMMANDS = ("serve", "generate", "chat", "bench", "env", "check-device")
+SUBCOMMANDS = ("serve", "generate", "run-batch", "chat", "bench", "env", "check-device")
 
 
 def test_the_command_line_and_its_help_load_no_torch():

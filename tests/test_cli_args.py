@@ -221,7 +221,9 @@ def test_command_is_required(capsys):
 # --- help ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["serve", "--help"], ["generate", "--help"], ["run-batch", "--help"]]
+)
 def test_help_lists_flags(capsys, argv):
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -231,6 +233,9 @@ def test_help_lists_flags(capsys, argv):
     assert "--no-enable-chunked-prefill" in out
     if argv[0] == "serve":
         assert "--port" in out and "--host" in out
+    if argv[0] == "run-batch":  # its own flags and serve's response flags
+        assert "--input-file" in out and "--max-concurrency" in out
+        assert "--reasoning-parser" in out and "--port" not in out
 
 
 # --- commands (engine and server replaced; the real path is the subprocess test below) -----

@@ -47,6 +47,7 @@ from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
 from pyxllm.entrypoints.openai.tool_parsers.auto import AUTO, NONE
+from pyxllm.entrypoints.run_batch_args import add_run_batch_args
 from pyxllm.weights.source import is_model_id
 
 # Help per EngineConfig field; a field missing here still becomes a flag, with generic help.
@@ -666,6 +667,60 @@ def _add_data_parallel_args(group) -> None:
     )
 
 
+def _add_response_args(group) -> None:
+    """The flags that shape responses (parsers, unknown fields, usage details, request chat
+    templates): ``serve``'s server flags, and ``run-batch``'s, whose lines must get what the
+    server answers."""
+    group.add_argument(
+        *flag_names("reasoning_parser"),
+        dest="reasoning_parser",
+        default=None,
+        choices=reasoning_parser_names(),
+        help="split chat output into message.reasoning_content (the thinking) and content: "
+        "qwen3, or deepseek_r1",
+    )
+    add_bool_flag(
+        group,
+        "enable_auto_tool_choice",
+        False,
+        'require tool_choice "auto" (the default with tools) to be served, as vLLM\'s flag: '
+        "start-up fails when --tool-call-parser is none or auto finds no parser for the chat "
+        'template (without it, "auto" is served whenever there is a parser)',
+    )
+    group.add_argument(
+        *flag_names("tool_call_parser"),
+        dest="tool_call_parser",
+        default=AUTO,
+        choices=[AUTO, NONE, *tool_parser_names()],
+        help='the format of the model\'s own tool calls (tool_choice "auto"): auto, chosen '
+        "from the chat template (<tool_call> tags or a template without tools: hermes; Llama "
+        "3's: llama3_json; the start-up log says which and why); hermes (Qwen2.5/Qwen3's "
+        "<tool_call> tags; also what a model whose template has no tools is asked to write); "
+        'llama3_json (Llama 3.x); none: "auto" is refused (default: auto)',
+    )
+    add_bool_flag(
+        group,
+        "ignore_unknown_fields",
+        False,
+        "log and ignore request fields pyxllm does not know (vLLM's behaviour, for clients "
+        "that send vendor extras) instead of answering a 400 naming them (OpenAI's)",
+    )
+    add_bool_flag(
+        group,
+        "enable_prompt_tokens_details",
+        False,
+        "add usage.prompt_tokens_details.cached_tokens (OpenAI's field: the prompt tokens "
+        "served from the prefix cache) to chat and completion responses, streamed usage too",
+    )
+    add_bool_flag(
+        group,
+        "trust_request_chat_template",
+        False,
+        "let a request bring its own chat template (chat_template, or chat_template_kwargs' "
+        "chat_template); otherwise a 400",
+    )
+
+
 def _engine_flags_help() -> str:
     """The engine flags section, for the top-level ``pyxllm --help``."""
     parser = argparse.ArgumentParser(
@@ -676,7 +731,10 @@ def _engine_flags_help() -> str:
         formatter_class=HelpFormatter,
     )
     add_engine_args(parser)
-    return "engine flags (serve, generate, check-device, bench):\n\n" + parser.format_help().strip()
+    return (
+        "engine flags (serve, generate, run-batch, check-device, bench):\n\n"
+        + parser.format_help().strip()
+    )
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
@@ -724,40 +782,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="the path prefix a reverse proxy serves the API under (/api: routes answer at /v1 "
         "and /api/v1, the API docs point to /api/openapi.json) (default: none)",
     )
-    server.add_argument(
-        *flag_names("reasoning_parser"),
-        dest="reasoning_parser",
-        default=None,
-        choices=reasoning_parser_names(),
-        help="split chat output into message.reasoning_content (the thinking) and content: "
-        "qwen3, or deepseek_r1",
-    )
-    add_bool_flag(
-        server,
-        "enable_auto_tool_choice",
-        False,
-        'require tool_choice "auto" (the default with tools) to be served, as vLLM\'s flag: '
-        "start-up fails when --tool-call-parser is none or auto finds no parser for the chat "
-        'template (without it, "auto" is served whenever there is a parser)',
-    )
-    server.add_argument(
-        *flag_names("tool_call_parser"),
-        dest="tool_call_parser",
-        default=AUTO,
-        choices=[AUTO, NONE, *tool_parser_names()],
-        help='the format of the model\'s own tool calls (tool_choice "auto"): auto, chosen '
-        "from the chat template (<tool_call> tags or a template without tools: hermes; Llama "
-        "3's: llama3_json; the start-up log says which and why); hermes (Qwen2.5/Qwen3's "
-        "<tool_call> tags; also what a model whose template has no tools is asked to write); "
-        'llama3_json (Llama 3.x); none: "auto" is refused (default: auto)',
-    )
-    add_bool_flag(
-        server,
-        "ignore_unknown_fields",
-        False,
-        "log and ignore request fields pyxllm does not know (vLLM's behaviour, for clients "
-        "that send vendor extras) instead of answering a 400 naming them (OpenAI's)",
-    )
+    _add_response_args(server)
     add_bool_flag(
         server, "disable_web_ui", False, "serve no chat page at / (nor its files at /static/)"
     )
@@ -766,20 +791,6 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "enable_tokenizer_info_endpoint",
         False,
         "answer GET /tokenizer_info (the tokenizer's configuration and chat template, as vLLM)",
-    )
-    add_bool_flag(
-        server,
-        "enable_prompt_tokens_details",
-        False,
-        "add usage.prompt_tokens_details.cached_tokens (OpenAI's field: the prompt tokens "
-        "served from the prefix cache) to chat and completion responses, streamed usage too",
-    )
-    add_bool_flag(
-        server,
-        "trust_request_chat_template",
-        False,
-        "let a request bring its own chat template (chat_template, or chat_template_kwargs' "
-        "chat_template); otherwise a 400",
     )
     _add_security_args(serve.add_argument_group("security flags"))
     _add_limit_args(serve.add_argument_group("limits and shutdown flags"))
@@ -868,9 +879,29 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "generate": generate,
         "check-device": check,
         "bench": bench,
+        "run-batch": _add_run_batch_parser(commands, fmt),
         **_add_tool_parsers(commands, fmt),
     }
     return parser
+
+
+def _add_run_batch_parser(commands, fmt) -> argparse.ArgumentParser:
+    """``pyxllm run-batch`` (:mod:`pyxllm.entrypoints.openai.run_batch`): its own flags, then
+    ``serve``'s response and engine flags."""
+    run_batch = commands.add_parser(
+        "run-batch",
+        help="answer a file of OpenAI batch requests offline, as the server would",
+        allow_abbrev=False,
+        formatter_class=fmt,
+        description="Answer a JSONL file of requests in OpenAI's batch format (chat "
+        "completions, completions, embeddings) with the server's own routes, in this process "
+        "(no port), several at once; each result line is appended as it finishes, and a rerun "
+        "skips the custom_ids already answered (as vllm run-batch).",
+    )
+    add_run_batch_args(run_batch.add_argument_group("batch flags"))
+    _add_response_args(run_batch.add_argument_group("response flags"))
+    add_engine_args(run_batch)
+    return run_batch
 
 
 def _add_tool_parsers(commands, fmt) -> dict[str, argparse.ArgumentParser]:
@@ -958,7 +989,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
     parser = make_arg_parser()
     args = parser.parse_args(argv)
     if getattr(args, "enable_auto_tool_choice", False) and args.tool_call_parser == NONE:
-        parser.command_parsers["serve"].error(
+        parser.command_parsers[args.command].error(
             "--enable-auto-tool-choice: cannot be combined with --tool-call-parser none"
         )
     if args.command == "serve":

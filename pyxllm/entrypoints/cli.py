@@ -1,4 +1,4 @@
-"""The ``pyxllm`` command: ``serve``, ``generate``, ``check-device``, ``bench``
+"""The ``pyxllm`` command: ``serve``, ``generate``, ``run-batch``, ``check-device``, ``bench``
 (serve|eval|perplexity|throughput|latency), ``env`` and ``chat``.
 
 Flags are defined in :mod:`pyxllm.entrypoints.args`. A bad flag value exits with argparse's
@@ -35,6 +35,7 @@ __all__ = [
     "config_from_args",
     "run_serve",
     "run_generate",
+    "run_run_batch",
     "run_check_device",
     "run_bench",
     "run_env",
@@ -153,6 +154,15 @@ def run_generate(args: argparse.Namespace, config: EngineConfig, out=None) -> in
     return 0
 
 
+def run_run_batch(args: argparse.Namespace, config: EngineConfig) -> int:
+    """``pyxllm run-batch``: a file of OpenAI batch requests answered by the server's app (see
+    :mod:`pyxllm.entrypoints.openai.run_batch`)."""
+    # here, not at the top: pyxllm --help loads no torch or fastapi
+    from pyxllm.entrypoints.openai.run_batch import run_batch_command
+
+    return run_batch_command(args, config)
+
+
 def run_check_device(args: argparse.Namespace, config: EngineConfig) -> int:
     """``pyxllm check-device``: the device and runner checks of
     :mod:`pyxllm.entrypoints.check_device`."""
@@ -204,6 +214,7 @@ def run_chat(args: argparse.Namespace, config: EngineConfig) -> int:
 COMMANDS = {
     "serve": run_serve,
     "generate": run_generate,
+    "run-batch": run_run_batch,
     "check-device": run_check_device,
     "bench": run_bench,
     "env": run_env,
@@ -215,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pyxllm`` console script; returns the exit status."""
     args, config = parse_args(argv)
     try:
-        if config.node_rank > 0 and args.command in ("serve", "generate"):
+        if config.node_rank > 0 and args.command in ("serve", "generate", "run-batch"):
             return run_worker_rank(config)
         return COMMANDS[args.command](args, config)
     except KeyboardInterrupt:

@@ -420,7 +420,7 @@ def _signals_handled_by_uvicorn():
             signal.signal(sig, handler)
 
 
-def _ensure_logging() -> None:
+def ensure_logging() -> None:
     """Show pyxllm's INFO lines when nobody configured logging."""
     root, ours = logging.getLogger(), logging.getLogger("pyxllm")
     if not root.handlers and not ours.handlers:
@@ -492,7 +492,7 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
         get_tool_parser(options.tool_call_parser)
     if config.task == "embed" and options.data_parallel_size > 1:
         raise ValueError("--data-parallel-size: not with --task embed (one engine embeds)")
-    _ensure_logging()
+    ensure_logging()
     sock = bind_socket(options.host, options.port)
     warning = exposure_warning(options.host, options.api_keys)
     if warning:
