@@ -8,7 +8,9 @@
   (except the few ``n`` far above any bound, in :func:`bound_cases`).
 - :func:`run_cases` sends them concurrently and :func:`check_case` judges each answer: no 5xx,
   no dropped connection, the status expected, every 4xx in OpenAI's error shape naming the
-  expected ``param``, well-formed JSON and SSE without NaN or Infinity.
+  expected ``param`` (a ``kind="messages"`` case's in Anthropic's shape, its message naming the
+  field: :func:`check_anthropic_error_body`, :func:`message_names`), well-formed JSON and SSE
+  without NaN or Infinity.
 - :func:`stream_client` and the raw-socket slow and broken clients (:func:`trickled_body`,
   :func:`short_body_then_close`, :func:`idle_sockets`, :func:`unread_stream`) of the load test.
 
@@ -38,6 +40,7 @@ import gzip
 import json
 import math
 import random
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -1633,6 +1636,56 @@ def check_error_body(status: int, body: bytes) -> tuple[list[str], dict | None]:
     return problems, error
 
 
+# Anthropic's error type of each status (another 4xx: ``invalid_request_error``).
+ANTHROPIC_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+_FIELD_PATH = re.compile(r"[A-Za-z_]\w*(?:\[\d+\]|\.\w+)*")
+
+
+def check_anthropic_error_body(status: int, body: bytes) -> tuple[list[str], dict | None]:
+    """Problems of a 4xx body of Anthropic's routes (``{"type": "error", "error": {"type",
+    "message"}}``, the type Anthropic's for the status), and its ``error`` object."""
+    try:
+        data = strict_json(body)
+        error = data["error"]
+    except (ValueError, KeyError, TypeError) as exc:
+        return [f"{status} without Anthropic's error body ({exc}): {body[:300]!r}"], None
+    if (
+        data.get("type") != "error"
+        or not isinstance(error, dict)
+        or set(error)
+        != {
+            "type",
+            "message",
+        }
+    ):
+        return [f"{status} is not in Anthropic's error shape: {body[:300]!r}"], None
+    problems = []
+    want = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error")
+    if error["type"] != want:
+        problems.append(f"error type {error['type']!r} of a {status}, not {want!r}")
+    if not isinstance(error["message"], str) or not error["message"]:
+        problems.append("error message is empty")
+    return problems, error
+
+
+def message_names(message: str, expected: frozenset[str]) -> bool | None:
+    """Whether an Anthropic error ``message`` names one of the ``expected`` fields: its
+    leading ``field: problem`` path (prefix match, as :func:`param_matches`), else a mention of
+    the field as a word; ``None`` when it names no field at all."""
+    head, sep, _ = message.partition(": ")
+    if sep and _FIELD_PATH.fullmatch(head):
+        return param_matches(head, expected)
+    if any(re.search(rf"(?<![\w.\[]){re.escape(p)}(?![\w])", message) for p in expected):
+        return True
+    return None
+
+
 def _check_logprob(value, where: str, nullable: bool = False) -> list[str]:
     if value is None and nullable:
         return []
@@ -1841,8 +1894,23 @@ def check_case(
             from tests.fuzz_responses import check_responses_200  # it builds on this module
 
             problems += check_responses_200(case, headers, body)
+        elif case.kind == "messages":
+            from tests.fuzz_messages import check_messages_200  # it builds on this module
+
+            problems += check_messages_200(case, headers, body)
         else:
             problems += check_other_200(case, headers, body)
+        return problems
+    if 400 <= status < 500 and case.kind == "messages":
+        found, error = check_anthropic_error_body(status, body)
+        problems += found
+        if status not in case.expect.errors:
+            problems.append(f"answered {status}, expected {case.expect.describe()}: {body[:300]!r}")
+        elif error is not None and case.expect.params is not None:
+            named = message_names(error["message"], case.expect.params)
+            if not (named is None and case.expect.null_param_ok) and not named:
+                names = "/".join(sorted(case.expect.params))
+                problems.append(f"{status} message names no {names}: {error['message'][:200]!r}")
         return problems
     if 400 <= status < 500:
         found, error = check_error_body(status, body)

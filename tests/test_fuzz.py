@@ -1,7 +1,7 @@
 """A seeded fuzz of ``pyxllm serve``: 1,000 generated requests over every route and field, 200
-more to the Responses API (:mod:`tests.fuzz_responses`), then ``n`` far above its bound, and
-stored responses created, retrieved, chained on and deleted, asserting that the server never
-fails.
+more to the Responses API (:mod:`tests.fuzz_responses`), 100 to Anthropic's Messages API and its
+token count (:mod:`tests.fuzz_messages`), then ``n`` far above its bound, and stored responses
+created, retrieved, chained on and deleted, asserting that the server never fails.
 
 The corpus (:mod:`tests.fuzz_requests`, which says which fault must get which answer) holds
 valid requests in random combinations (``n`` with ``stream``, ``logprobs`` with ``echo``, stop
@@ -9,17 +9,20 @@ lists, ``logit_bias``, seeds, structured outputs and tools) and faulty ones: wro
 out-of-range and extreme numbers (``1e308``, ``-0``, ``2**64``, 5000-digit integers, NaN),
 lone surrogates as JSON escapes and as raw invalid UTF-8, empty and huge strings, deep nesting,
 too many messages, stop strings or ``logit_bias`` entries, request chat templates, bodies over the
-size limit, wrong content types, invalid JSON, unknown routes and wrong methods. Every request is
-cheap (``max_tokens`` 1-4, ``n`` at most 3, short prompts); they go 12 at a time over keep-alive
-connections, then the ``n`` far above the bound one at a time (a server without the bound may
-hang on them, so they come last).
+size limit, wrong content types, invalid JSON, unknown routes and wrong methods; to the Messages
+API also image blocks, thinking budgets, refused fields and a last turn of the assistant. Every
+request is cheap (``max_tokens`` 1-4, ``n`` at most 3, short prompts); they go 12 at a time over
+keep-alive connections, then the ``n`` far above the bound one at a time (a server without the
+bound may hang on them, so they come last).
 
 Asserted for every answer: no 5xx and no dropped connection; the status the corpus expects;
-every 4xx in OpenAI's error shape, naming the ``param`` the corpus expects; a 200 well formed
-(strict JSON without NaN or Infinity, a stream ending with ``data: [DONE]`` and no error event,
-one finish reason per choice, finite logprobs; the greedy text where the request keeps only the
-top token). At the end ``/health`` is 200 and ``/debug/stats`` shows nothing running or waiting
-and no KV block used.
+every 4xx in OpenAI's error shape, naming the ``param`` the corpus expects (on Anthropic's routes
+in Anthropic's, ``{"type": "error", "error": {"type", "message"}}``, the message naming the
+field); a 200 well formed (strict JSON without NaN or Infinity, a stream ending with
+``data: [DONE]`` and no error event, one finish reason per choice, finite logprobs; the greedy
+text where the request keeps only the top token; a Messages answer's content blocks, stop reason
+and usage, its stream's events from ``message_start`` to ``message_stop``). At the end
+``/health`` is 200 and ``/debug/stats`` shows nothing running or waiting and no KV block used.
 
 Reproducing: the seed is printed (``PYXLLM_FUZZ_SEED`` overrides the default); a failure lists
 each failed case's id, request and a Python line resending it; ``PYXLLM_FUZZ_CASES=3,17`` runs only
@@ -36,6 +39,7 @@ import time
 
 import httpx
 
+from tests.fuzz_messages import messages_cases
 from tests.fuzz_requests import (
     bound_cases,
     compute_references,
@@ -53,6 +57,7 @@ from tests.utils import RemoteServer
 SEED = int(os.environ.get("PYXLLM_FUZZ_SEED", "15"))
 COUNT = int(os.environ.get("PYXLLM_FUZZ_COUNT", "1000"))  # the issue asks for >= 1,000
 RESPONSES_COUNT = COUNT // 5  # the Responses API's cases, on top
+MESSAGES_COUNT = COUNT // 10  # Anthropic's Messages API's, on top
 ONLY = os.environ.get("PYXLLM_FUZZ_CASES", "")
 REPORT = os.environ.get("PYXLLM_FUZZ_REPORT", "")
 CONCURRENCY = 12
@@ -67,7 +72,11 @@ def test_fuzz_never_fails_the_server():
     with RemoteServer(SERVER_ARGS) as server:
         base = f"http://{server.host}:{server.port}"
         model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
-        corpus = generate_cases(SEED, COUNT, model) + responses_cases(SEED, RESPONSES_COUNT, model)
+        corpus = (
+            generate_cases(SEED, COUNT, model)
+            + responses_cases(SEED, RESPONSES_COUNT, model)
+            + messages_cases(SEED, MESSAGES_COUNT, model)
+        )
         cases = select_cases(corpus, ONLY)
         bounds = select_cases(bound_cases(model), ONLY)
         assert ONLY or len(cases) >= 1000
