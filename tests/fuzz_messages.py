@@ -255,7 +255,8 @@ def messages_body(rng: random.Random, model: str, count: bool = False) -> dict:
     return body
 
 
-def _case(case_id: int, label: str, path: str, body: dict | bytes, expect=OK) -> Case:
+def messages_case(case_id: int, label: str, path: str, body: dict | bytes, expect=OK) -> Case:
+    """A ``POST`` of ``body`` (a dict to encode, or bytes as they are) to ``path``."""
     stream = isinstance(body, dict) and body.get("stream") is True and path == MESSAGES_PATH
     content = body if isinstance(body, bytes) else encode_body(body)
     return Case(
@@ -289,7 +290,9 @@ def messages_cases(seed: int, count: int, model: str, start: int = 300_000) -> l
             continue
         if roll < 0.09:
             body = rng.choice(BROKEN_BODIES)
-            cases.append(_case(case_id, f"{name}: not a request", path, body, any_error(400)))
+            cases.append(
+                messages_case(case_id, f"{name}: not a request", path, body, any_error(400))
+            )
             continue
         body = messages_body(rng, model, count=path == COUNT_TOKENS_PATH)
         if roll < 0.55:
@@ -304,9 +307,9 @@ def messages_cases(seed: int, count: int, model: str, start: int = 300_000) -> l
                     if isinstance(turn["content"], list) and turn["role"] == "assistant":
                         turn["content"] = "Sure."  # no call to a tool it no longer has
             label = f"{name}: {json.dumps(fields, default=repr)[:100]}"
-            cases.append(_case(case_id, label, path, body, expect))
+            cases.append(messages_case(case_id, label, path, body, expect))
         else:
-            cases.append(_case(case_id, f"{name}: valid", path, body))
+            cases.append(messages_case(case_id, f"{name}: valid", path, body))
     return cases
 
 

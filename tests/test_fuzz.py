@@ -39,9 +39,11 @@ import time
 
 import httpx
 
-from tests.fuzz_messages import messages_cases
+from tests.fuzz_messages import MESSAGES_PATH, check_messages_200, messages_case, messages_cases
 from tests.fuzz_requests import (
+    bad,
     bound_cases,
+    check_case,
     compute_references,
     generate_cases,
     is_idle,
@@ -150,3 +152,83 @@ def test_fuzz_never_fails_the_server():
     message = "\n".join(report)
     served = not failed and not stored and health == 200 and is_idle(stats)
     assert served, message
+
+
+def _anthropic_error(error_type: str, message: str) -> bytes:
+    return json.dumps({"type": "error", "error": {"type": error_type, "message": message}}).encode()
+
+
+def _sse(events: list[dict]) -> bytes:
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
+
+
+def test_the_messages_judges_refuse_what_a_correct_server_does_not_answer():
+    """The Messages cases' judges (no server): an error in OpenAI's shape, of the wrong type or
+    naming another field, a message with an unknown stop reason or block, a stream cut before
+    ``message_stop``, with a delta of the wrong type or an error event, each fail the case."""
+    request = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    fault = messages_case(1, "fault", MESSAGES_PATH, request, bad("max_tokens"))
+    json_headers = httpx.Headers({"content-type": "application/json"})
+    named = _anthropic_error("invalid_request_error", "max_tokens: Field required")
+    assert check_case(fault, 400, json_headers, named, None) == []
+    openai_shape = {"error": {"message": "max_tokens: x", "type": "BadRequestError"}}
+    for body in (
+        json.dumps({**openai_shape, "param": "max_tokens", "code": 400}).encode(),
+        _anthropic_error("not_found_error", "max_tokens: Field required"),
+        _anthropic_error("invalid_request_error", "temperature: Field required"),
+        _anthropic_error("invalid_request_error", "max_tokens_x: Field required"),
+    ):
+        assert check_case(fault, 400, json_headers, body, None), body
+
+    usage = {
+        "input_tokens": 3,
+        "output_tokens": 2,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+    message = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "text", "text": "Hi"}],
+        "model": "m",
+        "stop_reason": "max_tokens",
+        "stop_sequence": None,
+        "usage": usage,
+    }
+    valid = messages_case(2, "valid", MESSAGES_PATH, request)
+    assert check_messages_200(valid, json_headers, json.dumps(message).encode()) == []
+    for change in (
+        {"stop_reason": "length"},
+        {"stop_reason": "stop_sequence", "stop_sequence": "."},
+        {"content": [{"type": "image"}]},
+        {"content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+        {"usage": {**usage, "output_tokens": 1}},
+    ):
+        body = json.dumps({**message, **change}).encode()
+        assert check_messages_200(valid, json_headers, body), change
+
+    streamed = messages_case(3, "streamed", MESSAGES_PATH, {**request, "stream": True})
+    sse_headers = httpx.Headers({"content-type": "text/event-stream"})
+    start = {"type": "message_start", "message": {**message, "content": [], "stop_reason": None}}
+    text = {"type": "text", "text": ""}
+    delta = {"type": "text_delta", "text": "Hi"}
+    events = [
+        start,
+        {"type": "content_block_start", "index": 0, "content_block": text},
+        {"type": "ping"},
+        {"type": "content_block_delta", "index": 0, "delta": delta},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": usage},
+        {"type": "message_stop"},
+    ]
+    assert check_messages_200(streamed, sse_headers, _sse(events)) == []
+    wrong_delta = {"type": "input_json_delta", "partial_json": "{"}
+    error = {"type": "error", "error": {"type": "api_error", "message": "x"}}
+    for broken in (
+        events[:-1],
+        events[:4] + events[5:],
+        [*events[:3], {**events[3], "delta": wrong_delta}, *events[4:]],
+        [*events[:4], error],
+    ):
+        assert check_messages_200(streamed, sse_headers, _sse(broken)), broken
