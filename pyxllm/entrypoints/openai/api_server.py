@@ -254,6 +254,7 @@ async def create_response(request: ResponsesRequest, raw_request: Request) -> Re
 async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
     """Anthropic's Messages API, streamed (SSE events) or not (see
     :mod:`pyxllm.entrypoints.anthropic.serving_messages`)."""
+    _check_fields(request, raw_request)
     _check_generates(raw_request)
     handler: AnthropicServingMessages = raw_request.app.state.anthropic_serving_messages
     return await handler.create_message(request, raw_request)
@@ -262,6 +263,7 @@ async def create_message(request: MessagesRequest, raw_request: Request) -> Resp
 @router.post("/v1/messages/count_tokens")
 async def count_message_tokens(request: CountTokensRequest, raw_request: Request) -> JSONResponse:
     """The input tokens of an Anthropic Messages request: ``{"input_tokens"}``."""
+    _check_fields(request, raw_request)
     _check_generates(raw_request)
     handler: AnthropicServingMessages = raw_request.app.state.anthropic_serving_messages
     return await handler.count_tokens(request)
