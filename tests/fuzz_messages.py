@@ -62,8 +62,7 @@ HI = [{"role": "user", "content": "Hi"}]
 # fields only /v1/messages declares are CREATE_FAULTS, sent to it alone)
 FAULTS: list[tuple[dict, object]] = [
     ({"messages": [], "system": None}, bad("messages")),
-    # Anthropic refuses an empty conversation; pyxllm answers the system prompt alone
-    ({"messages": [], "system": "Be brief."}, ok_or_bad("messages")),
+    ({"messages": [], "system": "Be brief."}, bad("messages")),  # as Anthropic's API
     ({"messages": "Hello"}, bad("messages")),
     ({"messages": None}, bad("messages")),  # left out
     ({"messages": [{"role": "user"}]}, bad("messages")),

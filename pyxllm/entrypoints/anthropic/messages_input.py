@@ -63,7 +63,8 @@ def _refuse(field: str, value: Any, why: str | None = None) -> OpenAIError:
 def check_supported(request: MessagesInput) -> None:
     """400 naming the first field of ``request`` that asks for what pyxllm cannot do: the
     :data:`UNSUPPORTED` fields, ``thinking`` but ``{"type": "disabled"}``, a tool's
-    ``defer_loading``, ``allowed_callers`` or ``input_examples``, and a ``max_tokens`` below 1."""
+    ``defer_loading``, ``allowed_callers`` or ``input_examples``, a ``max_tokens`` below 1,
+    and no messages."""
     for name, (neutral, why) in UNSUPPORTED.items():
         value = getattr(request, name, None)
         if value not in neutral:
@@ -80,6 +81,8 @@ def check_supported(request: MessagesInput) -> None:
         raise OpenAIError(
             f"max_tokens: must be at least 1, got {request.max_tokens}", 400, "max_tokens"
         )
+    if not request.messages:  # as Anthropic's API: a system prompt alone is no conversation
+        raise OpenAIError("messages: at least one message is required", 400, "messages")
 
 
 def chat_request(request: MessagesInput) -> ChatCompletionRequest:
