@@ -135,6 +135,13 @@ class SamplingParams:
       :data:`FULL_VOCAB_LOGPROBS` (-1, vLLM's "all ``vocab_size`` logprobs") returns the raw
       model's log-softmax at every prompt position as one tensor,
       ``RequestOutput.prompt_logprobs_tensor``, rather than ``vocab_size`` dicts per token.
+    - ``thinking_token_budget`` (vLLM's field): at most this many reasoning tokens (>= 0; 0
+      closes the thinking at once; ``None``: no limit); once the output holds that many
+      without having ended its reasoning, the engine forces ``think_end_token_ids`` (one
+      token a step) and the content follows (see :mod:`pyxllm.engine.thinking_budget`).
+      ``think_start_token_ids`` / ``think_end_token_ids`` (vLLM's ``ReasoningConfig``
+      names) are the tags that open and close the reasoning; the OpenAI server fills them
+      from ``--reasoning-parser``; a budget needs the end tag's ids.
 
     Raises:
         ValueError: a value out of range; the message starts with the field name.
@@ -160,6 +167,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    thinking_token_budget: int | None = None
+    think_start_token_ids: tuple[int, ...] = ()
+    think_end_token_ids: tuple[int, ...] = ()
     unset_fields: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +178,8 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         normalise(self, "stop", [s for s in (stop or []) if s])
         normalise(self, "stop_token_ids", list(self.stop_token_ids or []))
+        normalise(self, "think_start_token_ids", tuple(self.think_start_token_ids or ()))
+        normalise(self, "think_end_token_ids", tuple(self.think_end_token_ids or ()))
         unset = [name for name in MODEL_DEFAULTABLE if getattr(self, name) is None]
         for name in unset:
             normalise(self, name, MODEL_DEFAULTABLE[name])
@@ -239,6 +251,16 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens: {self.min_tokens} is more than max_tokens ({self.max_tokens})"
             )
+        if self.thinking_token_budget is not None:
+            if self.thinking_token_budget < 0:
+                raise ValueError(
+                    f"thinking_token_budget: must be >= 0, got {self.thinking_token_budget}"
+                )
+            if not self.think_end_token_ids:
+                raise ValueError(
+                    "thinking_token_budget: needs think_end_token_ids, the tokens that end the "
+                    "reasoning (the server takes them from --reasoning-parser)"
+                )
         for name in ("logprobs", "prompt_logprobs"):
             value, prompt = getattr(self, name), name == "prompt_logprobs"
             if (

@@ -255,6 +255,29 @@ def test_drafts_do_not_cross_the_end_of_reasoning():
     assert request.allowed_drafts([5, 6]) == [5, 6]
 
 
+def test_a_thinking_budget_holds_inside_accepted_runs(engines):
+    """A thinking budget (any token serves as the end of the thinking here) forces the end tag
+    after the model's first ``budget`` greedy tokens; with speculation the drafts stop where
+    forcing begins, so the tokens are the same (the grounded prompts' drafts run long)."""
+    plain, spec = engines
+    budget, end = 6, 42
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=16,
+        ignore_eos=True,
+        thinking_token_budget=budget,
+        think_end_token_ids=(end,),
+    )
+    free = tokens(plain.generate(GROUNDED, GREEDY))
+    want = tokens(plain.generate(GROUNDED, params))
+    for forced, reference in zip(want, free):
+        if end not in reference[:budget]:
+            assert forced[: budget + 1] == [*reference[:budget], end]
+    before = spec.llm_engine.metrics.num_spec_accepted
+    assert tokens(spec.generate(GROUNDED, params)) == want
+    assert spec.llm_engine.metrics.num_spec_accepted > before
+
+
 def test_sampled_distribution_matches_decoding_without_speculation():
     """Unseeded draws continuing a repeated pattern (the n-gram drafts it; the model mostly
     follows, sometimes not), with and without speculation, on engines of different seeds: the

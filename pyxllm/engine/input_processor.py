@@ -173,6 +173,8 @@ class InputProcessor:
         params = SamplingParams() if params is None else params
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.check_token_ids(params.logit_bias or (), "logit_bias")
+        thinking_ids = (*params.think_start_token_ids, *params.think_end_token_ids)
+        self.check_token_ids(thinking_ids, "thinking_token_budget")
         try:
             params = params.with_model_defaults(self.generation_defaults)
         except ValueError as exc:

@@ -21,6 +21,7 @@ from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
 from pyxllm.engine.structured_output import GrammarHandle
 from pyxllm.engine.structured_output.manager import GRAMMAR_COMPILE_TIMEOUT_S
+from pyxllm.engine.thinking_budget import forced_token_bitmask
 from pyxllm.executor.abstract import Executor
 from pyxllm.executor.factory import build_executor
 from pyxllm.executor.scheduler_output import SchedulerOutput
@@ -383,6 +384,9 @@ class LLMEngine:
                 request.max_tokens - request.num_output_tokens,
                 self.max_model_len - request.num_tokens,
             )
+            thinking_room = request.thinking_room()  # drafts stop where the budget forces
+            if thinking_room is not None:
+                room = min(room, thinking_room)
             drafts = self.proposer.propose(request.token_ids, room - 1)
             request.spec_token_ids = request.allowed_drafts(drafts)
 
@@ -405,13 +409,23 @@ class LLMEngine:
         return failed
 
     def _constrain(self, plan: SchedulerOutput) -> list[tuple[Request, Exception]]:
-        """Give each sampling sequence with a constraint the bitmask of its allowed tokens;
-        returns the requests whose constraint the grammar library failed on, with a
-        :class:`ConstraintFailedError` each (their rows allow EOS alone for this step)."""
+        """Give each sampling sequence with a constraint the bitmask of its allowed tokens
+        (a request whose thinking budget is spent: the end of its reasoning alone, see
+        :mod:`~pyxllm.engine.thinking_budget`); returns the requests whose constraint the
+        grammar library failed on, with a :class:`ConstraintFailedError` each (their rows
+        allow EOS alone for this step)."""
         rows, manager, failed = [], self.structured_outputs, []
         for seq in plan.sequences:
             request = self.requests[seq.request_id] if seq.sample else None
-            if request is None or not request.constrained:
+            if request is None:
+                continue
+            forced = request.forced_token() if request.thinking is not None else None
+            if forced is not None:  # drafts stop before forcing (_propose_drafts): none here
+                seq.allowed_token_bitmask = forced_token_bitmask(
+                    forced, self.input_processor.vocab_size
+                )
+                continue
+            if not request.constrained:
                 continue
             if not seq.num_draft_tokens:
                 rows.append((seq, request))

@@ -10,6 +10,7 @@ import torch
 
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.structured_output import GrammarMatcher
+from pyxllm.engine.thinking_budget import ThinkingBudget
 from pyxllm.outputs import PromptLogprobs, SampleLogprobs
 from pyxllm.pooling_params import PoolingParams
 from pyxllm.sampling_params import FULL_VOCAB_LOGPROBS, SamplingParams
@@ -57,6 +58,7 @@ class Request:
             (``None`` before; a preempted request keeps its first figure, as in vLLM).
         pooling_params: an embedding request's (the embed task: it ends after its prefill with
             a pooled vector, see ``LLMEngine``); ``None`` for generation.
+        thinking: its thinking-token budget (``thinking_token_budget``), ``None`` without one.
     """
 
     request_id: str
@@ -82,10 +84,17 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list, repr=False)
     num_cached_tokens: int | None = None
     pooling_params: PoolingParams | None = None
+    thinking: ThinkingBudget | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         params = self.sampling_params
+        if params.thinking_token_budget is not None:
+            self.thinking = ThinkingBudget(
+                params.thinking_token_budget,
+                params.think_start_token_ids,
+                params.think_end_token_ids,
+            )
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed % 2**64)
         if params.logprobs is not None:
@@ -126,10 +135,28 @@ class Request:
         """Whether the request's constraint applies to its next token."""
         return self.matcher is not None and not self.constrain_after
 
+    def forced_token(self) -> int | None:
+        """The token its next sample must be (the thinking budget is spent: the end of the
+        reasoning), ``None`` when it samples freely."""
+        if self.thinking is None or self.thinking.ended:
+            return None
+        return self.thinking.forced_token(self.token_ids, self.num_prompt_tokens)
+
+    def thinking_room(self) -> int | None:
+        """Tokens it may sample before its thinking budget forces the end of the reasoning
+        (0 while forcing), ``None`` when no budget limits it (speculation must not cross it)."""
+        if self.thinking is None or self.thinking.ended:
+            return None
+        return self.thinking.room(self.token_ids, self.num_prompt_tokens)
+
     def accept_token(self, position: int) -> bool:
         """Advance the constraint past the generated token at ``token_ids[position]`` (or,
         before it applies, watch for the end of the reasoning); ``False`` when the token broke
-        the constraint."""
+        the constraint. The thinking budget notes the token too."""
+        if self.thinking is not None and not self.thinking.ended:
+            n = len(self.thinking.end_ids)
+            start = max(self.num_prompt_tokens, position + 1 - n)
+            self.thinking.observe(self.token_ids[start : position + 1])
         if self.matcher is None:
             return True
         if self.constrain_after:
