@@ -273,7 +273,14 @@ def thinking_checkpoint(tmp_path_factory, think_tok):
     finally:
         torch.set_num_threads(saved)
     prompt_off = Tokenizer(think_tok).apply_chat_template(MESSAGES, enable_thinking=False)
-    return SimpleNamespace(dir=directory, close_at=k, prompt=prompt, prompt_off=prompt_off)
+    return SimpleNamespace(
+        dir=directory,
+        close_at=k,
+        prompt=prompt,
+        prompt_off=prompt_off,
+        greedy_ids=out,
+        end_id=end_id,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -459,3 +466,86 @@ def test_responses_api_gives_a_reasoning_item(server, thinking_checkpoint):
     assert again.usage.input_tokens == reference.json()["usage"]["prompt_tokens"]
     expected = reference.json()["choices"][0]["message"]["reasoning_content"] or ""
     assert "".join(i.content[0].text for i in again.output if i.type == "reasoning") == expected
+
+
+# --- the thinking budget (thinking_token_budget, reasoning.effort) ----------------------------
+
+
+def chat_usage(server, max_tokens: int, stream: bool, **extra) -> dict:
+    """The usage of a chat request (streamed: its last chunk's, with include_usage)."""
+    if not stream:
+        return chat(server, max_tokens, False, **extra)["usage"]
+    chunks = chat(server, max_tokens, True, stream_options={"include_usage": True}, **extra)
+    return chunks[-1]["usage"]
+
+
+@pytest.mark.parametrize("budget", [0, 2])
+def test_thinking_budget_forces_the_end_of_thinking(server, thinking_checkpoint, budget):
+    """With a budget below where the model closes its thinking, the reasoning is the model's
+    first ``budget`` greedy tokens, then ``</think>`` is forced, and the content is the greedy
+    continuation of that (the server's own, with the forced tag in the prompt); usage counts
+    exactly ``budget + 1`` reasoning tokens, streamed or not."""
+    ck = thinking_checkpoint
+    assert budget < ck.close_at
+    forced = [*ck.greedy_ids[:budget], ck.end_id]
+    reasoning = raw_text(server, ck.prompt, budget) if budget else ""
+    content = raw_text(server, ck.prompt + forced, NEW_TOKENS - len(forced))
+    assert content
+    extra = {"thinking_token_budget": budget}
+    body = chat(server, NEW_TOKENS, stream=False, **extra)
+    message = body["choices"][0]["message"]
+    assert (message["reasoning_content"] or "", message["content"]) == (reasoning, content)
+    assert body["usage"]["completion_tokens"] == NEW_TOKENS
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": budget + 1}
+    assert streamed(chat(server, NEW_TOKENS, stream=True, **extra)) == (
+        reasoning,
+        content,
+        "length",
+    )
+    assert chat_usage(server, NEW_TOKENS, True, **extra) == body["usage"]
+
+
+def test_thinking_budget_not_reached_changes_nothing(server, thinking_checkpoint):
+    """A budget the model's thinking stays within leaves the reply as it is; the usage's
+    reasoning tokens are the output up to and with its own ``</think>``; with thinking off
+    (the prompt closed it) the budget has nothing to cut and nothing is split off."""
+    free = chat(server, NEW_TOKENS, stream=False)
+    budget = thinking_checkpoint.close_at
+    limited = chat(server, NEW_TOKENS, stream=False, thinking_token_budget=budget)
+    assert limited["choices"] == free["choices"]
+    details = {"reasoning_tokens": thinking_checkpoint.close_at + 1}
+    assert free["usage"]["completion_tokens_details"] == details
+    assert limited["usage"]["completion_tokens_details"] == details
+    off = {"chat_template_kwargs": {"enable_thinking": False}, "thinking_token_budget": 0}
+    body = chat(server, NEW_TOKENS, stream=False, **off)
+    assert body["choices"][0]["message"]["content"] == raw_text(
+        server, thinking_checkpoint.prompt_off, NEW_TOKENS
+    )
+    assert "completion_tokens_details" not in body["usage"]  # nothing was split off
+
+
+def test_thinking_budget_out_of_range_is_a_400(server):
+    body = {"messages": MESSAGES, "max_tokens": 2, "thinking_token_budget": -1}
+    response = httpx.post(server.url_for("v1", "chat", "completions"), json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "thinking_token_budget"
+
+
+def test_responses_reasoning_effort_is_a_budget(server, thinking_checkpoint):
+    """``reasoning.effort`` is accepted and echoed; its budget (low: 1024 tokens) is above what
+    this model thinks, so the reply is chat's."""
+    client = server.openai_client()
+    model = client.models.list().data[0].id
+    plain = client.responses.create(
+        model=model, input=MESSAGES, temperature=0, max_output_tokens=NEW_TOKENS
+    )
+    low = client.responses.create(
+        model=model,
+        input=MESSAGES,
+        temperature=0,
+        max_output_tokens=NEW_TOKENS,
+        reasoning={"effort": "low"},
+    )
+    assert low.reasoning.effort == "low" and plain.reasoning.effort is None
+    assert low.output_text == plain.output_text
+    assert low.usage == plain.usage

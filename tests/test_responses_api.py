@@ -435,7 +435,9 @@ def test_a_stream_that_fails_or_is_cut_short_ends_with_response_failed():
             "tool_choice",
         ),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # no --reasoning-parser
+        ({"reasoning": {"effort": "extreme"}}, "reasoning"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),
         ({"service_tier": "flex"}, "service_tier"),
         ({"conversation": "conv_123"}, "conversation"),

@@ -679,6 +679,16 @@ def _add_response_args(group) -> None:
         help="split chat output into message.reasoning_content (the thinking) and content: "
         "qwen3, or deepseek_r1",
     )
+    group.add_argument(
+        *flag_names("reasoning_budget"),
+        dest="reasoning_budget",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="the thinking_token_budget of a chat request that sets none, as llama.cpp's flag: "
+        "after N reasoning tokens the end of the thinking (</think>) is forced; 0 closes it at "
+        "once; -1: unlimited; needs --reasoning-parser (default: -1)",
+    )
     add_bool_flag(
         group,
         "enable_auto_tool_choice",
@@ -991,6 +1001,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
     if getattr(args, "enable_auto_tool_choice", False) and args.tool_call_parser == NONE:
         parser.command_parsers[args.command].error(
             "--enable-auto-tool-choice: cannot be combined with --tool-call-parser none"
+        )
+    budget = getattr(args, "reasoning_budget", -1)  # serve's and run-batch's
+    if budget < -1:
+        parser.command_parsers[args.command].error(
+            f"--reasoning-budget: must be -1 (unlimited) or >= 0, got {budget}"
+        )
+    if budget >= 0 and args.reasoning_parser is None:
+        parser.command_parsers[args.command].error(
+            "--reasoning-budget: needs --reasoning-parser (the end of the thinking to force)"
         )
     if args.command == "serve":
         if args.model_tag is not None:

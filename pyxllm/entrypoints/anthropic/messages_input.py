@@ -62,7 +62,9 @@ def _refuse(field: str, value: Any, why: str | None = None) -> OpenAIError:
 
 def check_supported(request: MessagesInput) -> None:
     """400 naming the first field of ``request`` that asks for what pyxllm cannot do: the
-    :data:`UNSUPPORTED` fields, ``thinking`` but ``{"type": "disabled"}``, a tool's
+    :data:`UNSUPPORTED` fields, ``thinking`` but ``{"type": "disabled"}`` or ``{"type":
+    "enabled", "budget_tokens": N}`` (``N >= 0``: chat's ``thinking_token_budget``, which
+    needs ``--reasoning-parser``; Anthropic's own floor of 1024 is not enforced), a tool's
     ``defer_loading``, ``allowed_callers`` or ``input_examples``, a ``max_tokens`` below 1,
     and no messages."""
     for name, (neutral, why) in UNSUPPORTED.items():
@@ -71,7 +73,15 @@ def check_supported(request: MessagesInput) -> None:
             raise _refuse(name, value, why)
     thinking = request.thinking
     if thinking is not None and thinking != {"type": "disabled"}:
-        raise _refuse("thinking", thinking, "thinking budgets are not supported yet")
+        budget = thinking_budget(thinking)
+        if budget is None:
+            raise _refuse(
+                "thinking", thinking, 'send {"type": "enabled", "budget_tokens": N} or disabled'
+            )
+        if budget < 0:
+            raise OpenAIError(
+                f"thinking.budget_tokens: must be >= 0, got {budget}", 400, "thinking"
+            )
     for i, tool in enumerate(request.tools or ()):
         for name in ("defer_loading", "allowed_callers", "input_examples"):
             value = getattr(tool, name)
@@ -83,6 +93,17 @@ def check_supported(request: MessagesInput) -> None:
         )
     if not request.messages:  # as Anthropic's API: a system prompt alone is no conversation
         raise OpenAIError("messages: at least one message is required", 400, "messages")
+
+
+def thinking_budget(thinking: dict[str, Any] | None) -> int | None:
+    """The ``budget_tokens`` of ``{"type": "enabled", "budget_tokens": N}`` (an int), else
+    ``None``."""
+    if thinking is None or set(thinking) != {"type", "budget_tokens"}:
+        return None
+    if thinking["type"] != "enabled":
+        return None
+    budget = thinking["budget_tokens"]
+    return budget if isinstance(budget, int) and not isinstance(budget, bool) else None
 
 
 def chat_request(request: MessagesInput) -> ChatCompletionRequest:
@@ -102,6 +123,7 @@ def chat_request(request: MessagesInput) -> ChatCompletionRequest:
             "temperature": request.temperature,
             "top_p": request.top_p,
             "top_k": request.top_k,
+            "thinking_token_budget": thinking_budget(request.thinking),
         }
     choice = request.tool_choice
     return ChatCompletionRequest(

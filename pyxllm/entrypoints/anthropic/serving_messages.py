@@ -35,6 +35,7 @@ from pyxllm.entrypoints.openai.tools import plan_tools
 _RENAMES = (
     (re.compile(r"\btools\[(\d+)\]\.function\.parameters\b"), r"tools[\1].input_schema"),
     (re.compile(r"^stop\b"), "stop_sequences"),
+    (re.compile(r"^thinking_token_budget\b"), "thinking.budget_tokens"),
     (re.compile(r"^messages\[\d+\]"), "messages"),  # chat's turns are not the request's
     (
         re.compile(r'send "required", a named function or "none"'),

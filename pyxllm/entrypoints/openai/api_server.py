@@ -490,6 +490,8 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
     options = options or ServerOptions()
     if options.reasoning_parser:
         get_reasoning_parser(options.reasoning_parser)
+    elif options.reasoning_budget is not None:
+        raise ValueError("--reasoning-budget: needs --reasoning-parser")
     if options.tool_call_parser not in (None, AUTO, NONE):
         get_tool_parser(options.tool_call_parser)
     if config.task == "embed" and options.data_parallel_size > 1:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.entrypoints.openai.logprobs import chat_logprobs
@@ -11,6 +11,7 @@ from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
+    CompletionTokenUsageInfo,
     DeltaMessage,
     UsageInfo,
 )
@@ -42,6 +43,7 @@ class ChatEvents(ChoiceEvents):
         n = self.params.n
         self.texts, self.num_sent = [""] * n, [0] * n
         self.contents = [""] * n  # the content so far (the text after any reasoning)
+        self.token_ids: list[Sequence[int]] = [()] * n  # each choice's tokens so far
         self.calls = [
             None if tools.parser is None else ToolCallStream(tools.parser, tools.limit)
             for _ in range(n)
@@ -77,6 +79,7 @@ class ChatEvents(ChoiceEvents):
         delta = delta_message(self.texts[i], completion.text, finished, self.reasoning)
         logprobs = choice_logprobs(completion, self.params, self.token_bytes, self.num_sent[i])
         self.texts[i], self.num_sent[i] = completion.text, len(completion.token_ids)
+        self.token_ids[i] = completion.token_ids
         finish_reason = completion.finish_reason
         calls = self.calls[i]
         if calls is not None:
@@ -104,6 +107,7 @@ class ChatEvents(ChoiceEvents):
         return self.chunk(index, delta, finish_reason="abort")
 
     def usage(self, usage: UsageInfo) -> str:
+        usage = with_reasoning_tokens(usage, self.reasoning, self.token_ids)
         return sse(
             ChatCompletionStreamResponse(
                 id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage
@@ -113,6 +117,19 @@ class ChatEvents(ChoiceEvents):
     @property
     def completion_tokens(self) -> int:
         return sum(self.num_sent)
+
+
+def with_reasoning_tokens(
+    usage: UsageInfo, reasoning: ReasoningParser | None, token_ids: Sequence[Sequence[int]]
+) -> UsageInfo:
+    """``usage`` with ``completion_tokens_details.reasoning_tokens``, the reasoning tokens of
+    every choice (``token_ids``, one list per choice) when ``reasoning`` splits them off;
+    ``usage`` itself otherwise."""
+    if reasoning is None:
+        return usage
+    count = sum(reasoning.count_reasoning_tokens(ids) for ids in token_ids)
+    details = CompletionTokenUsageInfo(reasoning_tokens=count)
+    return usage.model_copy(update={"completion_tokens_details": details})
 
 
 def choice_logprobs(

@@ -185,14 +185,24 @@ class PromptTokenUsageInfo(OpenAIBaseModel):
     cached_tokens: int = 0
 
 
-class UsageInfo(OmitNoneModel):
-    """Token counts of one request; ``prompt_tokens_details`` is left out when ``None``."""
+class CompletionTokenUsageInfo(OpenAIBaseModel):
+    """``usage.completion_tokens_details``: ``reasoning_tokens``, the completion tokens up to
+    and with the end of the reasoning (OpenAI's field; sent by chat with
+    ``--reasoning-parser``)."""
 
-    omit_if_none = ("prompt_tokens_details",)
+    reasoning_tokens: int = 0
+
+
+class UsageInfo(OmitNoneModel):
+    """Token counts of one request; ``prompt_tokens_details`` and
+    ``completion_tokens_details`` are left out when ``None``."""
+
+    omit_if_none = ("prompt_tokens_details", "completion_tokens_details")
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokenUsageInfo | None = None
+    completion_tokens_details: CompletionTokenUsageInfo | None = None
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -379,6 +389,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # at most this many reasoning tokens, then the end of the thinking is forced (needs
+    # --reasoning-parser; default --reasoning-budget)
+    thinking_token_budget: int | None = None
 
 
 class ChatMessage(OmitNoneModel):

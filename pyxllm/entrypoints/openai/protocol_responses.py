@@ -98,8 +98,9 @@ class ResponseTextConfig(OpenAIBaseModel):
 
 
 class ResponseReasoningConfig(OpenAIBaseModel):
-    """``reasoning``: echoed as ``{"effort": null, "summary": null}``; a value in any field is
-    refused (the model reasons as its chat template says; pyxllm writes no summaries)."""
+    """``reasoning``: echoed as ``{"effort": ..., "summary": null}``; ``effort`` ``low``,
+    ``medium`` or ``high`` is a thinking-token budget (with ``--reasoning-parser``), any other
+    value, and a value in another field, is refused (pyxllm writes no summaries)."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -5,7 +5,9 @@ become a system message, ``input`` items chat messages (function calls an assist
 ``tool_calls``, function call outputs ``tool`` turns, reasoning items the assistant turn's
 ``reasoning_content``, which templates such as Qwen3's render), ``tools``/``tool_choice``
 chat's tools, ``text.format`` chat's ``response_format``, ``max_output_tokens``
-``max_completion_tokens`` and ``include``'s logprobs chat's ``logprobs``. A field or item that
+``max_completion_tokens``, ``include``'s logprobs chat's ``logprobs`` and ``reasoning.effort``
+chat's ``thinking_token_budget`` (:data:`REASONING_EFFORT_BUDGETS`; it needs
+``--reasoning-parser``). A field or item that
 asks for something pyxllm cannot do is a 400 naming it (:func:`check_supported`).
 """
 
@@ -46,6 +48,9 @@ UNSUPPORTED = {
     "image": ((None,), None),
     "access_programs": ((None,), None),
 }
+# ``reasoning.effort`` as a thinking_token_budget: the budgets vLLM's thinking-budget work
+# proposed for its effort levels (low 1024, medium 2048, high 8192 reasoning tokens).
+REASONING_EFFORT_BUDGETS = {"low": 1024, "medium": 2048, "high": 8192}
 # Text part types whose ``text`` is served.
 TEXT_PARTS = ("input_text", "output_text")
 
@@ -62,7 +67,8 @@ def _refuse(field: str, value: Any, why: str | None = None) -> OpenAIError:
 
 def check_supported(request: ResponsesRequest) -> None:
     """400 naming the first field of ``request`` that asks for what pyxllm cannot do: the
-    :data:`UNSUPPORTED` fields, ``reasoning`` settings, a ``text.verbosity`` but ``medium``,
+    :data:`UNSUPPORTED` fields, ``reasoning`` settings but an ``effort`` of
+    :data:`REASONING_EFFORT_BUDGETS`, a ``text.verbosity`` but ``medium``,
     ``include`` values but ``message.output_text.logprobs``, ``stream_options`` without
     ``stream`` or with obfuscation."""
     for name, (neutral, why) in UNSUPPORTED.items():
@@ -71,7 +77,14 @@ def check_supported(request: ResponsesRequest) -> None:
             raise _refuse(name, value, why)
     if request.reasoning is not None:
         for name, value in request.reasoning.model_dump(exclude_none=True).items():
-            raise _refuse(f"reasoning.{name}", value, "the model reasons as its template says")
+            if name == "effort" and value in REASONING_EFFORT_BUDGETS:
+                continue
+            why = (
+                f"one of {', '.join(REASONING_EFFORT_BUDGETS)} is"
+                if name == "effort"
+                else "the model reasons as its template says"
+            )
+            raise _refuse(f"reasoning.{name}", value, why)
     if request.text is not None and request.text.verbosity not in (None, "medium"):
         raise _refuse("text.verbosity", request.text.verbosity)
     for value in request.include or ():
@@ -99,6 +112,7 @@ def chat_request(
     instructions = [{"role": "system", "content": request.instructions}]
     messages = (instructions if request.instructions else []) + conversation
     logprobs = INCLUDE_LOGPROBS in (request.include or ()) or request.top_logprobs is not None
+    effort = request.reasoning.effort if request.reasoning is not None else None
     return ChatCompletionRequest(
         model=request.model,
         messages=messages,
@@ -112,6 +126,7 @@ def chat_request(
         response_format=_response_format(request),
         logprobs=logprobs,
         top_logprobs=request.top_logprobs if logprobs else None,
+        thinking_token_budget=REASONING_EFFORT_BUDGETS.get(effort),
     )
 
 

@@ -19,7 +19,6 @@ from pyxllm.entrypoints.openai.protocol_responses import (
     ResponseError,
     ResponseErrorEvent,
     ResponseLifecycleEvent,
-    ResponseReasoningItem,
     ResponsesResponse,
     ResponseStreamEvent,
     ResponseUsage,
@@ -29,18 +28,6 @@ from pyxllm.entrypoints.openai.responses_output import OutputBuilder
 from pyxllm.entrypoints.openai.serving_chat import PreparedChat
 from pyxllm.entrypoints.openai.serving_engine import usage_info
 from pyxllm.outputs import CompletionOutput, RequestOutput
-
-
-def reasoning_tokens(token_ids: list[int], reasoning: ReasoningParser | None, text: str) -> int:
-    """The output tokens up to the end of the reasoning, its closing tag included (all of them
-    while it never closed; 0 without reasoning ``text``)."""
-    if reasoning is None or not text:
-        return 0
-    end = list(reasoning.end_token_ids())
-    for start in range(len(token_ids) - len(end) + 1) if end else ():
-        if token_ids[start : start + len(end)] == end:
-            return start + len(end)
-    return len(token_ids)
 
 
 class ResponseRun:
@@ -89,15 +76,11 @@ class ResponseRun:
         )
         self.output.finish("completed" if status == "completed" else "incomplete")
         token_ids = list(completion.token_ids) if completion is not None else []
-        reasoning_text = "".join(
-            item.content[0].text
-            for item in self.output.items
-            if isinstance(item, ResponseReasoningItem)
-        )
+        reasoning = self.reasoning
         fields: dict[str, Any] = {
             "usage": response_usage(
                 usage_info(self.prompt_tokens, len(token_ids), cached_tokens),
-                reasoning_tokens(token_ids, self.reasoning, reasoning_text),
+                0 if reasoning is None else reasoning.count_reasoning_tokens(token_ids),
             )
         }
         if status == "completed":

@@ -278,6 +278,7 @@ def server_options(args) -> ServerOptions:
         get_tool_parser(args.tool_call_parser)
     return ServerOptions(
         reasoning_parser=args.reasoning_parser,
+        reasoning_budget=None if args.reasoning_budget < 0 else args.reasoning_budget,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         ignore_unknown_fields=args.ignore_unknown_fields,

@@ -44,6 +44,9 @@ class ServerOptions:
             ``--disable-uvicorn-access-log``).
         reasoning_parser: the parser splitting chat text into ``reasoning_content`` and
             ``content`` (a registered name), ``None`` for none.
+        reasoning_budget: the ``thinking_token_budget`` of a chat request that sets none
+            (``--reasoning-budget``, llama.cpp's flag; ``None``: unlimited); needs a
+            ``reasoning_parser``.
         tool_call_parser: the parser of the model's own calls for ``tool_choice: "auto"``: a
             registered name, ``"auto"`` (chosen from the chat template, see
             :mod:`.tool_parsers.auto`), or ``"none"``/``None``, which refuse ``auto``.
@@ -91,6 +94,7 @@ class ServerOptions:
     log_level: str = "warning"
     access_log: bool = True
     reasoning_parser: str | None = None
+    reasoning_budget: int | None = None
     tool_call_parser: str | None = "auto"
     enable_auto_tool_choice: bool = False
     ignore_unknown_fields: bool = False

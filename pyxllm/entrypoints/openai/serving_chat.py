@@ -16,6 +16,7 @@ from pyxllm.entrypoints.openai.chat_choices import (
     ChatEvents,
     chat_message,
     choice_logprobs,
+    with_reasoning_tokens,
 )
 from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.protocol import (
@@ -92,13 +93,40 @@ class OpenAIServingChat(OpenAIServing):
     ) -> tuple[ReasoningParser | None, dict]:
         """The parser splitting this request's text (``None`` when nothing is to be split:
         no parser, or the prompt already closed the reasoning), and the sampling fields it
-        needs: special tokens kept when its tags are special, unless the request chose."""
-        parser = self.reasoning_parser
+        needs: special tokens kept when its tags are special, unless the request chose; the
+        thinking budget (the request's ``thinking_token_budget``, else ``--reasoning-budget``)
+        with the tags that open and close the thinking. A budget is ignored when the prompt
+        closed the reasoning (nothing to cut).
+
+        Raises:
+            OpenAIError: 400 naming ``thinking_token_budget`` when it is negative, or given
+                to a server without a reasoning parser (no end of thinking to force).
+        """
+        parser, budget = self.reasoning_parser, request.thinking_token_budget
+        if budget is not None and parser is None:
+            raise OpenAIError(
+                "thinking_token_budget: needs a reasoning parser (start the server with "
+                "--reasoning-parser)",
+                400,
+                "thinking_token_budget",
+            )
+        if budget is not None and budget < 0:
+            raise OpenAIError(
+                f"thinking_token_budget: must be >= 0, got {budget}", 400, "thinking_token_budget"
+            )
         if parser is None or parser.is_reasoning_end(prompt_token_ids):
             return None, {}
+        fields = {}
         if parser.needs_special_tokens and request.skip_special_tokens is None:
-            return parser, {"skip_special_tokens": False}
-        return parser, {}
+            fields["skip_special_tokens"] = False
+        budget = self.options.reasoning_budget if budget is None else budget
+        if budget is not None:
+            fields.update(
+                thinking_token_budget=budget,
+                think_start_token_ids=parser.start_token_ids(),
+                think_end_token_ids=parser.end_token_ids(),
+            )
+        return parser, fields
 
     async def prepare_chat(self, request: ChatCompletionRequest, request_id: str) -> PreparedChat:
         """The engine request of a chat request (its sampling parameters, tools, prompt and
@@ -186,7 +214,11 @@ class OpenAIServingChat(OpenAIServing):
             created=created,
             model=self.model_name,
             choices=[self.full_choice(c, params, reasoning, tools) for c in final.outputs],
-            usage=self.usage(engine_request, sum(len(c.token_ids) for c in final.outputs), final),
+            usage=with_reasoning_tokens(
+                self.usage(engine_request, sum(len(c.token_ids) for c in final.outputs), final),
+                reasoning,
+                [c.token_ids for c in final.outputs],
+            ),
         )
         return JSONResponse(response.model_dump(mode="json"))
 

@@ -113,6 +113,7 @@ _RENAMES = (
     (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "text.format.schema"),
     (re.compile(r"\bresponse_format\b"), "text.format"),
     (re.compile(r"^messages(\[\d+\])?"), "input"),
+    (re.compile(r"^thinking_token_budget\b"), "reasoning.effort"),
 )
 
 
@@ -222,6 +223,10 @@ class OpenAIServingResponses:
             "model": self.chat.model_name,
             "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id,
+            "reasoning": {
+                "effort": request.reasoning.effort if request.reasoning is not None else None,
+                "summary": None,
+            },
             "prompt_cache_key": request.prompt_cache_key,
             "safety_identifier": request.safety_identifier,
             "store": request.store is not False,

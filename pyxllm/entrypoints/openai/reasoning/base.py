@@ -55,6 +55,23 @@ class ReasoningParser(ABC):
         constraint applies after them); empty when the parser cannot say."""
         return ()
 
+    def start_token_ids(self) -> tuple[int, ...]:
+        """The token ids that open the reasoning in generated text (a model may write them
+        itself, or the chat template may put them in the prompt); empty when the parser cannot
+        say."""
+        return ()
+
+    def count_reasoning_tokens(self, token_ids: Sequence[int]) -> int:
+        """The output tokens up to the end of the reasoning, its closing tag included; all of
+        them while it never closed (OpenAI's ``reasoning_tokens`` of a reply whose reasoning
+        this parser splits off)."""
+        end = list(self.end_token_ids())
+        n = len(end)
+        for start in range(len(token_ids) - n + 1) if n else ():
+            if list(token_ids[start : start + n]) == end:
+                return start + n
+        return len(token_ids)
+
     def is_reasoning_end(self, prompt_token_ids: Sequence[int]) -> bool:
         """True when the prompt itself closed the reasoning (e.g. a chat template rendered an
         empty think block for ``enable_thinking=False``): everything generated is content."""

@@ -50,6 +50,10 @@ class ThinkTagReasoningParser(ReasoningParser):
         """``</think>`` as the tokenizer writes it alone (one id for Qwen3's added token)."""
         return tuple(self.tokenizer.encode(self.end_tag, add_special_tokens=False))
 
+    def start_token_ids(self) -> tuple[int, ...]:
+        """``<think>`` as the tokenizer writes it alone."""
+        return tuple(self.tokenizer.encode(self.start_tag, add_special_tokens=False))
+
     def is_reasoning_end(self, prompt_token_ids: Sequence[int]) -> bool:
         """True when the prompt ends with ``</think>`` (and whitespace)."""
         tail = self.tokenizer.decode(
