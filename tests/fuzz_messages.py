@@ -117,7 +117,6 @@ FAULTS: list[tuple[dict, object]] = [
     ({"system": [{"type": "text", "text": 5}]}, bad("system")),
     ({"system": [IMAGE]}, bad("system")),
     ({"system": "a\ud800b"}, bad("system")),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, bad("thinking")),
     ({"thinking": {"type": "adaptive"}}, bad("thinking")),
     ({"thinking": "on"}, bad("thinking")),
     ({"tools": "x"}, bad("tools")),
@@ -143,6 +142,8 @@ FAULTS: list[tuple[dict, object]] = [
 ]
 # Faults of the fields only /v1/messages declares.
 CREATE_FAULTS: list[tuple[dict, object]] = [
+    # a budget needs --reasoning-parser, which the fuzz server has not (a count takes it)
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, bad("thinking")),
     ({"max_tokens": None}, bad("max_tokens")),  # left out: required
     ({"max_tokens": 0}, bad("max_tokens")),
     ({"max_tokens": -3}, bad("max_tokens")),
