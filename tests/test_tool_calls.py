@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from pyxllm.entrypoints.openai.errors import OpenAIError
-from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionToolParam
 from pyxllm.entrypoints.openai.tool_parsers import (
     ToolCallStream,
     get_tool_parser,
@@ -21,8 +21,14 @@ from pyxllm.entrypoints.openai.tool_parsers import (
     tool_parser_names,
 )
 from pyxllm.entrypoints.openai.tool_parsers.constrained import NamedCallParser, RequiredCallsParser
+from pyxllm.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from pyxllm.entrypoints.openai.tool_parsers.granite import GraniteToolParser
 from pyxllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pyxllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from pyxllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from pyxllm.entrypoints.openai.tool_parsers.phi4_mini import Phi4MiniToolParser
+from pyxllm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
+from pyxllm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser, typed_value
 from pyxllm.entrypoints.openai.tools import plan_tools
 from tests.utils import RemoteServer, run_together, tool_calling_server_args
 
@@ -62,7 +68,32 @@ ASK = [{"role": "user", "content": "What is the weather in Paris and in London?"
 
 # --- the parsers, on recorded texts ----------------------------------------------------------
 
+# A tool whose parameters have every JSON type, for qwen3_coder's typed values.
+TYPED = {
+    "type": "function",
+    "function": {
+        "name": "set_alarm",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "hour": {"type": "integer"},
+                "volume": {"type": "number"},
+                "repeat": {"type": "boolean"},
+                "label": {"type": "string"},
+                "days": {"type": "array", "items": {"type": "string"}},
+                "options": {"type": "object"},
+                "snooze": {"type": ["integer", "null"]},
+            },
+        },
+    },
+}
 HERMES = HermesToolParser()
+PYTHONIC = PythonicToolParser()
+MISTRAL = MistralToolParser()
+DEEPSEEK = DeepSeekV3ToolParser()
+QWEN3_CODER = Qwen3CoderToolParser().for_tools(
+    [ChatCompletionToolParam(**tool) for tool in [*TOOLS, TYPED]]
+)
 RECORDED = [
     (
         HERMES,
@@ -132,6 +163,174 @@ RECORDED = [
     # a forced call cut before its name: no call to report, and its JSON is not content
     (RequiredCallsParser(), '[\n{\n    "name": "', (None, [])),
     (RequiredCallsParser(), "[\n{", (None, [])),
+    # pythonic (Llama 3.2, Llama 4): Python literals come back as JSON
+    (
+        PYTHONIC,
+        '[get_weather(city="Paris", unit="celsius"), get_time(city=\'Lon, (don)\'), ping()]',
+        (
+            None,
+            [
+                ("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+                ("get_time", '{"city": "Lon, (don)"}'),
+                ("ping", "{}"),
+            ],
+        ),
+    ),
+    (
+        PYTHONIC,
+        '<|python_start|>[get_weather(city="Zürich", unit="celsius")]<|python_end|>',
+        (None, [("get_weather", '{"city": "Zürich", "unit": "celsius"}')]),
+    ),
+    (
+        PYTHONIC,
+        '[say(text="""a "b" \\n""", n=-1.5e3, ok=True, none=None, xs=[1, (2, 3)], d={"k": "v"}, )]',
+        (
+            None,
+            [
+                (
+                    "say",
+                    '{"text": "a \\"b\\" \\n", "n": -1500.0, "ok": true, "none": null, '
+                    '"xs": [1, [2, 3]], "d": {"k": "v"}}',
+                )
+            ],
+        ),
+    ),
+    (PYTHONIC, "Paris is in France.", ("Paris is in France.", [])),
+    (PYTHONIC, "[1, 2] are numbers, not calls", ("[1, 2] are numbers, not calls", [])),
+    # malformed: a non-literal (never evaluated) or positional argument stops the arguments
+    (
+        PYTHONIC,
+        '[get_weather(city="Oslo", unit=__import__("os").getcwd())]',
+        (None, [("get_weather", '{"city": "Oslo"')]),
+    ),
+    (PYTHONIC, '[get_time("Oslo")]', (None, [("get_time", "{")])),
+    (PYTHONIC, '[get_weather(city="Pa', (None, [("get_weather", "{")])),  # cut short
+    # mistral: the JSON array (v0.3) and name[ARGS]{...} (Mistral Small 3.2, Magistral)
+    (
+        MISTRAL,
+        'Checking.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+        '"celsius"}}, {"name": "ping", "arguments": {}}]',
+        ("Checking.", [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("ping", "{}")]),
+    ),
+    (
+        MISTRAL,
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time'
+        '[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}',
+        (
+            None,
+            [
+                ("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+                ("get_time", '{"city": "Oslo"}'),
+            ],
+        ),
+    ),
+    (MISTRAL, "No call [here], [TOOL] is a word.", ("No call [here], [TOOL] is a word.", [])),
+    (MISTRAL, "[TOOL_CALLS]not a call", ("[TOOL_CALLS]not a call", [])),
+    (
+        MISTRAL,
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa',
+        (None, [("get_weather", '{"city": "Pa')]),
+    ),
+    # qwen3_coder: XML parameters typed by the tool's schema
+    (
+        QWEN3_CODER,
+        "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=ping>\n</function>\n</tool_call>",
+        ("Let me look.", [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("ping", "{}")]),
+    ),
+    (
+        QWEN3_CODER,
+        "<tool_call>\n<function=set_alarm>\n<parameter=hour>\n7\n</parameter>\n"
+        "<parameter=volume>\n0.5\n</parameter>\n<parameter=repeat>\nTrue\n</parameter>\n"
+        '<parameter=label>\n007\n</parameter>\n<parameter=days>\n["Mon", "Tue"]\n'
+        "</parameter>\n<parameter=options>\n{'vibrate': True}\n</parameter>\n"
+        "<parameter=snooze>\nnull\n</parameter>\n<parameter=extra>\n1\n</parameter>\n"
+        "</function>\n</tool_call>",
+        (
+            None,
+            [
+                (
+                    "set_alarm",
+                    '{"hour": 7, "volume": 0.5, "repeat": true, "label": "007", "days": ["Mon", '
+                    '"Tue"], "options": {"vibrate": true}, "snooze": null, "extra": "1"}',
+                )
+            ],
+        ),
+    ),
+    # malformed: a value that is not its type stays text, a missing </parameter> is tolerated
+    (
+        QWEN3_CODER,
+        "<tool_call>\n<function=set_alarm>\n<parameter=hour>\nseven\n<parameter=label>\n"
+        "a <b>bold</b>\nlabel\n</function>\n</tool_call>",
+        (None, [("set_alarm", '{"hour": "seven", "label": "a <b>bold</b>\\nlabel"}')]),
+    ),
+    (
+        QWEN3_CODER,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+        (None, [("get_weather", "{")]),
+    ),  # cut short
+    (QWEN3_CODER, "x <tool_call> oops", ("x <tool_call> oops", [])),
+    # deepseek_v3: V3/R1's fenced JSON and V3.1's bare JSON
+    (
+        DEEPSEEK,
+        "I will check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+        'get_weather\n```json\n{"city": "Paris", "unit": "celsius"}\n```<｜tool▁call▁end｜>\n'
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>ping\n```json\n{}\n```<｜tool▁call▁end｜>"
+        "<｜tool▁calls▁end｜>",
+        (
+            "I will check.",
+            [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("ping", "{}")],
+        ),
+    ),
+    (
+        DEEPSEEK,
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "Oslo"}'
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        (None, [("get_time", '{"city": "Oslo"}')]),
+    ),
+    (DEEPSEEK, "No tool▁call here <｜think｜>.", ("No tool▁call here <｜think｜>.", [])),
+    (
+        DEEPSEEK,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city": "Pa',
+        (None, [("get_weather", '{"city": "Pa')]),
+    ),  # cut short
+    # granite: a JSON array after <|tool_call|> (or <tool_call>)
+    (
+        GraniteToolParser(),
+        '<|tool_call|>[{"name": "get_time", "arguments": {"city": "Oslo"}}, {"name": "ping", '
+        '"arguments": {}}]',
+        (None, [("get_time", '{"city": "Oslo"}'), ("ping", "{}")]),
+    ),
+    (
+        GraniteToolParser(),
+        ' <tool_call> [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
+        (None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    ),
+    (GraniteToolParser(), "<tool is a word>, [1] too.", ("<tool is a word>, [1] too.", [])),
+    (
+        GraniteToolParser(),
+        '<|tool_call|>[{"name": "get_time", "arguments": {"city": "Os',
+        (None, [("get_time", '{"city": "Os')]),
+    ),
+    # phi4_mini_json: functools[...]
+    (
+        Phi4MiniToolParser(),
+        'functools[{"name": "get_time", "arguments": {"city": "Oslo"}}, {"name": "ping", '
+        '"arguments": {}}]',
+        (None, [("get_time", '{"city": "Oslo"}'), ("ping", "{}")]),
+    ),
+    (
+        Phi4MiniToolParser(),
+        "Python's functools module has lru_cache.",
+        ("Python's functools module has lru_cache.", []),
+    ),
+    (
+        Phi4MiniToolParser(),
+        'Sure. functools[{"name": "get_time", "arguments": {"ci',
+        ("Sure.", [("get_time", '{"ci')]),
+    ),
 ]
 
 
@@ -176,6 +375,40 @@ def test_every_registered_parser_has_recorded_texts():
     (above), so a parser added to the registry needs texts of its own here."""
     recorded = {type(parser) for parser, _, _ in RECORDED}
     assert {get_tool_parser(name) for name in tool_parser_names()} <= recorded
+
+
+def test_qwen3_coder_values_take_their_schema_types():
+    assert typed_value("\n42 ", {"type": "integer"}) == 42
+    assert typed_value("4.5", {"type": "integer"}) == "4.5"
+    assert typed_value("4", {"type": "number"}) == 4
+    assert typed_value("false", {"type": ["boolean", "null"]}) is False
+    assert typed_value("None", {"type": ["integer", "null"]}) is None
+    assert typed_value("[1, 2]", {"items": {"type": "integer"}}) == [1, 2]
+    assert typed_value("{1, 2}", {"type": "object"}) == "{1, 2}"  # a set is no object
+    assert typed_value("42", {"type": "string"}) == "42"
+    assert typed_value("42", None) == "42"  # not among the tool's parameters
+
+
+def test_auto_gives_the_parser_the_requests_tools():
+    """qwen3_coder types values by the tools of each request (plan_tools, not start-up)."""
+    request = ChatCompletionRequest(messages=ASK, tools=[TYPED])
+    parser = plan_tools(request, auto_parser=Qwen3CoderToolParser()).parser
+    text = "<tool_call>\n<function=set_alarm>\n<parameter=hour>\n7\n</parameter>\n</function>"
+    assert parser.parse(text, final=True).calls[0].arguments == '{"hour": 7}'
+    assert Qwen3CoderToolParser().parse(text, final=True).calls[0].arguments == '{"hour": "7"}'
+
+
+def test_a_parser_whose_tags_are_special_tokens_keeps_them_in_the_text(hf_gguf_tokenizer):
+    """An auto request keeps special tokens when the parser's tags are special for the
+    tokenizer (Mistral's [TOOL_CALLS] ...); SmolLM2's <|im_end|> is special, [TOOL_CALLS] is
+    plain text to it."""
+
+    class ImEndParser(MistralToolParser):
+        tags = ("<|im_end|>",)
+
+    assert ImEndParser(hf_gguf_tokenizer).needs_special_tokens
+    assert not MistralToolParser(hf_gguf_tokenizer).needs_special_tokens
+    assert not MistralToolParser().needs_special_tokens
 
 
 def test_tool_choice_rules_without_a_server():

@@ -27,7 +27,11 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # Chat templates written in the style of each family, with the markers their real templates
 # hold: Qwen2.5/Qwen3 describe the tools and ask for <tool_call> blocks; Llama 3.1-3.3 describe
 # a {"name", "parameters"} JSON call under their header tokens; Qwen3-Coder writes XML inside
-# <tool_call>; Mistral lists tools in [AVAILABLE_TOOLS] and answers after [TOOL_CALLS].
+# <tool_call>; Mistral lists tools in [AVAILABLE_TOOLS] and answers after [TOOL_CALLS]; vLLM's
+# pythonic templates (Llama 3.2, Llama 4) ask for [func_name1(params_name1=...)]; DeepSeek V3
+# writes calls between its own <｜tool▁calls▁begin｜> tokens; vLLM's Phi-4-mini template asks
+# for functools[...]; Granite 3 lists tools under <|start_of_role|>available_tools and answers
+# after <|tool_call|>; InternLM calls with <|action_start|><|plugin|>, which no parser reads.
 _TURNS = (
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
     "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
@@ -60,6 +64,37 @@ MISTRAL_STYLE = (
     "{#- a call is answered after [TOOL_CALLS] #}"
 )
 
+PYTHONIC_STYLE = (
+    "{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\nIf you decide to invoke "
+    "any of the function(s), you MUST put it in the format of [func_name1(params_name1="
+    "params_value1, params_name2=params_value2...), func_name2(params)]\nHere is a list of "
+    "functions in JSON format that you can invoke.\n{{ tools | tojson }}<|eot_id|>"
+    "{%- endif %}{%- for message in messages %}<|start_header_id|>{{ message.role }}"
+    "<|end_header_id|>\n\n{{ message.content }}<|eot_id|>{%- endfor %}"
+)
+DEEPSEEK_STYLE = (
+    "{%- if tools %}## Tools\n{{ tools | tojson }}\nCall a tool as <｜tool▁calls▁begin｜>"
+    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>name\n```json\n{}\n```<｜tool▁call▁end｜>"
+    "<｜tool▁calls▁end｜>{%- endif %}{%- for message in messages %}<｜{{ message.role }}｜>"
+    "{{ message.content }}{%- endfor %}"
+)
+PHI4_MINI_STYLE = (
+    "{%- if tools %}<|system|>If you decide to call functions, write them as functools[{"
+    '"name": [function name], "arguments": [function arguments as JSON]}, ...]<|tool|>'
+    "{{ tools | tojson }}<|/tool|><|end|>{%- endif %}{%- for message in messages %}<|"
+    "{{ message.role }}|>{{ message.content }}<|end|>{%- endfor %}<|assistant|>"
+)
+GRANITE_STYLE = (
+    "{%- if tools %}<|start_of_role|>available_tools<|end_of_role|>{{ tools | tojson }}"
+    "<|end_of_text|>{%- endif %}{%- for message in messages %}<|start_of_role|>"
+    "{{ message.role }}<|end_of_role|>{{ message.content }}<|end_of_text|>{%- endfor %}"
+    "{#- a call is answered after <|tool_call|> #}"
+)
+INTERNLM_STYLE = (
+    "{%- if tools %}<|im_start|>system name=<|plugin|>\n{{ tools | tojson }}<|im_end|>\n"
+    "{%- endif %}{#- a call is <|action_start|><|plugin|>{...}<|action_end|> #}" + _TURNS
+)
+
 
 def test_the_embedded_template_gets_the_tools_in_a_system_message_read_by_hermes(
     hf_gguf_tokenizer,
@@ -83,8 +118,13 @@ def test_the_embedded_template_gets_the_tools_in_a_system_message_read_by_hermes
     [
         (QWEN_STYLE, "hermes"),
         (LLAMA3_STYLE, "llama3_json"),
-        (QWEN3_CODER_STYLE, None),
-        (MISTRAL_STYLE, None),
+        (QWEN3_CODER_STYLE, "qwen3_coder"),
+        (MISTRAL_STYLE, "mistral"),
+        (PYTHONIC_STYLE, "pythonic"),
+        (DEEPSEEK_STYLE, "deepseek_v3"),
+        (PHI4_MINI_STYLE, "phi4_mini_json"),
+        (GRANITE_STYLE, "granite"),
+        (INTERNLM_STYLE, None),
     ],
 )
 def test_a_template_that_renders_tools_chooses_its_parser(hf_gguf_tokenizer, template, parser):
@@ -273,10 +313,40 @@ def test_tool_call_parser_none_refuses_auto_and_unknown_fields_can_be_ignored():
 def test_enable_auto_tool_choice_fails_start_up_without_a_parser():
     """vLLM's flag makes "auto" a promise: a chat template whose call format no parser reads
     stops the server at start-up, naming the flag and why."""
-    args = [*SERVER_ARGS, "--chat-template", MISTRAL_STYLE, "--enable-auto-tool-choice"]
+    args = [*SERVER_ARGS, "--chat-template", INTERNLM_STYLE, "--enable-auto-tool-choice"]
     with pytest.raises(RuntimeError, match="exited with status 2") as caught:
         with RemoteServer(args):
             pass
     assert "error: --enable-auto-tool-choice: no tool-call parser: the chat template renders " in (
         str(caught.value)
     )
+
+
+def test_a_parser_named_by_hand_reads_typed_xml_calls():
+    """--tool-call-parser qwen3_coder: an XML call (forced by a constraint, so that it does not
+    depend on what the tiny model would write) comes back with its value typed by the request's
+    tool schema, streamed as unstreamed."""
+    alarm = {
+        "type": "function",
+        "function": {
+            "name": "set_alarm",
+            "parameters": {"type": "object", "properties": {"hour": {"type": "integer"}}},
+        },
+    }
+    forced = {
+        "regex": r"<tool_call>\n<function=set_alarm>\n<parameter=hour>\n7\n</parameter>\n"
+        r"</function>\n</tool_call>"
+    }
+    body = {"tools": [alarm], "max_tokens": 80, "extra_body": {"structured_outputs": forced}}
+    with RemoteServer([*SERVER_ARGS, "--tool-call-parser", "qwen3_coder"]) as remote:
+        client = remote.openai_client()
+        full, chunks = run_together(
+            lambda: chat(client, **body), lambda: list(chat(client, stream=True, **body))
+        )
+        log = remote.output()
+    assert 'tool_choice "auto": the qwen3_coder tool-call parser' in log
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("set_alarm", '{"hour": 7}')
+    assert assemble(chunks) == (None, [("set_alarm", '{"hour": 7}')], "tool_calls")

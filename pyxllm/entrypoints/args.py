@@ -703,10 +703,13 @@ def _add_response_args(group) -> None:
         default=AUTO,
         choices=[AUTO, NONE, *tool_parser_names()],
         help='the format of the model\'s own tool calls (tool_choice "auto"): auto, chosen '
-        "from the chat template (<tool_call> tags or a template without tools: hermes; Llama "
-        "3's: llama3_json; the start-up log says which and why); hermes (Qwen2.5/Qwen3's "
+        "from the chat template (the start-up log says which and why); hermes (Qwen2.5/Qwen3's "
         "<tool_call> tags; also what a model whose template has no tools is asked to write); "
-        'llama3_json (Llama 3.x); none: "auto" is refused (default: auto)',
+        "llama3_json (Llama 3.x); pythonic or llama4_pythonic (Llama 3.2/4's [f(a=1)]); mistral "
+        "([TOOL_CALLS]); qwen3_coder (Qwen3-Coder's <function=...> XML); deepseek_v3 or "
+        "deepseek_v31 (DeepSeek's tool-call tokens); granite (Granite 3's <|tool_call|>); "
+        "phi4_mini_json (functools[...]); none: "
+        '"auto" is refused (default: auto)',
     )
     add_bool_flag(
         group,

@@ -134,8 +134,8 @@ class OpenAIServingChat(OpenAIServing):
         API (:mod:`.serving_responses`) run.
 
         The sampling parameters are built once everything they depend on is known: a forced
-        tool call's constraint, and the reasoning parser (whose special-token tags are kept in
-        the text unless the request says otherwise).
+        tool call's constraint, and the reasoning and tool-call parsers (whose special-token
+        tags are kept in the text unless the request says otherwise).
 
         Raises:
             OpenAIError, InvalidRequestError: a field that is out of range, cannot be honoured
@@ -171,6 +171,9 @@ class OpenAIServingChat(OpenAIServing):
         tokens = await self.tokenize(self.chat_prompt(request, tools.mode != "none"))
         reasoning, reasoning_fields = self.request_reasoning(request, list(tokens.token_ids))
         fields.update(reasoning_fields)
+        if tools.mode == "auto" and tools.parser.needs_special_tokens:
+            if request.skip_special_tokens is None:  # the parser's tags are special tokens
+                fields["skip_special_tokens"] = False
         engine_request = self.processor.process(
             request_id,
             tokens,

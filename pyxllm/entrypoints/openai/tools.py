@@ -95,7 +95,7 @@ def plan_tools(
                 400,
                 "tool_choice",
             )
-        return ToolPlan("auto", auto_parser, None, limit)
+        return ToolPlan("auto", auto_parser.for_tools(tools), None, limit)
     if choice == "required":
         calls = [_call_schema(t) for t in tools]
         schema = {"type": "array", "minItems": 1, "maxItems": limit, "items": {"anyOf": calls}}

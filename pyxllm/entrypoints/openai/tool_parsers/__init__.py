@@ -32,10 +32,33 @@ __all__ = [
 TOOL_PARSERS = LazyRegistry(
     "--tool-call-parser",
     {
+        "deepseek_v3": (
+            "pyxllm.entrypoints.openai.tool_parsers.deepseek_v3",
+            "DeepSeekV3ToolParser",
+        ),
+        "deepseek_v31": (
+            "pyxllm.entrypoints.openai.tool_parsers.deepseek_v3",
+            "DeepSeekV3ToolParser",
+        ),
+        "granite": ("pyxllm.entrypoints.openai.tool_parsers.granite", "GraniteToolParser"),
         "hermes": ("pyxllm.entrypoints.openai.tool_parsers.hermes", "HermesToolParser"),
         "llama3_json": (
             "pyxllm.entrypoints.openai.tool_parsers.llama3_json",
             "Llama3JsonToolParser",
+        ),
+        "llama4_pythonic": (
+            "pyxllm.entrypoints.openai.tool_parsers.pythonic",
+            "PythonicToolParser",
+        ),
+        "mistral": ("pyxllm.entrypoints.openai.tool_parsers.mistral", "MistralToolParser"),
+        "phi4_mini_json": (
+            "pyxllm.entrypoints.openai.tool_parsers.phi4_mini",
+            "Phi4MiniToolParser",
+        ),
+        "pythonic": ("pyxllm.entrypoints.openai.tool_parsers.pythonic", "PythonicToolParser"),
+        "qwen3_coder": (
+            "pyxllm.entrypoints.openai.tool_parsers.qwen3_coder",
+            "Qwen3CoderToolParser",
         ),
     },
 )

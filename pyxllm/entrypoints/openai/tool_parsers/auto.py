@@ -37,14 +37,27 @@ def choose_tool_parser(chat_template: str | None) -> ToolParserChoice:
     1. No template, or one that never names ``tools`` (the embedded SmolLM2's): pyxllm offers
        the tools itself, in a system message that asks for Hermes blocks (``<tool_call>{"name":
        ..., "arguments": ...}</tool_call>``): ``hermes``.
-    2. ``<tool_call>`` and ``<function=``: calls written as XML inside the tags (Qwen3-Coder's),
-       which no registered parser reads: none.
+    2. ``<tool_call>`` and ``<function=``: calls written as XML inside the tags (Qwen3-Coder's
+       template shows ``<function=example_function_name>`` and ``<parameter=...>``):
+       ``qwen3_coder``.
     3. ``<tool_call>``: Hermes' JSON calls (Qwen2, Qwen2.5, Qwen3, Hermes 2/3, SmolLM3):
        ``hermes``.
-    4. Llama 3's ``<|start_header_id|>`` with ``<|python_tag|>`` or a ``"parameters"`` key (the
+    4. ``<｜tool▁calls▁begin｜>``: DeepSeek's call tokens (the V3, R1 and V3.1 templates write
+       an assistant's calls between them): ``deepseek_v3``, which reads V3.1's form too.
+    5. ``<|tool_call|>``: Granite 3's call token (its templates write an assistant's calls as
+       ``<|tool_call|>`` and a JSON array; Granite 4's ``<tool_call>`` tags are rule 3's):
+       ``granite``.
+    6. ``[TOOL_CALLS]``: Mistral's call token (its templates write an assistant's calls after
+       it, as a JSON array or as ``name[ARGS]{...}``): ``mistral``.
+    7. ``[func_name1(``: the call format vLLM's pythonic templates (Llama 3.2, Llama 4, Gemma 3,
+       ToolACE) describe, ``[func_name1(params_name1=params_value1, ...), func_name2(params)]``:
+       ``pythonic``.
+    8. ``functools[``: the call format vLLM's Phi-4-mini template describes (a JSON list of
+       ``{"name", "arguments"}`` after the word ``functools``): ``phi4_mini_json``.
+    9. Llama 3's ``<|start_header_id|>`` with ``<|python_tag|>`` or a ``"parameters"`` key (the
        JSON call format Llama 3.1-3.3's templates describe and render): ``llama3_json``.
-    5. Anything else that renders tools (Mistral's ``[TOOL_CALLS]``, DeepSeek's, Granite's ...):
-       none; ``--tool-call-parser NAME`` picks one by hand.
+    10. Anything else that renders tools (InternLM's, Kimi's, gpt-oss's harmony ...): none;
+        ``--tool-call-parser NAME`` picks one by hand.
     """
     if not template_renders_tools(chat_template):
         return ToolParserChoice(
@@ -54,13 +67,35 @@ def choose_tool_parser(chat_template: str | None) -> ToolParserChoice:
         )
     if "<tool_call>" in chat_template and "<function=" in chat_template:
         return ToolParserChoice(
-            None,
-            "the chat template writes calls as <function=...> XML inside <tool_call> tags, "
-            "which no tool-call parser reads",
+            "qwen3_coder",
+            "the chat template writes calls as <function=...> XML inside <tool_call> tags",
         )
     if "<tool_call>" in chat_template:
         return ToolParserChoice(
             "hermes", "the chat template renders tools and writes calls in <tool_call> tags"
+        )
+    if "<｜tool▁calls▁begin｜>" in chat_template:
+        return ToolParserChoice(
+            "deepseek_v3", "the chat template writes calls between DeepSeek's tool-call tokens"
+        )
+    if "<|tool_call|>" in chat_template:
+        return ToolParserChoice(
+            "granite", "the chat template writes calls as a JSON array after <|tool_call|>"
+        )
+    if "[TOOL_CALLS]" in chat_template:
+        return ToolParserChoice(
+            "mistral", "the chat template writes calls after Mistral's [TOOL_CALLS] token"
+        )
+    if "[func_name1(" in chat_template:
+        return ToolParserChoice(
+            "pythonic",
+            "the chat template asks for calls as a Python list, [func_name1(params_name1="
+            "params_value1, ...)]",
+        )
+    if "functools[" in chat_template:
+        return ToolParserChoice(
+            "phi4_mini_json",
+            'the chat template asks for calls as functools[{"name": ..., "arguments": ...}]',
         )
     if "<|start_header_id|>" in chat_template and (
         "<|python_tag|>" in chat_template or '"parameters"' in chat_template

@@ -126,16 +126,34 @@ class ToolParser(abc.ABC):
             answered instead of calling); ``False`` for a forced call's parser, whose text is
             always the call's JSON, so a call cut before its name gives neither content nor a
             call.
+        tags: the markers the parser reads in the text (``[TOOL_CALLS]`` ...).
+        needs_special_tokens: True when ``tokenizer`` marks one of :attr:`tags` special, so
+            that decoding with ``skip_special_tokens`` would drop it: an ``auto`` request then
+            keeps special tokens in its text, unless it sets ``skip_special_tokens`` itself.
     """
 
     text_is_content = True
+    tags: tuple[str, ...] = ()
 
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer
+        self.needs_special_tokens = tokenizer is not None and any(
+            tag
+            not in tokenizer.decode(
+                tokenizer.encode(tag, add_special_tokens=False), skip_special_tokens=True
+            )
+            for tag in self.tags
+        )
 
     @abc.abstractmethod
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
         """The content and calls of ``text``; ``final`` when the text is complete."""
+
+    def for_tools(self, tools: list) -> ToolParser:
+        """The parser of one request that offers ``tools`` (its
+        :class:`~pyxllm.entrypoints.openai.protocol.ChatCompletionToolParam` list): this one,
+        unless the parser needs the tools' schemas (``qwen3_coder`` types values by them)."""
+        return self
 
 
 def new_call_id() -> str:

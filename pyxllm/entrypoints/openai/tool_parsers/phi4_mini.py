@@ -1,0 +1,22 @@
+"""Phi-4-mini's calls: ``functools[{"name": ..., "arguments": {...}}, ...]``, a JSON array after
+the word ``functools``; the text before it is the content."""
+
+from __future__ import annotations
+
+from pyxllm.entrypoints.openai.tool_parsers.base import ParsedToolOutput, ToolParser, held_back
+from pyxllm.entrypoints.openai.tool_parsers.llama3_json import json_sequence
+
+START = "functools["
+
+
+class Phi4MiniToolParser(ToolParser):
+    """``--tool-call-parser phi4_mini_json``."""
+
+    def parse(self, text: str, final: bool) -> ParsedToolOutput:
+        first = text.find(START)
+        if first < 0:  # no call yet: hold back what may begin one, and trailing whitespace
+            if final:
+                return ParsedToolOutput(text)
+            return ParsedToolOutput(text[: len(text) - held_back(text, START)].rstrip())
+        calls = json_sequence(text, final, separators=",", start=first + len(START))
+        return ParsedToolOutput(text[:first].rstrip(), calls)
