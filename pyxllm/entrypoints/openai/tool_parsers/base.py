@@ -115,6 +115,15 @@ def held_back(text: str, tag: str) -> int:
     return 0
 
 
+def no_call_yet(text: str, tag: str, final: bool) -> ParsedToolOutput:
+    """The parse of a text in which ``tag`` (what opens the calls) does not appear: all of it
+    is content when ``final``; else what precedes a tail that may begin ``tag``, and trailing
+    whitespace (which may come before a call), is held back."""
+    if final:
+        return ParsedToolOutput(text)
+    return ParsedToolOutput(text[: len(text) - held_back(text, tag)].rstrip())
+
+
 class ToolParser(abc.ABC):
     """Splits a chat completion's text into content and tool calls (see the module docstring).
 

@@ -18,6 +18,7 @@ from pyxllm.entrypoints.openai.tool_parsers.base import (
     ToolParser,
     arguments_text,
     held_back,
+    no_call_yet,
 )
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -32,10 +33,8 @@ class DeepSeekV3ToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
         first = text.find(CALLS_BEGIN)
-        if first < 0:  # no call yet: hold back what may begin one, and trailing whitespace
-            if final:
-                return ParsedToolOutput(text)
-            return ParsedToolOutput(text[: len(text) - held_back(text, CALLS_BEGIN)].rstrip())
+        if first < 0:
+            return no_call_yet(text, CALLS_BEGIN, final)
         parsed = ParsedToolOutput(text[:first].rstrip())
         start = text.find(CALL_BEGIN, first)
         while start >= 0:

@@ -9,6 +9,7 @@ from pyxllm.entrypoints.openai.tool_parsers.base import (
     ToolParser,
     call_from_json,
     held_back,
+    no_call_yet,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -20,10 +21,8 @@ class HermesToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
         first = text.find(START)
-        if first < 0:  # no call yet: hold back what may begin one, and trailing whitespace
-            if final:
-                return ParsedToolOutput(text)
-            return ParsedToolOutput(text[: len(text) - held_back(text, START)].rstrip())
+        if first < 0:
+            return no_call_yet(text, START, final)
         parsed = ParsedToolOutput(text[:first].rstrip())
         start = first
         while start >= 0:

@@ -17,6 +17,7 @@ from pyxllm.entrypoints.openai.tool_parsers.base import (
     ToolParser,
     arguments_text,
     held_back,
+    no_call_yet,
 )
 from pyxllm.entrypoints.openai.tool_parsers.llama3_json import json_sequence
 
@@ -30,10 +31,8 @@ class MistralToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
         first = text.find(TOOL_CALLS)
-        if first < 0:  # no call yet: hold back what may begin one, and trailing whitespace
-            if final:
-                return ParsedToolOutput(text)
-            return ParsedToolOutput(text[: len(text) - held_back(text, TOOL_CALLS)].rstrip())
+        if first < 0:
+            return no_call_yet(text, TOOL_CALLS, final)
         parsed = ParsedToolOutput(text[:first].rstrip())
         body = first + len(TOOL_CALLS)
         rest = text[body:].lstrip()

@@ -3,7 +3,11 @@ the word ``functools``; the text before it is the content."""
 
 from __future__ import annotations
 
-from pyxllm.entrypoints.openai.tool_parsers.base import ParsedToolOutput, ToolParser, held_back
+from pyxllm.entrypoints.openai.tool_parsers.base import (
+    ParsedToolOutput,
+    ToolParser,
+    no_call_yet,
+)
 from pyxllm.entrypoints.openai.tool_parsers.llama3_json import json_sequence
 
 START = "functools["
@@ -14,9 +18,7 @@ class Phi4MiniToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
         first = text.find(START)
-        if first < 0:  # no call yet: hold back what may begin one, and trailing whitespace
-            if final:
-                return ParsedToolOutput(text)
-            return ParsedToolOutput(text[: len(text) - held_back(text, START)].rstrip())
+        if first < 0:
+            return no_call_yet(text, START, final)
         calls = json_sequence(text, final, separators=",", start=first + len(START))
         return ParsedToolOutput(text[:first].rstrip(), calls)
