@@ -31,6 +31,7 @@ from tests.fuzz_requests import (
     any_error,
     bad,
     encode_body,
+    named_events,
     nested,
     ok_or_bad,
     strict_json,
@@ -406,24 +407,9 @@ def _check_events(body: bytes, request: dict) -> list[str]:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         return [f"stream is not UTF-8: {exc}"]
-    problems, events = [], []
-    for block in text.split("\n\n"):
-        if not block:
-            continue
-        lines = block.split("\n")
-        if (
-            len(lines) != 2
-            or not lines[0].startswith("event: ")
-            or not lines[1].startswith("data: ")
-        ):
-            problems.append(f"stream block {block[:200]!r}")
-            continue
-        try:
-            data = strict_json(lines[1][len("data: ") :])
-        except ValueError as exc:
-            problems.append(f"event data is not strict JSON ({exc}): {lines[1][:200]!r}")
-            continue
-        name = lines[0][len("event: ") :]
+    pairs, problems = named_events(text)
+    events = []
+    for name, data in pairs:
         if not isinstance(data, dict) or data.get("type") != name:
             problems.append(f"event {name!r} carries {data!r:.200}")
             continue

@@ -1604,6 +1604,31 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+def named_events(text: str) -> tuple[list[tuple[str, object]], list[str]]:
+    """The ``(name, data)`` of each event of a stream of named server-sent events (blocks of
+    ``event: NAME`` and ``data: JSON``, the data strict JSON), and the problems of the blocks
+    that are not such events (the Responses and Messages streams' shape)."""
+    problems, events = [], []
+    for block in text.split("\n\n"):
+        if not block:
+            continue
+        lines = block.split("\n")
+        if (
+            len(lines) != 2
+            or not lines[0].startswith("event: ")
+            or not lines[1].startswith("data: ")
+        ):
+            problems.append(f"stream block {block[:200]!r}")
+            continue
+        try:
+            data = strict_json(lines[1][len("data: ") :])
+        except ValueError as exc:
+            problems.append(f"event data is not strict JSON ({exc}): {lines[1][:200]!r}")
+            continue
+        events.append((lines[0][len("event: ") :], data))
+    return events, problems
+
+
 def strict_json(text: str | bytes):
     """``json.loads`` refusing NaN, Infinity and -Infinity."""
     return json.loads(text, parse_constant=_reject_constant)
