@@ -106,9 +106,10 @@ class EngineConfig:
       their request ends, and a request whose prompt starts with cached blocks skips them.
     - ``batch_invariant``: kernels give a token the same bits whatever else its step holds
       (vLLM's ``VLLM_BATCH_INVARIANT``, SGLang's ``--enable-deterministic-inference``, here
-      the default): attention through one kernel for every token, and the int4/int8 group
-      matmuls on their row-invariant integer path at any row count. Float matmuls (BLAS) do
-      not promise it yet; the executor says at start-up what is covered.
+      the default): attention through one kernel for every token, the int4/int8 group
+      matmuls on their row-invariant integer path at any row count, and float32 matmuls on
+      the CPU on a row-wise kernel instead of BLAS. bfloat16 matmuls (oneDNN) and the W8A8
+      ones do not promise it yet; the executor says at start-up what is covered.
     - ``device``: ``auto`` picks CUDA, then NPU, then MLU, else the CPU (see ``pyxllm.platforms``).
     - ``graph_backend``: ``auto`` (the default: the platform's ``default_runner`` where the
       model allows it, the graph runner on the CPU, else ``eager``; see

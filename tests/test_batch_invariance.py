@@ -2,8 +2,9 @@
 does. Random schedules (arrivals at random steps, prompts sharing prefixes of whole and partial
 blocks, chunked prefills of any size, a KV cache small enough to preempt, ``n > 1``, greedy and
 seeded sampling, the graph runner) on the embedded model's weights as stored (the default for
-a GGUF), against each request run alone on an eager engine with nothing cached: the same tokens
-and the same log-probabilities, bit for bit."""
+a GGUF) and dequantized to float32 (a float checkpoint's default on a CPU without bfloat16),
+against each request run alone on an eager engine with nothing cached: the same tokens and the
+same log-probabilities, bit for bit."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pyxllm.engine.input_processor import TokensPrompt
 # a small cache (preemption), small steps (prefill chunks of many sizes, batches of more and
 # fewer than 32 rows: the group kernels' GEMM threshold without --batch-invariant)
 ENGINE = dict(
-    quantization="gguf",
+    dtype="float32",
     max_model_len=256,
     kv_cache_memory_bytes=24 * 16 * 30 * 2 * 3 * 64 * 4,  # 24 blocks of 16 tokens
     max_tokens_per_batch=48,
@@ -25,12 +26,14 @@ ENGINE = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def engines():
+@pytest.fixture(scope="module", params=["gguf", "none"])
+def engines(request):
     """``(busy, alone)``: one engine for the schedules (decode steps replayed from graph
-    captures), one eager with no prefix cache for the requests run one by one."""
-    busy = LLM(graph_backend="graph", **ENGINE).llm_engine
-    alone = LLM(graph_backend="eager", enable_prefix_cache=False, **ENGINE).llm_engine
+    captures), one eager with no prefix cache for the requests run one by one; on the weights
+    as stored (int4/int8 group kernels) or in float32 (the row-wise float kernel)."""
+    kwargs = dict(ENGINE, quantization=request.param)
+    busy = LLM(graph_backend="graph", **kwargs).llm_engine
+    alone = LLM(graph_backend="eager", enable_prefix_cache=False, **kwargs).llm_engine
     return busy, alone
 
 

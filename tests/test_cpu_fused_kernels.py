@@ -404,9 +404,10 @@ def test_int4_linear_refuses_what_it_cannot_compute():
 @pytest.mark.parametrize("rows", range(1, fused.SMALL_LINEAR_ROWS + 1))
 def test_small_batch_linear_matches_native(rows):
     """1 to 8 float32 rows (K = 577: a tail past the 8-lane blocks), with and without bias,
-    from a strided view; more rows or bfloat16 take F.linear itself."""
+    from a strided view; more rows (without ``batch_invariant``) or bfloat16 take F.linear
+    itself."""
     g = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(300, 577, generator=g), torch.randn(300, generator=g)
+    weight, bias = torch.randn(301, 577, generator=g), torch.randn(301, generator=g)
     x = torch.randn(rows, 2, 577, generator=g)[:, 1]  # not contiguous
     # two float32 sums of the same 577 products in different orders differ by at most
     # (K + 1) * eps * sum |x_k w_k| (Higham, Accuracy and Stability, eq. 3.5); MKL's order
@@ -416,13 +417,34 @@ def test_small_batch_linear_matches_native(rows):
         got, want = fused.linear(x, weight, b), native.linear(x, weight, b)
         assert got.shape == want.shape and bool(((got - want).abs() <= bound).all())
     batched = x.reshape(1, rows, 577)
-    assert fused.linear(batched, weight).shape == (1, rows, 300)
+    assert fused.linear(batched, weight).shape == (1, rows, 301)
     many = torch.randn(fused.SMALL_LINEAR_ROWS + 1, 577, generator=g)
     assert torch.equal(fused.linear(many, weight), native.linear(many, weight))
     half = x.bfloat16()
     assert torch.equal(
         fused.linear(half, weight.bfloat16()), native.linear(half, weight.bfloat16())
     )
+
+
+def test_row_invariant_linear_gives_a_row_the_same_bits_at_any_row_count():
+    """``batch_invariant``: float32 rows at any count (past the 6-row and 2-column register
+    blocks, the 8-row small-batch bound and a 32-column task) each equal to that row alone, and
+    within the summation-order bound of BLAS; MKL itself differs from M = 2 on here."""
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(75, 203, generator=g), torch.randn(75, generator=g)
+    x = torch.randn(40, 203, generator=g)
+    assert fused.linear_is_row_invariant(weight)
+    assert not fused.linear_is_row_invariant(weight.bfloat16())
+    assert not fused.linear_is_row_invariant(weight.t())
+    assert not native.linear_is_row_invariant(weight)
+    alone = torch.cat([fused.linear(x[i : i + 1], weight, bias, True) for i in range(40)])
+    bound = 204 * torch.finfo(torch.float32).eps * (x.abs() @ weight.abs().t() + bias.abs())
+    assert bool(((alone - native.linear(x, weight, bias)).abs() <= bound).all())
+    for rows in (2, 5, 6, 7, 9, 13, 40):
+        got = fused.linear(x[:rows], weight, bias, batch_invariant=True)
+        assert torch.equal(got, alone[:rows]), rows
+    empty = fused.linear(x[:0], weight, bias, batch_invariant=True)
+    assert empty.shape == (0, 75)
 
 
 def test_decode_attention_of_an_empty_row_is_zero():

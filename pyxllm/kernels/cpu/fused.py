@@ -9,11 +9,13 @@ call per op took SmolLM2-135M's int4 batch-1 decode step from 18 to 10 ms on 2 c
 (docs/performance.md). vLLM's CPU backend fuses the same ops (its ``csrc/cpu``); ours are plain
 loops and GCC/Clang vector extensions that the compiler vectorizes, in float32 and bfloat16.
 
-One is a matmul: ``linear`` over 1 to 8 float32 rows (a small decode batch, a sequence
-verifying speculative drafts), which reads each weight row once for all rows. On the
-development machine's AVX2 CPU, over weights streaming from memory as a model's do (30 layers
-of SmolLM2's projections, 424 MB of float32), MKL took 53 ms for one row and 101 ms for five;
-this kernel 26 and 34 ms (and the LM head's 113 MB in 7 ms instead of 14).
+One is a float32 matmul, ``linear`` (``rowwise_linear`` in ``csrc/cpu_kernels.cpp``): each
+output summed in a fixed order whatever the row count, so it serves ``--batch-invariant`` at any
+row count, and without it 1 to 8 rows (a small decode batch, a sequence verifying speculative
+drafts), where it reads each weight row once for all rows. On the development machine's AVX2
+CPU, over weights streaming from memory as a model's do (30 layers of SmolLM2's projections, 424
+MB of float32), MKL took 53 ms for one row and 101 ms for five; this kernel's first version 26
+and 34 ms. Over hundreds of rows (a prefill) it reaches ~0.75-0.85x MKL's GFLOP/s on one core.
 
 Two are ``int4_linear`` and ``int8_group_linear`` (``csrc/group_linear.cpp``), the matmuls of
 ``--quantization int4`` and of GGUF weights kept as stored: int8 activations in two parts and
@@ -47,6 +49,7 @@ KERNELS = (
     "int8_group_linear",
     "int8_group_rows",
     "linear",
+    "linear_is_row_invariant",
     "pack_int4_weight",
     "pack_int8_group_weight",
     "paged_attention_decode",
@@ -87,7 +90,7 @@ def _register_fakes() -> None:
     def _(x, qweight, weight_scales, bias, hadamard_block=0):
         return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
-    @torch.library.register_fake(lib + "small_batch_linear")
+    @torch.library.register_fake(lib + "rowwise_linear")
     def _(x, weight, bias):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
@@ -190,24 +193,38 @@ def paged_attention_decode(
     )
 
 
-# rows up to which ``linear`` takes the C++ kernel (its kSmallLinearRows)
+# rows up to which ``linear`` takes the C++ kernel even without ``batch_invariant``: it reads
+# each weight row once for all rows, where MKL's GEMM over 2-8 rows costs ~2.3x its GEMV
 SMALL_LINEAR_ROWS = 8
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """See ``pyxllm.kernels.native.linear``: float32 over at most :data:`SMALL_LINEAR_ROWS`
-    rows with a contiguous weight takes the C++ kernel (one pass over the weights, float32
-    sums in another order than BLAS: results agree to ~1e-6 relative), anything else
-    ``F.linear``."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """See ``pyxllm.kernels.native.linear``: float32 with a contiguous weight takes the C++
+    kernel (``rowwise_linear``: each output's sum in a fixed order, so a row gets the same bits
+    at any row count; float32 sums in another order than BLAS, results agree to ~1e-6 relative)
+    over at most :data:`SMALL_LINEAR_ROWS` rows, and over any number with ``batch_invariant``;
+    anything else ``F.linear``."""
     if (
-        x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and weight.is_contiguous()
+        linear_is_row_invariant(weight)
+        and x.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)
-        and 0 < x.numel() <= SMALL_LINEAR_ROWS * x.shape[-1]
+        and 0 < x.numel()
+        and (batch_invariant or x.numel() <= SMALL_LINEAR_ROWS * x.shape[-1])
     ):
-        return torch.ops.pyxllm_cpu.small_batch_linear.default(x, weight, bias)
+        return torch.ops.pyxllm_cpu.rowwise_linear.default(x, weight, bias)
     return native.linear(x, weight, bias)
+
+
+def linear_is_row_invariant(weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` with ``batch_invariant`` gives a row the same bits at any row
+    count for float32 inputs over ``weight``: a contiguous float32 weight (a bfloat16 one takes
+    oneDNN, which does not)."""
+    return weight.dtype == torch.float32 and weight.is_contiguous()
 
 
 def w8a8_linear(

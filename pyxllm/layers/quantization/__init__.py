@@ -23,6 +23,7 @@ from pyxllm.layers.quantization.weight_only import (
     Int4LinearMethod,
     Int8LinearMethod,
     UnquantizedLinearMethod,
+    make_row_invariant,
     quantize_int4_groups,
     quantize_int8_per_channel,
 )
@@ -122,7 +123,9 @@ def quantize_model(
 ) -> int:
     """Convert every quantizable layer of a loaded ``model`` in place; returns how many.
     ``batch_invariant`` puts the int4/int8 group matmuls on their row-invariant path at any row
-    count (``--batch-invariant``; the methods that support it keep it as their attribute).
+    count (``--batch-invariant``; the methods that support it keep it as their attribute), and
+    the layers left in float on the platform's row-invariant ``linear`` where it has one
+    (``weight_only.make_row_invariant``).
 
     ``gguf`` (after :func:`prepare_model`) puts each layer on the groups its checkpoint stored
     (see ``stored.py``); ``int4`` and ``int8`` do so for the layers a GGUF file stores in their
@@ -141,12 +144,16 @@ def quantize_model(
             the layer and the flag).
     """
     if quantization is None:
+        if batch_invariant:
+            make_row_invariant(model)
         return 0
     kept = 0
     if quantization in _KEEPS_STORED:
         taken = apply_stored_weights(model, batch_invariant, _KEEPS_STORED[quantization])
         kept = taken["int4"] + taken["int8"]
         if quantization == "gguf":
+            if batch_invariant:  # the layers the file stores in float
+                make_row_invariant(model)
             return kept
     if quantization not in _METHODS:
         raise ValueError(

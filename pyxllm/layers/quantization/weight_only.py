@@ -58,9 +58,14 @@ def quantize_int4_groups(
 
 class UnquantizedLinearMethod:
     """``kernels.ops.linear`` (``F.linear``, or the platform's own) on the float
-    ``layer.weight``."""
+    ``layer.weight``; with ``batch_invariant`` (:data:`UNQUANTIZED_ROW_INVARIANT`, given by
+    :func:`make_row_invariant` to the layers whose weights the platform's kernel takes so), a
+    row gets the same bits at any row count."""
 
     name = None
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Nothing to convert."""
@@ -68,7 +73,7 @@ class UnquantizedLinearMethod:
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return kernels.ops.linear(x, layer.weight, bias)
+        return kernels.ops.linear(x, layer.weight, bias, self.batch_invariant)
 
 
 def replace_weight(layer: nn.Module, **buffers: torch.Tensor) -> None:
@@ -122,3 +127,23 @@ class Int4LinearMethod(UnquantizedLinearMethod):
 
 
 UNQUANTIZED = UnquantizedLinearMethod()
+UNQUANTIZED_ROW_INVARIANT = UnquantizedLinearMethod(batch_invariant=True)
+
+
+def make_row_invariant(model: nn.Module) -> int:
+    """``--batch-invariant`` for the float layers: every quantizable layer still on
+    :data:`UNQUANTIZED` whose weight the platform's ``linear`` sums row by row in a fixed order
+    (``kernels.ops.linear_is_row_invariant``: float32 on the CPU) takes
+    :data:`UNQUANTIZED_ROW_INVARIANT`; returns how many did. Others (bfloat16 on oneDNN, an
+    accelerator's BLAS) stay, and the executor's start-up log names them as not covered."""
+    count = 0
+    for module in model.modules():
+        if (
+            getattr(module, "quantizable", False)
+            and module.quant_method is UNQUANTIZED
+            and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and kernels.ops.linear_is_row_invariant(module.weight)
+        ):
+            module.quant_method = UNQUANTIZED_ROW_INVARIANT
+            count += 1
+    return count

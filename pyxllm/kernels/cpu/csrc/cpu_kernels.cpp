@@ -1084,13 +1084,25 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 }
 
 // ---------------------------------------------------------------------------------------------
-// Linear layers over a few rows (2..kSmallLinearRows of them: a small decode batch, or one
-// sequence verifying speculative drafts): y[M, N] = x[M, K] @ w[N, K]^T (+ bias), float32.
-// Each weight row is read once and multiplied with every x row while it is in registers (the x
-// rows stay in L1), so the step costs one pass over the weights, as a one-row GEMV does;
-// MKL's GEMM over 2-8 rows costs ~2.3x its one-row GEMV on the development machine's AVX2 CPU
-// (docs/speculative.md).
-constexpr int64_t kSmallLinearRows = 8;
+// Float32 linear layers, each output computed alone: y[M, N] = x[M, K] @ w[N, K]^T (+ bias).
+// y[m, n] is the same sequence of operations at any row count M, whatever the other rows are:
+// 8-lane fused multiply-adds over k in order (k % 8 == j into lane j), the lanes summed by
+// hsum8, the k % 8 tail and the bias added in order. So a row gets the same bits in a batch of
+// any size (--batch-invariant, the default: MKL's sgemm sums a row in another order for almost
+// every M, measured from M = 2 on); the blocking below only decides which outputs share
+// registers and loads.
+//
+// Blocks of kRowBlock rows x kColBlock weight rows: each loaded weight vector serves kRowBlock
+// rows and each x vector kColBlock weight rows (12 accumulators, 2 weight and 1 x vector: 15 of
+// AVX2's 16 registers). A task owns kColsPerTask weight rows (L2-resident while every row block
+// passes over them) for all rows; with one row (decode) the weights stream from memory once.
+// Decode: each weight row is read once for all of a small batch's rows, so 2-8 rows cost about
+// one (MKL's GEMM over 2-8 rows cost ~2.3x its one-row GEMV on the AVX2 development machine,
+// docs/speculative.md).
+constexpr int kRowBlock = 6;
+constexpr int kColBlock = 2;
+constexpr int64_t kColsPerTask = 32;
+
 inline float hsum8(Vec8 v) {
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
@@ -1098,68 +1110,86 @@ inline float hsum8(Vec8 v) {
   return v[0];
 }
 
-// Output columns [n0, n1) of M rows, one weight row at a time: with the weights streaming from
-// memory (a model is far larger than the caches) this simple loop is as fast as any blocking
-// tried (several weight rows at once, fused multiply-adds: measured the same or slower).
-template <int M>
-void small_linear_columns(float* y, const float* x, const float* w, const float* bias, int64_t k, int64_t n,
-                          int64_t n0, int64_t n1) {
-  for (int64_t j = n0; j < n1; ++j) {
-    const float* row = w + j * k;
-    Vec8 acc[M] = {};
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-      const Vec8 wv = load8(row + i);
-      for (int m = 0; m < M; ++m) acc[m] += wv * load8(x + m * k + i);
+// a * b + c in each lane, rounded once (explicit: the build turns contraction off)
+inline Vec8 fma8(Vec8 a, Vec8 b, Vec8 c) {
+#if defined(__FMA__)
+  return (Vec8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+// Rows [m0, m0 + R) x weight rows [j0, j0 + C).
+template <int R, int C>
+void rowwise_block(float* y, const float* x, const float* w, const float* bias, int64_t k, int64_t n, int64_t m0,
+                   int64_t j0) {
+  Vec8 acc[R][C] = {};
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    Vec8 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = load8(w + (j0 + c) * k + i);
+    for (int r = 0; r < R; ++r) {
+      const Vec8 xv = load8(x + (m0 + r) * k + i);
+      for (int c = 0; c < C; ++c) acc[r][c] = fma8(wv[c], xv, acc[r][c]);
     }
-    for (int m = 0; m < M; ++m) {
-      float total = hsum8(acc[m]);
-      for (int64_t t = i; t < k; ++t) total += row[t] * x[m * k + t];
-      y[m * n + j] = bias ? total + bias[j] : total;
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const float* row = w + (j0 + c) * k;
+      const float* xr = x + (m0 + r) * k;
+      float total = hsum8(acc[r][c]);
+      for (int64_t t = i; t < k; ++t) total += row[t] * xr[t];
+      y[(m0 + r) * n + j0 + c] = bias ? total + bias[j0 + c] : total;
     }
+}
+
+template <int R>
+void rowwise_rows(float* y, const float* x, const float* w, const float* bias, int64_t k, int64_t n, int64_t m0,
+                  int64_t j0, int64_t j1) {
+  int64_t j = j0;
+  for (; j + kColBlock <= j1; j += kColBlock) rowwise_block<R, kColBlock>(y, x, w, bias, k, n, m0, j);
+  for (; j < j1; ++j) rowwise_block<R, 1>(y, x, w, bias, k, n, m0, j);
+}
+
+void rowwise_columns(float* y, const float* x, const float* w, const float* bias, int64_t rows, int64_t k, int64_t n,
+                     int64_t j0, int64_t j1) {
+  int64_t m = 0;
+  for (; m + kRowBlock <= rows; m += kRowBlock) rowwise_rows<kRowBlock>(y, x, w, bias, k, n, m, j0, j1);
+  switch (rows - m) {
+    case 1: rowwise_rows<1>(y, x, w, bias, k, n, m, j0, j1); break;
+    case 2: rowwise_rows<2>(y, x, w, bias, k, n, m, j0, j1); break;
+    case 3: rowwise_rows<3>(y, x, w, bias, k, n, m, j0, j1); break;
+    case 4: rowwise_rows<4>(y, x, w, bias, k, n, m, j0, j1); break;
+    case 5: rowwise_rows<5>(y, x, w, bias, k, n, m, j0, j1); break;
+    default: break;
   }
 }
 
-template <int M>
-void small_linear(float* y, const float* x, const float* w, const float* bias, int64_t k, int64_t n) {
-  // at least 64 columns per task: a task's few microseconds must outweigh its scheduling
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    small_linear_columns<M>(y, x, w, bias, k, n, begin, end);
-  });
-}
-
-at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "small_batch_linear: weight must be a contiguous float32 [N, K] tensor");
+              "rowwise_linear: weight must be a contiguous float32 [N, K] tensor");
   const int64_t k = weight.size(1), n = weight.size(0);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == k, "small_batch_linear: x must be float32 [..., ", k,
-              "]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == k, "rowwise_linear: x must be float32 [..., ", k, "]");
   at::Tensor x2 = x.reshape({-1, k}).contiguous();
   const int64_t rows = x2.size(0);
-  TORCH_CHECK(rows >= 1 && rows <= kSmallLinearRows, "small_batch_linear: takes 1 to ", kSmallLinearRows,
-              " rows, got ", rows);
   at::Tensor b;
   if (bias.has_value()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.numel() == n && b.scalar_type() == at::kFloat, "small_batch_linear: bias must be float32 [N]");
+    TORCH_CHECK(b.numel() == n && b.scalar_type() == at::kFloat, "rowwise_linear: bias must be float32 [N]");
   }
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
   at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out.view(out_shape);
   float* y = out.data_ptr<float>();
   const float* xp = x2.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  switch (rows) {
-    case 1: small_linear<1>(y, xp, wp, bp, k, n); break;
-    case 2: small_linear<2>(y, xp, wp, bp, k, n); break;
-    case 3: small_linear<3>(y, xp, wp, bp, k, n); break;
-    case 4: small_linear<4>(y, xp, wp, bp, k, n); break;
-    case 5: small_linear<5>(y, xp, wp, bp, k, n); break;
-    case 6: small_linear<6>(y, xp, wp, bp, k, n); break;
-    case 7: small_linear<7>(y, xp, wp, bp, k, n); break;
-    default: small_linear<8>(y, xp, wp, bp, k, n); break;
-  }
+  // a task's microseconds must outweigh its scheduling: at least kColsPerTask weight rows
+  at::parallel_for(0, n, kColsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t j0 = begin; j0 < end; j0 += kColsPerTask)
+      rowwise_columns(y, xp, wp, bp, rows, k, n, j0, std::min(end, j0 + kColsPerTask));
+  });
   return out.view(out_shape);
 }
 
@@ -1173,7 +1203,7 @@ TORCH_LIBRARY(pyxllm_cpu, m) {
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, int sliding_window=0) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor weight_scales, Tensor? bias, int hadamard_block=0) -> Tensor");
-  m.def("small_batch_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("rowwise_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pyxllm_cpu, CPU, m) {
@@ -1184,5 +1214,5 @@ TORCH_LIBRARY_IMPL(pyxllm_cpu, CPU, m) {
   m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("paged_attention_decode", &paged_attention_decode);
   m.impl("w8a8_linear", &w8a8_linear);
-  m.impl("small_batch_linear", &small_batch_linear);
+  m.impl("rowwise_linear", &rowwise_linear);
 }
