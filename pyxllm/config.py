@@ -8,6 +8,8 @@ from typing import Any
 
 from pyxllm.distributed.address import parse_master_addr
 from pyxllm.distributed.ray_utils import PLACEMENT_STRATEGIES, import_ray
+from pyxllm.flag_fields import Flag, flag, keyword_aliases
+from pyxllm.flag_types import human_readable_int
 from pyxllm.speculative_config import SpeculativeConfig
 
 # the dtypes pyxllm computes in, by torch's names (``platforms.interface.TORCH_DTYPES``)
@@ -31,13 +33,6 @@ STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 DEFAULT_MAX_TOKENS_PER_BATCH = 2048
 # --generation-config's words (vLLM's); anything else is a directory
 GENERATION_CONFIG_MODES = ("auto", "vllm")
-# vLLM's (and xLLM's) names of EngineConfig fields, accepted as flags and as LLM(...) keywords
-FIELD_ALIASES = {
-    "max_num_seqs": "max_seqs_per_batch",
-    "max_num_batched_tokens": "max_tokens_per_batch",
-    "enable_prefix_caching": "enable_prefix_cache",
-    "master_node_addr": "master_addr",
-}
 GIB = 2**30
 # who starts and places the tensor-parallel ranks (pyxllm.executor): processes of this host
 # (spawned, or started by hand with --nnodes), or Ray actors (pyxllm.executor.ray_executor)
@@ -62,10 +57,34 @@ GRAPH_BACKEND_ALIASES = {
     "aclgraph": "graph",
 }
 
+# The engine flags' argument groups, in --help's order, as vLLM groups its configs (ModelConfig,
+# CacheConfig, SchedulerConfig, ParallelConfig, ...); a field with no flag metadata is listed
+# under "other engine flags", after them.
+MODEL_FLAGS, CACHE_FLAGS, SCHEDULER_FLAGS = "model flags", "cache flags", "scheduler flags"
+PARALLEL_FLAGS, DEVICE_FLAGS, DECODING_FLAGS = "parallel flags", "device flags", "decoding flags"
+ENGINE_FLAG_GROUPS = (
+    MODEL_FLAGS,
+    CACHE_FLAGS,
+    SCHEDULER_FLAGS,
+    PARALLEL_FLAGS,
+    DEVICE_FLAGS,
+    DECODING_FLAGS,
+)
+# vLLM's --kv-cache-memory-bytes, a flag with no field: from_kwargs turns it into kv_cache_memory
+KV_CACHE_MEMORY_BYTES = Flag(
+    name="kv_cache_memory_bytes",
+    type=human_readable_int,
+    flag_default=None,
+    metavar="BYTES",
+    help="the KV cache's size in bytes, vLLM's form of --kv-cache-memory: a number, or one "
+    "with a suffix k, m, g (powers of 1000) or K, M, G (powers of 1024), as vLLM reads it",
+)
+
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Settings of an engine instance; ``pyxllm serve`` flags are these names with dashes.
+    """Settings of an engine instance; ``pyxllm serve`` flags are these names with dashes,
+    each field's help, group and other spellings its :func:`~pyxllm.flag_fields.flag` metadata.
 
     Units: ``kv_cache_memory`` in GiB, ``gpu_memory_utilization`` a fraction of the card's
     memory, ``max_model_len`` / ``max_tokens_per_batch`` / ``block_size`` in tokens.
@@ -149,54 +168,289 @@ class EngineConfig:
         ValueError: a value out of range; the message names the flag.
     """
 
-    model: str | None = None
-    revision: str | None = None
-    download_dir: str | None = None
-    gguf_file: str | None = None
-    tokenizer: str | None = None
-    tokenizer_revision: str | None = None
-    served_model_name: tuple[str, ...] | None = None
-    task: str = "auto"
-    model_impl: str = "auto"
-    dtype: str = "auto"
-    quantization: str | None = "auto"
-    device: str = "auto"
-    graph_backend: str = "auto"
-    max_seqs_per_batch: int = 64
-    max_tokens_per_batch: int | None = None
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: float | None = None
-    kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    enable_chunked_prefill: bool = True
-    enable_prefix_cache: bool = True
-    batch_invariant: bool = True
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None
-    dist_init_timeout: float = 120.0
-    distributed_executor_backend: str = "mp"
-    ray_address: str | None = None
-    ray_placement_strategy: str | None = None
-    structured_outputs_backend: str = "llguidance"
-    speculative_config: str | None = None
-    generation_config: str = "auto"
-    chat_template: str | None = None
+    model: str | None = flag(
+        None,
+        help="a .gguf file, a Hugging Face directory (config.json, *.safetensors, tokenizer "
+        "files) or a Hugging Face model id ORG/NAME, taken from the Hugging Face cache when it is "
+        "there, else downloaded into it (with HF_HUB_OFFLINE=1, the cache only); `pyxllm serve "
+        "MODEL` gives it too (default: the embedded SmolLM2-135M-Instruct GGUF; with --task embed, "
+        "the embedded all-MiniLM-L6-v2)",
+        group=MODEL_FLAGS,
+        metavar="PATH|ID",
+    )
+    revision: str | None = flag(
+        None,
+        help="branch, tag or commit of a Hugging Face model id (default: main)",
+        group=MODEL_FLAGS,
+        metavar="REV",
+    )
+    download_dir: str | None = flag(
+        None,
+        help="the Hugging Face cache model ids are read from and downloaded into "
+        "(default: $HF_HUB_CACHE)",
+        group=MODEL_FLAGS,
+        metavar="DIR",
+    )
+    gguf_file: str | None = flag(
+        None,
+        help="the model is this .gguf file inside --model, a directory or model id (from an "
+        "id, only this file and the repository's *.json files are downloaded); served as the id, "
+        "from a directory as the file's name without .gguf; a file not there fails naming the "
+        ".gguf files that are (--model path/to/file.gguf works too)",
+        group=MODEL_FLAGS,
+        metavar="FILE.gguf",
+    )
+    tokenizer: str | None = flag(
+        None,
+        help="load the tokenizer and chat template from this directory, .gguf file or model "
+        "id (its tokenizer files only) instead of the model's; for a GGUF model, instead of its "
+        "embedded vocabulary; generation stops on the model's end-of-sequence ids and this "
+        "tokenizer's (default: the model's)",
+        group=MODEL_FLAGS,
+        metavar="PATH|ID",
+    )
+    tokenizer_revision: str | None = flag(
+        None,
+        help="branch, tag or commit of a --tokenizer model id (default: main)",
+        group=MODEL_FLAGS,
+        metavar="REV",
+    )
+    served_model_name: tuple[str, ...] | None = flag(
+        None,
+        help="the names clients send as `model`, one or several (`--served-model-name "
+        "a b`: both are accepted, responses report the first; it takes every word up to the next "
+        "flag, so a positional MODEL goes before it) (default: the model id, else the model file's "
+        "or directory's name)",
+        group=MODEL_FLAGS,
+        metavar="NAME",
+    )
+    task: str = flag(
+        "auto",
+        help="what the server makes: generate, text (the completion, chat and responses "
+        "routes); embed, embeddings (/v1/embeddings) from an embedding model: a BERT encoder "
+        "such as sentence-transformers/all-MiniLM-L6-v2, embedded in pyxllm's install and served "
+        "when no model is given, or a decoder such as Qwen3-Embedding (see docs/models.md, "
+        "Embedding models); auto: embed for an encoder, else generate (default: auto)",
+        group=MODEL_FLAGS,
+        choices=TASKS,
+    )
+    model_impl: str = flag(
+        "auto",
+        help="which code runs the model: pyxllm's own (also: python), transformers' (any "
+        "causal LM transformers has, on pyxllm's paged attention), or auto: pyxllm's where it has "
+        "the architecture, else transformers' (see docs/models.md)",
+        group=MODEL_FLAGS,
+        choices=(*MODEL_IMPLS, *MODEL_IMPL_ALIASES),
+    )
+    dtype: str = flag(
+        "auto",
+        help="weight and activation dtype; auto: on the CPU bfloat16 where it has avx512_bf16 "
+        "or amx_bf16, else float32, elsewhere the checkpoint's declared dtype (on the CPU float16 "
+        "runs as bfloat16, with a warning)",
+        group=MODEL_FLAGS,
+        choices=DTYPES,
+    )
+    quantization: str | None = flag(
+        "auto",
+        help="how the linear layers' weights are held: auto: a GGUF file's as it stores "
+        "them (gguf), other checkpoints' in --dtype (none); gguf: Q4_0/Q4_1/Q4_K as int4 groups, "
+        "Q2_K/Q3_K/Q5/Q6_K/Q8_0/IQ4 as int8 groups, exactly, the rest dequantized; none: every "
+        "weight in --dtype; weight-only int8 (per channel) or int4 (groups of 32; the fastest "
+        "single stream on a float checkpoint), or w8a8 (int8 weights and per-token int8 "
+        "activations, int8 matmuls: the fastest from a few concurrent requests up and for long "
+        "prompts), each with a w8a8 LM head; int4 and int8 keep the layers a GGUF file stores in "
+        "their own grouped format as stored; see docs/performance.md (default: auto)",
+        group=MODEL_FLAGS,
+        choices=("auto", *QUANTIZATIONS, "none"),
+    )
+    device: str = flag(
+        "auto",
+        help="device to run on; auto picks cuda, then npu (torch_npu), then mlu (torch_mlu), "
+        "else cpu (see docs/devices.md)",
+        group=DEVICE_FLAGS,
+        choices=DEVICES,
+    )
+    graph_backend: str = flag(
+        "auto",
+        help="how the model runs: auto (graph on the CPU for a model it can capture on "
+        "one rank, else eager), eager, compile (torch.compile) or graph (decode steps captured "
+        "once: CUDA/ACL graphs, TorchScript traces on the CPU; prefill eager); also off/none, "
+        "inductor, cudagraphs/aclgraph (see docs/devices.md) (default: auto)",
+        group=DEVICE_FLAGS,
+        metavar="KIND",
+    )
+    max_seqs_per_batch: int = flag(
+        64,
+        help="most sequences running at once (in one engine step)",
+        group=SCHEDULER_FLAGS,
+        aliases=("max_num_seqs",),
+    )
+    max_tokens_per_batch: int | None = flag(
+        None,
+        help="most tokens (decodes and prefill chunks) computed in one engine "
+        "step (default: 2048; without chunked prefill --max-model-len when that is more, as vLLM)",
+        group=SCHEDULER_FLAGS,
+        aliases=("max_num_batched_tokens",),
+    )
+    max_model_len: int | None = flag(
+        None,
+        help="context limit: the longest prompt plus completion, in tokens; auto: the "
+        "model's (default: the model's max_position_embeddings)",
+        group=MODEL_FLAGS,
+    )
+    block_size: int = flag(16, help="tokens per KV-cache block", group=CACHE_FLAGS)
+    kv_cache_memory: float | None = flag(
+        None,
+        help="memory for the KV cache, in GiB, per tensor-parallel rank (default: 2 "
+        "on the CPU; on an accelerator what --gpu-memory-utilization leaves after the weights)",
+        group=CACHE_FLAGS,
+        metavar="GIB",
+        also=(KV_CACHE_MEMORY_BYTES,),
+    )
+    kv_cache_dtype: str = flag(
+        "auto",
+        help="element type of the KV cache: auto (--dtype) or int8 (a float32 scale per "
+        "token and head: about half bfloat16's bytes, so ~2x the tokens fit; CPU attention only; "
+        "see docs/performance.md, KV cache)",
+        group=CACHE_FLAGS,
+        choices=KV_CACHE_DTYPES,
+    )
+    gpu_memory_utilization: float = flag(
+        0.9,
+        help="fraction of an accelerator's memory this engine may use in all; "
+        "the KV cache gets what the weights leave of it",
+        group=CACHE_FLAGS,
+        metavar="FRACTION",
+    )
+    enable_chunked_prefill: bool = flag(
+        True,
+        help="split long prompts across steps, sharing each step's token "
+        "budget with running decodes; off, a whole prompt is computed in one step",
+        group=SCHEDULER_FLAGS,
+    )
+    enable_prefix_cache: bool = flag(
+        True,
+        help="reuse the KV blocks of a prompt prefix computed before (by any "
+        "request); outputs are the same either way",
+        group=CACHE_FLAGS,
+        aliases=("enable_prefix_caching",),
+    )
+    batch_invariant: bool = flag(
+        True,
+        help="give a request the same tokens whatever else runs beside it (other "
+        "requests, prefix-cache hits, prefill chunks): attention through one kernel for every "
+        "token, the GGUF/int4 matmuls on their row-invariant integer path at any batch size "
+        "(float matmuls not yet); off, prefills take the BLAS and prefill-attention paths, which "
+        "prefilled a 1000-token prompt 2x faster on an AVX2 CPU (see docs/defaults.md)",
+        group=SCHEDULER_FLAGS,
+    )
+    seed: int = flag(
+        0,
+        help="seed of the random draws of requests that give no seed of their own (one generator "
+        "they share, so their samples also depend on what else runs; a request's own seed gives "
+        "the same text whatever else runs)",
+        group=MODEL_FLAGS,
+    )
+    tensor_parallel_size: int = flag(
+        1,
+        help="split the model over N ranks (tensor parallelism); on one node, "
+        "N-1 worker processes are spawned here; on a CPU host they share its cores (see "
+        "docs/parallelism.md)",
+        group=PARALLEL_FLAGS,
+        aliases=("--tp",),
+    )
+    nnodes: int = flag(
+        1,
+        help="number of nodes, one rank each, started by hand (xLLM's --nnodes)",
+        group=PARALLEL_FLAGS,
+    )
+    node_rank: int = flag(
+        0,
+        help="this node's rank in [0, nnodes); rank 0 serves HTTP, the others only compute",
+        group=PARALLEL_FLAGS,
+    )
+    master_addr: str | None = flag(
+        None,
+        help="host:port of node 0, where the ranks meet (xLLM's --master_node_addr) "
+        "(default: with one node, 127.0.0.1 and a free port)",
+        group=PARALLEL_FLAGS,
+        aliases=("master_node_addr",),
+        metavar="HOST:PORT",
+    )
+    dist_init_timeout: float = flag(
+        120.0,
+        help="seconds a rank waits at start-up for the master address and the "
+        "other ranks before giving up; with Ray, the whole start-up (placement group, actors)",
+        group=PARALLEL_FLAGS,
+        metavar="SECONDS",
+    )
+    distributed_executor_backend: str = flag(
+        "mp",
+        help="who starts the tensor-parallel ranks: mp, processes "
+        "(spawned on this host, or one per node started by hand with --nnodes), or ray, actors "
+        "placed on a Ray cluster (pip install 'pyxllm[ray]'; see docs/parallelism.md, Ray)",
+        group=PARALLEL_FLAGS,
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+    )
+    ray_address: str | None = flag(
+        None,
+        help="host:port of the Ray cluster's head to join (default: $RAY_ADDRESS, else the "
+        "cluster `ray start` started on this node, else a new local one)",
+        group=PARALLEL_FLAGS,
+        metavar="HOST:PORT",
+    )
+    ray_placement_strategy: str | None = flag(
+        None,
+        help="how Ray places the ranks' bundles (one per rank, rank 0's on "
+        "this node): PACK, as few nodes as possible; STRICT_SPREAD, one rank per node; or SPREAD, "
+        "STRICT_PACK (default: PACK)",
+        group=PARALLEL_FLAGS,
+        choices=PLACEMENT_STRATEGIES,
+    )
+    structured_outputs_backend: str = flag(
+        "llguidance",
+        help="grammar library enforcing response_format, structured_outputs and tool calls",
+        group=DECODING_FLAGS,
+        choices=STRUCTURED_OUTPUTS_BACKENDS,
+    )
+    speculative_config: str | None = flag(
+        None,
+        help="speculative decoding as a JSON object (vLLM's keys): "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup; prompt_lookup_min '
+        'and prompt_lookup_max, default 3 and 5) or \'{"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}\'; "disable_by_batch_size": N (default 4) turns it off for '
+        "steps with more running sequences; see docs/speculative.md (default: off)",
+        group=DECODING_FLAGS,
+        metavar="JSON",
+    )
+    generation_config: str = flag(
+        "auto",
+        help="where request defaults (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_tokens from max_new_tokens) come from, as vLLM's flag: auto, the "
+        "model's generation_config.json; vllm, none of it (SamplingParams' defaults); or DIR, the "
+        "generation_config.json in that directory",
+        group=MODEL_FLAGS,
+        metavar="auto|vllm|DIR",
+    )
+    chat_template: str | None = flag(
+        None,
+        help="the chat template, instead of the tokenizer's: a file holding a Jinja "
+        "template, or the template text itself (vLLM's flag) (default: the tokenizer's)",
+        group=MODEL_FLAGS,
+        metavar="FILE|TEMPLATE",
+    )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """The config of keyword arguments in pyxllm's or vLLM's names (:data:`FIELD_ALIASES`,
-        and ``kv_cache_memory_bytes``, vLLM's KV cache size in bytes), as ``LLM(...)`` takes
-        them.
+        """The config of keyword arguments in pyxllm's or vLLM's names (the fields' bare-name
+        flag aliases, and ``kv_cache_memory_bytes``, vLLM's KV cache size in bytes), as
+        ``LLM(...)`` takes them.
 
         Raises:
             TypeError: an unknown keyword, or one field given under two names.
             ValueError: a value out of range (naming the flag).
         """
-        for alias, name in FIELD_ALIASES.items():
+        for alias, name in keyword_aliases(cls).items():
             if alias in kwargs:
                 if name in kwargs:
                     raise TypeError(f"got both {alias!r} and {name!r}; give one of them")

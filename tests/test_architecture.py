@@ -19,7 +19,15 @@ import textwrap
 import pyxllm
 
 ROOT = pathlib.Path(pyxllm.__file__).parent
-SHARED = {"config", "speculative_config", "sampling_params", "pooling_params", "outputs"}
+SHARED = {
+    "config",
+    "speculative_config",
+    "sampling_params",
+    "pooling_params",
+    "outputs",
+    "flag_fields",
+    "flag_types",
+}
 # The pyxllm command: it binds every other unit (the benchmarks' subcommands included).
 CLI_MODULES = {
     "entrypoints/cli.py",
@@ -37,8 +45,10 @@ ALLOWED = {
     "pooling_params": set(),
     "speculative_config": set(),
     "outputs": set(),
+    "flag_fields": set(),  # a field's flag metadata
+    "flag_types": set(),  # converters of flag text
     # parses --master-addr with distributed's parser, and --speculative-config
-    "config": {"distributed", "speculative_config"},
+    "config": {"distributed", "speculative_config", "flag_fields", "flag_types"},
     "layers": {"kernels", "distributed"},
     "models": {"layers", "kernels", "distributed"},
     "attention": {"kernels", "layers", "distributed"},
@@ -273,6 +283,7 @@ TORCH_FREE_MODULES = (
     "pyxllm.outputs",
     "pyxllm.weights",
     "pyxllm.weights.source",
+    "pyxllm.flag_fields",
     "pyxllm.entrypoints.cli",
     "pyxllm.entrypoints.args",
     "pyxllm.entrypoints.chat_cli",

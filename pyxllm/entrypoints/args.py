@@ -1,12 +1,9 @@
-"""Command-line flags, built from the fields of :class:`~pyxllm.config.EngineConfig`.
+"""Command-line flags of every ``pyxllm`` subcommand.
 
-Every ``EngineConfig`` field becomes a flag (``max_seqs_per_batch`` -> ``--max-seqs-per-batch``,
-also spelled ``--max_seqs_per_batch``); its type and default come from the dataclass, so a field
-added later is a flag without another edit. Only help strings and choices live here.
-
-Booleans take ``--x``, ``--no-x``, ``--x=false`` or ``--x false`` (see
-:mod:`pyxllm.entrypoints.flags`); any other value is an error naming the flag, never a silent
-``True``.
+Every :class:`~pyxllm.config.EngineConfig` field becomes a flag (``max_seqs_per_batch`` ->
+``--max-seqs-per-batch``, also spelled ``--max_seqs_per_batch``), written from the field and its
+metadata (help, group, other spellings) by :mod:`pyxllm.cli.dataclass_args`, so a field added
+later is a flag without another edit.
 """
 
 from __future__ import annotations
@@ -14,31 +11,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
-import re
 import ssl
-import types
-import typing
 
 from pyxllm.benchmarks.eval import add_eval_args
 from pyxllm.benchmarks.perplexity_args import add_perplexity_args
 from pyxllm.benchmarks.serve import add_serve_args
 from pyxllm.benchmarks.throughput import add_offline_args
-from pyxllm.config import (
-    DEVICES,
-    DISTRIBUTED_EXECUTOR_BACKENDS,
-    DTYPES,
-    FIELD_ALIASES,
-    KV_CACHE_DTYPES,
-    MODEL_IMPL_ALIASES,
-    MODEL_IMPLS,
-    QUANTIZATIONS,
-    STRUCTURED_OUTPUTS_BACKENDS,
-    TASKS,
-    EngineConfig,
-)
-from pyxllm.distributed.ray_utils import PLACEMENT_STRATEGIES
+from pyxllm.cli.dataclass_args import add_dataclass_flags
+from pyxllm.config import ENGINE_FLAG_GROUPS, EngineConfig
 from pyxllm.engine.data_parallel.router import ROUTING_POLICIES
 from pyxllm.entrypoints.chat_args import add_chat_args
 from pyxllm.entrypoints.collect_env import add_env_args
@@ -48,275 +29,10 @@ from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
 from pyxllm.entrypoints.openai.tool_parsers.auto import AUTO, NONE
 from pyxllm.entrypoints.run_batch_args import add_run_batch_args
+from pyxllm.flag_types import float_value as _float
+from pyxllm.flag_types import int_value as _int
+from pyxllm.flag_types import optional as _optional
 from pyxllm.weights.source import is_model_id
-
-# Help per EngineConfig field; a field missing here still becomes a flag, with generic help.
-# These texts are also docs/cli.md's flag tables (pyxllm/entrypoints/flag_tables.py), so a
-# "(default: ...)" at the end of one is that table's default column.
-ENGINE_HELP = {
-    "model": "a .gguf file, a Hugging Face directory (config.json, *.safetensors, tokenizer "
-    "files) or a Hugging Face model id ORG/NAME, taken from the Hugging Face cache when it is "
-    "there, else downloaded into it (with HF_HUB_OFFLINE=1, the cache only); `pyxllm serve "
-    "MODEL` gives it too (default: the embedded SmolLM2-135M-Instruct GGUF; with --task embed, "
-    "the embedded all-MiniLM-L6-v2)",
-    "revision": "branch, tag or commit of a Hugging Face model id (default: main)",
-    "download_dir": "the Hugging Face cache model ids are read from and downloaded into "
-    "(default: $HF_HUB_CACHE)",
-    "gguf_file": "the model is this .gguf file inside --model, a directory or model id (from an "
-    "id, only this file and the repository's *.json files are downloaded); served as the id, "
-    "from a directory as the file's name without .gguf; a file not there fails naming the "
-    ".gguf files that are (--model path/to/file.gguf works too)",
-    "tokenizer": "load the tokenizer and chat template from this directory, .gguf file or model "
-    "id (its tokenizer files only) instead of the model's; for a GGUF model, instead of its "
-    "embedded vocabulary; generation stops on the model's end-of-sequence ids and this "
-    "tokenizer's (default: the model's)",
-    "tokenizer_revision": "branch, tag or commit of a --tokenizer model id (default: main)",
-    "served_model_name": "the names clients send as `model`, one or several (`--served-model-name "
-    "a b`: both are accepted, responses report the first; it takes every word up to the next "
-    "flag, so a positional MODEL goes before it) (default: the model id, else the model file's "
-    "or directory's name)",
-    "task": "what the server makes: generate, text (the completion, chat and responses "
-    "routes); embed, embeddings (/v1/embeddings) from an embedding model: a BERT encoder such "
-    "as sentence-transformers/all-MiniLM-L6-v2, embedded in pyxllm's install and served when no "
-    "model is given, or a decoder such as Qwen3-Embedding (see docs/models.md, Embedding "
-    "models); auto: embed for an encoder, else generate (default: auto)",
-    "model_impl": "which code runs the model: pyxllm's own (also: python), transformers' (any "
-    "causal LM transformers has, on pyxllm's paged attention), or auto: pyxllm's where it has "
-    "the architecture, else transformers' (see docs/models.md)",
-    "dtype": "weight and activation dtype; auto: on the CPU bfloat16 where it has avx512_bf16 "
-    "or amx_bf16, else float32, elsewhere the checkpoint's declared dtype (on the CPU float16 "
-    "runs as bfloat16, with a warning)",
-    "quantization": "how the linear layers' weights are held: auto: a GGUF file's as it stores "
-    "them (gguf), other checkpoints' in --dtype (none); gguf: Q4_0/Q4_1/Q4_K as int4 groups, "
-    "Q2_K/Q3_K/Q5/Q6_K/Q8_0/IQ4 as int8 groups, exactly, the rest dequantized; none: every "
-    "weight in --dtype; weight-only int8 (per channel) or int4 (groups of 32; the fastest single "
-    "stream on a float checkpoint), or w8a8 (int8 weights and per-token int8 activations, int8 "
-    "matmuls: the fastest from a few concurrent requests up and for long prompts), each with a "
-    "w8a8 LM head; int4 and int8 keep the layers a GGUF file stores in their own grouped format "
-    "as stored; see docs/performance.md (default: auto)",
-    "max_model_len": "context limit: the longest prompt plus completion, in tokens; auto: the "
-    "model's (default: the model's max_position_embeddings)",
-    "seed": "seed of the random draws of requests that give no seed of their own (one generator "
-    "they share, so their samples also depend on what else runs; a request's own seed gives "
-    "the same text whatever else runs)",
-    "generation_config": "where request defaults (temperature, top_p, top_k, min_p, "
-    "repetition_penalty, max_tokens from max_new_tokens) come from, as vLLM's flag: auto, the "
-    "model's generation_config.json; vllm, none of it (SamplingParams' defaults); or DIR, the "
-    "generation_config.json in that directory",
-    "chat_template": "the chat template, instead of the tokenizer's: a file holding a Jinja "
-    "template, or the template text itself (vLLM's flag) (default: the tokenizer's)",
-    "block_size": "tokens per KV-cache block",
-    "kv_cache_memory": "memory for the KV cache, in GiB, per tensor-parallel rank (default: 2 "
-    "on the CPU; on an accelerator what --gpu-memory-utilization leaves after the weights)",
-    "kv_cache_dtype": "element type of the KV cache: auto (--dtype) or int8 (a float32 scale per "
-    "token and head: about half bfloat16's bytes, so ~2x the tokens fit; CPU attention only; "
-    "see docs/performance.md, KV cache)",
-    "gpu_memory_utilization": "fraction of an accelerator's memory this engine may use in all; "
-    "the KV cache gets what the weights leave of it",
-    "enable_prefix_cache": "reuse the KV blocks of a prompt prefix computed before (by any "
-    "request); outputs are the same either way",
-    "max_seqs_per_batch": "most sequences running at once (in one engine step)",
-    "max_tokens_per_batch": "most tokens (decodes and prefill chunks) computed in one engine "
-    "step (default: 2048; without chunked prefill --max-model-len when that is more, as vLLM)",
-    "enable_chunked_prefill": "split long prompts across steps, sharing each step's token "
-    "budget with running decodes; off, a whole prompt is computed in one step",
-    "batch_invariant": "give a request the same tokens whatever else runs beside it (other "
-    "requests, prefix-cache hits, prefill chunks): attention through one kernel for every "
-    "token, the GGUF/int4 matmuls on their row-invariant integer path at any batch size "
-    "(float matmuls not yet); off, prefills take the BLAS and prefill-attention paths, which "
-    "prefilled a 1000-token prompt 2x faster on an AVX2 CPU (see docs/defaults.md)",
-    "tensor_parallel_size": "split the model over N ranks (tensor parallelism); on one node, "
-    "N-1 worker processes are spawned here; on a CPU host they share its cores (see "
-    "docs/parallelism.md)",
-    "nnodes": "number of nodes, one rank each, started by hand (xLLM's --nnodes)",
-    "node_rank": "this node's rank in [0, nnodes); rank 0 serves HTTP, the others only compute",
-    "master_addr": "host:port of node 0, where the ranks meet (xLLM's --master_node_addr) "
-    "(default: with one node, 127.0.0.1 and a free port)",
-    "dist_init_timeout": "seconds a rank waits at start-up for the master address and the "
-    "other ranks before giving up; with Ray, the whole start-up (placement group, actors)",
-    "distributed_executor_backend": "who starts the tensor-parallel ranks: mp, processes "
-    "(spawned on this host, or one per node started by hand with --nnodes), or ray, actors "
-    "placed on a Ray cluster (pip install 'pyxllm[ray]'; see docs/parallelism.md, Ray)",
-    "ray_address": "host:port of the Ray cluster's head to join (default: $RAY_ADDRESS, else the "
-    "cluster `ray start` started on this node, else a new local one)",
-    "ray_placement_strategy": "how Ray places the ranks' bundles (one per rank, rank 0's on "
-    "this node): PACK, as few nodes as possible; STRICT_SPREAD, one rank per node; or SPREAD, "
-    "STRICT_PACK (default: PACK)",
-    "device": "device to run on; auto picks cuda, then npu (torch_npu), then mlu (torch_mlu), "
-    "else cpu (see docs/devices.md)",
-    "graph_backend": "how the model runs: auto (graph on the CPU for a model it can capture on "
-    "one rank, else eager), eager, compile (torch.compile) or graph (decode steps captured "
-    "once: CUDA/ACL graphs, TorchScript traces on the CPU; prefill eager); also off/none, "
-    "inductor, cudagraphs/aclgraph (see docs/devices.md) (default: auto)",
-    "structured_outputs_backend": "grammar library enforcing response_format, structured_outputs "
-    "and tool calls",
-    "speculative_config": "speculative decoding as a JSON object (vLLM's keys): "
-    '\'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup; prompt_lookup_min '
-    'and prompt_lookup_max, default 3 and 5) or \'{"method": "draft_model", "model": PATH, '
-    '"num_speculative_tokens": 4}\'; "disable_by_batch_size": N (default 4) turns it off for '
-    "steps with more running sequences; see docs/speculative.md (default: off)",
-}
-ENGINE_CHOICES = {
-    "dtype": DTYPES,
-    "device": DEVICES,
-    "quantization": ("auto", *QUANTIZATIONS, "none"),
-    "kv_cache_dtype": KV_CACHE_DTYPES,
-    "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS,
-    "model_impl": (*MODEL_IMPLS, *MODEL_IMPL_ALIASES),
-    "task": TASKS,
-    "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
-    "ray_placement_strategy": PLACEMENT_STRATEGIES,
-}
-# extra spellings of a flag (vLLM's and xLLM's names, short forms)
-ENGINE_ALIASES = {
-    "tensor_parallel_size": ["--tp"],
-    **{field: flag_names(alias) for alias, field in FIELD_ALIASES.items()},
-}
-ENGINE_METAVARS = {
-    "model": "PATH|ID",
-    "revision": "REV",
-    "download_dir": "DIR",
-    "gguf_file": "FILE.gguf",
-    "tokenizer": "PATH|ID",
-    "tokenizer_revision": "REV",
-    "served_model_name": "NAME",
-    "kv_cache_memory": "GIB",
-    "master_addr": "HOST:PORT",
-    "dist_init_timeout": "SECONDS",
-    "ray_address": "HOST:PORT",
-    "graph_backend": "KIND",
-    "gpu_memory_utilization": "FRACTION",
-    "speculative_config": "JSON",
-    "generation_config": "auto|vllm|DIR",
-    "chat_template": "FILE|TEMPLATE",
-}
-# The engine flags in argument groups, as vLLM groups its configs (ModelConfig, CacheConfig,
-# SchedulerConfig, ParallelConfig, ...); a field in none of them goes to "other engine flags".
-ENGINE_GROUPS = {
-    "model flags": (
-        "model",
-        "revision",
-        "download_dir",
-        "gguf_file",
-        "tokenizer",
-        "tokenizer_revision",
-        "served_model_name",
-        "task",
-        "model_impl",
-        "dtype",
-        "quantization",
-        "max_model_len",
-        "seed",
-        "generation_config",
-        "chat_template",
-    ),
-    "cache flags": (
-        "block_size",
-        "kv_cache_memory",
-        "kv_cache_dtype",
-        "gpu_memory_utilization",
-        "enable_prefix_cache",
-    ),
-    "scheduler flags": (
-        "max_seqs_per_batch",
-        "max_tokens_per_batch",
-        "enable_chunked_prefill",
-        "batch_invariant",
-    ),
-    "parallel flags": (
-        "tensor_parallel_size",
-        "nnodes",
-        "node_rank",
-        "master_addr",
-        "dist_init_timeout",
-        "distributed_executor_backend",
-        "ray_address",
-        "ray_placement_strategy",
-    ),
-    "device flags": ("device", "graph_backend"),
-    "decoding flags": ("structured_outputs_backend", "speculative_config"),
-}
-
-
-def _int(text: str) -> int:
-    return int(text)
-
-
-def _float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(text)
-    return value
-
-
-_int.__name__, _float.__name__ = "int", "float"  # argparse's message: "invalid int value"
-
-
-def _optional(convert):
-    """A converter that also reads ``none``/``auto`` as ``None`` (for ``int | None`` fields)."""
-
-    def parse(text: str):
-        return None if text.strip().lower() in ("none", "auto") else convert(text)
-
-    parse.__name__ = convert.__name__
-    return parse
-
-
-_CONVERTERS = {int: _int, float: _float, str: str}
-
-
-def human_readable_int(text: str) -> int:
-    """An integer, or one with vLLM's suffixes: ``k``, ``m``, ``g``, ``t`` powers of 1000
-    (``25.6k`` = 25600), ``K``, ``M``, ``G``, ``T`` powers of 1024 (``4G``, no decimals)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
-    if match is None:
-        raise ValueError(text)
-    number, suffix = match.groups()
-    if suffix and suffix.islower():
-        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
-    if "." in number:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: decimals go with the decimal suffixes k, m, g, t only"
-        )
-    return int(number) * (1024 ** ("KMGT".index(suffix) + 1) if suffix else 1)
-
-
-human_readable_int.__name__ = "int"
-
-
-def _field_type(hint) -> tuple[type, bool]:
-    """``(base type, accepts None)`` of a dataclass field annotation; ``tuple[str, ...]`` is
-    ``(tuple, ...)``, a flag taking one or more values."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(args) == 1:
-            return _field_type(args[0])[0], True
-    if origin is tuple and typing.get_args(hint) == (str, ...):
-        return tuple, False
-    if hint in (bool, *_CONVERTERS):
-        return hint, False
-    raise TypeError(f"config field of type {hint!r} has no command-line form; add one in args.py")
-
-
-def _metavar(name: str, base: type) -> str | None:
-    if name in ENGINE_CHOICES:
-        return None  # argparse shows {a,b,c}
-    default = {str: name.upper(), int: "N", float: "X", tuple: name.upper()}[base]
-    return ENGINE_METAVARS.get(name, default)
-
-
-def _add_kv_cache_memory_bytes(group) -> None:
-    """vLLM's ``--kv-cache-memory-bytes``, resolved by :meth:`EngineConfig.from_kwargs`."""
-    group.add_argument(
-        *flag_names("kv_cache_memory_bytes"),
-        dest="kv_cache_memory_bytes",
-        type=human_readable_int,
-        default=None,
-        metavar="BYTES",
-        help="the KV cache's size in bytes, vLLM's form of --kv-cache-memory: a number, or one "
-        "with a suffix k, m, g (powers of 1000) or K, M, G (powers of 1024), as vLLM reads it",
-    )
 
 
 def add_engine_args(
@@ -325,57 +41,16 @@ def add_engine_args(
     extra_flags: dict | None = None,
 ) -> None:
     """Add one flag per field of ``config_cls`` (a dataclass) to ``parser``, in the argument
-    groups of :data:`ENGINE_GROUPS`; ``extra_flags`` maps a group's title to a function adding
-    flags of the subcommand's own to that group (``serve``'s data-parallel flags).
-
-    Types (``bool``, ``int``, ``float``, ``str``, optionally ``| None``; ``tuple[str, ...]``
-    takes one or more values) and defaults come from the dataclass; help, choices and metavars
-    from the tables above.
-    """
-    hints = typing.get_type_hints(config_cls)
-    fields = {field.name: field for field in dataclasses.fields(config_cls)}
-    grouped = {name for names in ENGINE_GROUPS.values() for name in names}
-    groups = {
-        title: [name for name in names if name in fields] for title, names in ENGINE_GROUPS.items()
-    }
-    groups["other engine flags"] = [name for name in fields if name not in grouped]
-    for title, names in groups.items():
-        if not names:
-            continue
-        group = parser.add_argument_group(title)
-        for name in names:
-            _add_field_flag(group, fields[name], hints[name])
-            if name == "kv_cache_memory":
-                _add_kv_cache_memory_bytes(group)
-        if extra_flags and title in extra_flags:
-            extra_flags[title](group)
-
-
-def _add_field_flag(group, field: dataclasses.Field, hint) -> None:
-    """The flag of one config field (see :func:`add_engine_args`)."""
-    default = field.default
-    if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
-        default = field.default_factory()
-    if default is dataclasses.MISSING:
-        raise TypeError(f"config field {field.name!r} needs a default to become a flag")
-    base, nullable = _field_type(hint)
-    help_text = ENGINE_HELP.get(field.name, field.name.replace("_", " "))
-    if base is bool:
-        add_bool_flag(group, field.name, default, help_text, ENGINE_ALIASES.get(field.name))
-        return
-    convert = _CONVERTERS[str if base is tuple else base]
-    if nullable and base not in (str, tuple):
-        convert = _optional(convert)
-    group.add_argument(
-        *flag_names(field.name),
-        *ENGINE_ALIASES.get(field.name, ()),
-        dest=field.name,
-        type=convert,
-        nargs="+" if base is tuple else None,
-        default=default,
-        choices=ENGINE_CHOICES.get(field.name),
-        help=help_text,
-        metavar=_metavar(field.name, base),
+    groups of :data:`~pyxllm.config.ENGINE_FLAG_GROUPS` (see
+    :func:`~pyxllm.cli.dataclass_args.add_dataclass_flags`); ``extra_flags`` maps a group's
+    title to a function adding flags of the subcommand's own to that group (``serve``'s
+    data-parallel flags)."""
+    add_dataclass_flags(
+        parser,
+        [config_cls],
+        order=ENGINE_FLAG_GROUPS,
+        every_field=[config_cls],
+        extra_flags=extra_flags,
     )
 
 

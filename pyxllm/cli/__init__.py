@@ -1,0 +1,1 @@
+"""The ``pyxllm`` command line, at the top of the stack: nothing else imports it."""
