@@ -8,6 +8,7 @@ A leaf module (it imports nothing of pyxllm).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from collections.abc import Callable
@@ -40,6 +41,19 @@ def optional(convert: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def positive(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``convert`` (:func:`int_value` or :func:`float_value`) refusing values <= 0."""
+
+    def parse(text: str):
+        value = convert(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return value
+
+    parse.__name__ = convert.__name__
+    return parse
+
+
 def human_readable_int(text: str) -> int:
     """An integer, or one with vLLM's suffixes: ``k``, ``m``, ``g``, ``t`` powers of 1000
     (``25.6k`` = 25600), ``K``, ``M``, ``G``, ``T`` powers of 1024 (``4G``, no decimals)."""
@@ -57,3 +71,43 @@ def human_readable_int(text: str) -> int:
 
 
 human_readable_int.__name__ = "int"
+
+
+def port(text: str) -> int:
+    """A TCP port, 0..65535."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: must be in 0..65535")
+    return value
+
+
+port.__name__ = "_port"  # argparse's message: "invalid _port value", as before
+
+
+def string_list(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's form, ``'["a", "b"]'``) or comma-separated words."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            items = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"invalid JSON list {text!r}: {exc}") from None
+        if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings")
+    else:
+        items = stripped.split(",")
+    return [item.strip() for item in items if item.strip()]
+
+
+string_list.__name__ = "_string_list"
+
+
+def api_keys(text: str) -> list[str]:
+    """Comma-separated API keys; an error never echoes them."""
+    keys = [key.strip() for key in text.split(",")]
+    if not all(keys):
+        raise argparse.ArgumentTypeError("an API key cannot be empty")
+    return keys
+
+
+api_keys.__name__ = "_api_keys"

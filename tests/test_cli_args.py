@@ -18,6 +18,8 @@ from pyxllm.entrypoints import args as cli_args
 from pyxllm.entrypoints.args import config_from_args, make_arg_parser, parse_args
 from pyxllm.entrypoints.cli import main
 from pyxllm.entrypoints.flags import flag_names
+from pyxllm.entrypoints.openai.server_options import RequestLimits, ServerOptions
+from pyxllm.flag_fields import from_namespace, keyword_aliases
 from pyxllm.outputs import CompletionOutput, RequestOutput
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,6 +112,47 @@ def test_defaults_equal_engine_config_defaults():
     assert (args.prompt, args.chat, args.max_tokens) == ("hi", True, 256)
     serve_args, _ = parse_args(["serve"])
     assert (serve_args.host, serve_args.port) == ("127.0.0.1", 8000)
+
+
+def test_server_options_are_the_serve_flags_field_by_field(monkeypatch):
+    """ServerOptions is built from the parsed serve flags by its fields' metadata: the flags'
+    defaults are its defaults, and each flag reaches its field (the inverted --disable-x ones,
+    the -1 and none sentinels, the nested request limits, lists as tuples)."""
+    monkeypatch.delenv("PYXLLM_API_KEY", raising=False)
+    assert from_namespace(ServerOptions, parse_args(["serve"])[0]) == ServerOptions()
+    args, _ = parse_args(
+        [
+            *("serve", "--disable-web-ui", "--disable-uvicorn-access-log", "--disable-log-stats"),
+            *("--uvicorn-log-level", "info", "--max-n", "3", "--max-request-body-bytes", "100"),
+            *("--allowed-origins", "a,b", "--reasoning-parser", "qwen3", "--reasoning-budget"),
+            *("5", "--api-key", "k1,k2", "-dp", "2", "--max-log-len", "none", "--port", "9"),
+        ]
+    )
+    assert from_namespace(ServerOptions, args) == ServerOptions(
+        port=9,
+        web_ui=False,
+        access_log=False,
+        stats_interval=None,
+        log_level="info",
+        limits=RequestLimits(max_n=3, max_request_body_bytes=100),
+        allowed_origins=("a", "b"),
+        reasoning_parser="qwen3",
+        reasoning_budget=5,
+        api_keys=("k1", "k2"),
+        data_parallel_size=2,
+    )
+
+
+def test_vllm_field_names_are_flags_and_keywords_from_the_metadata():
+    assert keyword_aliases(EngineConfig) == {
+        "max_num_seqs": "max_seqs_per_batch",
+        "max_num_batched_tokens": "max_tokens_per_batch",
+        "enable_prefix_caching": "enable_prefix_cache",
+        "master_node_addr": "master_addr",
+    }
+    assert EngineConfig.from_kwargs(max_num_seqs=8).max_seqs_per_batch == 8
+    with pytest.raises(TypeError, match="give one of them"):
+        EngineConfig.from_kwargs(max_num_seqs=8, max_seqs_per_batch=4)
 
 
 # --- booleans ------------------------------------------------------------------------------

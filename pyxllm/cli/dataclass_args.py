@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from pyxllm.entrypoints.flags import add_bool_flag, flag_names
 from pyxllm.flag_fields import FIELD_DEFAULT, Flag, alias_spellings, flag_fields, flag_name
@@ -106,7 +106,6 @@ def add_dataclass_flags(
     titles: dict[str, str] | None = None,
     every_field: Iterable[type] = (),
     include: Iterable[str] | None = None,
-    extra_flags: dict[str, Callable[[argparse._ArgumentGroup], None]] | None = None,
 ) -> None:
     """Add a flag for each field of ``classes`` (dataclasses) that has flag metadata, and for
     every field of those in ``every_field``, in argument groups: those titled in ``order``
@@ -114,9 +113,6 @@ def add_dataclass_flags(
     under "other engine flags"); in a group, the flags follow ``classes`` and their fields.
     ``titles`` renames groups (``serve`` lists the "response flags" among its "server flags");
     with ``include``, only the groups of those (original) titles get flags.
-
-    ``extra_flags`` maps a group's title to a function adding flags of the subcommand's own
-    after that group's (``serve``'s data-parallel flags).
 
     Raises:
         TypeError: a field whose type has no command-line form, or without a default.
@@ -138,5 +134,3 @@ def add_dataclass_flags(
             group = parser.add_argument_group(title)
             for owner, field, spec in members:
                 _add_field_flags(group, owner, field, spec)
-            if extra_flags and title in extra_flags:
-                extra_flags[title](group)

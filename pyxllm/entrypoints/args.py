@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import ssl
 
@@ -20,38 +19,28 @@ from pyxllm.benchmarks.serve import add_serve_args
 from pyxllm.benchmarks.throughput import add_offline_args
 from pyxllm.cli.dataclass_args import add_dataclass_flags
 from pyxllm.config import ENGINE_FLAG_GROUPS, EngineConfig
-from pyxllm.engine.data_parallel.router import ROUTING_POLICIES
 from pyxllm.entrypoints.chat_args import add_chat_args
 from pyxllm.entrypoints.collect_env import add_env_args
 from pyxllm.entrypoints.flags import HelpFormatter, add_bool_flag, flag_names
-from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
-from pyxllm.entrypoints.openai.server_options import ServerOptions
-from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
-from pyxllm.entrypoints.openai.tool_parsers.auto import AUTO, NONE
+from pyxllm.entrypoints.openai.server_options import (
+    API_KEY_ENV,
+    RESPONSE_FLAGS,
+    SERVER_FLAG_GROUPS,
+    SERVER_FLAGS,
+    ServerOptions,
+)
+from pyxllm.entrypoints.openai.tool_parsers.auto import NONE
 from pyxllm.entrypoints.run_batch_args import add_run_batch_args
 from pyxllm.flag_types import float_value as _float
 from pyxllm.flag_types import int_value as _int
-from pyxllm.flag_types import optional as _optional
 from pyxllm.weights.source import is_model_id
 
 
-def add_engine_args(
-    parser: argparse.ArgumentParser,
-    config_cls: type = EngineConfig,
-    extra_flags: dict | None = None,
-) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, config_cls: type = EngineConfig) -> None:
     """Add one flag per field of ``config_cls`` (a dataclass) to ``parser``, in the argument
     groups of :data:`~pyxllm.config.ENGINE_FLAG_GROUPS` (see
-    :func:`~pyxllm.cli.dataclass_args.add_dataclass_flags`); ``extra_flags`` maps a group's
-    title to a function adding flags of the subcommand's own to that group (``serve``'s
-    data-parallel flags)."""
-    add_dataclass_flags(
-        parser,
-        [config_cls],
-        order=ENGINE_FLAG_GROUPS,
-        every_field=[config_cls],
-        extra_flags=extra_flags,
-    )
+    :func:`~pyxllm.cli.dataclass_args.add_dataclass_flags`)."""
+    add_dataclass_flags(parser, [config_cls], order=ENGINE_FLAG_GROUPS, every_field=[config_cls])
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -61,112 +50,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(
         **kwargs, kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None)
     )
-
-
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"invalid port {text!r}: must be in 0..65535")
-    return port
-
-
-API_KEY_ENV = "PYXLLM_API_KEY"
-
-
-def _string_list(text: str) -> list[str]:
-    """A JSON list of strings (vLLM's form, ``'["a", "b"]'``) or comma-separated words."""
-    stripped = text.strip()
-    if stripped.startswith("["):
-        try:
-            items = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise argparse.ArgumentTypeError(f"invalid JSON list {text!r}: {exc}") from None
-        if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings")
-    else:
-        items = stripped.split(",")
-    return [item.strip() for item in items if item.strip()]
-
-
-def _api_keys(text: str) -> list[str]:
-    """Comma-separated API keys; an error never echoes them."""
-    keys = [key.strip() for key in text.split(",")]
-    if not all(keys):
-        raise argparse.ArgumentTypeError("an API key cannot be empty")
-    return keys
-
-
-def _add_security_args(group) -> None:
-    """``serve``'s API key, TLS and CORS flags (see :mod:`pyxllm.entrypoints.openai.security`)."""
-    group.add_argument(
-        *flag_names("api_key"),
-        dest="api_key",
-        type=_api_keys,
-        action="append",
-        default=None,
-        metavar="KEY",
-        help="require `Authorization: Bearer KEY` on every route but /health, /version, the "
-        "API docs and /metrics; repeat it or separate keys by commas for several; the "
-        f"variable ${API_KEY_ENV} keeps keys out of ps (see docs/serving.md, Exposing the server) "
-        f"(default: ${API_KEY_ENV}, comma-separated, else no key)",
-    )
-    add_bool_flag(group, "protect_metrics", False, "require the API key on /metrics too")
-    group.add_argument(
-        *flag_names("ssl_keyfile"),
-        dest="ssl_keyfile",
-        default=None,
-        metavar="PATH",
-        help="the server's TLS private key (PEM); needs --ssl-certfile",
-    )
-    group.add_argument(
-        *flag_names("ssl_certfile"),
-        dest="ssl_certfile",
-        default=None,
-        metavar="PATH",
-        help="the server's TLS certificate chain (PEM): serve HTTPS",
-    )
-    group.add_argument(
-        *flag_names("ssl_ca_certs"),
-        dest="ssl_ca_certs",
-        default=None,
-        metavar="PATH",
-        help="CA certificates (PEM) to check client certificates against",
-    )
-    group.add_argument(
-        *flag_names("ssl_cert_reqs"),
-        dest="ssl_cert_reqs",
-        type=_int,
-        default=None,
-        choices=(0, 1, 2),
-        help="client certificates: 0 not asked for, 1 optional, 2 required (Python's "
-        "ssl.CERT_*) (default: 2 with --ssl-ca-certs, else 0)",
-    )
-    group.add_argument(
-        *flag_names("allowed_origins"),
-        dest="allowed_origins",
-        type=_string_list,
-        default=[],
-        metavar="LIST",
-        help="CORS: origins browsers may call from, a JSON list ('[\"https://a.example\"]', "
-        '["*"] for any) or comma-separated (default: none, no CORS)',
-    )
-    group.add_argument(
-        *flag_names("allowed_methods"),
-        dest="allowed_methods",
-        type=_string_list,
-        default=["*"],
-        metavar="LIST",
-        help="CORS: allowed methods, a JSON list or comma-separated",
-    )
-    group.add_argument(
-        *flag_names("allowed_headers"),
-        dest="allowed_headers",
-        type=_string_list,
-        default=["*"],
-        metavar="LIST",
-        help="CORS: allowed request headers, a JSON list or comma-separated",
-    )
-    add_bool_flag(group, "allow_credentials", False, "CORS: allow credentials (cookies)")
 
 
 def _no_password() -> bytes:
@@ -211,202 +94,6 @@ def _check_security_args(args: argparse.Namespace, parser, environ=os.environ) -
                 context.load_verify_locations(cafile=args.ssl_ca_certs)
             except (ssl.SSLError, ValueError) as exc:
                 parser.error(f"--ssl-ca-certs: not PEM CA certificates: {exc}")
-
-
-def _positive(convert):
-    """``convert`` (``_int`` or ``_float``) refusing values <= 0."""
-
-    def positive(text: str):
-        value = convert(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-        return value
-
-    positive.__name__ = convert.__name__
-    return positive
-
-
-def _add_limit_args(group) -> None:
-    """``serve``'s request limits, admission control and shutdown flags (see
-    :class:`~pyxllm.entrypoints.openai.server_options.ServerOptions`)."""
-    defaults = ServerOptions()
-    group.add_argument(
-        *flag_names("max_n"),
-        dest="max_n",
-        type=_positive(_int),
-        default=None,
-        metavar="N",
-        help="most samples per request (n); above it a 400 (default: --max-seqs-per-batch)",
-    )
-    group.add_argument(
-        *flag_names("max_request_body_bytes"),
-        dest="max_request_body_bytes",
-        type=_positive(_int),
-        default=defaults.limits.max_request_body_bytes,
-        metavar="BYTES",
-        help="largest request body; above it a 413 (default: 8388608, 8 MiB)",
-    )
-    group.add_argument(
-        *flag_names("max_waiting_requests"),
-        dest="max_waiting_requests",
-        type=_int,
-        default=defaults.max_waiting_requests,
-        metavar="N",
-        help="requests that may wait beyond the --max-seqs-per-batch running ones; more get a "
-        "503 with Retry-After",
-    )
-    group.add_argument(
-        *flag_names("shutdown_timeout"),
-        dest="shutdown_timeout",
-        type=_float,
-        default=defaults.shutdown_timeout,
-        metavar="SECONDS",
-        help="on SIGTERM, how long running requests may finish before they are aborted",
-    )
-
-
-def _add_logging_args(group) -> None:
-    """``serve``'s logging flags: stats lines, access log, request log (see
-    :class:`~pyxllm.entrypoints.openai.server_options.ServerOptions`)."""
-    defaults = ServerOptions()
-    group.add_argument(
-        *flag_names("stats_interval"),
-        dest="stats_interval",
-        type=_positive(_float),
-        default=defaults.stats_interval,
-        metavar="SECONDS",
-        help="how often, while there is work, the log shows one line with prompt and generation "
-        "tokens/s, running, waiting and preempted requests, KV cache usage and prefix cache hit "
-        "rate (and with speculative decoding a line with the acceptance rates), as vLLM logs "
-        "them",
-    )
-    add_bool_flag(
-        group, "disable_log_stats", False, "log no stats lines (vLLM's --disable-log-stats)"
-    )
-    add_bool_flag(
-        group,
-        "disable_uvicorn_access_log",
-        False,
-        "log no line per HTTP request (client, method, path, status, duration in ms; logger "
-        "pyxllm.access, written when the response's last byte is sent, so a stream's line has "
-        "the whole stream's time) (default: off, a line per request)",
-    )
-    group.add_argument(
-        *flag_names("uvicorn_log_level"),
-        dest="uvicorn_log_level",
-        default=defaults.log_level,
-        choices=("critical", "error", "warning", "info", "debug", "trace"),
-        help="uvicorn's own log level (pyxllm logs the start-up URL and the requests itself)",
-    )
-    add_bool_flag(
-        group,
-        "enable_log_requests",
-        False,
-        "log a line when a request arrives (id, prompt length, sampling parameters, prompt "
-        "text) and one when it finishes (tokens, finish reason, time to first token, end to "
-        "end), as vLLM's flag",
-    )
-    group.add_argument(
-        *flag_names("max_log_len"),
-        dest="max_log_len",
-        type=_optional(_positive(_int)),
-        default=None,
-        metavar="N",
-        help="most characters of a prompt's text a --enable-log-requests line shows (default: all)",
-    )
-
-
-def _add_data_parallel_args(group) -> None:
-    """``serve``'s data-parallel flags (see :mod:`pyxllm.engine.data_parallel`), in the
-    parallel flags group."""
-    group.add_argument(
-        *flag_names("data_parallel_size"),
-        "-dp",
-        dest="data_parallel_size",
-        type=_positive(_int),
-        default=1,
-        metavar="N",
-        help="run N engine replicas behind this server, each its own process with its own "
-        "scheduler, KV cache (--kv-cache-memory each) and --tp ranks; on the CPU the cores are "
-        "divided between them; with --distributed-executor-backend ray, actors placed on the Ray "
-        "cluster (see docs/parallelism.md, Data parallelism)",
-    )
-    group.add_argument(
-        *flag_names("dp_routing"),
-        dest="dp_routing",
-        default="cache_aware",
-        choices=ROUTING_POLICIES,
-        help="which replica serves a request: cache_aware (the one whose prefix cache holds at "
-        "least 30 %% of its prompt, else the least loaded), least_loaded (fewest running plus "
-        "waiting requests) or round_robin",
-    )
-
-
-def _add_response_args(group) -> None:
-    """The flags that shape responses (parsers, unknown fields, usage details, request chat
-    templates): ``serve``'s server flags, and ``run-batch``'s, whose lines must get what the
-    server answers."""
-    group.add_argument(
-        *flag_names("reasoning_parser"),
-        dest="reasoning_parser",
-        default=None,
-        choices=reasoning_parser_names(),
-        help="split chat output into message.reasoning_content (the thinking) and content: "
-        "qwen3, or deepseek_r1",
-    )
-    group.add_argument(
-        *flag_names("reasoning_budget"),
-        dest="reasoning_budget",
-        type=int,
-        default=-1,
-        metavar="N",
-        help="the thinking_token_budget of a chat request that sets none, as llama.cpp's flag: "
-        "after N reasoning tokens the end of the thinking (</think>) is forced; 0 closes it at "
-        "once; -1: unlimited; needs --reasoning-parser (default: -1)",
-    )
-    add_bool_flag(
-        group,
-        "enable_auto_tool_choice",
-        False,
-        'require tool_choice "auto" (the default with tools) to be served, as vLLM\'s flag: '
-        "start-up fails when --tool-call-parser is none or auto finds no parser for the chat "
-        'template (without it, "auto" is served whenever there is a parser)',
-    )
-    group.add_argument(
-        *flag_names("tool_call_parser"),
-        dest="tool_call_parser",
-        default=AUTO,
-        choices=[AUTO, NONE, *tool_parser_names()],
-        help='the format of the model\'s own tool calls (tool_choice "auto"): auto, chosen '
-        "from the chat template (the start-up log says which and why); hermes (Qwen2.5/Qwen3's "
-        "<tool_call> tags; also what a model whose template has no tools is asked to write); "
-        "llama3_json (Llama 3.x); pythonic or llama4_pythonic (Llama 3.2/4's [f(a=1)]); mistral "
-        "([TOOL_CALLS]); qwen3_coder (Qwen3-Coder's <function=...> XML); deepseek_v3 or "
-        "deepseek_v31 (DeepSeek's tool-call tokens); granite (Granite 3's <|tool_call|>); "
-        "phi4_mini_json (functools[...]); none: "
-        '"auto" is refused (default: auto)',
-    )
-    add_bool_flag(
-        group,
-        "ignore_unknown_fields",
-        False,
-        "log and ignore request fields pyxllm does not know (vLLM's behaviour, for clients "
-        "that send vendor extras) instead of answering a 400 naming them (OpenAI's)",
-    )
-    add_bool_flag(
-        group,
-        "enable_prompt_tokens_details",
-        False,
-        "add usage.prompt_tokens_details.cached_tokens (OpenAI's field: the prompt tokens "
-        "served from the prefix cache) to chat and completion responses, streamed usage too",
-    )
-    add_bool_flag(
-        group,
-        "trust_request_chat_template",
-        False,
-        "let a request bring its own chat template (chat_template, or chat_template_kwargs' "
-        "chat_template); otherwise a 400",
-    )
 
 
 def _engine_flags_help() -> str:
@@ -454,36 +141,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="the model, as --model gives it (`pyxllm serve Qwen/Qwen3-0.6B`, as vLLM's)",
     )
-    server = serve.add_argument_group("server flags")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    server.add_argument(
-        "--port",
-        type=_port,
-        default=8000,
-        help="TCP port to listen on (bound before the model loads: a port in use fails at once)",
+    add_dataclass_flags(
+        serve,
+        [EngineConfig, ServerOptions],
+        order=(*SERVER_FLAG_GROUPS, *ENGINE_FLAG_GROUPS),
+        titles={RESPONSE_FLAGS: SERVER_FLAGS},
+        every_field=[EngineConfig],
     )
-    server.add_argument(
-        *flag_names("root_path"),
-        dest="root_path",
-        default="",
-        metavar="PATH",
-        help="the path prefix a reverse proxy serves the API under (/api: routes answer at /v1 "
-        "and /api/v1, the API docs point to /api/openapi.json) (default: none)",
-    )
-    _add_response_args(server)
-    add_bool_flag(
-        server, "disable_web_ui", False, "serve no chat page at / (nor its files at /static/)"
-    )
-    add_bool_flag(
-        server,
-        "enable_tokenizer_info_endpoint",
-        False,
-        "answer GET /tokenizer_info (the tokenizer's configuration and chat template, as vLLM)",
-    )
-    _add_security_args(serve.add_argument_group("security flags"))
-    _add_limit_args(serve.add_argument_group("limits and shutdown flags"))
-    _add_logging_args(serve.add_argument_group("logging flags"))
-    add_engine_args(serve, extra_flags={"parallel flags": _add_data_parallel_args})
 
     generate = commands.add_parser(
         "generate",
@@ -587,7 +251,7 @@ def _add_run_batch_parser(commands, fmt) -> argparse.ArgumentParser:
         "skips the custom_ids already answered (as vllm run-batch).",
     )
     add_run_batch_args(run_batch.add_argument_group("batch flags"))
-    _add_response_args(run_batch.add_argument_group("response flags"))
+    add_dataclass_flags(run_batch, [ServerOptions], include=[RESPONSE_FLAGS])
     add_engine_args(run_batch)
     return run_batch
 

@@ -26,7 +26,8 @@ from pyxllm.config import EngineConfig
 from pyxllm.distributed.errors import DistributedError
 from pyxllm.entrypoints import collect_env
 from pyxllm.entrypoints.args import config_from_args, make_arg_parser, parse_args
-from pyxllm.entrypoints.openai.server_options import RequestLimits, ServerOptions
+from pyxllm.entrypoints.openai.server_options import ServerOptions
+from pyxllm.flag_fields import from_namespace
 from pyxllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -60,41 +61,7 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     # here, not at the top: pyxllm --help loads no torch or fastapi
     from pyxllm.entrypoints.openai.api_server import run_server
 
-    options = ServerOptions(
-        host=args.host,
-        port=args.port,
-        reasoning_parser=args.reasoning_parser,
-        reasoning_budget=None if args.reasoning_budget < 0 else args.reasoning_budget,
-        tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        ignore_unknown_fields=args.ignore_unknown_fields,
-        api_keys=args.api_keys,
-        protect_metrics=args.protect_metrics,
-        ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile,
-        ssl_ca_certs=args.ssl_ca_certs,
-        ssl_cert_reqs=args.ssl_cert_reqs,
-        allowed_origins=tuple(args.allowed_origins),
-        allowed_methods=tuple(args.allowed_methods),
-        allowed_headers=tuple(args.allowed_headers),
-        allow_credentials=args.allow_credentials,
-        limits=RequestLimits(max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes),
-        max_waiting_requests=args.max_waiting_requests,
-        shutdown_timeout=args.shutdown_timeout,
-        trust_request_chat_template=args.trust_request_chat_template,
-        stats_interval=None if args.disable_log_stats else args.stats_interval,
-        web_ui=not args.disable_web_ui,
-        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-        log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log,
-        root_path=args.root_path,
-        enable_log_requests=args.enable_log_requests,
-        max_log_len=args.max_log_len,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        data_parallel_size=args.data_parallel_size,
-        dp_routing=args.dp_routing,
-    )
-    run_server(config, options)
+    run_server(config, from_namespace(ServerOptions, args))
     # The engine is shut down; what is left is freed as the process exits. Frozen, the
     # interpreter's final garbage collection skips it (it took ~3 s of the server's exit).
     gc.freeze()

@@ -45,6 +45,7 @@ from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pyxllm.entrypoints.openai.tool_parsers.auto import AUTO, NONE
+from pyxllm.flag_fields import from_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -276,14 +277,9 @@ def server_options(args) -> ServerOptions:
         get_reasoning_parser(args.reasoning_parser)
     if args.tool_call_parser not in (None, AUTO, NONE):
         get_tool_parser(args.tool_call_parser)
-    return ServerOptions(
-        reasoning_parser=args.reasoning_parser,
-        reasoning_budget=None if args.reasoning_budget < 0 else args.reasoning_budget,
-        tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        ignore_unknown_fields=args.ignore_unknown_fields,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        trust_request_chat_template=args.trust_request_chat_template,
+    return from_namespace(
+        ServerOptions,
+        args,
         access_log=False,
         web_ui=False,
         stats_interval=None,
