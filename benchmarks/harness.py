@@ -28,7 +28,7 @@ def log(*parts) -> None:
 def pyxllm_serve_cmd(port: int, *flags: str) -> list[str]:
     """The command serving with pyxllm (this interpreter's ``pyxllm serve``) on ``port``, with
     ``flags``."""
-    return [sys.executable, "-m", "pyxllm.entrypoints.cli", "serve", "--port", str(port), *flags]
+    return [sys.executable, "-m", "pyxllm", "serve", "--port", str(port), *flags]
 
 
 def start_server(name: str, cmd: list[str], port: int, threads: int) -> subprocess.Popen:

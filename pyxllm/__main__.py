@@ -2,7 +2,7 @@
 
 import sys
 
-from pyxllm.entrypoints.cli import main
+from pyxllm.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,8 @@
 
 Every module of pyxllm belongs to a unit: a package (``engine``, ``executor`` ...), a shared
 module (``config``, ``sampling_params``, ``outputs``), the command line (``cli``: the
-``pyxllm`` command's modules, at the top) or the package itself (``pyxllm/__init__.py``). Each
+``pyxllm`` command, ``pyxllm/cli/`` and ``__main__.py``, at the top) or the package itself
+(``pyxllm/__init__.py``). Each
 unit may import only the units of its row in :data:`ALLOWED`; imports inside function bodies
 count, and so do modules named by a string (``"pyxllm.attention.torch_paged:..."``, loaded by
 ``importlib``).
@@ -28,14 +29,9 @@ SHARED = {
     "flag_fields",
     "flag_types",
 }
-# The pyxllm command: it binds every other unit (the benchmarks' subcommands included).
-CLI_MODULES = {
-    "entrypoints/cli.py",
-    "entrypoints/args.py",
-    "entrypoints/check_device.py",
-    "entrypoints/flag_tables.py",
-    "__main__.py",
-}
+# The pyxllm command (the package pyxllm/cli/, and these modules): it binds every other unit
+# (the benchmarks' subcommands included), and no other unit imports it.
+CLI_MODULES = {"__main__.py"}
 ALLOWED = {
     "lazy_exports": set(),  # PEP 562 package attributes, for the packages below
     "kernels": set(),
@@ -172,7 +168,7 @@ def test_the_collector_sees_every_kind_of_import():
         "    from . import metrics\n"
         "BACKEND = 'pyxllm.attention.torch_paged:TorchPagedAttentionBackend'\n"
         "from pyxllm import config\n"
-        "from pyxllm.entrypoints import args\n"
+        "from pyxllm.cli import main\n"
     )
     found = imported_units(source, "benchmarks.serve")
     assert found == {"engine", "executor", "weights", "benchmarks", "attention", "config", "cli"}
@@ -284,8 +280,9 @@ TORCH_FREE_MODULES = (
     "pyxllm.weights",
     "pyxllm.weights.source",
     "pyxllm.flag_fields",
-    "pyxllm.entrypoints.cli",
-    "pyxllm.entrypoints.args",
+    "pyxllm.cli.main",
+    "pyxllm.cli.serve",
+    "pyxllm.entrypoints.openai.server_options",
     "pyxllm.entrypoints.chat_cli",
     "pyxllm.entrypoints.openai.protocol",
     "pyxllm.engine.data_parallel.router",
@@ -302,7 +299,7 @@ def test_the_command_line_and_its_help_load_no_torch():
 
     script = f"""
 import contextlib, importlib, io, sys
-from pyxllm.entrypoints.cli import main
+from pyxllm.cli.main import main
 for command in ([], *([c] for c in {SUBCOMMANDS!r})):
     sys.argv = ["pyxllm", *command, "--help"]
     with contextlib.redirect_stdout(io.StringIO()) as shown, contextlib.suppress(SystemExit):

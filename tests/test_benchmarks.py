@@ -14,7 +14,7 @@ import pytest
 from pyxllm.benchmarks.metrics import RequestRecord, compute_metrics, percentile, summarize
 from pyxllm.benchmarks.prompts import make_prompts
 from pyxllm.benchmarks.report import format_table, plot_png, write_json
-from pyxllm.entrypoints.cli import main
+from pyxllm.cli.main import main
 from tests.utils import RemoteServer
 
 ENGINE = ["--max-model-len", "128", "--kv-cache-memory", "0.05"]

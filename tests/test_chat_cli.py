@@ -13,14 +13,14 @@ import openai
 import pexpect
 import pytest
 
-from pyxllm.entrypoints.cli import main
+from pyxllm.cli.main import main
 from tests.utils import RemoteServer, free_port
 
 KEY = "sk-chat-cli-7c1d"
 ENGINE = ["--max-model-len", "512", "--kv-cache-memory", "0.25", "--dtype", "float32"]
 SAMPLING = {"temperature": 0, "max_tokens": 12}
 SAMPLING_FLAGS = ["--temperature", "0", "--max-tokens", "12"]
-CHAT = [sys.executable, "-m", "pyxllm.entrypoints.cli", "chat"]
+CHAT = [sys.executable, "-m", "pyxllm", "chat"]
 # the next prompt after a reply, maybe behind readline's terminal escapes
 NEXT_PROMPT = r"\r\n(?:\x1b\[[0-9;?]*[A-Za-z])*> "
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

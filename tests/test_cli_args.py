@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from pyxllm.cli.engine_args import add_engine_args, config_from_args
+from pyxllm.cli.main import main, make_arg_parser, parse_args
 from pyxllm.config import EngineConfig
 from pyxllm.engine.input_processor import InputProcessor
-from pyxllm.entrypoints import args as cli_args
-from pyxllm.entrypoints.args import config_from_args, make_arg_parser, parse_args
-from pyxllm.entrypoints.cli import main
 from pyxllm.entrypoints.flags import flag_names
 from pyxllm.entrypoints.openai.server_options import RequestLimits, ServerOptions
 from pyxllm.flag_fields import from_namespace, keyword_aliases
@@ -81,7 +80,7 @@ def test_a_new_dataclass_field_becomes_a_flag_without_edits():
         gpu_fraction: float | None = None
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    cli_args.add_engine_args(parser, Extended)
+    add_engine_args(parser, Extended)
     ns = parser.parse_args(
         ["--tensor_parallel_size=2", "--enable-prefix-cache", "--gpu-fraction", "0.9"]
     )
@@ -600,19 +599,19 @@ def test_serve_help_groups_flags_as_vllm_does(capsys):
 
 
 def test_cli_doc_flag_tables_are_written_from_the_parser():
-    from pyxllm.entrypoints.flag_tables import readme_section, serve_tables
+    from pyxllm.cli.flag_tables import readme_section, serve_tables
 
     page = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     assert readme_section(page) == serve_tables(), (
         "docs/cli.md's flag tables differ from `pyxllm serve --help`; rewrite them with "
-        "`.venv/bin/python -m pyxllm.entrypoints.flag_tables docs/cli.md`"
+        "`.venv/bin/python -m pyxllm.cli.flag_tables docs/cli.md`"
     )
 
 
 def test_every_cli_doc_flag_row_is_a_flag_and_every_flag_has_a_row():
     import re
 
-    from pyxllm.entrypoints.flag_tables import readme_section
+    from pyxllm.cli.flag_tables import readme_section
 
     section = readme_section((ROOT / "docs" / "cli.md").read_text(encoding="utf-8"))
     rows = [line for line in section.splitlines() if line.startswith("| `")]

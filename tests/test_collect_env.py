@@ -27,7 +27,7 @@ SECRET = "sk-collect-env-3b9c"
 def env_json(extra_env: dict[str, str]) -> dict:
     """``pyxllm env --json`` in a fresh process with ``extra_env``."""
     done = subprocess.run(
-        [sys.executable, "-m", "pyxllm.entrypoints.cli", "env", "--json"],
+        [sys.executable, "-m", "pyxllm", "env", "--json"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -252,7 +252,7 @@ def test_replica_channels_probe_a_silent_peer_and_still_carry_messages():
 
 
 def test_data_parallel_flags_and_their_errors(capsys):
-    from pyxllm.entrypoints.args import parse_args
+    from pyxllm.cli.main import parse_args
 
     args, _ = parse_args(["serve", "-dp", "2", "--dp-routing", "round_robin"])
     assert (args.data_parallel_size, args.dp_routing) == (2, "round_robin")

@@ -94,7 +94,7 @@ def test_numbers_compare_by_value():
 def _bench_eval(server: RemoteServer, tmp_path, name: str, *flags: str):
     result = tmp_path / f"{name}.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pyxllm.entrypoints.cli", "bench", "eval"]
+        [sys.executable, "-m", "pyxllm", "bench", "eval"]
         + ["--base-url", server.base_url, "--result-file", str(result), *flags],
         capture_output=True,
         text=True,

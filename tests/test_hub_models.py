@@ -12,7 +12,7 @@ import huggingface_hub.constants
 import pytest
 
 from pyxllm import LLM, SamplingParams
-from pyxllm.entrypoints.args import parse_args
+from pyxllm.cli.main import parse_args
 from pyxllm.weights import load_hf_tokenizer, resolve_model_source, resolve_tokenizer_source
 from pyxllm.weights.errors import ModelLoadError
 from tests.model_fixtures import build_checkpoint

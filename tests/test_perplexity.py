@@ -13,8 +13,7 @@ import torch
 
 from pyxllm.benchmarks.perplexity import bench_perplexity, make_windows
 from pyxllm.benchmarks.ppl_stats import KLDivergence
-from pyxllm.entrypoints.args import parse_args
-from pyxllm.entrypoints.cli import main
+from pyxllm.cli.main import main, parse_args
 from tests.model_fixtures import build_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

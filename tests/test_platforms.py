@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from pyxllm import kernels, platforms
+from pyxllm.cli.main import main
 from pyxllm.config import GRAPH_BACKENDS, PLATFORMS, EngineConfig
 from pyxllm.distributed.parallel_state import destroy_distributed, init_distributed, tp_state
 from pyxllm.engine.llm_engine import LLMEngine
-from pyxllm.entrypoints.cli import main
 from pyxllm.executor.model_executor import resolve_dtype
 from pyxllm.executor.multiproc import free_local_port
 from pyxllm.executor.runners import DeviceGraphCapture, TraceCapture, graph_capture_for

@@ -71,7 +71,7 @@ def _ray(cluster: RayCluster, **engine) -> dict:
 
 
 def test_without_ray_the_flag_names_the_install_command(monkeypatch, capsys):
-    from pyxllm.entrypoints.args import parse_args
+    from pyxllm.cli.main import parse_args
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as if not installed
     with pytest.raises(SystemExit):
@@ -82,7 +82,7 @@ def test_without_ray_the_flag_names_the_install_command(monkeypatch, capsys):
 
 
 def test_ray_flags_and_their_errors(capsys):
-    from pyxllm.entrypoints.args import parse_args
+    from pyxllm.cli.main import parse_args
 
     _, config = parse_args(
         ["serve", "--tp", "2", "--distributed_executor_backend", "ray"]

@@ -14,10 +14,10 @@ import pytest
 import torch
 from model_fixtures import build_hf_model, save_checkpoint, thinking_tokenizer, tiny_config
 
+from pyxllm.cli.main import parse_args
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.input_processor import InputProcessor
 from pyxllm.engine.tokenizer import Tokenizer
-from pyxllm.entrypoints.args import parse_args
 from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser, reasoning_parser_names
 from pyxllm.entrypoints.openai.reasoning.think_tags import ThinkTagReasoningParser, partial_tag_len

@@ -160,7 +160,7 @@ def test_each_result_is_what_the_server_answers(tmp_path):
     lines += [line("chat", prompt="again"), line("s", prompt="x", stream=True), ""]
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("\n".join(lines) + "\n")
-    command = [sys.executable, "-m", "pyxllm.entrypoints.cli", "run-batch", *ENGINE_ARGS]
+    command = [sys.executable, "-m", "pyxllm", "run-batch", *ENGINE_ARGS]
     run = subprocess.Popen(
         [*command, "-i", str(source), "-o", str(target)],
         stdout=subprocess.PIPE,

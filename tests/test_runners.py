@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pyxllm.attention.abstract import AttentionBackend
+from pyxllm.cli.main import parse_args
 from pyxllm.config import GRAPH_BACKEND_ALIASES, EngineConfig
-from pyxllm.entrypoints.args import parse_args
 from pyxllm.entrypoints.llm import LLM
 from pyxllm.executor.input_batch import InputBatch, segment_ids
 from pyxllm.executor.runners import (

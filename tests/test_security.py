@@ -15,7 +15,7 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from pyxllm.entrypoints.args import parse_args
+from pyxllm.cli.main import parse_args
 from pyxllm.entrypoints.openai.api_server import exposure_warning
 from pyxllm.entrypoints.openai.security import install_security
 from pyxllm.entrypoints.openai.server_options import ServerOptions

@@ -326,7 +326,7 @@ class _TwoNodes:
             "60",
         ]
         self.worker = subprocess.Popen(
-            [sys.executable, "-m", "pyxllm.entrypoints.cli", "serve", "--node-rank", "1", *common],
+            [sys.executable, "-m", "pyxllm", "serve", "--node-rank", "1", *common],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -423,7 +423,7 @@ def _alive(pid: int) -> bool:
 def test_worker_gives_up_on_an_unreachable_master(capsys):
     """``pyxllm serve --node-rank 1`` (run in-process: the CLI's own code path) with nothing at the
     master address exits 1 with one line naming the rank, the address and the timeout."""
-    from pyxllm.entrypoints.cli import main
+    from pyxllm.cli.main import main
 
     port = free_port()  # nothing listens there
     started = time.monotonic()
@@ -503,7 +503,7 @@ def test_gguf_slices_of_quantized_experts_equal_the_full_tensor(tmp_path, monkey
 
 
 def test_parallel_flags_and_their_errors(capsys):
-    from pyxllm.entrypoints.args import parse_args
+    from pyxllm.cli.main import parse_args
 
     _, config = parse_args(["serve", "--tp", "3"])
     assert (config.tensor_parallel_size, config.world_size, config.nnodes) == (3, 3, 1)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from model_fixtures import thinking_tokenizer
 
+from pyxllm.cli.main import parse_args
 from pyxllm.engine.input_processor import InputProcessor
 from pyxllm.engine.request import Request
 from pyxllm.engine.thinking_budget import ThinkingBudget, forced_token_bitmask
@@ -18,7 +19,6 @@ from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.entrypoints.anthropic.messages_input import chat_request as anthropic_chat_request
 from pyxllm.entrypoints.anthropic.messages_input import check_supported as anthropic_check
 from pyxllm.entrypoints.anthropic.protocol import MessagesRequest
-from pyxllm.entrypoints.args import parse_args
 from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pyxllm.entrypoints.openai.protocol_responses import ResponsesRequest

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from pyxllm.entrypoints.args import parse_args
+from pyxllm.cli.main import parse_args
 from pyxllm.entrypoints.openai.protocol import ChatCompletionToolParam
 from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
 from pyxllm.entrypoints.openai.tool_parsers.auto import choose_tool_parser, resolve_tool_parser

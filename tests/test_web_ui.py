@@ -21,7 +21,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from pyxllm.entrypoints.cli import main
+from pyxllm.cli.main import main
 from tests.utils import RemoteServer, stub_app_client
 
 KEY, WRONG_KEY = "sk-web-ui-7e3a", "sk-wrong-1b2c"

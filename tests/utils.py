@@ -34,7 +34,7 @@ def tool_calling_server_args(model: str) -> list[str]:
 
 
 class RemoteServer:
-    """``python -m pyxllm.entrypoints.cli serve --port <free port> *args`` in a subprocess.
+    """``python -m pyxllm serve --port <free port> *args`` in a subprocess.
 
     Use as a context manager: entering waits until ``GET /health`` answers 200 (failing at
     once, with the server's output, if the process exits first); leaving sends SIGTERM, then
@@ -57,7 +57,7 @@ class RemoteServer:
         self.args = [
             sys.executable,
             "-m",
-            "pyxllm.entrypoints.cli",
+            "pyxllm",
             "serve",
             "--host",
             self.host,

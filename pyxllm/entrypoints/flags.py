@@ -1,7 +1,7 @@
 """Flag-parsing helpers shared by every ``pyxllm`` subcommand, the benchmarks' included.
 
 A leaf module (it imports nothing of pyxllm), so :mod:`pyxllm.benchmarks` can parse its flags
-the way :mod:`pyxllm.entrypoints.args` does without importing the command line that imports it.
+the way :mod:`pyxllm.cli` does without importing the command line that imports it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The flags of ``pyxllm run-batch`` (:mod:`pyxllm.entrypoints.openai.run_batch`) of its own;
-its engine flags and its response flags are ``serve``'s (:mod:`pyxllm.entrypoints.args`). Kept
+its engine flags and its response flags are ``serve``'s (:mod:`pyxllm.cli.run_batch`). Kept
 apart from the command, whose app (``fastapi``, ``httpx``) takes a second to import."""
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def _generate(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[l
     return [tokens[f"check-{i}"] for i in range(len(prompts))], time.perf_counter() - started
 
 
-def run_check_device(args, config: EngineConfig, out=None) -> int:
+def run_checks(args, config: EngineConfig, out=None) -> int:
     """Run the checks for ``config.device``; ``args`` carries ``max_tokens``, ``batch_size``,
     ``atol`` and ``runners`` (comma-separated). Returns the exit status."""
     out = out if out is not None else sys.stdout
