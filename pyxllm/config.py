@@ -339,8 +339,9 @@ class EngineConfig:
         True,
         help="give a request the same tokens whatever else runs beside it (other "
         "requests, prefix-cache hits, prefill chunks): attention through one kernel for every "
-        "token, the GGUF/int4 matmuls on their row-invariant integer path at any batch size "
-        "(float matmuls not yet); off, prefills take the BLAS and prefill-attention paths, which "
+        "token, the GGUF/int4 matmuls on their row-invariant integer path and float32 ones on a "
+        "row-wise kernel at any batch size (bfloat16 matmuls not yet); off, prefills take the "
+        "BLAS and prefill-attention paths, which "
         "prefilled a 1000-token prompt 2x faster on an AVX2 CPU (see docs/defaults.md)",
         group=SCHEDULER_FLAGS,
     )
