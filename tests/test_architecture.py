@@ -25,6 +25,7 @@ SHARED = {
     "speculative_config",
     "sampling_params",
     "pooling_params",
+    "lora_request",
     "outputs",
     "flag_fields",
     "flag_types",
@@ -39,6 +40,7 @@ ALLOWED = {
     "weights": {"lazy_exports"},
     "sampling_params": set(),
     "pooling_params": set(),
+    "lora_request": set(),
     "speculative_config": set(),
     "outputs": set(),
     "flag_fields": set(),  # a field's flag metadata
@@ -48,11 +50,14 @@ ALLOWED = {
     "layers": {"kernels", "distributed"},
     "models": {"layers", "kernels", "distributed"},
     "attention": {"kernels", "layers", "distributed"},
+    # LoRA adapters laid onto a loaded model's layers (the executor holds them)
+    "lora": {"layers", "kernels"} | SHARED,
     # a platform names its kernel package and attention backends; the executor loads them
     "platforms": {"kernels", "attention", "distributed"} | SHARED,
     "executor": {
         "models",
         "layers",
+        "lora",
         "attention",
         "kernels",
         "platforms",

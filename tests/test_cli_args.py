@@ -590,6 +590,7 @@ def test_serve_help_groups_flags_as_vllm_does(capsys):
         "parallel flags",
         "device flags",
         "decoding flags",
+        "LoRA flags",
     ]
     scheduler = out[out.index("scheduler flags:") : out.index("parallel flags:")]
     assert "--max-num-seqs" in scheduler and "--max-num-batched-tokens" in scheduler

@@ -35,6 +35,7 @@ from typing import Any
 from pyxllm.engine.errors import InvalidRequestError
 from pyxllm.engine.structured_output import GrammarHandle, StructuredOutputManager
 from pyxllm.engine.tokenizer import Tokenizer
+from pyxllm.lora_request import LoRARequest
 from pyxllm.pooling_params import PoolingParams
 from pyxllm.sampling_params import SamplingParams
 
@@ -94,6 +95,8 @@ class EngineRequest:
             (vLLM's behaviour); empty: from the first token.
         pooling_params: an embedding request's (see :meth:`InputProcessor.process_pooling`),
             ``None`` for generation.
+        lora_request: the LoRA adapter to run it with (``--enable-lora``), ``None``: the base
+            model.
     """
 
     request_id: str
@@ -103,6 +106,7 @@ class EngineRequest:
     arrival_time: float
     constrain_after: tuple[int, ...] = ()
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 class InputProcessor:
@@ -153,11 +157,12 @@ class InputProcessor:
         arrival_time: float | None = None,
         max_tokens_param: str = "max_tokens",
         constrain_after: tuple[int, ...] = (),
+        lora_request: LoRARequest | None = None,
     ) -> EngineRequest:
         """The validated request for ``prompt`` with ``params`` (default ``SamplingParams()``);
         errors about the completion's length name ``max_tokens_param`` (the chat API's
-        ``max_completion_tokens`` when the request used it); ``constrain_after``: see
-        :class:`EngineRequest`.
+        ``max_completion_tokens`` when the request used it); ``constrain_after`` and
+        ``lora_request``: see :class:`EngineRequest`.
 
         Raises:
             InvalidRequestError: (a ``ValueError``) the prompt is empty, cannot be tokenized or
@@ -191,7 +196,13 @@ class InputProcessor:
             )
         now = time.monotonic() if arrival_time is None else arrival_time
         return EngineRequest(
-            request_id, ids, tokens.text, params, now, constrain_after if constrained else ()
+            request_id,
+            ids,
+            tokens.text,
+            params,
+            now,
+            constrain_after if constrained else (),
+            lora_request=lora_request,
         )
 
     def constraint(self, request: EngineRequest) -> GrammarHandle | None:

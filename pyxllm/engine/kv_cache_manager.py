@@ -68,7 +68,7 @@ class KVCacheManager:
         """``request.block_hashes`` extended to its first ``num_full_blocks`` full blocks."""
         hashes, size = request.block_hashes, self.block_size
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else request.prefix_cache_salt
             hashes.append(self.hash_fn(parent, request.token_ids[i * size : (i + 1) * size]))
         return hashes
 

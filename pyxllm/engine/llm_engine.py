@@ -25,6 +25,7 @@ from pyxllm.engine.thinking_budget import forced_token_bitmask
 from pyxllm.executor.abstract import Executor
 from pyxllm.executor.factory import build_executor
 from pyxllm.executor.scheduler_output import SchedulerOutput
+from pyxllm.lora_request import LoRARequest
 from pyxllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from pyxllm.platforms import resolve_platform, set_current_platform
 from pyxllm.sampling_params import SamplingParams
@@ -158,6 +159,8 @@ class LLMEngine:
         request_id = request.request_id
         if request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)
         if request_id in self.waiting_for_grammar:
             raise ValueError(f"request_id {request_id!r} is already in use")
         spec = request.sampling_params.structured_outputs
@@ -245,12 +248,37 @@ class LLMEngine:
             arrival_time=request.arrival_time,
             index=index,
             min_tokens_stop_ids=min_tokens_stop_ids,
+            lora_request=request.lora_request,
         )
         if grammar is not None:
             child.matcher = grammar.new_matcher()
             child.constrain_after = request.constrain_after
         self.requests[request_id] = child
         self.scheduler.add_request(child)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter into the model (``False``: loaded already); requests name it by
+        their ``lora_request`` (vLLM's ``add_lora``).
+
+        Raises:
+            ValueError: the engine runs without ``--enable-lora``, or on an executor that
+                cannot take adapters; ``LoRAAdapterError`` (a ``ValueError``) for an adapter it
+                cannot serve, naming it.
+        """
+        driver = getattr(self.executor, "driver", None)
+        if driver is None or not hasattr(driver, "add_lora"):
+            raise ValueError("LoRA adapters need --enable-lora on a one-rank engine")
+        return driver.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a loaded LoRA adapter (``False`` when it was not loaded); requests that still
+        name it read it again from its directory."""
+        driver = getattr(self.executor, "driver", None)
+        return (
+            driver is not None
+            and hasattr(driver, "remove_lora")
+            and driver.remove_lora(lora_int_id)
+        )
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (every child of an ``n > 1`` one) now and free its KV blocks (unknown

@@ -11,6 +11,7 @@ import torch
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.structured_output import GrammarMatcher
 from pyxllm.engine.thinking_budget import ThinkingBudget
+from pyxllm.lora_request import LoRARequest
 from pyxllm.outputs import PromptLogprobs, SampleLogprobs
 from pyxllm.pooling_params import PoolingParams
 from pyxllm.sampling_params import FULL_VOCAB_LOGPROBS, SamplingParams
@@ -59,6 +60,8 @@ class Request:
         pooling_params: an embedding request's (the embed task: it ends after its prefill with
             a pooled vector, see ``LLMEngine``); ``None`` for generation.
         thinking: its thinking-token budget (``thinking_token_budget``), ``None`` without one.
+        lora_request: the LoRA adapter it runs with (``--enable-lora``), ``None`` for the base
+            model; its KV blocks are cached under the adapter (:attr:`prefix_cache_salt`).
     """
 
     request_id: str
@@ -85,6 +88,7 @@ class Request:
     num_cached_tokens: int | None = None
     pooling_params: PoolingParams | None = None
     thinking: ThinkingBudget | None = field(default=None, repr=False)
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -191,6 +195,12 @@ class Request:
         """Whether ``tokens`` end with the end of the reasoning (``constrain_after``)."""
         n = len(self.constrain_after)
         return len(tokens) >= n and tuple(tokens[-n:]) == self.constrain_after
+
+    @property
+    def prefix_cache_salt(self) -> bytes | None:
+        """What its first block's prefix-cache hash chains from: the adapter's salt, so no
+        two adapters (or an adapter and the base model) share a block; ``None`` for the base."""
+        return None if self.lora_request is None else self.lora_request.prefix_cache_salt
 
     @property
     def max_tokens(self) -> int:

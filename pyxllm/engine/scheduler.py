@@ -41,6 +41,7 @@ class Scheduler:
         max_model_len: int | None = None,
     ) -> None:
         self.max_seqs = config.max_seqs_per_batch
+        self.max_loras = config.max_loras
         self.max_tokens = config.token_budget(max_model_len)
         self.chunked_prefill = config.enable_chunked_prefill
         self.kv = kv_cache_manager
@@ -93,8 +94,16 @@ class Scheduler:
                 scheduled.append((request, num_new, drafts))
                 budget -= num_new
                 i += 1
+        # at most max_loras distinct adapters run at once: a request on another one waits,
+        # keeping its place, while the requests behind it may go (vLLM's rule)
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
             request = self.waiting[0]
+            lora = request.lora_request
+            if lora and lora.lora_int_id not in adapters and len(adapters) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             hits = [] if request.needs_prompt_logprobs else self.kv.get_computed_blocks(request)
             num_cached = len(hits) * self.kv.block_size
             num_new = request.num_tokens - num_cached
@@ -111,6 +120,9 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new, 0))
             budget -= num_new
+            if lora:
+                adapters.add(lora.lora_int_id)
+        self.waiting.extendleft(reversed(skipped))
         self._scheduled = scheduled
         return SchedulerOutput([self._to_sequence(r, n, d) for r, n, d in scheduled])
 
@@ -142,6 +154,7 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             prompt_logprob_targets=targets,
             pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )
 
     def update_from_output(

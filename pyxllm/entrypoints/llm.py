@@ -14,6 +14,7 @@ from pyxllm.engine.input_processor import ChatPrompt, Prompt, TextPrompt, Tokens
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.entrypoints.score_utils import cosine_scores, distinct_texts, score_pairs
+from pyxllm.lora_request import LoRARequest
 from pyxllm.outputs import (
     PoolingRequestOutput,
     RequestOutput,
@@ -57,6 +58,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched; outputs come back in the order of ``prompts``.
 
@@ -66,11 +68,14 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt (default:
                 ``SamplingParams()``); fields left unset take the model's generation_config.json
                 values, as in the server.
+            lora_request: the LoRA adapter to run with (``LLM(enable_lora=True)``), one for
+                all prompts or one per prompt (``None``: the base model); loaded on first use.
         Raises:
-            ValueError: an invalid prompt or parameters (nothing is run then).
+            ValueError: an invalid prompt or parameters, or an adapter that cannot be served
+                (nothing is run then).
         """
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        return self._run([_as_prompt(p) for p in prompts], sampling_params, use_tqdm)
+        return self._run([_as_prompt(p) for p in prompts], sampling_params, use_tqdm, lora_request)
 
     def embed(
         self,
@@ -118,9 +123,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of ``{"role", "content"}``)
-        or several, then generate as ``generate`` does.
+        or several, then generate as ``generate`` does (``lora_request`` likewise).
 
         Raises:
             ValueError: malformed messages or a model without a chat template.
@@ -128,7 +134,10 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kwargs = dict(chat_template_kwargs or {})
         return self._run(
-            [ChatPrompt(c, True, kwargs) for c in conversations], sampling_params, use_tqdm
+            [ChatPrompt(c, True, kwargs) for c in conversations],
+            sampling_params,
+            use_tqdm,
+            lora_request,
         )
 
     def score(
@@ -159,7 +168,9 @@ class LLM:
             for (a, b), score in zip(pairs, cosine_scores(pairs, vectors))
         ]
 
-    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[Prompt], sampling_params, use_tqdm: bool, lora_request=None
+    ) -> list[RequestOutput]:
         if self.llm_engine.config.task != "generate":
             raise ValueError(
                 f"generate: this LLM runs task {self.llm_engine.config.task!r} (use embed())"
@@ -168,10 +179,18 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        loras = lora_request
+        if loras is None or isinstance(loras, LoRARequest):
+            loras = [loras] * len(prompts)
+        loras = list(loras)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         engine = self.llm_engine
+        for lora in {lora for lora in loras if lora is not None}:  # a bad adapter runs nothing
+            engine.add_lora(lora)
         requests = [
-            engine.input_processor.process(str(next(self._ids)), prompt, p)
-            for prompt, p in zip(prompts, params)
+            engine.input_processor.process(str(next(self._ids)), prompt, p, lora_request=lora)
+            for prompt, p, lora in zip(prompts, params, loras)
         ]
         for request in requests:  # every constraint compiles before anything runs
             grammar = engine.input_processor.constraint(request)

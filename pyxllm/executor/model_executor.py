@@ -36,6 +36,8 @@ from pyxllm.layers.quantization import (
     resolve_quantization,
     weight_bytes,
 )
+from pyxllm.lora.manager import LoRAManager, LoRAStep
+from pyxllm.lora_request import LoRARequest
 from pyxllm.models.build_context import build_model
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
@@ -204,8 +206,18 @@ class ModelExecutor:
         max_model_len = (
             config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
         )
+        # a trace would record a step's adapters as constants: LoRA runs eagerly
+        self.lora = (
+            LoRAManager(
+                self.model, config.max_lora_rank, config.lora_slots, self.dtype, self.device
+            )
+            if config.enable_lora
+            else None
+        )
+        self._lora_step: LoRAStep | None = None
+        runner_kind = "eager" if config.enable_lora else config.graph_backend
         self.runner = build_runner(
-            resolve_runner(config.graph_backend, self.model, platform),
+            resolve_runner(runner_kind, self.model, platform),
             self.model,
             platform,
             self.attn_backend,
@@ -276,8 +288,26 @@ class ModelExecutor:
         return DraftModel(spec.model, model_config, self)
 
     def make_context(self, batch: InputBatch) -> ForwardContext:
-        """The forward context of one step: the backend's metadata for ``batch`` and the caches."""
-        return ForwardContext(attn=self.attn_backend.build(batch), kv_caches=self.kv_caches)
+        """The forward context of one step: the backend's metadata for ``batch``, the caches,
+        and the step's LoRA adapters (set by :meth:`execute`)."""
+        return ForwardContext(
+            attn=self.attn_backend.build(batch), kv_caches=self.kv_caches, lora=self._lora_step
+        )
+
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Load a LoRA adapter (``False`` when it is loaded already).
+
+        Raises:
+            ValueError: the engine runs without ``--enable-lora``;
+                ``pyxllm.lora.adapter.LoRAAdapterError`` for an adapter it cannot serve.
+        """
+        if self.lora is None:
+            raise ValueError("LoRA adapters need --enable-lora (LLM(enable_lora=True))")
+        return self.lora.add(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a loaded LoRA adapter (``False`` when it was not loaded)."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
@@ -286,6 +316,10 @@ class ModelExecutor:
         if self.draft is not None:
             self.draft.propose(plan)
         batch = InputBatch.build(plan, self.config.block_size, self.device)
+        if self.lora is not None:
+            self._lora_step = self.lora.step(
+                [s.lora_request for s in plan.sequences], batch.query_lens
+            )
         if self.thread_tuner is None:
             return self._run(plan, batch)
         key = len(batch.input_ids) if batch.decodes_only else None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pyxllm.lora_request import LoRARequest
 from pyxllm.pooling_params import PoolingParams
 from pyxllm.sampling_params import SamplingParams
 
@@ -44,6 +45,7 @@ class ScheduledSequence:
         num_draft_tokens: ``k``, the speculative drafts at the end of ``token_ids`` (0: none);
             the step computes logits at the last ``1 + k`` positions and verifies the drafts.
         pooling_params: an embedding request's (the embed task), ``None`` for generation.
+        lora_request: the LoRA adapter its tokens run with, ``None`` for the base model.
     """
 
     request_id: str
@@ -61,6 +63,7 @@ class ScheduledSequence:
     allowed_token_bitmask: torch.Tensor | None = None
     num_draft_tokens: int = 0
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def draft_token_ids(self) -> list[int]:

@@ -52,11 +52,14 @@ class ForwardContext:
             head_dim]``.
         step_cache: what layers compute once per step and share (e.g. the rotary ``cos``/``sin``
             of the step's positions), keyed by the producer; dropped with the context.
+        lora: the step's LoRA adapters and their rows (``pyxllm.lora.manager.LoRAStep``), read
+            by the layers' ``LoRALinearMethod``; ``None`` when no row uses an adapter.
     """
 
     attn: AttentionStep
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     step_cache: dict = field(default_factory=dict)
+    lora: object | None = None
 
 
 _CONTEXT: ContextVar[ForwardContext | None] = ContextVar("pyxllm_forward_context", default=None)

@@ -1,0 +1,192 @@
+"""Serving many LoRA adapters on one base model, batched together (``--enable-lora``).
+
+Every linear layer of the decoder (not the LM head or the embedding) gets a
+:class:`LoRALinearMethod` around its own ``quant_method``: the base matmul runs once for the
+whole step, whatever adapters its rows use, and then each adapter present in the step adds
+``B (A x)`` to its own rows only (a gather, two small matmuls, a scatter-add: vLLM's punica
+idea, "segmented" LoRA, written as plain ops). Rows without an adapter get the base output. So
+requests on different adapters and on the base model share every step.
+
+The adapters' matmuls go through the platform's ``linear`` with ``--batch-invariant``'s flag, so
+with float32 weights a row's delta has the same bits whichever rows share its step. The base
+weights may be quantized (``--quantization``, a GGUF file's blocks); the deltas run in the
+activations' dtype.
+
+Adapters are loaded once (:meth:`LoRAManager.add`, validated then) and kept up to
+``--max-cpu-loras``, the least recently used one dropped for a new one (and read again from its
+directory when a request needs it later); the scheduler lets at most ``--max-loras`` distinct
+adapters into one step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pyxllm import kernels
+from pyxllm.layers.forward_context import current_forward_context
+from pyxllm.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
+from pyxllm.lora_request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoRAStep:
+    """One step's adapters and the rows (flattened tokens) each applies to: ``rows`` an
+    ``int64 [n]`` index tensor, or ``None`` when the adapter covers every row of the step."""
+
+    segments: list[tuple[LoRAAdapter, torch.Tensor | None]]
+
+
+class LoRALinearMethod:
+    """A layer's own ``quant_method`` plus the LoRA deltas of the step's adapters (see the
+    module docstring); the layer is found in an adapter's weights by its module ``path``."""
+
+    def __init__(self, base, path: str) -> None:
+        self.base, self.path = base, path
+
+    @property
+    def name(self):
+        """The base method's name (``None`` for float weights)."""
+        return self.base.name
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether the base matmul is row-invariant (the deltas are whenever it is)."""
+        return getattr(self.base, "batch_invariant", False)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``base(x) + B (A x)`` on each adapter's rows of ``x [T, in]`` -> ``[T, out]``."""
+        y = self.base.apply(layer, x, bias)
+        context = current_forward_context()
+        step = None if context is None else context.lora
+        if step is None:
+            return y
+        invariant = self.batch_invariant
+        for adapter, rows in step.segments:
+            weights = adapter.layers.get(self.path)
+            if weights is None:
+                continue
+            xs = x if rows is None else x.index_select(0, rows)
+            xa = kernels.ops.linear(xs, weights.a, None, invariant)
+            for piece in weights.pieces:
+                delta = kernels.ops.linear(
+                    xa[:, piece.a_start : piece.a_end], piece.b, None, invariant
+                )
+                out = y.narrow(-1, piece.out_offset, piece.b.shape[0])
+                if rows is None:
+                    out.add_(delta)
+                else:
+                    out.index_add_(0, rows, delta)
+        return y
+
+
+class LoRAManager:
+    """The loaded adapters of one model and the wrapping of its layers.
+
+    Args:
+        model: the loaded (and quantized) model; its decoder's linear layers are wrapped.
+        max_rank: ``--max-lora-rank``.
+        max_cpu_loras: adapters kept loaded at once (``--max-cpu-loras``).
+        dtype, device: what the adapters' weights are converted to (the activations').
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_rank: int,
+        max_cpu_loras: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model, self.max_rank, self.max_cpu_loras = model, max_rank, max_cpu_loras
+        self.dtype, self.device = dtype, device
+        self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        wrapped = 0
+        for path, module in model.named_modules():
+            if (
+                getattr(module, "quantizable", False)
+                and hasattr(module, "output_size")
+                and not hasattr(module, "compute_logits")
+            ):
+                module.quant_method = LoRALinearMethod(module.quant_method, path)
+                wrapped += 1
+        logger.info(
+            "LoRA: %d linear layers take adapters (rank <= %d, %d kept loaded)",
+            wrapped,
+            max_rank,
+            max_cpu_loras,
+        )
+
+    def add(self, request: LoRARequest) -> bool:
+        """Load ``request``'s adapter (validated against the model); ``False`` when that
+        adapter (same id and path) is loaded already.
+
+        Raises:
+            LoRAAdapterError: the adapter cannot be served (see ``load_adapter``), or its id
+                is taken by another adapter.
+        """
+        loaded = self.adapters.get(request.lora_int_id)
+        if loaded is not None:
+            if loaded.request.lora_path != request.lora_path:
+                raise LoRAAdapterError(
+                    f"LoRA adapter {request.lora_name!r}: id {request.lora_int_id} is taken by "
+                    f"{loaded.request.lora_name!r}"
+                )
+            self.adapters.move_to_end(request.lora_int_id)
+            return False
+        adapter = load_adapter(request, self.model, self.max_rank, self.dtype, self.device)
+        self.adapters[request.lora_int_id] = adapter
+        logger.info(
+            "LoRA adapter %r loaded from %s: rank %d, %d layers, %.1f MiB",
+            request.lora_name,
+            request.lora_path,
+            adapter.rank,
+            len(adapter.layers),
+            adapter.nbytes / 2**20,
+        )
+        self._evict(keep={request.lora_int_id})
+        return True
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Drop an adapter; ``False`` when it was not loaded."""
+        return self.adapters.pop(lora_int_id, None) is not None
+
+    def _evict(self, keep: set[int]) -> None:
+        """Drop the least recently used adapters (not in ``keep``) beyond ``max_cpu_loras``."""
+        for lora_id in list(self.adapters):
+            if len(self.adapters) <= self.max_cpu_loras:
+                return
+            if lora_id not in keep:
+                del self.adapters[lora_id]
+
+    def step(self, requests: list[LoRARequest | None], query_lens: list[int]) -> LoRAStep | None:
+        """The step's :class:`LoRAStep` for sequences with adapters ``requests`` (``None``:
+        the base model) of ``query_lens`` tokens each, laid end to end; ``None`` when no
+        sequence uses one. An adapter dropped since it was added is read again."""
+        rows: dict[int, list[int]] = {}
+        by_id: dict[int, LoRARequest] = {}
+        start = 0
+        for request, n in zip(requests, query_lens):
+            if request is not None:
+                rows.setdefault(request.lora_int_id, []).extend(range(start, start + n))
+                by_id[request.lora_int_id] = request
+            start += n
+        if not rows:
+            return None
+        segments = []
+        for lora_id, ids in rows.items():
+            if lora_id not in self.adapters:
+                self.add(by_id[lora_id])
+            self.adapters.move_to_end(lora_id)
+            index = None if len(ids) == start else torch.tensor(ids, device=self.device)
+            segments.append((self.adapters[lora_id], index))
+        self._evict(keep=set(rows))
+        return LoRAStep(segments)
