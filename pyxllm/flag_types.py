@@ -111,3 +111,41 @@ def api_keys(text: str) -> list[str]:
 
 
 api_keys.__name__ = "_api_keys"
+
+
+def lora_modules(text: str) -> list[dict]:
+    """vLLM's ``--lora-modules`` value: ``name=path`` pairs (comma-separated), or a JSON object
+    ``{"name": ..., "path": ..., "base_model_name": ...}`` or a list of them; each as such a
+    dict (``base_model_name`` ``None`` when not given)."""
+    stripped = text.strip()
+    if stripped.startswith(("{", "[")):
+        try:
+            items = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc}") from None
+        items = items if isinstance(items, list) else [items]
+        modules = []
+        for item in items:
+            if not (
+                isinstance(item, dict)
+                and isinstance(item.get("name"), str)
+                and isinstance(item.get("path"), str)
+            ):
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: each adapter is an object with string name and path"
+                )
+            modules.append(
+                {
+                    "name": item["name"],
+                    "path": item["path"],
+                    "base_model_name": item.get("base_model_name"),
+                }
+            )
+        return modules
+    modules = []
+    for pair in stripped.split(","):
+        name, sep, path = pair.strip().partition("=")
+        if not (sep and name.strip() and path.strip()):
+            raise argparse.ArgumentTypeError(f"{pair!r} is not NAME=PATH")
+        modules.append({"name": name.strip(), "path": path.strip(), "base_model_name": None})
+    return modules

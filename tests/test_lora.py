@@ -207,3 +207,67 @@ def test_lora_flags_are_checked():
         LLM(enable_lora=True, max_loras=4, max_cpu_loras=2)
     with pytest.raises(ValueError, match="--enable-lora"):
         LLM(**KWARGS).generate(["hi"], GREEDY, lora_request=LoRARequest("a", 1, "/x"))
+
+
+# --- through the server ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def remote(models):
+    from tests.utils import RemoteServer
+
+    base_dir, _, adapters = models
+    args = [
+        *(str(base_dir), "--enable-lora", "--allow-runtime-lora-updating"),
+        *("--lora-modules", f"attn={adapters['attn'][0]}"),
+        *("--max-model-len", "96", "--kv-cache-memory", "0.05", "--dtype", "float32"),
+    ]
+    with RemoteServer(args) as server:
+        yield server
+
+
+def _complete(client, model: str) -> list[str]:
+    return [
+        client.completions.create(model=model, prompt=p, max_tokens=NEW_TOKENS, temperature=0)
+        .choices[0]
+        .text
+        for p in PROMPTS
+    ]
+
+
+def test_the_server_serves_adapters_by_name_and_loads_them_at_runtime(models, llm, remote):
+    import httpx
+
+    client = remote.openai_client()
+    cards = {card.id: card for card in client.models.list().data}
+    base = next(name for name in cards if name != "attn")
+    assert cards["attn"].model_extra["parent"] == base
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for name, lora_id in (("attn", 1), ("mlp", 2)):
+        want = [
+            o.outputs[0].text
+            for o in llm.generate(prompts, GREEDY, lora_request=_request(models, name, lora_id))
+        ]
+        if name == "mlp":  # not served yet: a 404, then loaded at runtime
+            with pytest.raises(Exception, match="does not exist"):
+                _complete(client, "mlp")
+            answer = httpx.post(
+                remote.url_for("v1", "load_lora_adapter"),
+                json={"lora_name": "mlp", "lora_path": str(models[2]["mlp"][0])},
+            )
+            assert answer.status_code == 200, answer.text
+        assert _complete(client, name) == want, name
+    assert _complete(client, base) == [o.outputs[0].text for o in llm.generate(prompts, GREEDY)]
+    # a bad adapter is refused by name and the server keeps serving
+    for body, status in (
+        ({"lora_name": "gone", "lora_path": "/nowhere"}, 404),
+        ({"lora_name": "attn", "lora_path": str(models[2]["all"][0])}, 400),
+        ({"lora_name": "x", "lora_path": "/nowhere", "extra": 1}, 400),
+    ):
+        answer = httpx.post(remote.url_for("v1", "load_lora_adapter"), json=body)
+        assert answer.status_code == status, answer.text
+    unload = remote.url_for("v1", "unload_lora_adapter")
+    assert httpx.post(unload, json={"lora_name": "mlp"}).status_code == 200
+    assert httpx.post(unload, json={"lora_name": "mlp"}).status_code == 404
+    assert "mlp" not in {card.id for card in client.models.list().data}
+    assert _complete(client, "attn")[0]

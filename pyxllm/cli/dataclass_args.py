@@ -37,7 +37,7 @@ def _field_type(hint) -> tuple[type, bool]:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(args) == 1:
             return _field_type(args[0])[0], True
-    if origin is tuple and typing.get_args(hint) == (str, ...):
+    if origin is tuple and typing.get_args(hint)[1:] == (...,):  # items: str, or the flag's type
         return tuple, False
     if hint in (bool, *_CONVERTERS):
         return hint, False

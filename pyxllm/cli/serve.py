@@ -64,6 +64,16 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--max-waiting-requests: must be >= 0")
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout: must be >= 0")
+    lora_modules = [m for group in args.lora_modules or () for m in group]
+    if lora_modules and not args.enable_lora:
+        parser.error("--lora-modules: needs --enable-lora")
+    if args.enable_lora and args.data_parallel_size > 1:
+        parser.error(
+            "--enable-lora: not with --data-parallel-size > 1 (one engine serves adapters)"
+        )
+    names = [m["name"] for m in lora_modules]
+    if len(set(names)) != len(names):
+        parser.error(f"--lora-modules: names must differ, got {', '.join(names)}")
     if args.data_parallel_size > 1 and args.nnodes > 1:
         parser.error(
             "--data-parallel-size: cannot be combined with --nnodes (tensor parallelism "

@@ -20,6 +20,7 @@ from pyxllm.engine.errors import EngineDeadError
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.engine.protocol import EngineClient
+from pyxllm.lora_request import LoRARequest
 from pyxllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class AsyncEngine(EngineClient):
         self.max_num_seqs = engine.config.max_seqs_per_batch
         self.task = engine.config.task
         self.metrics = engine.metrics
+        self.lora_requests = {}  # name -> LoRARequest, see add_lora
         self._streams: dict[str, RequestStream] = {}
         self._loop = EngineLoop(engine, self, stats_interval)
 
@@ -123,6 +125,23 @@ class AsyncEngine(EngineClient):
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a LoRA adapter on the engine's thread, between two steps, then serve it under
+        its name (see :class:`~pyxllm.engine.protocol.EngineClient`)."""
+        if lora_request.lora_name in self.lora_requests or (
+            lora_request.lora_name in self.served_model_names
+        ):
+            raise ValueError(f"lora_name: {lora_request.lora_name!r} is served already")
+        await asyncio.wrap_future(self._loop.call(lambda engine: engine.add_lora(lora_request)))
+        self.lora_requests[lora_request.lora_name] = lora_request
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Stop serving the adapter named ``lora_name`` and drop it from memory (a request
+        still running with it reads it again)."""
+        lora_request = self.lora_requests.pop(lora_name)
+        lora_id = lora_request.lora_int_id
+        await asyncio.wrap_future(self._loop.call(lambda engine: engine.remove_lora(lora_id)))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe; takes effect before the engine's next step)."""

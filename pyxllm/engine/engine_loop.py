@@ -13,8 +13,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pyxllm.engine.errors import RequestFailedError
 from pyxllm.engine.input_processor import EngineRequest
@@ -80,7 +81,16 @@ class StopLoop:
     """Engine-loop command: leave the loop."""
 
 
-EngineCommand = AddRequest | AbortRequest | StopLoop
+@dataclass(frozen=True, slots=True)
+class CallEngine:
+    """Engine-loop command: ``fn(engine)`` between two steps, its result (or exception) into
+    ``future`` (loading a LoRA adapter: only the loop's thread touches the engine)."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: Future
+
+
+EngineCommand = AddRequest | AbortRequest | StopLoop | CallEngine
 
 
 class OutputSink(Protocol):
@@ -137,6 +147,13 @@ class EngineLoop:
         """Abort a request (thread-safe; takes effect before the engine's next step)."""
         self._commands.put(AbortRequest(request_id))
 
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
+        """``fn(engine)`` on the loop's thread between two steps (thread-safe); its result or
+        exception in the returned future."""
+        future: Future = Future()
+        self._commands.put(CallEngine(fn, future))
+        return future
+
     def is_alive(self) -> bool:
         """Whether the loop's thread still runs."""
         return self._thread.is_alive()
@@ -156,6 +173,11 @@ class EngineLoop:
                 self.sink.fail(command.request.request_id, e)
         elif isinstance(command, AbortRequest):
             self.engine.abort_request(command.request_id)
+        elif isinstance(command, CallEngine):
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                command.future.set_exception(e)
 
     def _drain(self, block: bool) -> None:
         try:

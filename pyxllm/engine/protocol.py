@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from pyxllm.engine.input_processor import EngineRequest, InputProcessor
     from pyxllm.engine.tokenizer import Tokenizer
+    from pyxllm.lora_request import LoRARequest
     from pyxllm.outputs import RequestOutput
 
 
@@ -48,6 +49,8 @@ class EngineClient(Protocol):
         task: what the engine makes, ``generate`` (text) or ``embed`` (pooled vectors;
             ``--task``).
         metrics: the engine's Prometheus metrics.
+        lora_requests: the LoRA adapters served (``--enable-lora``) by the name requests give
+            as ``model``.
     """
 
     input_processor: InputProcessor
@@ -59,6 +62,24 @@ class EngineClient(Protocol):
     data_parallel_size: int
     task: str
     metrics: EngineMetrics
+    lora_requests: dict[str, LoRARequest]
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a LoRA adapter and serve it under its name.
+
+        Raises:
+            ValueError: no ``--enable-lora``, the name is served already, or the adapter
+                cannot be served (``LoRAAdapterError``, naming it).
+        """
+        ...
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Stop serving a LoRA adapter (requests already running with it finish).
+
+        Raises:
+            KeyError: no adapter is served under that name.
+        """
+        ...
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Run a processed request, yielding its output after every step that changed it (the

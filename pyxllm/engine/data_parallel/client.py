@@ -125,6 +125,7 @@ class DataParallelEngine(EngineClient):
         # the replicas load the model while this process loads the tokenizer
         front, self.replicas = self._start(config, size, stats_interval)
         self.task = front.config.task  # generate: _start refuses embed
+        self.lora_requests = {}  # --enable-lora is refused with replicas
         self.tokenizer, self.max_model_len = front.tokenizer, front.max_model_len
         self.served_model_names, self.model_name = front.served_model_names, front.model_name
         num_blocks = min(replica.ready.num_kv_blocks for replica in self.replicas)
@@ -293,6 +294,14 @@ class DataParallelEngine(EngineClient):
                 yield output
         finally:
             self._forget(request_id, abort=not finished)
+
+    async def add_lora(self, lora_request) -> None:
+        """Refused: LoRA adapters are served by one engine (no ``--data-parallel-size``)."""
+        raise ValueError("LoRA adapters: not with --data-parallel-size > 1")
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """No adapter is ever served here (see :meth:`add_lora`)."""
+        raise KeyError(lora_name)
 
     def abort(self, request_id: str) -> None:
         """Abort a request on its replica, which frees its KV blocks (unknown ids are

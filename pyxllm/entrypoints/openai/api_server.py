@@ -27,6 +27,7 @@ process exits with status 1 after 20 s.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import ipaddress
 import logging
@@ -80,6 +81,8 @@ from pyxllm.entrypoints.openai.security import install_security
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pyxllm.entrypoints.openai.serving_lora import load_lora, runtime_updating_allowed
+from pyxllm.entrypoints.openai.serving_lora import router as lora_router
 from pyxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pyxllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pyxllm.entrypoints.openai.serving_tokenization import (
@@ -97,12 +100,21 @@ router = APIRouter(route_class=OpenAIRoute)
 
 
 def _model_cards(raw_request: Request) -> list[ModelCard]:
-    """One card per served name (``--served-model-name a b``), the first first."""
+    """One card per served name (``--served-model-name a b``), the first first, then one per
+    LoRA adapter (its ``root`` its directory, its ``parent`` the served model)."""
     engine = raw_request.app.state.engine
     names = engine.served_model_names
     return [
         ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
         for name in names
+    ] + [
+        ModelCard(
+            id=name,
+            root=lora.lora_path,
+            parent=lora.base_model_name or engine.model_name,
+            max_model_len=engine.max_model_len,
+        )
+        for name, lora in engine.lora_requests.items()
     ]
 
 
@@ -331,6 +343,8 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
         root_path=options.root_path,
     )
     app.include_router(router)
+    if runtime_updating_allowed(options.allow_runtime_lora_updating):
+        app.include_router(lora_router)
     app.state.engine = engine
     app.state.ignore_unknown_fields = options.ignore_unknown_fields
     if engine.input_processor.structured_outputs is not None:  # ready for the first constraint
@@ -513,6 +527,11 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
         raise
     server = None
     try:
+        for module in options.lora_modules:
+            try:
+                asyncio.run(load_lora(engine, **module))
+            except OpenAIError as exc:
+                raise ValueError(f"--lora-modules {module['name']}: {exc.message}") from exc
         app = build_app(engine, options)
         host, port = options.host, options.port
         shown_host = f"[{host}]" if ":" in host else host

@@ -161,13 +161,15 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 class ModelCard(OpenAIBaseModel):
-    """One entry of ``GET /v1/models``; ``root`` and ``max_model_len`` are vLLM extensions."""
+    """One entry of ``GET /v1/models``; ``root``, ``parent`` (a LoRA adapter's base model)
+    and ``max_model_len`` are vLLM extensions."""
 
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pyxllm"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -21,6 +21,7 @@ from pyxllm.flag_types import (
     api_keys,
     float_value,
     int_value,
+    lora_modules,
     optional,
     port,
     positive,
@@ -123,6 +124,10 @@ class ServerOptions:
             the engine runs in the server's process, see :mod:`pyxllm.engine.data_parallel`).
         dp_routing: how a request's replica is chosen (``--dp-routing``: ``cache_aware``,
             ``least_loaded`` or ``round_robin``).
+        lora_modules: LoRA adapters loaded at start-up (``--lora-modules``), each ``{"name",
+            "path", "base_model_name"}``; needs ``--enable-lora``.
+        allow_runtime_lora_updating: whether ``POST /v1/load_lora_adapter`` and
+            ``/v1/unload_lora_adapter`` answer (also vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
     """
 
     host: str = flag("127.0.0.1", group=SERVER_FLAGS, help="address to listen on")
@@ -363,4 +368,23 @@ class ServerOptions:
         help="which replica serves a request: cache_aware (the one whose prefix cache holds at "
         "least 30 %% of its prompt, else the least loaded), least_loaded (fewest running plus "
         "waiting requests) or round_robin",
+    )
+    lora_modules: tuple[dict, ...] = flag(
+        (),
+        type=lora_modules,
+        action="append",
+        flag_default=None,
+        metavar="NAME=PATH",
+        to_field=lambda args: tuple(m for group in args.lora_modules or () for m in group),
+        group="LoRA flags",
+        help="LoRA adapters to serve from start-up (with --enable-lora), each a PEFT directory "
+        "that requests name as their `model`: NAME=PATH pairs, comma-separated, or vLLM's JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (or a list of them); the flag '
+        "may repeat",
+    )
+    allow_runtime_lora_updating: bool = flag(
+        False,
+        group="LoRA flags",
+        help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true in the environment turns it on too)",
     )

@@ -182,6 +182,7 @@ class OpenAIServingChat(OpenAIServing):
             if request.max_completion_tokens is None
             else "max_completion_tokens",
             constrain_after=() if reasoning is None else reasoning.end_token_ids(),
+            lora_request=self.lora_request(request.model),
         )
         await self.prepare(engine_request)
         return PreparedChat(engine_request, reasoning, tools)

@@ -53,7 +53,12 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt = completion_prompt(request)
         if isinstance(prompt, str):
             prompt = await self.tokenize(prompt)
-        engine_request = self.processor.process(f"cmpl-{uuid.uuid4().hex}", prompt, params)
+        engine_request = self.processor.process(
+            f"cmpl-{uuid.uuid4().hex}",
+            prompt,
+            params,
+            lora_request=self.lora_request(request.model),
+        )
         await self.prepare(engine_request)
         echo = None
         if request.echo:

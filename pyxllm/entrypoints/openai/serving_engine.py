@@ -22,6 +22,7 @@ from pyxllm.entrypoints.openai.protocol import PromptTokenUsageInfo, SamplingFie
 from pyxllm.entrypoints.openai.request_logger import RequestLogger, RequestWatch
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.structured_outputs import requested_constraint
+from pyxllm.lora_request import LoRARequest
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.sampling_params import SamplingParams
 
@@ -220,12 +221,18 @@ class OpenAIServing:
     # --- checks -------------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is one of the served names (a missing model means the first)."""
-        if model is not None and model not in self.served_model_names:
-            names = ", ".join(f"`{name}`" for name in self.served_model_names)
+        """404 unless ``model`` is one of the served names or LoRA adapters (a missing model
+        means the first name)."""
+        served = self.served_model_names
+        if model is not None and model not in served and model not in self.engine.lora_requests:
+            names = ", ".join(f"`{name}`" for name in (*served, *self.engine.lora_requests))
             raise OpenAIError(
                 f"The model `{model}` does not exist; this server serves {names}.", 404, "model"
             )
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names, ``None`` for the base model."""
+        return None if model is None else self.engine.lora_requests.get(model)
 
     def usage(
         self, request: EngineRequest, completion_tokens: int, output: RequestOutput | None
