@@ -80,8 +80,9 @@ def measure_server(
     warmup: list,
 ) -> dict[str, dict]:
     """Start the server ``cmd``, send it the ``warmup`` prompts (4 new tokens, 2 clients), then
-    each load ``label: (prompts, output_len, clients)`` in turn through ``pyxllm bench
-    serve``'s client, and stop it. Returns ``label: figures``: aggregate output tok/s, median
+    each load ``label: (prompts, output_len, clients)`` (or ``(..., model_names)``: the
+    requests name those models in turn) in turn through ``pyxllm bench serve``'s client, and
+    stop it. Returns ``label: figures``: aggregate output tok/s, median
     TTFT and TPOT in ms, completed and failed requests, output tokens, and the server's
     resident memory in MiB once it answered (``VmRSS``; None where ``/proc`` has none)."""
     proc = start_server(name, cmd, port, threads)
@@ -90,8 +91,12 @@ def measure_server(
     try:
         url = f"http://127.0.0.1:{port}/v1"
         asyncio.run(run_benchmark(url, warmup, 4, 2))
-        for label, (prompts, output_len, clients) in loads.items():
-            records, duration = asyncio.run(run_benchmark(url, prompts, output_len, clients))
+        for label, (prompts, output_len, clients, *names) in loads.items():
+            records, duration = asyncio.run(
+                run_benchmark(
+                    url, prompts, output_len, clients, model_names=names[0] if names else None
+                )
+            )
             m = compute_metrics(records, duration)
             results[label] = {
                 "output_tok_s": m.output_throughput,

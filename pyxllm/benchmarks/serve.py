@@ -36,6 +36,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="the model name to send (default: the first of GET /models)",
     )
     parser.add_argument(
+        "--lora-modules",
+        type=lambda text: [name.strip() for name in text.split(",") if name.strip()],
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="send the requests to these model names (a server's LoRA adapters) in turn, "
+        "request i to name i mod N (vLLM's bench flag picks one at random) (default: "
+        "--model-name)",
+    )
+    parser.add_argument(
         "--tokenizer",
         default=None,
         metavar="PATH",
@@ -180,8 +189,10 @@ async def run_benchmark(
     seed: int = 0,
     timeout: float = 600.0,
     extra_fields: dict | None = None,
+    model_names: list[str] | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Send every prompt (each request's body also gets ``extra_fields``); returns the
+    """Send every prompt (each request's body also gets ``extra_fields``; with
+    ``model_names``, request ``i`` names ``model_names[i % len(model_names)]``); returns the
     per-request records, in the order sent, and the wall duration in seconds.
 
     Raises:
@@ -199,7 +210,7 @@ async def run_benchmark(
         rng = random.Random(seed)
         records = [RequestRecord(prompt_tokens=len(ids)) for _, ids in prompts]
 
-        async def limited(text: str, record: RequestRecord) -> None:
+        async def limited(text: str, record: RequestRecord, model: str) -> None:
             body = {
                 "model": model,
                 "prompt": text,
@@ -216,8 +227,9 @@ async def run_benchmark(
 
         start = time.perf_counter()
         tasks = []
-        for (text, _), record in zip(prompts, records):
-            tasks.append(asyncio.create_task(limited(text, record)))
+        names = model_names or [model]
+        for i, ((text, _), record) in enumerate(zip(prompts, records)):
+            tasks.append(asyncio.create_task(limited(text, record, names[i % len(names)])))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
         await asyncio.gather(*tasks)
@@ -241,6 +253,7 @@ def bench_serve(args: argparse.Namespace) -> dict:
             args.seed,
             args.timeout,
             structured_output_fields(args.structured_output),
+            args.lora_modules,
         )
     )
     metrics = compute_metrics(records, duration)

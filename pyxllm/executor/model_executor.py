@@ -208,9 +208,7 @@ class ModelExecutor:
         )
         # a trace would record a step's adapters as constants: LoRA runs eagerly
         self.lora = (
-            LoRAManager(
-                self.model, config.max_lora_rank, config.lora_slots, self.dtype, self.device
-            )
+            LoRAManager(self.model, config.max_lora_rank, config.lora_slots, self.device)
             if config.enable_lora
             else None
         )

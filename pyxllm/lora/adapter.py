@@ -6,8 +6,9 @@ saves ``adapter_config.json`` and ``adapter_model.safetensors`` with, per target
 computes ``W x + B A x * scaling`` with ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)``
 with ``use_rslora``, Kalajdzievski 2023). Our models fuse q/k/v and gate/up into one layer
 (``packed_modules_mapping``), so an adapter's pieces for one fused layer are gathered: their A
-matrices stacked into one ``[sum r, in]`` matmul, each B adding into its own slice of the
-layer's output. ``scaling`` is folded into B once, at load.
+matrices stacked into one ``[sum r, in]`` matmul, the B matrices placed in one block matrix
+``[out, sum r]`` (each in its own output slice and rank columns). ``scaling`` is folded into B
+once, at load.
 
 What vLLM refuses we refuse, by name: DoRA (``use_dora``), trained biases (``bias`` other
 than ``"none"``), ``modules_to_save`` (whole replaced layers such as a new LM head), embedding
@@ -47,25 +48,15 @@ class LoRAAdapterError(ValueError):
 
 
 @dataclass(slots=True)
-class LoRAPiece:
-    """One adapted checkpoint module inside a (possibly fused) layer: it adds ``B (A x)`` to
-    output features ``[out_offset, out_offset + b.shape[0])``, its ``A x`` being columns
-    ``[a_start, a_end)`` of the layer's stacked ``A x``; ``b [out_size, r]`` holds
-    ``lora_B * scaling``."""
-
-    out_offset: int
-    a_start: int
-    a_end: int
-    b: torch.Tensor
-
-
-@dataclass(slots=True)
 class LoRALayerWeights:
-    """An adapter's weights for one layer: ``a [sum r, in]`` (every piece's ``lora_A``
-    stacked) and its pieces."""
+    """An adapter's weights for one layer, float32: ``a [R, in]``, the ``lora_A`` of each
+    adapted checkpoint module inside the layer stacked (``R`` the sum of their ranks), and ``b
+    [out, R]``, each module's ``lora_B * scaling`` in its block (its output features, its rank
+    columns) and zeros elsewhere, so the layer's delta is two matmuls, ``(x a^T) b^T``,
+    whatever it fuses (q/k/v: a few thousand zero multiply-adds instead of three calls)."""
 
     a: torch.Tensor
-    pieces: list[LoRAPiece]
+    b: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -85,7 +76,7 @@ class LoRAAdapter:
     @property
     def nbytes(self) -> int:
         """Bytes its weights take."""
-        return sum(w.a.nbytes + sum(p.b.nbytes for p in w.pieces) for w in self.layers.values())
+        return sum(w.a.nbytes + w.b.nbytes for w in self.layers.values())
 
 
 def output_slice(layer: nn.Module, shard) -> tuple[int, int]:
@@ -237,12 +228,12 @@ def load_adapter(
             )
         stacked.setdefault(path, (layer, []))[1].append((offset, a, b))
     layers = {}
-    for path, (_, parts) in stacked.items():
-        pieces, start = [], 0
-        for offset, a, b in parts:
-            scaled = (b.double() * scaling).to(dtype=dtype, device=device).contiguous()
-            pieces.append(LoRAPiece(offset, start, start + a.shape[0], scaled))
-            start += a.shape[0]
+    for path, (layer, parts) in stacked.items():
         a_all = torch.cat([a for _, a, _ in parts]).to(dtype=dtype, device=device).contiguous()
-        layers[path] = LoRALayerWeights(a_all, pieces)
+        b_all = torch.zeros(layer.output_size, a_all.shape[0], dtype=torch.float64)
+        start = 0
+        for offset, a, b in parts:
+            b_all[offset : offset + b.shape[0], start : start + a.shape[0]] = b.double() * scaling
+            start += a.shape[0]
+        layers[path] = LoRALayerWeights(a_all, b_all.to(dtype=dtype, device=device))
     return LoRAAdapter(request, rank, layers)

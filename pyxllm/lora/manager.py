@@ -7,10 +7,10 @@ whole step, whatever adapters its rows use, and then each adapter present in the
 idea, "segmented" LoRA, written as plain ops). Rows without an adapter get the base output. So
 requests on different adapters and on the base model share every step.
 
-The adapters' matmuls go through the platform's ``linear`` with ``--batch-invariant``'s flag, so
-with float32 weights a row's delta has the same bits whichever rows share its step. The base
-weights may be quantized (``--quantization``, a GGUF file's blocks); the deltas run in the
-activations' dtype.
+The adapters' matmuls run in float32 on the platform's row-invariant ``linear`` (the CPU's), so
+a row's delta has the same bits whichever rows share its step. The base weights may be
+quantized (``--quantization``, a GGUF file's blocks) or bfloat16; the float32 delta is added to
+the base output in its dtype.
 
 Adapters are loaded once (:meth:`LoRAManager.add`, validated then) and kept up to
 ``--max-cpu-loras``, the least recently used one dropped for a new one (and read again from its
@@ -57,34 +57,35 @@ class LoRALinearMethod:
 
     @property
     def batch_invariant(self) -> bool:
-        """Whether the base matmul is row-invariant (the deltas are whenever it is)."""
+        """Whether the base matmul is row-invariant (the float32 deltas are on the CPU)."""
         return getattr(self.base, "batch_invariant", False)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``base(x) + B (A x)`` on each adapter's rows of ``x [T, in]`` -> ``[T, out]``."""
+        """``base(x) + B (A x)`` on each adapter's rows of ``x [T, in]`` -> ``[T, out]``.
+
+        The deltas are computed in float32 on the platform's row-invariant ``linear`` where it
+        has one (so a row's delta does not depend on the other rows), then added to the base
+        output in its dtype: each adapter's rows gathered, added to, and written back whole
+        (row copies; a scatter-add into a column slice took ~100 us a call on the CPU).
+        """
         y = self.base.apply(layer, x, bias)
         context = current_forward_context()
         step = None if context is None else context.lora
         if step is None:
             return y
-        invariant = self.batch_invariant
         for adapter, rows in step.segments:
             weights = adapter.layers.get(self.path)
             if weights is None:
                 continue
-            xs = x if rows is None else x.index_select(0, rows)
-            xa = kernels.ops.linear(xs, weights.a, None, invariant)
-            for piece in weights.pieces:
-                delta = kernels.ops.linear(
-                    xa[:, piece.a_start : piece.a_end], piece.b, None, invariant
-                )
-                out = y.narrow(-1, piece.out_offset, piece.b.shape[0])
-                if rows is None:
-                    out.add_(delta)
-                else:
-                    out.index_add_(0, rows, delta)
+            xs = (x if rows is None else x.index_select(0, rows)).float()
+            xa = kernels.ops.linear(xs, weights.a, None, True)
+            delta = kernels.ops.linear(xa, weights.b, None, True)
+            if rows is None:
+                y.add_(delta)
+            else:
+                y.index_copy_(0, rows, y.index_select(0, rows).add_(delta))
         return y
 
 
@@ -95,7 +96,8 @@ class LoRAManager:
         model: the loaded (and quantized) model; its decoder's linear layers are wrapped.
         max_rank: ``--max-lora-rank``.
         max_cpu_loras: adapters kept loaded at once (``--max-cpu-loras``).
-        dtype, device: what the adapters' weights are converted to (the activations').
+        device: where the adapters' weights go (in float32, whatever the activations' dtype:
+            the deltas are small matmuls, and float32 keeps them row-invariant on the CPU).
     """
 
     def __init__(
@@ -103,11 +105,10 @@ class LoRAManager:
         model: nn.Module,
         max_rank: int,
         max_cpu_loras: int,
-        dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.model, self.max_rank, self.max_cpu_loras = model, max_rank, max_cpu_loras
-        self.dtype, self.device = dtype, device
+        self.device = device
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
         wrapped = 0
         for path, module in model.named_modules():
@@ -142,7 +143,7 @@ class LoRAManager:
                 )
             self.adapters.move_to_end(request.lora_int_id)
             return False
-        adapter = load_adapter(request, self.model, self.max_rank, self.dtype, self.device)
+        adapter = load_adapter(request, self.model, self.max_rank, torch.float32, self.device)
         self.adapters[request.lora_int_id] = adapter
         logger.info(
             "LoRA adapter %r loaded from %s: rank %d, %d layers, %.1f MiB",

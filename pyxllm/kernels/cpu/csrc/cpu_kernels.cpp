@@ -1102,6 +1102,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 constexpr int kRowBlock = 6;
 constexpr int kColBlock = 2;
 constexpr int64_t kColsPerTask = 32;
+constexpr int64_t kSerialLinearMacs = int64_t{1} << 18;  // as group_linear.cpp's kSerialMacs
 
 inline float hsum8(Vec8 v) {
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
@@ -1185,8 +1186,10 @@ at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& weight, const s
   const float* xp = x2.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  // a task's microseconds must outweigh its scheduling: at least kColsPerTask weight rows
-  at::parallel_for(0, n, kColsPerTask, [&](int64_t begin, int64_t end) {
+  // a task's microseconds must outweigh its scheduling: at least kColsPerTask weight rows, and
+  // below kSerialLinearMacs in all (a LoRA adapter's small matmuls) the calling thread alone
+  const int64_t grain = rows * n * k < kSerialLinearMacs ? n : kColsPerTask;
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t j0 = begin; j0 < end; j0 += kColsPerTask)
       rowwise_columns(y, xp, wp, bp, rows, k, n, j0, std::min(end, j0 + kColsPerTask));
   });
