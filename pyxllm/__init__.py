@@ -16,12 +16,20 @@ from pyxllm.lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from pyxllm.entrypoints.llm import LLM
     from pyxllm.lora_request import LoRARequest
-    from pyxllm.outputs import CompletionOutput, RequestOutput
-    from pyxllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from pyxllm.outputs import (
+        BeamSearchOutput,
+        BeamSearchSequence,
+        CompletionOutput,
+        RequestOutput,
+    )
+    from pyxllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "pyxllm.entrypoints.llm",
+    "BeamSearchOutput": "pyxllm.outputs",
+    "BeamSearchParams": "pyxllm.sampling_params",
+    "BeamSearchSequence": "pyxllm.outputs",
     "LoRARequest": "pyxllm.lora_request",
     "CompletionOutput": "pyxllm.outputs",
     "RequestOutput": "pyxllm.outputs",
@@ -30,6 +38,9 @@ _EXPORTS = {
 }
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "LoRARequest",
     "CompletionOutput",
     "RequestOutput",

@@ -76,6 +76,39 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class BeamSearchSequence:
+    """One sequence of a beam search (vLLM's ``BeamSearchSequence``).
+
+    Attributes:
+        tokens: the prompt's token ids and the generated ones (a finishing EOS included).
+        logprobs: per generated token, the top logprobs at its position (token id ->
+            :class:`~pyxllm.outputs.Logprob`, natural log).
+        cum_logprob: the generated tokens' summed logprob.
+        score: ``cum_logprob / len(generated) ** length_penalty``, the rank of a finished
+            sequence (transformers' ``sequences_scores``; a pyxllm addition).
+        text: the decoded ``tokens`` (filled when returned).
+        finish_reason: ``"stop"`` (an EOS token) or ``"length"`` (``max_tokens``).
+        stop_reason: the EOS token id that finished it, else ``None``.
+    """
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    score: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """A prompt's beam search result (vLLM's ``BeamSearchOutput``): ``beam_width`` sequences,
+    best score first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass(slots=True)
 class PoolingOutput:
     """An embedding request's result (vLLM's ``PoolingOutput``): ``data``, the pooled vector,
     ``float32 [dimensions]`` on the CPU (the model's ``hidden_size`` unless the request asked

@@ -287,6 +287,48 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class BeamSearchParams:
+    """How one beam search runs (vLLM's ``BeamSearchParams``; see
+    :mod:`pyxllm.engine.beam_search` for the algorithm, which is transformers').
+
+    - ``beam_width`` beams are kept at each step, and as many sequences come back, best first
+      (at most :data:`MAX_LOGPROBS` // 2: each beam asks for ``2 * beam_width`` candidates).
+    - ``max_tokens`` new tokens at most (>= 1).
+    - ``ignore_eos``: an EOS token does not finish a beam.
+    - ``temperature``: 0 only. Beams are ranked by the model's log-probabilities; vLLM takes a
+      temperature here that its (raw) logprobs ignore, so a value above 0 is refused rather
+      than silently ignored.
+    - ``length_penalty``: a finished sequence's score is its summed logprob divided by its
+      length (generated tokens, EOS included) to this power; above 0 favours longer ones.
+    - ``include_stop_str_in_output``: keep a finishing EOS token in the sequence's tokens.
+
+    Raises:
+        ValueError: a value out of range; the message starts with the field name.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        most = MAX_LOGPROBS // 2
+        if not 1 <= self.beam_width <= most:
+            raise ValueError(f"beam_width: must be in [1, {most}], got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if self.temperature != 0:
+            raise ValueError(
+                f"temperature: beam search is deterministic (it ranks beams by the model's "
+                f"log-probabilities); must be 0, got {self.temperature}"
+            )
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty: must be a finite number, got {self.length_penalty}")
+
+
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",

@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pyxllm.config import EngineConfig
+from pyxllm.engine.beam_search import BeamSearch
 from pyxllm.engine.errors import RequestFailedError
 from pyxllm.engine.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from pyxllm.engine.llm_engine import LLMEngine
@@ -16,13 +17,14 @@ from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.entrypoints.score_utils import cosine_scores, distinct_texts, score_pairs
 from pyxllm.lora_request import LoRARequest
 from pyxllm.outputs import (
+    BeamSearchOutput,
     PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
 from pyxllm.pooling_params import PoolingParams
-from pyxllm.sampling_params import SamplingParams
+from pyxllm.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict[str, Any]
 
@@ -76,6 +78,53 @@ class LLM:
         """
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         return self._run([_as_prompt(p) for p in prompts], sampling_params, use_tqdm, lora_request)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search from every prompt (vLLM's ``LLM.beam_search``; the rules are
+        transformers', see :mod:`pyxllm.engine.beam_search`): each step runs every live beam of
+        every prompt as a one-token request in one batch, the prefix cache sharing their
+        common blocks. Outputs come back in the order of ``prompts``, each with
+        ``params.beam_width`` sequences, best first; a sequence's ``tokens`` hold the prompt
+        and ``text`` is their decoded text (special tokens skipped).
+
+        Args:
+            prompts: as :meth:`generate` takes them.
+            params: the search's :class:`~pyxllm.sampling_params.BeamSearchParams`.
+
+        Raises:
+            ValueError: an invalid prompt, a prompt plus ``max_tokens`` that do not fit the
+                context, or a ``beam_width`` too large (nothing is run then).
+        """
+        self._require_generate("beam_search")
+        engine = self.llm_engine
+        processor, tokenizer = engine.input_processor, engine.tokenizer
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        first = SamplingParams(max_tokens=params.max_tokens, temperature=0.0)
+        searches = [
+            BeamSearch(
+                processor.process(str(next(self._ids)), prompt, first).prompt_token_ids,
+                params,
+                tokenizer.eos_token_ids,
+            )
+            for prompt in map(_as_prompt, prompts)
+        ]
+        with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as bar:
+            while pending := [(s, s.pending()) for s in searches if not s.done]:
+                requests = [
+                    processor.process(str(next(self._ids)), TokensPrompt(tokens), s.step_params)
+                    for s, beams in pending
+                    for tokens in beams
+                ]
+                outputs = iter(self._drain(requests, False, "Beam search"))
+                for search, beams in pending:
+                    search.advance([next(outputs).outputs[0].logprobs[0] for _ in beams])
+                bar.update(1)
+        return [search.result(tokenizer.decode) for search in searches]
 
     def embed(
         self,
@@ -171,10 +220,7 @@ class LLM:
     def _run(
         self, prompts: list[Prompt], sampling_params, use_tqdm: bool, lora_request=None
     ) -> list[RequestOutput]:
-        if self.llm_engine.config.task != "generate":
-            raise ValueError(
-                f"generate: this LLM runs task {self.llm_engine.config.task!r} (use embed())"
-            )
+        self._require_generate("generate")
         params = sampling_params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
@@ -197,6 +243,12 @@ class LLM:
             if grammar is not None:
                 grammar.compiled()
         return self._drain(requests, use_tqdm, "Generating")
+
+    def _require_generate(self, method: str) -> None:
+        """Raise ValueError (naming ``method``) unless this LLM generates text."""
+        task = self.llm_engine.config.task
+        if task != "generate":
+            raise ValueError(f"{method}: this LLM runs task {task!r} (use embed())")
 
     def _drain(self, requests: list, use_tqdm: bool, desc: str) -> list:
         """Add the processed ``requests`` and step until all finish; their final outputs in

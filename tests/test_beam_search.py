@@ -1,0 +1,216 @@
+"""Beam search: ``LLM.beam_search`` gives transformers' ``generate(num_beams=W)`` beams and scores.
+
+A tiny random Llama (float32, saved by transformers) runs through both; for each prompt the
+``W`` returned sequences must be the same tokens in the same order and their scores
+(``sequences_scores``) must agree to 1e-4: without EOS (``ignore_eos``), with the model's EOS
+ids, and with an EOS id chosen among the tokens the beams pick, so that sequences finish early,
+under several length penalties. The rules themselves (:class:`BeamSearch`) are also checked
+on hand-made logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from model_fixtures import build_checkpoint
+from transformers import GenerationConfig
+
+from pyxllm import LLM, BeamSearchParams
+from pyxllm.engine.beam_search import BeamSearch
+from pyxllm.outputs import Logprob
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was"]
+NEW_TOKENS = 8
+LLM_KWARGS = dict(dtype="float32", max_model_len=96, kv_cache_memory=0.05)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, hf_gguf_tokenizer):
+    """(checkpoint dir, transformers model, prompts as token ids)."""
+    directory, model = build_checkpoint(
+        "llama", tmp_path_factory.mktemp("beam") / "llama", hf_gguf_tokenizer, seed=3
+    )
+    prompts = [hf_gguf_tokenizer(p).input_ids for p in PROMPTS]
+    return directory, model, prompts
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(model=str(checkpoint[0]), **LLM_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def eos_llm(checkpoint, tmp_path_factory):
+    """The same model with one more EOS id (in generation_config.json): the fifth token of the
+    first prompt's best beam, so that beams end with EOS during the search."""
+    directory, model, prompts = checkpoint
+    free = hf_beam_search(model, prompts[0], 4, NEW_TOKENS, eos=None)
+    chosen = [free[0][0][4], free[1][0][2]]
+    copy = tmp_path_factory.mktemp("beam_eos") / "llama"
+    shutil.copytree(directory, copy)
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": chosen}))
+    return LLM(model=str(copy), **LLM_KWARGS)
+
+
+def hf_beam_search(model, ids, width, new_tokens, eos, length_penalty=1.0):
+    """transformers' beams for one prompt: ``[(generated ids up to and with the EOS, score)]``,
+    best first."""
+    config = GenerationConfig(
+        num_beams=width,
+        num_return_sequences=width,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        eos_token_id=eos,
+        pad_token_id=0,
+        length_penalty=length_penalty,
+    )
+    inputs = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            generation_config=config,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    beams = []
+    for row, score in zip(out.sequences, out.sequences_scores):
+        generated = row[len(ids) :].tolist()
+        ends = [i for i, t in enumerate(generated) if t in (eos or ())]
+        beams.append((generated[: ends[0] + 1] if ends else generated, float(score)))
+    return beams
+
+
+def check_equal(llm, model, prompts, width, length_penalty=1.0, ignore_eos=False):
+    """``LLM.beam_search`` against transformers on every prompt; returns pyxllm's outputs."""
+    params = BeamSearchParams(
+        beam_width=width,
+        max_tokens=NEW_TOKENS,
+        ignore_eos=ignore_eos,
+        length_penalty=length_penalty,
+    )
+    outputs = llm.beam_search([{"prompt_token_ids": ids} for ids in prompts], params)
+    eos = None if ignore_eos else sorted(llm.get_tokenizer().eos_token_ids)
+    for ids, output in zip(prompts, outputs):
+        want = hf_beam_search(model, ids, width, NEW_TOKENS, eos, length_penalty)
+        got = [(s.tokens[len(ids) :], s.score) for s in output.sequences]
+        assert [t for t, _ in got] == [t for t, _ in want]
+        for (_, got_score), (_, want_score) in zip(got, want):
+            assert got_score == pytest.approx(want_score, abs=1e-4)
+        for seq in output.sequences:
+            assert seq.tokens[: len(ids)] == ids
+            generated = len(seq.tokens) - len(ids)
+            assert seq.score == pytest.approx(seq.cum_logprob / generated**length_penalty)
+    return outputs
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beams_equal_transformers_without_eos(llm, checkpoint, width):
+    _, model, prompts = checkpoint
+    outputs = check_equal(llm, model, prompts, width, ignore_eos=True)
+    assert all(len(o.sequences) == width for o in outputs)
+    assert {s.finish_reason for o in outputs for s in o.sequences} == {"length"}
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beams_equal_transformers_with_the_models_eos(llm, checkpoint, width):
+    _, model, prompts = checkpoint
+    check_equal(llm, model, prompts, width)
+
+
+@pytest.mark.parametrize(
+    ("width", "length_penalty"), [(2, 1.0), (4, 1.0), (4, 0.5), (3, -0.5), (4, 2.0)]
+)
+def test_beams_equal_transformers_when_beams_end_with_eos(
+    eos_llm, checkpoint, width, length_penalty
+):
+    _, model, prompts = checkpoint
+    outputs = check_equal(eos_llm, model, prompts, width, length_penalty)
+    stopped = [s for o in outputs for s in o.sequences if s.finish_reason == "stop"]
+    if length_penalty <= 1:  # a penalty of 2 favours the long beams: the short ones lose
+        assert stopped, "no beam ended with the EOS token"
+    eos = eos_llm.get_tokenizer().eos_token_ids
+    assert all(s.tokens[-1] in eos and s.stop_reason == s.tokens[-1] for s in stopped)
+
+
+def test_text_is_the_decoded_sequence(llm, checkpoint):
+    _, _, prompts = checkpoint
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    (output,) = llm.beam_search(PROMPTS[0], params)
+    tokenizer = llm.get_tokenizer()
+    assert [s.text for s in output.sequences] == [
+        tokenizer.decode(s.tokens) for s in output.sequences
+    ]
+    assert output.sequences[0].text.startswith(PROMPTS[0])
+    assert output.sequences[0].tokens[: len(prompts[0])] == prompts[0]
+
+
+def test_beams_share_the_prompts_cached_blocks(llm):
+    """Every beam of every step after the first finds the prompt's full blocks in the prefix
+    cache (counted in tokens)."""
+    prompt = " ".join(str(i) for i in range(15))
+    full_blocks = len(llm.get_tokenizer().encode(prompt)) // 16
+    assert full_blocks >= 2
+    before = llm.llm_engine.stats()["prefix_cache_hits"]
+    llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))
+    hits = llm.llm_engine.stats()["prefix_cache_hits"] - before
+    assert hits >= 2 * 2 * full_blocks * 16  # steps 2 and 3, two beams each
+
+
+def test_bad_parameters_are_refused_by_name(llm):
+    with pytest.raises(ValueError, match="^beam_width"):
+        BeamSearchParams(beam_width=11, max_tokens=4)
+    with pytest.raises(ValueError, match="^temperature"):
+        BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)
+    with pytest.raises(ValueError, match="^max_tokens"):
+        BeamSearchParams(beam_width=2, max_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=200))
+
+
+# --- the rules on hand-made logprobs ----------------------------------------------------------
+
+EOS = 0
+
+
+def step(*pairs: tuple[int, float]) -> dict[int, Logprob]:
+    return {token: Logprob(logprob) for token, logprob in pairs}
+
+
+def test_an_eos_candidate_ranked_past_the_beam_width_does_not_finish():
+    search = BeamSearch([7], BeamSearchParams(beam_width=1, max_tokens=3), [EOS])
+    # K = 2 candidates; EOS is second: past width 1, so it is dropped, not finished
+    search.advance([step((5, -0.1), (EOS, -0.2), (6, -3.0), (8, -4.0))])
+    assert search.finished == [] and search.pending() == [[7, 5]]
+    search.advance([step((EOS, -0.3), (9, -0.4), (6, -3.0), (8, -4.0))])
+    assert [s.tokens for s in search.finished] == [[7, 5, EOS]]
+    assert search.finished[0].score == pytest.approx(-0.4 / 2)
+
+
+def test_the_search_stops_once_no_live_beam_can_beat_the_finished_ones():
+    search = BeamSearch([7], BeamSearchParams(beam_width=1, max_tokens=10), [EOS])
+    search.advance([step((EOS, -0.1), (5, -2.0), (6, -3.0), (8, -4.0))])
+    assert search.done and search.pending() == []
+    assert search.result(str).sequences[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(("length_penalty", "stops"), [(1.0, True), (2.0, False)])
+def test_a_length_penalty_keeps_longer_beams_in_the_race(length_penalty, stops):
+    params = BeamSearchParams(beam_width=2, max_tokens=10, length_penalty=length_penalty)
+    search = BeamSearch([7], params, [EOS])
+    search.advance([step((5, -0.5), (EOS, -1.0), (6, -3.0), (8, -4.0))])
+    assert [s.tokens for s in search.finished] == [[7, EOS]] and not search.done
+    assert search.pending() == [[7, 5], [7, 6]]
+    search.advance(
+        [step((EOS, -0.1), (9, -2.0), (1, -5.0), (2, -6.0)), step((EOS, -0.1), (10, -0.2))]
+    )
+    # the best live beam, [7, 5, 9] at -2.5, is scored at its current length (2) against
+    # the worst finished score, -1.0: -1.25 cannot beat it, -0.625 can
+    assert search.done is stops
+    assert [s.tokens for s in search.finished] == [[7, 5, EOS], [7, EOS]]
+    assert search.finished[0].score == pytest.approx(-0.6 / 2**length_penalty)
