@@ -407,6 +407,7 @@ COMMON_TYPES = {
     "model": "str",
     "best_of": "int",
     "use_beam_search": "bool",
+    "length_penalty": "float",
     "prompt_logprobs": "int",
     "guided_regex": "str",
     "guided_grammar": "str",
@@ -432,6 +433,33 @@ WRONG_SHAPES = {
     "guided_choice": ["x", [1], {}],
     "chat_template_kwargs": ["x", [], 5],
 }
+# Fields a beam search (use_beam_search) is refused with (beside the constraint fields), and
+# the beam width, n.
+BEAM_SEARCH_CONFLICTS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "tools",
+    "thinking_token_budget",
+    "logprobs",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "json_schema",
+    "grammar",
+    "n",
+)
 # (field, value, expect) of numbers out of range or extreme, for chat and completions.
 INF, NAN = float("inf"), float("nan")
 
@@ -469,7 +497,8 @@ def _number_faults() -> list[tuple[str, object, Expect]]:
     add("min_tokens", [-1, 2**64, 50], bad("min_tokens"))
     add("best_of", [5, 0, 2**64], bad("best_of"))
     add("prompt_logprobs", [0, 1, 2**64], bad("prompt_logprobs"))
-    add("use_beam_search", [True], bad("use_beam_search"))
+    add("use_beam_search", [True], ok_or_bad("use_beam_search", *BEAM_SEARCH_CONFLICTS))
+    add("length_penalty", [2.0, -1.0, NAN, INF], bad("length_penalty"))  # without beam search
     add("guided_decoding_backend", ["xgrammar", "outlines"], bad("guided_decoding_backend"))
     add("guided_whitespace_pattern", [" *"], bad("guided_whitespace_pattern"))
     add(

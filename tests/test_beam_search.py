@@ -1,11 +1,14 @@
-"""Beam search: ``LLM.beam_search`` gives transformers' ``generate(num_beams=W)`` beams and scores.
+"""Beam search: ``LLM.beam_search`` gives transformers' ``generate(num_beams=W)`` beams and scores,
+and the server's ``use_beam_search`` gives ``LLM.beam_search``'s.
 
 A tiny random Llama (float32, saved by transformers) runs through both; for each prompt the
 ``W`` returned sequences must be the same tokens in the same order and their scores
 (``sequences_scores``) must agree to 1e-4: without EOS (``ignore_eos``), with the model's EOS
 ids, and with an EOS id chosen among the tokens the beams pick, so that sequences finish early,
 under several length penalties. The rules themselves (:class:`BeamSearch`) are also checked
-on hand-made logprobs.
+on hand-made logprobs. Over HTTP (the ``openai`` client against a server subprocess on the
+same checkpoint), completions and chat completions, streamed or not, answer the same beams as
+choices, and the fields beam search cannot honour are refused by name.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import openai
 import pytest
 import torch
 from model_fixtures import build_checkpoint
@@ -20,7 +24,9 @@ from transformers import GenerationConfig
 
 from pyxllm import LLM, BeamSearchParams
 from pyxllm.engine.beam_search import BeamSearch
+from pyxllm.engine.input_processor import ChatPrompt
 from pyxllm.outputs import Logprob
+from tests.utils import RemoteServer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was"]
 NEW_TOKENS = 8
@@ -45,16 +51,22 @@ def llm(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def eos_llm(checkpoint, tmp_path_factory):
-    """The same model with one more EOS id (in generation_config.json): the fifth token of the
-    first prompt's best beam, so that beams end with EOS during the search."""
+def eos_checkpoint(checkpoint, tmp_path_factory):
+    """A copy of the checkpoint with two more EOS ids (in generation_config.json): the fifth
+    token of the first prompt's best beam and the third of its second, so that beams end with
+    EOS during the search."""
     directory, model, prompts = checkpoint
     free = hf_beam_search(model, prompts[0], 4, NEW_TOKENS, eos=None)
     chosen = [free[0][0][4], free[1][0][2]]
     copy = tmp_path_factory.mktemp("beam_eos") / "llama"
     shutil.copytree(directory, copy)
     (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": chosen}))
-    return LLM(model=str(copy), **LLM_KWARGS)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def eos_llm(eos_checkpoint):
+    return LLM(model=str(eos_checkpoint), **LLM_KWARGS)
 
 
 def hf_beam_search(model, ids, width, new_tokens, eos, length_penalty=1.0):
@@ -214,3 +226,93 @@ def test_a_length_penalty_keeps_longer_beams_in_the_race(length_penalty, stops):
     assert search.done is stops
     assert [s.tokens for s in search.finished] == [[7, 5, EOS], [7, EOS]]
     assert search.finished[0].score == pytest.approx(-0.6 / 2**length_penalty)
+
+
+# --- over HTTP ---------------------------------------------------------------------------------
+
+MODEL = "tiny-beams"
+BEAM = {"use_beam_search": True}
+
+
+@pytest.fixture(scope="module")
+def client(eos_checkpoint):
+    args = [str(eos_checkpoint), "--served-model-name", MODEL, "--dtype", "float32"]
+    args += ["--max-model-len", "96", "--kv-cache-memory", "0.05"]
+    with RemoteServer(args, env={"OMP_NUM_THREADS": "1"}) as server:
+        yield server.openai_client()
+
+
+def expected_choices(llm, prompt_ids, width, max_tokens, length_penalty=1.0):
+    """``LLM.beam_search``'s sequences as the server's choices: ``(text, finish_reason)``."""
+    params = BeamSearchParams(width, max_tokens, length_penalty=length_penalty)
+    (output,) = llm.beam_search({"prompt_token_ids": prompt_ids}, params)
+    tokenizer = llm.get_tokenizer()
+    choices = []
+    for seq in output.sequences:
+        generated = seq.tokens[len(prompt_ids) :]
+        shown = generated[:-1] if seq.finish_reason == "stop" else generated
+        choices.append((tokenizer.decode(shown), seq.finish_reason))
+    return choices, sum(len(seq.tokens) - len(prompt_ids) for seq in output.sequences)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_answer_the_beams_as_choices(client, eos_llm, checkpoint, stream):
+    ids = checkpoint[2][0]
+    want, generated = expected_choices(eos_llm, ids, 4, NEW_TOKENS)
+    assert {reason for _, reason in want} == {"stop", "length"}  # both kinds are checked
+    body = dict(model=MODEL, prompt=ids, n=4, max_tokens=NEW_TOKENS, extra_body=BEAM)
+    if not stream:
+        response = client.completions.create(**body)
+        got = [(c.text, c.finish_reason) for c in sorted(response.choices, key=lambda c: c.index)]
+        assert got == want
+        assert response.usage.completion_tokens == generated
+        return
+    chunks = list(client.completions.create(**body, stream=True))
+    choices = [c for chunk in chunks for c in chunk.choices]
+    assert sorted(c.index for c in choices) == [0, 1, 2, 3]  # each choice whole, in one chunk
+    assert [(c.text, c.finish_reason) for c in sorted(choices, key=lambda c: c.index)] == want
+
+
+def test_chat_completions_answer_the_beams_as_choices(client, eos_llm, checkpoint):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    prompt = eos_llm.llm_engine.input_processor.tokenize(ChatPrompt(messages))
+    want, _ = expected_choices(eos_llm, list(prompt.token_ids), 3, NEW_TOKENS, 0.5)
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        n=3,
+        max_completion_tokens=NEW_TOKENS,
+        extra_body={**BEAM, "length_penalty": 0.5},
+    )
+    got = [(c.message.content, c.finish_reason) for c in response.choices]
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    ("field", "body"),
+    [
+        ("temperature", {"temperature": 0.7}),
+        ("top_p", {"top_p": 0.5}),
+        ("stop", {"stop": ["x"]}),
+        ("logprobs", {"logprobs": True}),
+        ("response_format", {"response_format": {"type": "json_object"}}),
+        ("n", {"n": 11}),
+    ],
+)
+def test_fields_beam_search_cannot_honour_are_refused_by_name(client, field, body):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            extra_body={**BEAM, **body},
+        )
+    assert info.value.body["param"] == field, info.value.body
+
+
+def test_length_penalty_needs_beam_search(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=2, extra_body={"length_penalty": 2.0}
+        )
+    assert info.value.body["param"] == "length_penalty"

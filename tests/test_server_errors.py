@@ -174,7 +174,6 @@ def test_invalid_in_stream_request(server):
     "path, field, value",
     [
         ("completions", "best_of", 3),
-        ("chat/completions", "use_beam_search", True),
         ("completions", "prompt_logprobs", 1),
         ("chat/completions", "guided_decoding_backend", "outlines"),
         ("completions", "guided_whitespace_pattern", " *"),

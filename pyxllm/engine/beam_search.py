@@ -181,17 +181,16 @@ def as_request_output(
 
 
 async def run_beam_search(
-    engine: EngineClient, request: EngineRequest, params: BeamSearchParams
+    engine: EngineClient, request: EngineRequest, search: BeamSearch
 ) -> RequestOutput:
-    """Run a beam search of ``request``'s prompt on ``engine`` (each step's beams concurrently,
-    as requests ``<request_id>-beam<step>-<i>``); the finished output of
-    :func:`as_request_output`. Cancelling it aborts the step's requests.
+    """Run ``search`` (a new :class:`BeamSearch` of ``request``'s prompt) on ``engine``, each
+    step's beams concurrently as requests ``<request_id>-beam<step>-<i>``; the finished output
+    of :func:`as_request_output`. Cancelling it aborts the step's requests.
 
     Raises:
-        ValueError: see :class:`BeamSearch`; or a step the engine refused.
+        ValueError: a step the engine refused.
         RuntimeError: the engine died or a step failed in it.
     """
-    search = BeamSearch(request.prompt_token_ids, params, engine.tokenizer.eos_token_ids)
     processor = engine.input_processor
     while not search.done:
         step = [

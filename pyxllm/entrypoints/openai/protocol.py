@@ -286,10 +286,12 @@ class SamplingFields(RequestModel):
     # llama.cpp's spellings: a JSON Schema, and a grammar (GBNF, or Lark)
     json_schema: dict[str, Any] | str | None = None
     grammar: str | None = None
+    # vLLM's beam search: ``n`` beams, all returned as choices (see openai/beam_search.py)
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
     # Declared so that a request using them is refused with a 400 naming the field
     # (``OpenAIServing.check_unsupported``) instead of being answered as if they were absent.
     best_of: int | None = None
-    use_beam_search: bool | None = None
     prompt_logprobs: int | None = None
 
 

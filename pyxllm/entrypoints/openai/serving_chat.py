@@ -196,6 +196,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_not_draining()
         chat = await self.prepare_chat(request, f"chatcmpl-{uuid.uuid4().hex}")
         engine_request, reasoning, tools = chat.engine_request, chat.reasoning, chat.tools
+        search = self.beam_search(request, engine_request)
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -207,9 +208,9 @@ class OpenAIServingChat(OpenAIServing):
                 tools,
                 self.engine.tokenizer.token_bytes,
             )
-            return self.stream(engine_request, events, include_usage)
+            return self.stream(engine_request, events, include_usage, search)
         try:
-            final = await self.generate_full(engine_request, raw_request)
+            final = await self.generate_full(engine_request, raw_request, search)
         except ClientDisconnected:
             return Response(status_code=499)
         params = engine_request.sampling_params

@@ -59,6 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params,
             lora_request=self.lora_request(request.model),
         )
+        search = self.beam_search(request, engine_request)
         await self.prepare(engine_request)
         echo = None
         if request.echo:
@@ -71,9 +72,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             events = _CompletionEvents(engine_request.request_id, choices, created, self.model_name)
-            return self.stream(engine_request, events, include_usage)
+            return self.stream(engine_request, events, include_usage, search)
         try:
-            final = await self.generate_full(engine_request, raw_request)
+            final = await self.generate_full(engine_request, raw_request, search)
         except ClientDisconnected:
             return Response(status_code=499)
         response = CompletionResponse(

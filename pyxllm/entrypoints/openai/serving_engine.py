@@ -14,9 +14,11 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pyxllm.engine.beam_search import BeamSearch, run_beam_search
 from pyxllm.engine.errors import ConstraintFailedError, EngineDeadError
 from pyxllm.engine.input_processor import ChatPrompt, EngineRequest, TextPrompt, TokensPrompt
 from pyxllm.engine.protocol import EngineClient
+from pyxllm.entrypoints.openai.beam_search import check_beam_search_fields, new_beam_search
 from pyxllm.entrypoints.openai.errors import OpenAIError, error_body, param_from_message
 from pyxllm.entrypoints.openai.protocol import PromptTokenUsageInfo, SamplingFields, UsageInfo
 from pyxllm.entrypoints.openai.request_logger import RequestLogger, RequestWatch
@@ -110,7 +112,6 @@ _TOKENIZER_THREAD = ThreadPoolExecutor(1, thread_name_prefix="pyxllm-tokenizer")
 # them out (anything else is refused).
 _NOT_HONOURED = {
     "best_of": (None, 1),
-    "use_beam_search": (None, False),
     "prompt_logprobs": (None,),
     # The grammar backend is the server's (--structured-outputs-backend), as in vLLM v1, which
     # dropped per-request selection; the JSON whitespace bound is JSON_WHITESPACE_LIMIT.
@@ -302,8 +303,8 @@ class OpenAIServing:
         passed as given. Build the parameters with :meth:`build_sampling_params`.
 
         Raises:
-            OpenAIError: 400 naming a field pyxllm cannot honour or one over the server's
-                limits.
+            OpenAIError: 400 naming a field pyxllm cannot honour, one over the server's
+                limits, or one that beam search (``use_beam_search``) cannot combine with.
         """
         self.check_unsupported(request)
         self.check_limits(request)
@@ -311,6 +312,7 @@ class OpenAIServing:
         fields = {name: value for name, value in fields.items() if value is not None}
         fields.update(n=1 if request.n is None else request.n, max_tokens=max_tokens, **extra)
         fields["structured_outputs"] = requested_constraint(request)
+        check_beam_search_fields(request, fields)
         return fields
 
     @staticmethod
@@ -381,15 +383,40 @@ class OpenAIServing:
         ``None``."""
         return None if self.request_logger is None else self.request_logger.watch(request)
 
-    async def generate_full(self, request: EngineRequest, raw_request: Request) -> RequestOutput:
-        """Run a request to its end; raises :class:`ClientDisconnected` (after aborting the
-        request) if the client goes away first, :class:`OpenAIError` if the engine refuses it."""
+    def beam_search(
+        self, request: SamplingFields, engine_request: EngineRequest
+    ) -> BeamSearch | None:
+        """The beam search ``request`` asks for (``use_beam_search``), else ``None``; run it by
+        passing it to :meth:`generate_full` or :meth:`stream`.
+
+        Raises:
+            OpenAIError: 400 naming ``n`` or ``length_penalty`` (see :func:`new_beam_search`).
+        """
+        if not request.use_beam_search:
+            return None
+        return new_beam_search(request, engine_request, self.engine.tokenizer.eos_token_ids)
+
+    def outputs(
+        self, request: EngineRequest, search: BeamSearch | None
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs of ``request``, or with a beam ``search`` the one finished
+        output of the search from ``request``'s prompt."""
+        if search is None:
+            return self.engine.generate(request)
+        return _beam_outputs(self.engine, request, search)
+
+    async def generate_full(
+        self, request: EngineRequest, raw_request: Request, search: BeamSearch | None = None
+    ) -> RequestOutput:
+        """Run a request (or its beam ``search``) to its end; raises
+        :class:`ClientDisconnected` (after aborting the request) if the client goes away first,
+        :class:`OpenAIError` if the engine refuses it."""
         finished, watch = False, self.watch(request)
 
         async def drain() -> RequestOutput:
             nonlocal finished
             final = None
-            async for output in self.engine.generate(request):
+            async for output in self.outputs(request, search):
                 final = output
                 if watch is not None:
                     watch.observe(output)
@@ -417,13 +444,18 @@ class OpenAIServing:
                 watch.close()
 
     def stream(
-        self, request: EngineRequest, events: ChoiceEvents, include_usage: bool
+        self,
+        request: EngineRequest,
+        events: ChoiceEvents,
+        include_usage: bool,
+        search: BeamSearch | None = None,
     ) -> AbortOnCloseStreamingResponse:
         """The SSE response of ``request``: ``events``' opening, one event per choice update
         (each choice ends with its finish reason, or an ``abort`` one if the engine's outputs
         stop first), then ``events``' closing (given the usage when ``include_usage``). An
         error after the stream started is sent as ``events.failed`` says. The request is
-        aborted when the response ends before its last output (client gone, server error)."""
+        aborted when the response ends before its last output (client gone, server error).
+        With a beam ``search``, its one final output makes one update per choice."""
         state = {"finished": False}
         watch, last = self.watch(request), None
 
@@ -433,7 +465,7 @@ class OpenAIServing:
                 yield event
             done = [False] * request.sampling_params.n
             try:
-                async for output in self.engine.generate(request):
+                async for output in self.outputs(request, search):
                     last = output
                     if watch is not None:
                         watch.observe(output)
@@ -468,3 +500,11 @@ class OpenAIServing:
     def stream_error(self, exc: Exception, request_id: str) -> OpenAIError:
         """The error to report of an exception raised after ``request_id``'s stream started."""
         return exc if isinstance(exc, OpenAIError) else self.engine_error(exc, request_id)
+
+
+async def _beam_outputs(
+    engine: EngineClient, request: EngineRequest, search: BeamSearch
+) -> AsyncIterator[RequestOutput]:
+    """The finished output of a beam ``search`` from ``request``'s prompt, as the one item of
+    an output stream."""
+    yield await run_beam_search(engine, request, search)
