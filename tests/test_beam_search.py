@@ -13,8 +13,10 @@ choices, and the fields beam search cannot honour are refused by name.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -23,7 +25,7 @@ from model_fixtures import build_checkpoint
 from transformers import GenerationConfig
 
 from pyxllm import LLM, BeamSearchParams
-from pyxllm.engine.beam_search import BeamSearch
+from pyxllm.engine.beam_search import BeamSearch, run_beam_search
 from pyxllm.engine.input_processor import ChatPrompt
 from pyxllm.outputs import Logprob
 from tests.utils import RemoteServer
@@ -226,6 +228,35 @@ def test_a_length_penalty_keeps_longer_beams_in_the_race(length_penalty, stops):
     assert search.done is stops
     assert [s.tokens for s in search.finished] == [[7, 5, EOS], [7, EOS]]
     assert search.finished[0].score == pytest.approx(-0.6 / 2**length_penalty)
+
+
+def test_cancelling_a_search_aborts_the_requests_of_its_step():
+    """A client that goes away cancels the server's search: its step's requests are aborted
+    (their KV blocks freed), not left to run."""
+    aborted = []
+
+    async def generate(request):
+        await asyncio.Event().wait()  # a step that never ends
+        yield
+
+    engine = SimpleNamespace(
+        input_processor=SimpleNamespace(process=lambda rid, _, __: SimpleNamespace(request_id=rid)),
+        generate=generate,
+        abort=aborted.append,
+    )
+    search = BeamSearch([7], BeamSearchParams(beam_width=2, max_tokens=4), [EOS])
+
+    async def cancel_mid_step():
+        task = asyncio.ensure_future(
+            run_beam_search(engine, SimpleNamespace(request_id="cmpl-1"), search)
+        )
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_mid_step())
+    assert aborted == ["cmpl-1-beam0-0"]
 
 
 # --- over HTTP ---------------------------------------------------------------------------------
