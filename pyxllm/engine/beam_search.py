@@ -11,7 +11,8 @@ synchronously (every prompt's beams in one batch per step), the server asynchron
 
 The rules are those of transformers' ``generate(num_beams=W, do_sample=False)`` (5.x,
 ``GenerationMixin._beam_search``, with its default ``early_stopping=False``), so that the same
-model gives the same sequences and scores:
+model gives the same sequences and scores; vLLM's loop cites transformers as its model but
+simplifies three rules, and transformers is the reference the tests can compare with:
 
 - Candidates: ``K = max(2, 1 + number of EOS ids) * W`` per step (transformers'
   ``beams_to_keep``; vLLM asks for ``2 * W``). Every live beam offers its own ``K`` most likely
@@ -24,8 +25,8 @@ model gives the same sequences and scores:
   unfinished candidates.
 - A finished sequence's score is its summed logprob divided by its length to the power
   ``length_penalty``, the length being the generated tokens *with* the EOS token (transformers
-  since the 4.50 refactor: ``cur_len + 1 - prompt_len``; vLLM, like transformers before it,
-  leaves the EOS out). The ``W`` best scores are kept.
+  since its beam search rewrite, transformers#35802: ``cur_len + 1 - prompt_len``; vLLM, like
+  transformers' older ``BeamHypotheses``, leaves the EOS out). The ``W`` best scores are kept.
 - The search stops when every candidate finished (``max_tokens`` reached), or by transformers'
   ``early_stopping=False`` test: once ``W`` sequences finished, when the best live beam's summed
   logprob divided by the current generated length to the power ``length_penalty`` is no better
