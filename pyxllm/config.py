@@ -43,7 +43,7 @@ MODEL_IMPL_ALIASES = {"python": "pyxllm"}
 # what the engine serves (vLLM's --task): text (generate) or embeddings (embed: an embedding
 # model and a pooler, see pyxllm.executor.pooling_executor); auto: embed for an encoder, else
 # generate (pyxllm.executor.tasks)
-TASKS = ("auto", "generate", "embed")
+TASKS = ("auto", "generate", "embed", "score", "classify")
 # xLLM's spellings of --graph-backend, and ours, -> the runner kind
 GRAPH_BACKEND_ALIASES = {
     "auto": "auto",

@@ -110,9 +110,11 @@ class BeamSearchOutput:
 
 @dataclass(slots=True)
 class PoolingOutput:
-    """An embedding request's result (vLLM's ``PoolingOutput``): ``data``, the pooled vector,
-    ``float32 [dimensions]`` on the CPU (the model's ``hidden_size`` unless the request asked
-    for fewer dimensions), L2-normalized where the model (or the request) normalizes."""
+    """A pooling request's result (vLLM's ``PoolingOutput``): ``data``, the pooled vector,
+    ``float32`` on the CPU: an embedding model's ``[dimensions]`` (the model's ``hidden_size``
+    unless the request asked for fewer dimensions), L2-normalized where the model (or the
+    request) normalizes; a classifier's ``[num_labels]`` activated outputs (a cross-encoder's
+    one score)."""
 
     data: torch.Tensor
 
@@ -137,7 +139,8 @@ class PoolingRequestOutput:
 @dataclass(slots=True)
 class ScoringOutput:
     """A text pair's score (vLLM's ``ScoringOutput``): with an embedding model, the cosine
-    similarity of the two texts' embeddings, in [-1, 1]."""
+    similarity of the two texts' embeddings, in [-1, 1]; with a cross-encoder, its output for
+    the pair (sigmoid of its logit, in [0, 1], unless the model names another activation)."""
 
     score: float
 
@@ -150,4 +153,28 @@ class ScoringRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """A classifier's result for one prompt (vLLM's ``ClassificationOutput``): ``probs``, one
+    value per class (softmax over the logits for a model of several labels, see
+    :func:`pyxllm.layers.pooler.classifier_activation`)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        """The number of classes (the model's ``num_labels``)."""
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """The result of classifying one prompt (vLLM's ``ClassificationRequestOutput``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
     finished: bool = True

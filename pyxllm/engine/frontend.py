@@ -16,6 +16,7 @@ from pyxllm.engine.input_processor import InputProcessor
 from pyxllm.engine.structured_output import StructuredOutputManager
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.executor.tasks import resolve_task
+from pyxllm.pooling_params import POOLING_TASKS
 from pyxllm.weights import (
     load_generation_defaults,
     load_hf_tokenizer,
@@ -50,22 +51,24 @@ def resolve_max_model_len(config: EngineConfig, model_config) -> int:
 
 
 def _with_task(config: EngineConfig, task: str) -> EngineConfig:
-    """``config`` running ``task``; for ``embed`` every step computes whole prompts (no chunked
-    prefill, no prefix cache: an encoder's attention runs both ways, and mean pooling needs
-    every token of the prompt in the step) on the eager runner (there are no decode steps to
-    capture).
+    """``config`` running ``task``; for a pooling task (``embed``, ``score``, ``classify``)
+    every step computes whole prompts (no chunked prefill, no prefix cache: an encoder's
+    attention runs both ways, and pooling needs every token of the prompt in the step) on the
+    eager runner (there are no decode steps to capture).
 
     Raises:
-        ValueError: a flag ``embed`` cannot honour (see ``EngineConfig``), naming it.
+        ValueError: a flag a pooling task cannot honour, naming it (``EngineConfig`` checks
+            them for ``embed``, and ``score`` and ``classify`` are checked as ``embed``).
     """
-    if task == "embed":
-        return dataclasses.replace(
+    if task in POOLING_TASKS:
+        pooled = dataclasses.replace(
             config,
-            task=task,
+            task="embed",
             enable_chunked_prefill=False,
             enable_prefix_cache=False,
             graph_backend="eager",
         )
+        return pooled if task == "embed" else dataclasses.replace(pooled, task=task)
     return config if task == config.task else dataclasses.replace(config, task=task)
 
 
@@ -111,7 +114,7 @@ class EngineFrontend:
         model_config = load_model_config(source)
         config = _with_task(config, resolve_task(model_config, config.task))
         max_model_len = resolve_max_model_len(config, model_config)
-        if config.task == "embed" and config.max_model_len is None and source.kind == "hf":
+        if config.task in POOLING_TASKS and config.max_model_len is None and source.kind == "hf":
             # sentence-transformers' max_seq_length, as vLLM takes it: what the model embeds
             seq_len = load_pooling_config(source.path, "CLS").max_seq_length
             max_model_len = min(max_model_len, seq_len or max_model_len)
@@ -162,4 +165,17 @@ class EngineFrontend:
             generation_defaults=self.defaults.sampling,
             structured_outputs=structured_outputs,
             embedding_size=self.model_config.hidden_size if self.config.task == "embed" else None,
+            class_labels=self.class_labels,
+        )
+
+    @property
+    def class_labels(self) -> tuple[str, ...] | None:
+        """A classifier's label names by class index (``id2label``, ``LABEL_<i>`` where it
+        names none) for the score and classify tasks, else ``None``."""
+        if self.config.task not in ("score", "classify"):
+            return None
+        id2label = getattr(self.model_config, "id2label", None) or {}
+        num_labels = getattr(self.model_config, "num_labels", len(id2label))
+        return tuple(
+            str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels)
         )

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pyxllm.engine.errors import InvalidRequestError
@@ -126,6 +126,8 @@ class InputProcessor:
         structured_outputs: compiles constraints; ``None`` refuses them.
         embedding_size: an embedding model's vector length (``hidden_size``; the embed task),
             the most ``dimensions`` a request may ask for; ``None`` for generation.
+        class_labels: a classifier's label names by class index (its config's ``id2label``;
+            the score and classify tasks), ``None`` for other models.
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class InputProcessor:
         generation_defaults: Mapping[str, float | int] | None = None,
         structured_outputs: StructuredOutputManager | None = None,
         embedding_size: int | None = None,
+        class_labels: tuple[str, ...] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -148,6 +151,7 @@ class InputProcessor:
         self.generation_defaults = dict(generation_defaults or {})
         self.structured_outputs = structured_outputs
         self.embedding_size = embedding_size
+        self.class_labels = class_labels
 
     def process(
         self,
@@ -216,23 +220,29 @@ class InputProcessor:
     def process_pooling(
         self,
         request_id: str,
-        prompt: str | TokensPrompt,
+        prompt: str | tuple[str, str] | TokensPrompt,
         pooling_params: PoolingParams | None = None,
         truncate_prompt_tokens: int | None = None,
         arrival_time: float | None = None,
+        param: str = "input",
     ) -> EngineRequest:
-        """The validated embedding request for ``prompt`` (text, tokenized with special tokens,
-        or token ids): prefill only, its output a pooled vector (vLLM's pooling requests).
+        """The validated pooling request for ``prompt`` (text, tokenized with special tokens; a
+        text pair for a cross-encoder, tokenized as the tokenizer pairs texts, ``[CLS] a [SEP]
+        b [SEP]`` for BERT, its second segment's start set as the request's
+        ``pooling_params.token_type_start``; or token ids): prefill only, its output a pooled
+        vector (vLLM's pooling requests).
 
         Args:
             truncate_prompt_tokens: keep at most this many tokens (``-1``: ``max_model_len``):
                 text is tokenized with the tokenizer's truncation (a BERT tokenizer keeps
-                ``[CLS]``, the first tokens and ``[SEP]``), token ids keep their last ones
-                (vLLM's rules); ``None``: a longer prompt is refused.
+                ``[CLS]``, the first tokens and ``[SEP]``; a pair loses tokens from its longer
+                text first), token ids keep their last ones (vLLM's rules); ``None``: a longer
+                prompt is refused.
+            param: the request field errors about text name (``TokensPrompt`` has its own).
 
         Raises:
             InvalidRequestError: an empty prompt, a token id outside the vocabulary, a prompt
-                longer than ``max_model_len`` without truncation (naming ``input``), a bad
+                longer than ``max_model_len`` without truncation (naming ``param``), a bad
                 ``truncate_prompt_tokens`` or ``dimensions``.
         """
         params = pooling_params or PoolingParams()
@@ -256,8 +266,13 @@ class InputProcessor:
             if limit is not None:
                 ids = ids[len(ids) - limit :] if len(ids) > limit else ids
             text, param = prompt.text, prompt.param
+        elif isinstance(prompt, tuple):
+            text = None
+            ids, types = self._tokenize_pair(prompt, limit, param)
+            start = types.index(1) if 1 in types else None
+            params = replace(params, token_type_start=start)
         else:
-            text, param = prompt, "input"
+            text = prompt
             try:
                 if limit is None:
                     ids = self.tokenizer.encode(text)
@@ -266,7 +281,7 @@ class InputProcessor:
                         self.tokenizer.hf(text, truncation=True, max_length=limit)["input_ids"]
                     )
             except (TypeError, ValueError) as exc:
-                raise InvalidRequestError(f"input: cannot be tokenized ({exc})", "input") from exc
+                raise InvalidRequestError(f"{param}: cannot be tokenized ({exc})", param) from exc
         if not ids or text == "":
             raise InvalidRequestError(f"{param}: must not be empty", param)
         self.check_token_ids(ids, param)
@@ -287,6 +302,19 @@ class InputProcessor:
         now = time.monotonic() if arrival_time is None else arrival_time
         sampling = SamplingParams(max_tokens=1)
         return EngineRequest(request_id, ids, text, sampling, now, pooling_params=params)
+
+    def _tokenize_pair(
+        self, pair: tuple[str, str], limit: int | None, param: str
+    ) -> tuple[list[int], list[int]]:
+        """A text pair's token ids and token types (all 0 where the tokenizer gives none),
+        truncated to ``limit`` tokens when it is given."""
+        truncation = {} if limit is None else {"truncation": True, "max_length": limit}
+        try:
+            encoded = self.tokenizer.hf(pair[0], pair[1], **truncation)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"{param}: cannot be tokenized ({exc})", param) from exc
+        ids = list(encoded["input_ids"])
+        return ids, list(encoded.get("token_type_ids") or [0] * len(ids))
 
     def tokenize(self, prompt: str | TextPrompt | ChatPrompt) -> TokensPrompt:
         """The token ids of a text or chat prompt (a ``str`` is a :class:`TextPrompt`).

@@ -28,6 +28,7 @@ from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.lora_request import LoRARequest
 from pyxllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from pyxllm.platforms import resolve_platform, set_current_platform
+from pyxllm.pooling_params import POOLING_TASKS
 from pyxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pyxllm")
@@ -71,7 +72,7 @@ class LLMEngine:
         )
         # an embedding model has no grammar to follow
         self.structured_outputs = (
-            None if config.task == "embed" else front.structured_output_manager()
+            None if config.task in POOLING_TASKS else front.structured_output_manager()
         )
         self.input_processor = front.input_processor(
             self.executor.num_kv_blocks, self.structured_outputs
@@ -93,10 +94,11 @@ class LLMEngine:
         # request id -> (request, its compiling grammar): see add_request
         self.waiting_for_grammar: dict[str, tuple[EngineRequest, GrammarHandle]] = {}
         self._parent_of: dict[str, ParentRequest] = {}  # child id -> parent
-        if config.task == "embed":
+        if config.task in POOLING_TASKS:
             logger.info(
-                "model %s, task embed: up to %d sequences of at most %d tokens a step",
+                "model %s, task %s: up to %d sequences of at most %d tokens a step",
                 self.model_name,
+                config.task,
                 config.max_seqs_per_batch,
                 self.max_model_len,
             )

@@ -14,16 +14,23 @@ from pyxllm.engine.errors import RequestFailedError
 from pyxllm.engine.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.engine.tokenizer import Tokenizer
-from pyxllm.entrypoints.score_utils import cosine_scores, distinct_texts, score_pairs
+from pyxllm.entrypoints.score_utils import (
+    check_cross_encoder,
+    cosine_scores,
+    distinct_texts,
+    score_pairs,
+)
 from pyxllm.lora_request import LoRARequest
 from pyxllm.outputs import (
     BeamSearchOutput,
+    ClassificationOutput,
+    ClassificationRequestOutput,
     PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
-from pyxllm.pooling_params import PoolingParams
+from pyxllm.pooling_params import POOLING_TASKS, PoolingParams
 from pyxllm.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -32,8 +39,11 @@ PromptType = str | dict[str, Any]
 class LLM:
     """An engine for offline batched generation.
 
-    ``LLM(task="embed")`` embeds instead (:meth:`embed`, :meth:`score`; ``model=None`` is then
-    the embedded all-MiniLM-L6-v2; an encoder model embeds under the default ``task="auto"``).
+    ``LLM(task="embed")`` embeds instead (:meth:`embed`, :meth:`score`, :meth:`encode`;
+    ``model=None`` is then the embedded all-MiniLM-L6-v2; an encoder model embeds under the
+    default ``task="auto"``); ``LLM(task="score")`` scores text pairs with a cross-encoder
+    (:meth:`score`) and ``LLM(task="classify")`` classifies (:meth:`classify`), each chosen by
+    ``task="auto"`` for a ``*ForSequenceClassification`` model of one label or several.
 
     Args:
         model: ``None`` (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file, a Hugging Face
@@ -149,22 +159,51 @@ class LLM:
             ValueError: an engine that does not embed, or an invalid prompt or parameters
                 (nothing is run then).
         """
-        engine = self.llm_engine
-        if engine.config.task != "embed":
-            raise ValueError(
-                f"embed: this LLM runs task {engine.config.task!r}; create it with task='embed' "
-                "and an embedding model"
+        self._check_task("embed", ("embed",), "task='embed' and an embedding model")
+        return self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, "Embedding")
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[PoolingRequestOutput]:
+        """The model's pooled output of every prompt, batched (vLLM's ``LLM.encode``, what
+        ``/pooling`` answers; any pooling task): an embedding model's embedding (as
+        :meth:`embed`), a classifier's activated outputs (as :meth:`classify`'s ``probs``), in
+        ``output.outputs.data``.
+
+        Raises:
+            ValueError: an engine that does not pool, or an invalid prompt or parameters.
+        """
+        self._check_task("encode", POOLING_TASKS, "a pooling task: embed, score or classify")
+        return self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, "Encoding")
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ClassificationRequestOutput]:
+        """Classify every prompt, batched (an ``LLM(task="classify")`` or ``"score"``): each
+        output's ``outputs.probs`` holds one value per class (softmax over the logits for
+        several labels), as ``/classify`` gives them; the label names are the model's
+        ``id2label``, in ``llm_engine.input_processor.class_labels``.
+
+        Raises:
+            ValueError: an engine that does not classify, or an invalid prompt.
+        """
+        self._check_task("classify", ("score", "classify"), "a *ForSequenceClassification model")
+        outputs = self._pool(prompts, None, truncate_prompt_tokens, use_tqdm, "Classifying")
+        return [
+            ClassificationRequestOutput(
+                out.request_id,
+                out.prompt_token_ids,
+                ClassificationOutput(out.outputs.data.tolist()),
             )
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        requests = []
-        for prompt in map(_as_prompt, prompts):
-            item = prompt.text if isinstance(prompt, TextPrompt) else prompt
-            requests.append(
-                engine.input_processor.process_pooling(
-                    str(next(self._ids)), item, pooling_params, truncate_prompt_tokens
-                )
-            )
-        return self._drain(requests, use_tqdm, "Embedding")
+            for out in outputs
+        ]
 
     def chat(
         self,
@@ -196,18 +235,37 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = False,
     ) -> list[ScoringRequestOutput]:
-        """Score text pairs (an ``LLM(task="embed")``): ``text_1`` against each of ``text_2``
-        (or the reverse), or two lists of one length pairwise; each score
-        (``output.outputs.score``) is the cosine similarity of the two texts' embeddings, as
-        ``/v1/score`` gives it. Each distinct text is embedded once.
+        """Score text pairs: ``text_1`` against each of ``text_2`` (or the reverse), or two
+        lists of one length pairwise; each score (``output.outputs.score``) is, as ``/v1/score``
+        gives it, with a cross-encoder (``LLM(task="score")``) its output for the pair (one
+        forward each, the pair tokenized as the tokenizer pairs texts), with an embedding model
+        (``LLM(task="embed")``) the cosine similarity of the two texts' embeddings (each
+        distinct text embedded once).
 
         Raises:
-            ValueError: an engine that does not embed, an empty text or list, or lists of
-                different lengths (``InvalidRequestError``, naming ``text_1`` or ``text_2``).
+            ValueError: an engine that neither embeds nor scores, a classifier of several
+                labels, an empty text or list, or lists of different lengths
+                (``InvalidRequestError``, naming ``text_1`` or ``text_2``).
         """
+        self._check_task("score", POOLING_TASKS, "task='score' and a cross-encoder")
         text_1 = text_1 if isinstance(text_1, str) else list(text_1)
         text_2 = text_2 if isinstance(text_2, str) else list(text_2)
         pairs = score_pairs(text_1, text_2)
+        processor = self.llm_engine.input_processor
+        if self.llm_engine.config.task != "embed":
+            check_cross_encoder(processor.class_labels, "score")
+            requests = [
+                processor.process_pooling(
+                    str(next(self._ids)), pair, None, truncate_prompt_tokens, param="text_2"
+                )
+                for pair in pairs
+            ]
+            return [
+                ScoringRequestOutput(
+                    out.request_id, out.prompt_token_ids, ScoringOutput(float(out.outputs.data[0]))
+                )
+                for out in self._drain(requests, use_tqdm, "Scoring")
+            ]
         texts = distinct_texts(pairs)
         outputs = self.embed(texts, None, truncate_prompt_tokens, use_tqdm)
         vectors = {text: out.outputs.data for text, out in zip(texts, outputs)}
@@ -216,6 +274,28 @@ class LLM:
             ScoringRequestOutput(str(next(self._ids)), ids[a] + ids[b], ScoringOutput(score))
             for (a, b), score in zip(pairs, cosine_scores(pairs, vectors))
         ]
+
+    def _check_task(self, method: str, tasks: tuple[str, ...], needs: str) -> None:
+        """Raise ``ValueError`` naming ``method`` when the engine's task is not in ``tasks``."""
+        task = self.llm_engine.config.task
+        if task not in tasks:
+            raise ValueError(f"{method}: this LLM runs task {task!r}; create it with {needs}")
+
+    def _pool(
+        self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm: bool, desc: str
+    ) -> list[PoolingRequestOutput]:
+        """Run every prompt as a pooling request (see :meth:`embed`'s arguments)."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        processor = self.llm_engine.input_processor
+        requests = []
+        for prompt in map(_as_prompt, prompts):
+            item = prompt.text if isinstance(prompt, TextPrompt) else prompt
+            requests.append(
+                processor.process_pooling(
+                    str(next(self._ids)), item, pooling_params, truncate_prompt_tokens
+                )
+            )
+        return self._drain(requests, use_tqdm, desc)
 
     def _run(
         self, prompts: list[Prompt], sampling_params, use_tqdm: bool, lora_request=None
@@ -246,9 +326,7 @@ class LLM:
 
     def _require_generate(self, method: str) -> None:
         """Raise ValueError (naming ``method``) unless this LLM generates text."""
-        task = self.llm_engine.config.task
-        if task != "generate":
-            raise ValueError(f"{method}: this LLM runs task {task!r} (use embed())")
+        self._check_task(method, ("generate",), "task='generate' and a generative model")
 
     def _drain(self, requests: list, use_tqdm: bool, desc: str) -> list:
         """Add the processed ``requests`` and step until all finish; their final outputs in

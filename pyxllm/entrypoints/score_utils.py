@@ -1,6 +1,6 @@
-"""Scoring with an embedding model, shared by ``/v1/score``, ``/v1/rerank`` and ``LLM.score``:
-which texts pair up, and each pair's score, the cosine similarity of its two embeddings (what
-vLLM computes with an embedding model)."""
+"""Scoring, shared by ``/v1/score``, ``/v1/rerank`` and ``LLM.score``: which texts pair up, and
+each pair's score: with an embedding model the cosine similarity of its two embeddings, with a
+cross-encoder its output for the pair (what vLLM computes with each)."""
 
 from __future__ import annotations
 
@@ -57,3 +57,19 @@ def cosine_scores(pairs: list[tuple[str, str]], vectors: dict[str, torch.Tensor]
     left = torch.stack([vectors[a] for a, _ in pairs])
     right = torch.stack([vectors[b] for _, b in pairs])
     return F.cosine_similarity(left, right, dim=-1).tolist()
+
+
+def check_cross_encoder(class_labels: tuple[str, ...] | None, route: str) -> None:
+    """Check that a classifier scores pairs: a cross-encoder has one label (its output is the
+    score).
+
+    Raises:
+        InvalidRequestError: naming ``model`` and ``route``, for a classifier of several
+            labels (``/classify`` serves it).
+    """
+    if class_labels is not None and len(class_labels) != 1:
+        raise InvalidRequestError(
+            f"{route}: this model classifies into {len(class_labels)} labels; scores need a "
+            "cross-encoder (one label); use /classify",
+            "model",
+        )

@@ -11,13 +11,14 @@ from pyxllm.executor.ray_executor import RayDistributedExecutor
 from pyxllm.executor.uniproc import UniprocExecutor
 from pyxllm.models.registry import check_task, is_encoder
 from pyxllm.platforms import Platform
+from pyxllm.pooling_params import POOLING_TASKS
 from pyxllm.weights import ModelSource
 
 
 def build_executor(
     config: EngineConfig, model_config, source: ModelSource, platform: Platform
 ) -> Executor:
-    """For ``--task embed`` on an encoder a
+    """For a pooling task (``--task embed``, ``score``, ``classify``) on an encoder a
     :class:`~pyxllm.executor.pooling_executor.PoolingExecutor`; else (a decoder embedding
     model too, pooled by the ``ModelExecutor``) a
     :class:`~pyxllm.executor.uniproc.UniprocExecutor` for one rank, else rank 0's
@@ -32,7 +33,7 @@ def build_executor(
             placement group was not placed, naming the missing resources).
     """
     check_task(model_config, config.task)
-    if config.task == "embed" and is_encoder(model_config):
+    if config.task in POOLING_TASKS and is_encoder(model_config):
         return PoolingExecutor(config, model_config, source, platform)
     if config.world_size == 1:
         return UniprocExecutor(config, model_config, source, platform)

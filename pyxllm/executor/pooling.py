@@ -36,3 +36,25 @@ def pool_sequences(
         normalize = None if params is None else params.normalize
         pooled.append(pooler.finish(vector, dimensions, normalize))
     return pooled
+
+
+def token_type_ids(
+    plan: SchedulerOutput, query_lens: list[int], num_tokens: int, device: torch.device
+) -> torch.Tensor | None:
+    """BERT's ``token_type_ids`` for ``plan``'s sequences laid end to end (``int64
+    [num_tokens]``, rows past ``sum(query_lens)`` type 0): 1 from each sequence's
+    ``pooling_params.token_type_start`` (a cross-encoder's text pair), else 0; ``None`` when no
+    sequence has a second segment (the model then gives every token type 0)."""
+    starts = [
+        None if seq.pooling_params is None else seq.pooling_params.token_type_start
+        for seq in plan.sequences
+    ]
+    if all(start is None for start in starts):
+        return None
+    types = torch.zeros(num_tokens, dtype=torch.int64)
+    offset = 0
+    for start, length in zip(starts, query_lens):
+        if start is not None:
+            types[offset + start : offset + length] = 1
+        offset += length
+    return types.to(device)

@@ -1,5 +1,5 @@
-"""The executor of the embed task (``--task embed``): an encoder model and a pooler instead of
-a KV cache, attention backend, runner and sampler.
+"""The executor of the pooling tasks on an encoder (``--task embed``, ``score``, ``classify``):
+an encoder model and a pooler instead of a KV cache, attention backend, runner and sampler.
 
 The engine schedules embedding requests as it schedules generation (continuous batching, the
 same token and sequence budgets), each a prompt computed whole in one step with no prefix cache
@@ -7,7 +7,8 @@ same token and sequence budgets), each a prompt computed whole in one step with 
 attention is bidirectional over the whole prompt and keeps nothing for later steps, so the paged
 KV cache, its attention backends (causal over cached blocks), the graph runners (decode steps)
 and the sampler have nothing to do; an encoder step is the model's forward over whole sequences
-(:class:`~pyxllm.attention.encoder.EncoderAttentionStep`) and one pooled vector per sequence.
+(:class:`~pyxllm.attention.encoder.EncoderAttentionStep`) and one pooled vector per sequence:
+an embedding, or a classifier's activated outputs (a cross-encoder's one score).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from pyxllm.attention.encoder import EncoderAttentionStep
 from pyxllm.config import EngineConfig
 from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.model_executor import StepResult, resolve_dtype
-from pyxllm.executor.pooling import pool_sequences
+from pyxllm.executor.pooling import pool_sequences, token_type_ids
 from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.layers.forward_context import ForwardContext, set_forward_context
-from pyxllm.layers.pooler import Pooler
+from pyxllm.layers.pooler import ClassifierPooler, Pooler, classifier_activation
 from pyxllm.models.build_context import build_model
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
@@ -44,11 +45,13 @@ class PoolingExecutor:
             for ``--max-seqs-per-batch`` prompts of ``max_model_len`` tokens (bookkeeping
             only: no cache memory exists, so nothing is ever preempted).
         hidden_size: the length of a whole embedding.
-        pooler: the model's pooling (sentence-transformers' modules, else the model's default).
+        pooler: the model's pooling (sentence-transformers' modules, else the model's default;
+            for a classifier, its head and activation: see
+            :func:`~pyxllm.layers.pooler.classifier_activation`).
 
     Raises:
-        ValueError: an unsupported architecture, a bad checkpoint, or an unsupported pooling
-            mode (``ModelLoadError``).
+        ValueError: an unsupported architecture, a bad checkpoint, an unsupported pooling
+            mode (``ModelLoadError``) or classifier activation.
     """
 
     def __init__(
@@ -67,37 +70,47 @@ class PoolingExecutor:
             disable=None,
         )
         load_weights(self.model, weights)
-        directory = source.path if source.kind == "hf" else None
-        pooling = load_pooling_config(directory, model_cls.default_pooling_type)
-        self.pooler = Pooler(pooling.pooling_type, pooling.normalize)
+        if hasattr(self.model, "classify"):  # --task score or classify
+            activation = classifier_activation(model_config, config.task)
+            self.pooler = ClassifierPooler(self.model.classify, activation)
+            pooling = f"a classifier of {model_config.num_labels} labels, {activation}"
+        else:
+            directory = source.path if source.kind == "hf" else None
+            pooling_config = load_pooling_config(directory, model_cls.default_pooling_type)
+            self.pooler = Pooler(pooling_config.pooling_type, pooling_config.normalize)
+            pooling = f"{pooling_config.pooling_type.lower()} pooling" + (
+                ", normalized" if pooling_config.normalize else ""
+            )
         self.hidden_size = model_config.hidden_size
         max_len = config.max_model_len or model_config.max_position_embeddings
         self.num_kv_blocks = config.max_seqs_per_batch * -(-max_len // config.block_size)
         self.failure: str | None = None
         self.driver = self
         logger.info(
-            "embedding model %s, device %s, dtype %s, %s pooling%s, %d dimensions",
+            "%s model %s, device %s, dtype %s, %s, %d dimensions",
+            config.task,
             type(self.model).__name__,
             self.device,
             str(self.dtype).removeprefix("torch."),
-            pooling.pooling_type.lower(),
-            ", normalized" if pooling.normalize else "",
+            pooling,
             self.hidden_size,
         )
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        """Encode ``plan``'s sequences (each a whole prompt, positions from 0) and pool each
-        into its embedding, cut to its ``pooling_params.dimensions`` and normalized as it
-        asks; no token is sampled.
+        """Encode ``plan``'s sequences (each a whole prompt, positions from 0, token types
+        from their ``pooling_params.token_type_start``) and pool each into its embedding, cut
+        to its ``pooling_params.dimensions`` and normalized as it asks, or for a classifier into
+        its activated outputs; no token is sampled.
 
         Raises:
             ValueError: a sequence that is not a whole prompt (see :func:`pool_sequences`).
         """
         batch = InputBatch.build(plan, self.config.block_size, self.device)
         context = ForwardContext(EncoderAttentionStep(batch.query_lens), [])
+        types = token_type_ids(plan, batch.query_lens, batch.input_ids.numel(), self.device)
         with set_forward_context(context):
-            hidden_states = self.model(batch.input_ids, batch.positions)
+            hidden_states = self.model(batch.input_ids, batch.positions, types)
         pooled = pool_sequences(self.pooler, plan, hidden_states, batch.query_lens)
         return StepResult([[] for _ in plan.sequences], pooled=pooled)
 

@@ -1,10 +1,10 @@
-"""BERT encoders (``BertModel`` in config.json; sentence-transformers' all-MiniLM-L6-v2) for
-the embed task: bidirectional attention over each whole prompt, no KV cache, post-norm
-residuals; the hidden states go to the executor's pooler.
+"""BERT encoders: ``BertModel`` (sentence-transformers' all-MiniLM-L6-v2) for the embed task,
+``BertForSequenceClassification`` (cross-encoders such as cross-encoder/ms-marco-MiniLM-L-6-v2,
+and classifiers) for the score and classify tasks: bidirectional attention over each whole
+prompt, no KV cache, post-norm residuals; the hidden states go to the executor's pooler.
 
-Follows transformers' ``modeling_bert.py`` (absolute positions, every token's type 0, no
-dropout at inference); the checkpoint's ``query``/``key``/``value`` load into one fused
-``qkv_proj``.
+Follows transformers' ``modeling_bert.py`` (absolute positions, no dropout at inference); the
+checkpoint's ``query``/``key``/``value`` load into one fused ``qkv_proj``.
 """
 
 from __future__ import annotations
@@ -15,17 +15,19 @@ from torch import nn
 
 from pyxllm.layers.attention import EncoderAttention
 from pyxllm.layers.layernorm import LayerNorm
-from pyxllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pyxllm.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from pyxllm.layers.vocab_embedding import VocabParallelEmbedding
-
-# checkpoint tensors BertModel does not use: the position-id buffer, and the NSP pooler (a
-# tanh dense layer over [CLS]) that sentence-transformers' pooling replaces
-_UNUSED = ("embeddings.position_ids", "pooler.")
 
 
 class BertEmbeddings(nn.Module):
-    """Token + absolute position + token-type (0) embeddings, then LayerNorm:
-    ``forward(input_ids, positions [T] int64) -> [T, hidden]``."""
+    """Token + absolute position + token-type embeddings, then LayerNorm:
+    ``forward(input_ids, positions, token_type_ids=None [T] int64) -> [T, hidden]``
+    (``token_type_ids`` ``None``: every token's type is 0)."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -35,9 +37,17 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = VocabParallelEmbedding(config.type_vocab_size, hidden)
         self.LayerNorm = LayerNorm(hidden, config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        x = x + self.token_type_embeddings.weight[0]
+        if token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
         return self.LayerNorm(x)
 
 
@@ -73,9 +83,10 @@ class BertLayer(nn.Module):
 
 
 class BertModel(nn.Module):
-    """A BERT encoder: ``forward(input_ids, positions [T] int64) -> [T, hidden]``, the last
-    layer's hidden states of whole sequences laid end to end (``positions`` restart at 0 for
-    each). Run by :class:`~pyxllm.executor.pooling_executor.PoolingExecutor`.
+    """A BERT encoder: ``forward(input_ids, positions, token_type_ids=None [T] int64) ->
+    [T, hidden]``, the last layer's hidden states of whole sequences laid end to end
+    (``positions`` restart at 0 for each; ``token_type_ids`` ``None``: all 0). Run by
+    :class:`~pyxllm.executor.pooling_executor.PoolingExecutor`.
 
     Checkpoint names are transformers' (``embeddings.*``, ``encoder.layer.{i}.attention.self.
     query.weight`` ...), with or without a ``bert.`` prefix (see
@@ -87,6 +98,9 @@ class BertModel(nn.Module):
     """
 
     is_pooling_model = True
+    # checkpoint tensors it does not use: the position-id buffer, and the NSP pooler (a tanh
+    # dense layer over [CLS]) that sentence-transformers' pooling replaces
+    unused_tensors: tuple[str, ...] = ("embeddings.position_ids", "pooler.")
     default_pooling_type = "CLS"  # vLLM's for BERT without sentence-transformers' modules
     packed_modules_mapping = {
         "query": ("qkv_proj", "q"),
@@ -118,17 +132,47 @@ class BertModel(nn.Module):
         )
 
     def rename_checkpoint_tensor(self, name: str) -> str | None:
-        """Our parameter name for checkpoint tensor ``name``; ``None`` for one BertModel does
-        not use (the position-id buffer, the NSP pooler)."""
+        """Our parameter name for checkpoint tensor ``name``; ``None`` for one the model does
+        not use (:attr:`unused_tensors`)."""
         name = name.removeprefix("bert.")
-        if name.startswith(_UNUSED):
+        if name.startswith(self.unused_tensors):
             return None
         for old, new in self._RENAMES:
             name = name.replace(old, new)
         return name
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embeddings(input_ids, positions)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
             x = layer(x)
         return x
+
+
+class BertForSequenceClassification(BertModel):
+    """A BERT encoder with transformers' sequence-classification head: ``forward`` as
+    :class:`BertModel`'s, and :meth:`classify` over each sequence's [CLS] hidden state (the
+    BERT pooler, a tanh dense layer, then the ``classifier`` linear layer to ``num_labels``
+    logits). A cross-encoder (one label) scores a text pair, its segments told apart by
+    ``token_type_ids``; the activation (sigmoid, softmax) is the executor's pooler's.
+
+    Checkpoint names: :class:`BertModel`'s, plus ``bert.pooler.dense.*`` and ``classifier.*``.
+    """
+
+    unused_tensors = ("embeddings.position_ids",)
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        hidden = config.hidden_size
+        self.pooler = nn.Module()
+        self.pooler.dense = ReplicatedLinear(hidden, hidden, bias=True)
+        self.classifier = ReplicatedLinear(hidden, config.num_labels, bias=True)
+
+    def classify(self, cls_states: torch.Tensor) -> torch.Tensor:
+        """``cls_states [N, hidden]`` (each sequence's first token, in the model's dtype) ->
+        logits ``[N, num_labels]``."""
+        return self.classifier(torch.tanh(self.pooler.dense(cls_states)))

@@ -34,39 +34,69 @@ MODEL_REGISTRY: dict[str, RegisteredModel] = {
     "Gemma3ForCausalLM": RegisteredModel("pyxllm.models.gemma3", "Gemma3ForCausalLM"),
     # encoders for the embed task (sentence-transformers' all-MiniLM-L6-v2)
     "BertModel": RegisteredModel("pyxllm.models.bert", "BertModel"),
+    # cross-encoders and classifiers for the score and classify tasks
+    "BertForSequenceClassification": RegisteredModel(
+        "pyxllm.models.bert", "BertForSequenceClassification"
+    ),
 }
-# encoders, which pool rather than generate: run with --task embed only, by the pooling executor
-POOLING_ARCHITECTURES = frozenset({"BertModel"})
+# encoders, which pool rather than generate: run by the pooling executor
+POOLING_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification"})
+# encoders with a sequence-classification head: --task score (one label: a cross-encoder) or
+# --task classify
+CLASSIFIER_ARCHITECTURES = frozenset({"BertForSequenceClassification"})
+
+
+def _archs(config) -> list[str]:
+    return list(getattr(config, "architectures", None) or [])
 
 
 def is_encoder(config) -> bool:
     """Whether ``config.architectures`` names an encoder of :data:`POOLING_ARCHITECTURES`."""
-    return any(
-        arch in POOLING_ARCHITECTURES for arch in getattr(config, "architectures", None) or []
-    )
+    return any(arch in POOLING_ARCHITECTURES for arch in _archs(config))
+
+
+def is_classifier(config) -> bool:
+    """Whether ``config.architectures`` names a classifier of :data:`CLASSIFIER_ARCHITECTURES`
+    (a cross-encoder when ``config.num_labels`` is 1)."""
+    return any(arch in CLASSIFIER_ARCHITECTURES for arch in _archs(config))
 
 
 def check_task(config, task: str) -> None:
-    """Check that ``config.architectures`` runs the engine task ``task`` (``generate`` or
-    ``embed``), before any model module is imported: ``embed`` takes an encoder or one of
+    """Check that ``config.architectures`` runs the engine task ``task``, before any model
+    module is imported: ``embed`` takes an encoder without a classification head or one of
     pyxllm's own decoders (an embedding model such as Qwen3-Embedding, pooled from its hidden
-    states); ``generate`` takes anything but an encoder.
+    states); ``score`` and ``classify`` take a classifier (``*ForSequenceClassification``);
+    ``generate`` takes anything but an encoder.
 
     Raises:
-        ValueError: an encoder for ``generate``, or for ``embed`` a model pyxllm has no code of
-            its own for (naming the architecture and the ``--task`` that fits).
+        ValueError: naming the architecture and the ``--task`` that fits: an encoder for
+            ``generate``, a classifier for ``embed``, anything else for ``score`` and
+            ``classify``, or for ``embed`` a model pyxllm has no code of its own for.
     """
-    archs = list(getattr(config, "architectures", None) or [])
-    pooling = is_encoder(config)
+    archs = _archs(config)
+    named = ", ".join(archs) or "(none)"
+    classifier, pooling = is_classifier(config), is_encoder(config)
+    if task in ("score", "classify") and not classifier:
+        raise ValueError(
+            f"--task {task}: architecture {named} has no classification head; cross-encoders "
+            f"and classifiers: {', '.join(sorted(CLASSIFIER_ARCHITECTURES))} (an embedding "
+            "model scores by cosine similarity with --task embed)"
+        )
+    if task == "embed" and classifier:
+        raise ValueError(
+            f"--task embed: architecture {named} is a classifier; serve it with --task score "
+            "(a cross-encoder) or --task classify"
+        )
     if task == "embed" and not pooling and not any(arch in MODEL_REGISTRY for arch in archs):
         raise ValueError(
-            f"--task embed: architecture {', '.join(archs) or '(none)'} has no pooling in pyxllm; "
+            f"--task embed: architecture {named} has no pooling in pyxllm; "
             f"embedding models: {', '.join(sorted(MODEL_REGISTRY))}"
         )
-    if task != "embed" and pooling:
+    if task == "generate" and pooling:
+        fits = "--task score or --task classify" if classifier else "--task embed"
+        kind = "scores or classes" if classifier else "embeddings"
         raise ValueError(
-            f"architecture {', '.join(archs)} is an encoder that makes embeddings, not text: "
-            "serve it with --task embed"
+            f"architecture {named} is an encoder that makes {kind}, not text: serve it with {fits}"
         )
 
 

@@ -65,6 +65,7 @@ from pyxllm.engine.frontend import EngineFrontend
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.engine.protocol import EngineClient
 from pyxllm.outputs import RequestOutput
+from pyxllm.pooling_params import POOLING_TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -172,8 +173,10 @@ class DataParallelEngine(EngineClient):
                 )
                 handles.append(self.launcher.launch(spec))
             front = EngineFrontend.load(config)
-            if front.config.task == "embed":
-                raise ValueError("--data-parallel-size: not with --task embed (one engine embeds)")
+            if front.config.task in POOLING_TASKS:
+                raise ValueError(
+                    f"--data-parallel-size: not with --task {front.config.task} (one engine pools)"
+                )
             replicas = self._accept(listener, handles)
             self._wait_ready(replicas)
         except BaseException:

@@ -93,6 +93,7 @@ from pyxllm.entrypoints.openai.serving_tokenization import (
 from pyxllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pyxllm.entrypoints.openai.tool_parsers.auto import AUTO, NONE
 from pyxllm.entrypoints.openai.web_ui import install_web_ui
+from pyxllm.pooling_params import POOLING_TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -508,8 +509,8 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
         raise ValueError("--reasoning-budget: needs --reasoning-parser")
     if options.tool_call_parser not in (None, AUTO, NONE):
         get_tool_parser(options.tool_call_parser)
-    if config.task == "embed" and options.data_parallel_size > 1:
-        raise ValueError("--data-parallel-size: not with --task embed (one engine embeds)")
+    if config.task in POOLING_TASKS and options.data_parallel_size > 1:
+        raise ValueError(f"--data-parallel-size: not with --task {config.task} (one engine pools)")
     ensure_logging()
     sock = bind_socket(options.host, options.port)
     warning = exposure_warning(options.host, options.api_keys)

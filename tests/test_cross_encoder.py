@@ -1,0 +1,143 @@
+"""Cross-encoders and classifiers (``--task score`` / ``classify``) tiny random
+``BertForSequenceClassification`` checkpoints (all-MiniLM-L6-v2's tokenizer) against
+transformers in float32, through ``LLM``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pyxllm.weights.embedded import embedded_embedding_model_dir
+
+QUERY = "What is the capital of France?"
+DOCUMENTS = [
+    "Paris is the capital of France.",
+    "The capital of Brazil is Brasilia, a city planned in the fifties.",
+    "Cats sleep.",
+]
+TEXTS = ["I loved this film!", "A dull, overlong and utterly forgettable afternoon.", "ok"]
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+TOL = 1e-5
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def build_classifier(path, num_labels: int):
+    """A tiny random ``BertForSequenceClassification`` saved with all-MiniLM-L6-v2's tokenizer
+    (weights drawn wide so that scores spread over (0, 1) and token types matter)."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_embedding_model_dir())
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        initializer_range=0.5,
+        num_labels=num_labels,
+        id2label=LABELS if num_labels == 3 else None,
+    )
+    torch.manual_seed(num_labels)
+    model = BertForSequenceClassification(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    """``(path, reference)``: ``reference(pairs, token_types=True) -> float32 [len(pairs)]``,
+    transformers' sigmoid(logit) of each pair tokenized as a pair."""
+    path = tmp_path_factory.mktemp("cross-encoder")
+    model, tokenizer = build_classifier(path, 1)
+
+    def reference(pairs, token_types=True):
+        scores = []
+        for a, b in pairs:
+            batch = tokenizer(a, b, return_tensors="pt")
+            if not token_types:
+                batch["token_type_ids"].zero_()
+            with torch.no_grad():
+                scores.append(torch.sigmoid(model(**batch).logits[0, 0]).item())
+        return scores
+
+    return str(path), reference
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """``(path, reference)``: ``reference(texts) -> float32 [len(texts), 3]``, softmax of
+    transformers' logits."""
+    path = tmp_path_factory.mktemp("classifier")
+    model, tokenizer = build_classifier(path, 3)
+
+    def reference(texts):
+        batch = tokenizer(texts, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            return torch.softmax(model(**batch).logits, dim=-1)
+
+    return str(path), reference
+
+
+def test_llm_score_equals_transformers(cross_encoder):
+    """``LLM.score`` under ``task="auto"`` (a one-label classifier is a cross-encoder): 1 to N
+    and pairwise, pairs of different lengths in one step, each sigmoid(logit) of the pair with
+    its token types (which change the score: the test would see them dropped)."""
+    from pyxllm import LLM
+
+    path, reference = cross_encoder
+    llm = LLM(path)
+    assert llm.llm_engine.config.task == "score"
+    pairs = [(QUERY, d) for d in DOCUMENTS]
+    want = reference(pairs)
+    assert max(abs(a - b) for a, b in zip(want, reference(pairs, token_types=False))) > 1e-3
+    outputs = llm.score(QUERY, DOCUMENTS)
+    for output, expected, (a, b) in zip(outputs, want, pairs):
+        assert math.isclose(output.outputs.score, expected, abs_tol=TOL)
+        assert output.prompt_token_ids == llm.get_tokenizer().hf(a, b)["input_ids"]
+    pairwise = llm.score(DOCUMENTS[:2], DOCUMENTS[1:])
+    for output, expected in zip(pairwise, reference(list(zip(DOCUMENTS[:2], DOCUMENTS[1:])))):
+        assert math.isclose(output.outputs.score, expected, abs_tol=TOL)
+    with pytest.raises(ValueError, match="text_2"):
+        llm.score(QUERY, [])
+    with pytest.raises(ValueError, match="embed"):
+        llm.embed("hi")
+    with pytest.raises(ValueError, match="score"):
+        llm.generate("hi")
+
+
+def test_llm_classify_and_encode_equal_softmax(classifier):
+    """A three-label classifier: ``task="auto"`` classifies; ``probs`` and ``LLM.encode``'s
+    data are the softmax of transformers' logits; scoring pairs with it is refused."""
+    from pyxllm import LLM
+
+    path, reference = classifier
+    llm = LLM(path)
+    assert llm.llm_engine.config.task == "classify"
+    assert llm.llm_engine.input_processor.class_labels == tuple(LABELS.values())
+    want = reference(TEXTS)
+    for output, expected in zip(llm.classify(TEXTS), want):
+        assert output.outputs.num_classes == 3
+        assert torch.allclose(torch.tensor(output.outputs.probs), expected, atol=TOL)
+    for output, expected in zip(llm.encode(TEXTS), want):
+        assert torch.allclose(output.outputs.data, expected, atol=TOL)
+    with pytest.raises(ValueError, match="one label"):
+        llm.score("a", "b")
+
+
+def test_task_checks_name_the_task(cross_encoder):
+    from pyxllm import LLM
+
+    path, _ = cross_encoder
+    with pytest.raises(ValueError, match="--task score"):
+        LLM(path, task="generate")
+    with pytest.raises(ValueError, match="--task embed: .* is a classifier"):
+        LLM(path, task="embed")
+    with pytest.raises(ValueError, match="--task score: .* no classification head"):
+        LLM(str(embedded_embedding_model_dir()), task="score")
+    with pytest.raises(ValueError, match="--quantization"):
+        LLM(path, quantization="int8")
