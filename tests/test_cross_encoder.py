@@ -1,15 +1,17 @@
-"""Cross-encoders and classifiers (``--task score`` / ``classify``) tiny random
+"""Cross-encoders and classifiers (``--task score`` / ``classify``) and ``/pooling``: tiny random
 ``BertForSequenceClassification`` checkpoints (all-MiniLM-L6-v2's tokenizer) against
-transformers in float32, through ``LLM``."""
+transformers in float32, through ``LLM`` and a real ``pyxllm serve``."""
 
 from __future__ import annotations
 
 import math
 
+import httpx
 import pytest
 import torch
 
 from pyxllm.weights.embedded import embedded_embedding_model_dir
+from tests.utils import RemoteServer
 
 QUERY = "What is the capital of France?"
 DOCUMENTS = [
@@ -83,6 +85,12 @@ def classifier(tmp_path_factory):
     return str(path), reference
 
 
+@pytest.fixture(scope="module")
+def server(cross_encoder):
+    with RemoteServer([cross_encoder[0], "--max-seqs-per-batch", "8"]) as remote:
+        yield remote
+
+
 def test_llm_score_equals_transformers(cross_encoder):
     """``LLM.score`` under ``task="auto"`` (a one-label classifier is a cross-encoder): 1 to N
     and pairwise, pairs of different lengths in one step, each sigmoid(logit) of the pair with
@@ -141,3 +149,107 @@ def test_task_checks_name_the_task(cross_encoder):
         LLM(str(embedded_embedding_model_dir()), task="score")
     with pytest.raises(ValueError, match="--quantization"):
         LLM(path, quantization="int8")
+
+
+def test_score_route_equals_transformers(server, cross_encoder):
+    _, reference = cross_encoder
+    for path in ("v1/score", "score"):
+        body = {"text_1": QUERY, "text_2": DOCUMENTS}
+        response = httpx.post(server.url_for(path), json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        data = response.json()["data"]
+        assert [d["index"] for d in data] == [0, 1, 2]
+        for item, expected in zip(data, reference([(QUERY, d) for d in DOCUMENTS])):
+            assert math.isclose(item["score"], expected, abs_tol=TOL)
+
+
+def test_rerank_route_orders_by_cross_encoder(server, cross_encoder):
+    _, reference = cross_encoder
+    scores = reference([(QUERY, d) for d in DOCUMENTS])
+    want = sorted(range(3), key=lambda i: -scores[i])
+    for path in ("v1/rerank", "rerank", "v2/rerank"):
+        body = {"query": QUERY, "documents": DOCUMENTS, "top_n": 2}
+        response = httpx.post(server.url_for(path), json=body, timeout=60).json()
+        assert [r["index"] for r in response["results"]] == want[:2]
+        for result in response["results"]:
+            assert result["document"]["text"] == DOCUMENTS[result["index"]]
+            assert math.isclose(result["relevance_score"], scores[result["index"]], abs_tol=TOL)
+
+
+def test_classify_route_on_the_cross_encoder(server, cross_encoder):
+    """``/classify`` on a one-label model: its one probability is the pair-less score."""
+    response = httpx.post(server.url_for("classify"), json={"input": TEXTS[:2]}, timeout=60)
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    assert [(d["index"], d["num_classes"], d["label"]) for d in data] == [
+        (0, 1, "LABEL_0"),
+        (1, 1, "LABEL_0"),
+    ]
+    assert all(0 < d["probs"][0] < 1 for d in data)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("v1/score", {"text_1": [], "text_2": "x"}, "text_1"),
+        ("v1/score", {"text_1": "a", "text_2": ["b", ""]}, "text_2"),
+        ("v1/rerank", {"query": "q", "documents": []}, "documents"),
+        ("classify", {"input": []}, "input"),
+        ("classify", {"input": "hi", "dimensions": 2}, "dimensions"),
+        ("pooling", {"input": ""}, "input"),
+        ("v1/embeddings", {"input": "hi"}, "model"),
+    ],
+)
+def test_bad_requests_name_the_field(server, path, body, param):
+    response = httpx.post(server.url_for(path), json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_classify_route_equals_softmax(classifier):
+    """``/classify`` on a three-label classifier (the app in this process): ``probs`` are the
+    softmax of transformers' logits, ``label`` the most probable one's ``id2label`` name;
+    ``/pooling`` gives the same probabilities; ``/v1/score`` is refused, naming ``model``."""
+    from fastapi.testclient import TestClient
+
+    from pyxllm import LLM
+    from pyxllm.engine.async_engine import AsyncEngine
+    from pyxllm.entrypoints.openai.api_server import build_app
+    from pyxllm.entrypoints.openai.server_options import ServerOptions
+
+    path, reference = classifier
+    want = reference(TEXTS)
+    engine = AsyncEngine(LLM(path).llm_engine)
+    try:
+        with TestClient(build_app(engine, ServerOptions())) as client:
+            response = client.post("/classify", json={"input": TEXTS})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert body["usage"]["prompt_tokens"] == sum(
+                len(ids) for ids in engine.tokenizer.hf(TEXTS)["input_ids"]
+            )
+            for item, expected in zip(body["data"], want):
+                assert item["num_classes"] == 3
+                assert torch.allclose(torch.tensor(item["probs"]), expected, atol=TOL)
+                assert item["label"] == LABELS[int(expected.argmax())]
+            pooled = client.post("/pooling", json={"input": TEXTS}).json()
+            for item, expected in zip(pooled["data"], want):
+                assert item["object"] == "pooling"
+                assert torch.allclose(torch.tensor(item["data"]), expected, atol=TOL)
+            refused = client.post("/v1/score", json={"text_1": "a", "text_2": "b"})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "model"
+            assert "/classify" in refused.json()["error"]["message"]
+    finally:
+        engine.shutdown()
+
+
+def test_generation_server_refuses_the_pooling_routes():
+    from tests.utils import stub_app_client
+
+    client = stub_app_client()
+    for path, body in (("/classify", {"input": "hi"}), ("/pooling", {"input": "hi"})):
+        response = client.post(path, json={"model": "m", **body})
+        assert response.status_code == 400, response.text
+        assert path in response.json()["error"]["message"]
+        assert response.json()["error"]["param"] == "model"

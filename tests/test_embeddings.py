@@ -5,6 +5,7 @@ computed here."""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import shutil
@@ -178,6 +179,25 @@ def test_rerank_orders_documents_by_similarity(server, reference):
     assert [r["index"] for r in everything["results"]] == want
 
 
+def test_pooling_is_the_embedding_vllm_encode_gives(client, server):
+    """vLLM's ``/pooling`` (``LLM.encode``) on an embedding model: the model's pooled output,
+    normalized as its modules say: the vector ``/v1/embeddings`` answers by default."""
+    embedded = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    pooled = httpx.post(server.url_for("pooling"), json={"input": TEXTS}, timeout=60).json()
+    assert [(d["index"], d["object"]) for d in pooled["data"]] == [(i, "pooling") for i in range(3)]
+    for item, want in zip(pooled["data"], embedded.data):
+        assert np.allclose(item["data"], want.embedding, rtol=0, atol=1e-6)
+    assert pooled["usage"]["prompt_tokens"] == embedded.usage.prompt_tokens
+    raw = httpx.post(
+        server.url_for("pooling"), json={"input": TEXTS[0], "encoding_format": "base64"}
+    ).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["data"]), dtype="<f4")
+    assert np.allclose(decoded, embedded.data[0].embedding, atol=1e-6)
+    refused = httpx.post(server.url_for("classify"), json={"input": "hi"}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+    assert "--task classify" in refused.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -254,7 +274,8 @@ def test_generation_server_refuses_embeddings():
 
 
 def test_llm_embed_and_score_equal_the_server(client, server, tmp_path, reference):
-    """``LLM.embed`` and ``LLM.score`` give the server's vectors and scores; a plain BertModel
+    """``LLM.embed``, ``LLM.encode`` and ``LLM.score`` give the server's vectors and scores;
+    ``LLM.classify`` is refused, naming the method; a plain BertModel
     directory (no sentence-transformers modules) pools its [CLS] token, normalized, as vLLM
     does."""
     from pyxllm import LLM
@@ -264,8 +285,12 @@ def test_llm_embed_and_score_equal_the_server(client, server, tmp_path, referenc
     served = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
     for output, data in zip(outputs, served.data):
         assert np.allclose(output.outputs.embedding, data.embedding, atol=1e-6)
+    for output, data in zip(llm.encode(TEXTS), served.data):
+        assert np.allclose(output.outputs.data, data.embedding, atol=1e-6)
     with pytest.raises(ValueError, match="embed"):
         llm.generate("hi")
+    with pytest.raises(ValueError, match="classify"):
+        llm.classify("hi")
     body = {"text_1": TEXTS[0], "text_2": TEXTS}
     scored = httpx.post(server.url_for("v1/score"), json=body, timeout=60).json()
     for output, data in zip(llm.score(TEXTS[0], TEXTS), scored["data"]):

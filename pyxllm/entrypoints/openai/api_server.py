@@ -4,16 +4,17 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
 (with ``GET`` and ``DELETE /v1/responses/{id}``), Anthropic's ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (see :mod:`pyxllm.entrypoints.anthropic`), and with
-``--task embed`` instead of those ``POST /v1/embeddings`` (see :mod:`.serving_embedding`)
-and vLLM's ``POST /v1/score`` and ``POST /v1/rerank`` (also ``/score``, ``/rerank``,
-``/v2/rerank``; see :mod:`.serving_score`),
+a pooling task (``--task embed``, ``score``, ``classify``) instead of those
+``POST /v1/embeddings`` (see :mod:`.serving_embedding`), vLLM's ``POST /v1/score`` and
+``POST /v1/rerank`` (also ``/score``, ``/rerank``, ``/v2/rerank``; see :mod:`.serving_score`),
+``POST /classify`` and ``POST /pooling`` (see :mod:`.serving_pooling`),
 ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health`` (200, with a JSON body while data-parallel replicas
 are missing, or 503 when the engine loop died),
 ``GET /debug/stats`` (``engine.stats()``: running/waiting requests, KV blocks in use),
 ``GET /metrics`` (Prometheus text format, see :mod:`pyxllm.engine.metrics`), ``GET /version``,
 and vLLM's ``POST /tokenize`` and ``POST /detokenize`` (see :mod:`.serving_tokenization`);
-``GET /`` is the chat page unless ``--disable-web-ui`` or ``--task embed`` (see :mod:`.web_ui`).
+``GET /`` is the chat page unless ``--disable-web-ui`` or a pooling task (see :mod:`.web_ui`).
 Who may call them (``--api-key``, CORS) is :mod:`.security`'s; TLS is uvicorn's.
 
 With ``--data-parallel-size N`` the engine is N replica processes behind a router
@@ -71,7 +72,9 @@ from pyxllm.entrypoints.openai.protocol import (
     RequestModel,
 )
 from pyxllm.entrypoints.openai.protocol_embeddings import (
+    ClassificationRequest,
     EmbeddingRequest,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
 )
@@ -83,8 +86,8 @@ from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pyxllm.entrypoints.openai.serving_lora import load_lora, runtime_updating_allowed
 from pyxllm.entrypoints.openai.serving_lora import router as lora_router
+from pyxllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pyxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
-from pyxllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pyxllm.entrypoints.openai.serving_tokenization import (
     DetokenizeRequest,
     OpenAIServingTokenization,
@@ -192,6 +195,8 @@ ADMITTED_PATHS = (
     "/v1/rerank",
     "/rerank",
     "/v2/rerank",
+    "/classify",
+    "/pooling",
     "/tokenize",
     "/detokenize",
 )
@@ -213,16 +218,17 @@ def _check_generates(raw_request: Request) -> None:
 async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
     """OpenAI embeddings (with ``--task embed``; see :mod:`.serving_embedding`)."""
     _check_fields(request, raw_request)
-    handler: OpenAIServingScore = raw_request.app.state.openai_serving_embedding
+    handler: OpenAIServingPooling = raw_request.app.state.openai_serving_embedding
     return await handler.create_embedding(request, raw_request)
 
 
 @router.post("/v1/score")
 @router.post("/score")
 async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
-    """vLLM's scores: cosine similarities of embeddings (see :mod:`.serving_score`)."""
+    """vLLM's scores: cosine similarities of embeddings, or a cross-encoder's (see
+    :mod:`.serving_score`)."""
     _check_fields(request, raw_request)
-    handler: OpenAIServingScore = raw_request.app.state.openai_serving_embedding
+    handler: OpenAIServingPooling = raw_request.app.state.openai_serving_embedding
     return await handler.create_score(request, raw_request)
 
 
@@ -232,8 +238,24 @@ async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
 async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
     """vLLM's (Jina's, Cohere's) rerank: documents by similarity to the query."""
     _check_fields(request, raw_request)
-    handler: OpenAIServingScore = raw_request.app.state.openai_serving_embedding
+    handler: OpenAIServingPooling = raw_request.app.state.openai_serving_embedding
     return await handler.create_rerank(request, raw_request)
+
+
+@router.post("/classify")
+async def create_classify(request: ClassificationRequest, raw_request: Request) -> Response:
+    """vLLM's classification: class probabilities (see :mod:`.serving_pooling`)."""
+    _check_fields(request, raw_request)
+    handler: OpenAIServingPooling = raw_request.app.state.openai_serving_embedding
+    return await handler.create_classify(request, raw_request)
+
+
+@router.post("/pooling")
+async def create_pooling(request: PoolingRequest, raw_request: Request) -> Response:
+    """vLLM's pooling: the model's pooled output (see :mod:`.serving_pooling`)."""
+    _check_fields(request, raw_request)
+    handler: OpenAIServingPooling = raw_request.app.state.openai_serving_embedding
+    return await handler.create_pooling(request, raw_request)
 
 
 @router.post("/v1/chat/completions")
@@ -352,7 +374,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
         engine.input_processor.structured_outputs.prepare()
     app.state.openai_serving_chat = OpenAIServingChat(engine, options)
     app.state.openai_serving_completion = OpenAIServingCompletion(engine, options)
-    app.state.openai_serving_embedding = OpenAIServingScore(engine, options)
+    app.state.openai_serving_embedding = OpenAIServingPooling(engine, options)
     app.state.openai_serving_responses = OpenAIServingResponses(app.state.openai_serving_chat)
     app.state.anthropic_serving_messages = AnthropicServingMessages(app.state.openai_serving_chat)
     app.state.openai_serving_tokenization = OpenAIServingTokenization(

@@ -1,7 +1,9 @@
-"""The bodies of the embedding routes: ``POST /v1/embeddings`` (OpenAI's fields with vLLM's
-extensions ``truncate_prompt_tokens`` and ``normalize``), and vLLM's ``POST /v1/score`` and
+"""The bodies of the pooling routes: ``POST /v1/embeddings`` (OpenAI's fields with vLLM's
+extensions ``truncate_prompt_tokens`` and ``normalize``); vLLM's ``POST /v1/score`` and
 ``POST /v1/rerank`` (Jina's and Cohere's shape), which an embedding model answers with the
-cosine similarity of two embeddings."""
+cosine similarity of two embeddings and a cross-encoder with its output for the pair; vLLM's
+``POST /classify`` (a classifier's class probabilities) and ``POST /pooling`` (the model's
+pooled output, as ``LLM.encode``)."""
 
 from __future__ import annotations
 
@@ -73,7 +75,8 @@ class ScoreRequest(RequestModel):
 
 
 class ScoreData(OpenAIBaseModel):
-    """The score of pair ``index``: the cosine similarity of its two embeddings, in [-1, 1]."""
+    """The score of pair ``index``: the cosine similarity of its two embeddings, in [-1, 1],
+    or a cross-encoder's output for the pair (sigmoid of its logit, in [0, 1])."""
 
     index: int
     object: Literal["score"] = "score"
@@ -129,3 +132,67 @@ class RerankResponse(OpenAIBaseModel):
     model: str
     results: list[RerankResult]
     usage: RerankUsage
+
+
+class ClassificationRequest(RequestModel):
+    """``POST /classify`` (vLLM's): ``input`` as ``/v1/embeddings``' (texts or token ids), each
+    classified by the model; ``truncate_prompt_tokens`` as there."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+
+class ClassificationData(OpenAIBaseModel):
+    """Input ``index``'s class probabilities (``probs``, one per class: softmax over the
+    logits for several labels), its most probable class's ``label`` (the model's
+    ``id2label``) and ``num_classes``."""
+
+    index: int
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(OpenAIBaseModel):
+    """The body of ``POST /classify``'s answer."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
+    usage: EmbeddingUsage
+
+
+class PoolingRequest(RequestModel):
+    """``POST /pooling`` (vLLM's): ``input`` as ``/v1/embeddings``', each answered with the
+    model's pooled output (an embedding model's embedding as ``/v1/embeddings`` gives it by
+    default, a classifier's class probabilities); ``encoding_format`` and
+    ``truncate_prompt_tokens`` as there."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+
+class PoolingData(OpenAIBaseModel):
+    """Input ``index``'s pooled output: a list of floats, or base64 as an embedding's."""
+
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(OpenAIBaseModel):
+    """The body of ``POST /pooling``'s answer."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
+    usage: EmbeddingUsage

@@ -65,31 +65,40 @@ def encode_embedding(vector: torch.Tensor, encoding_format: str) -> list[float] 
 class OpenAIServingEmbedding(OpenAIServing):
     """Serves ``POST /v1/embeddings`` from an engine running ``--task embed``."""
 
-    def check_embeds(self, model: str | None, route: str) -> None:
-        """The checks before any embedding route: 404 for an unknown ``model``, 400 naming the
-        task when the server does not embed, 503 when the engine cannot serve or drains."""
+    def check_pooling(
+        self, model: str | None, route: str, tasks: tuple[str, ...], needs: str
+    ) -> None:
+        """The checks before any pooling route: 404 for an unknown ``model``, 400 naming
+        ``route`` and the task when the server's task is not in ``tasks`` (``needs`` says what
+        would serve it), 503 when the engine cannot serve or drains."""
         self.check_model(model)
         task = self.engine.task
-        if task != "embed":
-            raise OpenAIError(
-                f"{route}: this server runs --task {task}; embeddings need a server started "
-                "with --task embed and an embedding model",
-                400,
-                "model",
-            )
+        if task not in tasks:
+            raise OpenAIError(f"{route}: this server runs --task {task}; {needs}", 400, "model")
         self.check_health()
         self.check_not_draining()
 
+    def check_embeds(self, model: str | None, route: str) -> None:
+        """:meth:`check_pooling` for a route that needs an embedding model (``--task embed``)."""
+        self.check_pooling(
+            model,
+            route,
+            ("embed",),
+            "embeddings need a server started with --task embed and an embedding model",
+        )
+
     async def embed(
         self,
-        inputs: list[str | TokensPrompt],
-        params: PoolingParams,
+        inputs: list[str | tuple[str, str] | TokensPrompt],
+        params: PoolingParams | None,
         truncate_prompt_tokens: int | None,
         request_id: str,
         raw_request: Request,
+        param: str = "input",
     ) -> tuple[list[PoolingRequestOutput], int]:
-        """Embed ``inputs`` (processed on the tokenizer thread, then run in the engine at once):
-        their outputs in order, and their prompt tokens in all.
+        """Pool ``inputs`` (texts, text pairs for a cross-encoder, or token ids; processed on
+        the tokenizer thread, then run in the engine at once): their outputs in order, and
+        their prompt tokens in all; errors about a text name ``param``.
 
         Raises:
             InvalidRequestError: an input or parameter the input processor refuses.
@@ -100,7 +109,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         def process_all() -> list[EngineRequest]:  # on the tokenizer thread, in one go
             return [
                 self.processor.process_pooling(
-                    f"{request_id}-{i}", item, params, truncate_prompt_tokens
+                    f"{request_id}-{i}", item, params, truncate_prompt_tokens, param=param
                 )
                 for i, item in enumerate(inputs)
             ]
