@@ -122,6 +122,7 @@ def test_llm_classify_and_encode_equal_softmax(classifier):
     """A three-label classifier: ``task="auto"`` classifies; ``probs`` and ``LLM.encode``'s
     data are the softmax of transformers' logits; scoring pairs with it is refused."""
     from pyxllm import LLM
+    from pyxllm.pooling_params import PoolingParams
 
     path, reference = classifier
     llm = LLM(path)
@@ -135,6 +136,8 @@ def test_llm_classify_and_encode_equal_softmax(classifier):
         assert torch.allclose(output.outputs.data, expected, atol=TOL)
     with pytest.raises(ValueError, match="one label"):
         llm.score("a", "b")
+    with pytest.raises(ValueError, match="dimensions: applies to embedding models"):
+        llm.encode(TEXTS, PoolingParams(dimensions=2))
 
 
 def test_task_checks_name_the_task(cross_encoder):
@@ -176,6 +179,14 @@ def test_rerank_route_orders_by_cross_encoder(server, cross_encoder):
             assert math.isclose(result["relevance_score"], scores[result["index"]], abs_tol=TOL)
 
 
+def test_text_routes_name_the_scoring_routes(server):
+    body = {"prompt": "hi", "max_tokens": 2}
+    response = httpx.post(server.url_for("v1/completions"), json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "--task score, which makes scores" in response.json()["error"]["message"]
+    assert "/v1/rerank" in response.json()["error"]["message"]
+
+
 def test_classify_route_on_the_cross_encoder(server, cross_encoder):
     """``/classify`` on a one-label model: its one probability is the pair-less score."""
     response = httpx.post(server.url_for("classify"), json={"input": TEXTS[:2]}, timeout=60)
@@ -198,6 +209,8 @@ def test_classify_route_on_the_cross_encoder(server, cross_encoder):
         ("classify", {"input": "hi", "dimensions": 2}, "dimensions"),
         ("pooling", {"input": ""}, "input"),
         ("v1/embeddings", {"input": "hi"}, "model"),
+        ("v1/rerank", {"query": "q", "documents": ["word " * 200]}, "documents"),
+        ("v1/score", {"text_1": "q", "text_2": "word " * 200}, "text_2"),
     ],
 )
 def test_bad_requests_name_the_field(server, path, body, param):

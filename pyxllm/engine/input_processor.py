@@ -243,9 +243,16 @@ class InputProcessor:
         Raises:
             InvalidRequestError: an empty prompt, a token id outside the vocabulary, a prompt
                 longer than ``max_model_len`` without truncation (naming ``param``), a bad
-                ``truncate_prompt_tokens`` or ``dimensions``.
+                ``truncate_prompt_tokens`` or ``dimensions``, or ``dimensions`` or
+                ``normalize`` for a classifier.
         """
         params = pooling_params or PoolingParams()
+        if self.class_labels is not None:
+            for name in ("dimensions", "normalize"):
+                if getattr(params, name) is not None:
+                    raise InvalidRequestError(
+                        f"{name}: applies to embedding models; this one classifies", name
+                    )
         size = self.embedding_size
         if size is not None and (params.dimensions or 0) > size:
             raise InvalidRequestError(

@@ -326,7 +326,11 @@ class LLM:
 
     def _require_generate(self, method: str) -> None:
         """Raise ValueError (naming ``method``) unless this LLM generates text."""
-        self._check_task(method, ("generate",), "task='generate' and a generative model")
+        self._check_task(
+            method,
+            ("generate",),
+            "a generative model (use embed(), score(), classify() or encode())",
+        )
 
     def _drain(self, requests: list, use_tqdm: bool, desc: str) -> list:
         """Add the processed ``requests`` and step until all finish; their final outputs in

@@ -202,13 +202,23 @@ ADMITTED_PATHS = (
 )
 
 
+# what a pooling task's server makes, and the routes that serve it
+_POOLING_ROUTES = {
+    "embed": ("embeddings", "/v1/embeddings"),
+    "score": ("scores", "/v1/score or /v1/rerank"),
+    "classify": ("classes", "/classify"),
+}
+
+
 def _check_generates(raw_request: Request) -> None:
-    """400 on a text route when the server runs another task (``--task embed``), naming it."""
+    """400 on a text route when the server runs another task (``--task embed``, ``score``,
+    ``classify``), naming it and the routes that serve it."""
     task = raw_request.app.state.engine.task
     if task != "generate":
+        makes, routes = _POOLING_ROUTES.get(task, ("no text", "another route"))
         raise OpenAIError(
-            f"{raw_request.url.path}: this server runs --task {task}, which makes embeddings, "
-            "not text: use /v1/embeddings (text needs a server started with --task generate)",
+            f"{raw_request.url.path}: this server runs --task {task}, which makes {makes}, "
+            f"not text: use {routes} (text needs a server started with --task generate)",
             400,
             "model",
         )

@@ -56,14 +56,15 @@ class OpenAIServingScore(OpenAIServingEmbedding):
         truncate: int | None,
         request_id: str,
         raw_request: Request,
+        param: str,
     ) -> tuple[list[float], int]:
         """Each pair's score, and the prompt tokens the scores took, as vLLM counts them: a
         cross-encoder's output for each pair (its tokens as a pair); or the cosine similarity
         of the pair's embeddings (each distinct text embedded once; every text of every pair
-        counted)."""
+        counted); errors about a pair's text name ``param``."""
         if self.engine.task != "embed":
             outputs, num_tokens = await self.embed(
-                pairs, None, truncate, request_id, raw_request, param="text_2"
+                pairs, None, truncate, request_id, raw_request, param=param
             )
             return [float(out.outputs.data[0]) for out in outputs], num_tokens
         texts = distinct_texts(pairs)
@@ -79,7 +80,7 @@ class OpenAIServingScore(OpenAIServingEmbedding):
         request_id = f"score-{uuid.uuid4().hex}"
         try:
             scores, num_tokens = await self._similarities(
-                pairs, request.truncate_prompt_tokens, request_id, raw_request
+                pairs, request.truncate_prompt_tokens, request_id, raw_request, "text_2"
             )
         except ClientDisconnected:
             return Response(status_code=499)
@@ -100,7 +101,7 @@ class OpenAIServingScore(OpenAIServingEmbedding):
         request_id = f"rerank-{uuid.uuid4().hex}"
         try:
             scores, num_tokens = await self._similarities(
-                pairs, request.truncate_prompt_tokens, request_id, raw_request
+                pairs, request.truncate_prompt_tokens, request_id, raw_request, "documents"
             )
         except ClientDisconnected:
             return Response(status_code=499)
