@@ -22,6 +22,7 @@ DOCUMENTS = [
 TEXTS = ["I loved this film!", "A dull, overlong and utterly forgettable afternoon.", "ok"]
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 TOL = 1e-5
+IDENTITY = "torch.nn.modules.linear.Identity"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -266,3 +267,48 @@ def test_generation_server_refuses_the_pooling_routes():
         assert response.status_code == 400, response.text
         assert path in response.json()["error"]["message"]
         assert response.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize(
+    ("config", "task", "want"),
+    [
+        ({"num_labels": 1}, "score", "sigmoid"),
+        ({"num_labels": 3}, "classify", "softmax"),
+        ({"num_labels": 1, "problem_type": "regression"}, "classify", "identity"),
+        ({"num_labels": 3, "problem_type": "multi_label_classification"}, "classify", "sigmoid"),
+        (
+            {
+                "num_labels": 1,
+                "sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity",
+            },
+            "score",
+            "identity",
+        ),
+        (
+            {
+                "num_labels": 1,
+                "sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Sigmoid"},
+            },
+            "score",
+            "sigmoid",
+        ),
+    ],
+)
+def test_classifier_activation_is_vllms(config, task, want):
+    """The activation of a classifier's logits: sentence-transformers' for a cross-encoder's
+    score, else by ``problem_type`` and the label count (vLLM's choices)."""
+    from types import SimpleNamespace
+
+    from pyxllm.layers.pooler import classifier_activation
+
+    assert classifier_activation(SimpleNamespace(**config), task) == want
+
+
+def test_classifier_activation_refuses_other_modules():
+    from types import SimpleNamespace
+
+    from pyxllm.layers.pooler import classifier_activation
+
+    config = SimpleNamespace(num_labels=1, sbert_ce_default_activation_function="os.system")
+    with pytest.raises(ValueError, match="os.system"):
+        classifier_activation(config, "score")
