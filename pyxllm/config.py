@@ -229,10 +229,16 @@ class EngineConfig:
     task: str = flag(
         "auto",
         help="what the server makes: generate, text (the completion, chat and responses "
-        "routes); embed, embeddings (/v1/embeddings) from an embedding model: a BERT encoder "
-        "such as sentence-transformers/all-MiniLM-L6-v2, embedded in pyxllm's install and served "
-        "when no model is given, or a decoder such as Qwen3-Embedding (see docs/models.md, "
-        "Embedding models); auto: embed for an encoder, else generate (default: auto)",
+        "routes); embed, embeddings (/v1/embeddings, /pooling; /v1/score and /v1/rerank as cosine "
+        "similarities) from an embedding model: a BERT encoder such as "
+        "sentence-transformers/all-MiniLM-L6-v2, embedded in pyxllm's install and served when no "
+        "model is given, or a decoder such as Qwen3-Embedding (see docs/models.md, Embedding "
+        "models); score, a cross-encoder's scores of text pairs (/v1/score, /v1/rerank) from a "
+        "BertForSequenceClassification with one label such as "
+        "cross-encoder/ms-marco-MiniLM-L-6-v2; classify, class probabilities (/classify) from a "
+        "*ForSequenceClassification model with several labels; auto: score or classify for a "
+        "classifier (by its label count), embed for another encoder, else generate "
+        "(default: auto)",
         group=MODEL_FLAGS,
         choices=TASKS,
     )
@@ -594,7 +600,7 @@ class EngineConfig:
     def _check_task(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"--task: must be one of {', '.join(TASKS)}, got {self.task!r}")
-        if self.task != "embed":
+        if self.task in ("auto", "generate"):
             return
         for name, given in (
             ("tensor_parallel_size", self.world_size > 1),
@@ -607,8 +613,8 @@ class EngineConfig:
         ):
             if given:
                 raise ValueError(
-                    f"--{name.replace('_', '-')}: not with --task embed (an embedding model runs "
-                    "pyxllm's own code eagerly on one rank, unquantized, from a Hugging Face "
+                    f"--{name.replace('_', '-')}: not with --task {self.task} (a pooling model "
+                    "runs pyxllm's own code eagerly on one rank, unquantized, from a Hugging Face "
                     "directory, with no KV cache)"
                 )
 
@@ -627,7 +633,7 @@ class EngineConfig:
             ("tensor_parallel_size", self.world_size > 1),
             ("speculative_config", self.speculative_config is not None),
             ("graph_backend", self.graph_backend not in ("auto", "eager")),
-            ("task", self.task == "embed"),
+            ("task", self.task not in ("auto", "generate")),
             ("model_impl", self.model_impl == "transformers"),
         ):
             if given:

@@ -58,17 +58,16 @@ def _with_task(config: EngineConfig, task: str) -> EngineConfig:
 
     Raises:
         ValueError: a flag a pooling task cannot honour, naming it (``EngineConfig`` checks
-            them for ``embed``, and ``score`` and ``classify`` are checked as ``embed``).
+            them).
     """
     if task in POOLING_TASKS:
-        pooled = dataclasses.replace(
+        return dataclasses.replace(
             config,
-            task="embed",
+            task=task,
             enable_chunked_prefill=False,
             enable_prefix_cache=False,
             graph_backend="eager",
         )
-        return pooled if task == "embed" else dataclasses.replace(pooled, task=task)
     return config if task == config.task else dataclasses.replace(config, task=task)
 
 

@@ -394,6 +394,13 @@ class OpenAIServing:
         """
         if not request.use_beam_search:
             return None
+        if engine_request.lora_request is not None:
+            raise OpenAIError(
+                "use_beam_search: not with a LoRA adapter yet (the beams would run on the base "
+                "model)",
+                400,
+                "use_beam_search",
+            )
         return new_beam_search(request, engine_request, self.engine.tokenizer.eos_token_ids)
 
     def outputs(
