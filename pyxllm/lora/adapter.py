@@ -33,6 +33,10 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # what PEFT puts before the base model's own module names
 _PEFT_PREFIX = "base_model.model."
+# a layer's stacked rank is padded with zeros to a multiple of this (the row-wise kernel's 8
+# lanes), so that its rank columns take the same lanes wherever they sit in several adapters'
+# stack (see pyxllm.lora.manager): a row's delta gets the same bits either way
+RANK_ALIGNMENT = 8
 
 
 class LoRAAdapterError(ValueError):
@@ -50,10 +54,11 @@ class LoRAAdapterError(ValueError):
 @dataclass(slots=True)
 class LoRALayerWeights:
     """An adapter's weights for one layer, float32: ``a [R, in]``, the ``lora_A`` of each
-    adapted checkpoint module inside the layer stacked (``R`` the sum of their ranks), and ``b
-    [out, R]``, each module's ``lora_B * scaling`` in its block (its output features, its rank
-    columns) and zeros elsewhere, so the layer's delta is two matmuls, ``(x a^T) b^T``,
-    whatever it fuses (q/k/v: a few thousand zero multiply-adds instead of three calls)."""
+    adapted checkpoint module inside the layer stacked (``R`` the sum of their ranks, padded
+    with zero rows to a multiple of :data:`RANK_ALIGNMENT`), and ``b [out, R]``, each module's
+    ``lora_B * scaling`` in its block (its output features, its rank columns) and zeros
+    elsewhere, so the layer's delta is two matmuls, ``(x a^T) b^T``, whatever it fuses (q/k/v:
+    a few thousand zero multiply-adds instead of three calls)."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -229,11 +234,16 @@ def load_adapter(
         stacked.setdefault(path, (layer, []))[1].append((offset, a, b))
     layers = {}
     for path, (layer, parts) in stacked.items():
-        a_all = torch.cat([a for _, a, _ in parts]).to(dtype=dtype, device=device).contiguous()
-        b_all = torch.zeros(layer.output_size, a_all.shape[0], dtype=torch.float64)
+        total = sum(a.shape[0] for _, a, _ in parts)
+        padded = -(-total // RANK_ALIGNMENT) * RANK_ALIGNMENT
+        a_all = torch.zeros(padded, layer.input_size, dtype=torch.float64)
+        b_all = torch.zeros(layer.output_size, padded, dtype=torch.float64)
         start = 0
         for offset, a, b in parts:
+            a_all[start : start + a.shape[0]] = a.double()
             b_all[offset : offset + b.shape[0], start : start + a.shape[0]] = b.double() * scaling
             start += a.shape[0]
-        layers[path] = LoRALayerWeights(a_all, b_all.to(dtype=dtype, device=device))
+        layers[path] = LoRALayerWeights(
+            a_all.to(dtype=dtype, device=device), b_all.to(dtype=dtype, device=device)
+        )
     return LoRAAdapter(request, rank, layers)
