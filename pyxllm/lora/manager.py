@@ -44,12 +44,12 @@ class LoRAStep:
             index tensor, or ``None`` when the adapter covers every row of the step.
         row_adapter: with few rows (a decode step, :data:`STACKED_MAX_ROWS`), ``int64 [T]``:
             each row's position in ``segments`` (-1: the base model); the layers then run
-            every adapter of the step in one stacked pair of matmuls. ``None``: one pair of
+            every adapter of the step in one ``lora_delta`` call. ``None``: one pair of
             matmuls per adapter, over its own rows.
         adapter_rows: the rows that have an adapter (``int64``), ``None`` when all do.
-        stacks: filled by the layers: ``{layer path: (a, b, column owners)}`` of the step's
-            adapters stacked (shared across steps with the same adapters, see
-            :class:`LoRAManager`).
+        stacks: filled by the layers: ``{layer path: _stack(...)}``, the step's adapters'
+            weights side by side (kept across steps with the same adapters on the same rows,
+            see :class:`LoRAManager`).
     """
 
     segments: list[tuple[LoRAAdapter, torch.Tensor | None]]
@@ -58,9 +58,9 @@ class LoRAStep:
     stacks: dict = field(default_factory=dict)
 
 
-# up to this many rows a step runs all its adapters in one stacked pair of matmuls per layer
-# (masking the other adapters' columns of each row: a few hundred wasted multiply-adds a row
-# against ~10 small ops per adapter); above it, one pair per adapter over its rows only
+# up to this many rows a step runs all its adapters in one lora_delta call per layer (a kernel
+# call against ~7 small ops per adapter); above it, one pair of row-wise matmuls per adapter over
+# its rows (register-blocked over rows: the faster for a prefill's hundreds of rows)
 STACKED_MAX_ROWS = 64
 
 
@@ -112,36 +112,46 @@ class LoRALinearMethod:
         return y
 
     def _add_stacked(self, y: torch.Tensor, x: torch.Tensor, step: LoRAStep) -> torch.Tensor:
-        """Every adapter of a small step at once: ``x`` times all their ``a`` stacked, each
-        row's other adapters' columns zeroed, times all their ``b`` stacked. A row's delta has
-        the bits of its own adapter's pair alone (its columns keep their lanes: ranks are
-        padded to the kernel's 8 lanes; the zeros add exactly nothing)."""
+        """Every adapter of a small step in one ``lora_delta`` call over their weights stacked,
+        each row computing its own adapter's pair only, in the order the per-adapter path
+        sums it (so a row gets the same bits either way)."""
         stack = step.stacks.get(self.path)
         if stack is None:
-            pieces = [
-                (i, adapter.layers[self.path])
-                for i, (adapter, _) in enumerate(step.segments)
-                if self.path in adapter.layers
-            ]
-            if not pieces:
-                stack = step.stacks[self.path] = ()
-            else:
-                owners = torch.cat(
-                    [torch.full((w.a.shape[0],), i, dtype=torch.long) for i, w in pieces]
-                ).to(y.device)
-                a = torch.cat([w.a for _, w in pieces])
-                b = torch.cat([w.b for _, w in pieces], dim=1).contiguous()
-                stack = step.stacks[self.path] = (a, b, owners)
+            stack = step.stacks[self.path] = _stack(step, self.path, y.device)
         if not stack:
             return y
-        a, b, owners = stack
-        xa = kernels.ops.linear(x.float(), a, None, True)
-        xa.mul_(step.row_adapter[:, None] == owners[None, :])
-        delta = kernels.ops.linear(xa, b, None, True)
+        a, b, row_adapter, offsets, lens = stack
+        delta = kernels.ops.lora_delta(x.float(), a, b, row_adapter, offsets, lens)
         rows = step.adapter_rows
         if rows is None:
             return y.add_(delta)
         return y.index_copy_(0, rows, y.index_select(0, rows).add_(delta.index_select(0, rows)))
+
+
+def _stack(step: LoRAStep, path: str, device: torch.device) -> tuple:
+    """The step's adapters' weights for layer ``path`` side by side: ``(a [S, in], b [out, S],
+    each row's adapter among them (-1: none), their column offsets, their ranks)``; ``()`` when
+    none adapts the layer."""
+    pieces = [
+        (i, adapter.layers[path])
+        for i, (adapter, _) in enumerate(step.segments)
+        if path in adapter.layers
+    ]
+    if not pieces:
+        return ()
+    position = {i: j for j, (i, _) in enumerate(pieces)}
+    row_adapter = step.row_adapter.clone()
+    for i in range(len(step.segments)):  # segment index -> index among the layer's pieces
+        row_adapter[step.row_adapter == i] = position.get(i, -1)
+    lens = torch.tensor([w.a.shape[0] for _, w in pieces], dtype=torch.long)
+    offsets = torch.cumsum(lens, 0) - lens
+    return (
+        torch.cat([w.a for _, w in pieces]),
+        torch.cat([w.b for _, w in pieces], dim=1).contiguous(),
+        row_adapter,
+        offsets.to(device),
+        lens.to(device),
+    )
 
 
 class LoRAManager:
@@ -256,8 +266,8 @@ class LoRAManager:
         for i, ids in enumerate(rows.values()):
             owner[ids] = i
         covered = sum(len(ids) for ids in rows.values()) == start
-        key = tuple(rows)
-        if self._stacks_key != key:  # the stacked weights of the last adapter set, reused
+        key = (tuple(rows), tuple(owner.tolist()))
+        if self._stacks_key != key:  # the last step's stacks, reused by a step laid out alike
             self._stacks_key, self._stacks = key, {}
         return LoRAStep(
             segments,

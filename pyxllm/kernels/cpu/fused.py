@@ -50,6 +50,7 @@ KERNELS = (
     "int8_group_rows",
     "linear",
     "linear_is_row_invariant",
+    "lora_delta",
     "pack_int4_weight",
     "pack_int8_group_weight",
     "paged_attention_decode",
@@ -89,6 +90,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "w8a8_linear")
     def _(x, qweight, weight_scales, bias, hadamard_block=0):
         return x.new_empty(*x.shape[:-1], qweight.shape[0])
+
+    @torch.library.register_fake(lib + "lora_delta")
+    def _(x, a, b, row_adapter, offsets, lens):
+        return x.new_empty(x.shape[0], b.shape[0])
 
     @torch.library.register_fake(lib + "rowwise_linear")
     def _(x, weight, bias):
@@ -225,6 +230,24 @@ def linear_is_row_invariant(weight: torch.Tensor) -> bool:
     count for float32 inputs over ``weight``: a contiguous float32 weight (a bfloat16 one takes
     oneDNN, which does not)."""
     return weight.dtype == torch.float32 and weight.is_contiguous()
+
+
+def lora_delta(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    row_adapter: torch.Tensor,
+    offsets: torch.Tensor,
+    lens: torch.Tensor,
+) -> torch.Tensor:
+    """See ``pyxllm.kernels.native.lora_delta``; one call for every adapter of a step, each row
+    computing only its own adapter's pair, each sum in :func:`linear`'s row-wise order (so a
+    row gets the bits of ``linear(linear(x, a_g, None, True), b_g, None, True)``).
+
+    Raises:
+        RuntimeError: tensors of other dtypes or shapes, or an adapter's columns outside ``a``.
+    """
+    return torch.ops.pyxllm_cpu.lora_delta.default(x, a, b, row_adapter, offsets, lens)
 
 
 def w8a8_linear(

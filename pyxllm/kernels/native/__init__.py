@@ -8,7 +8,7 @@ from pyxllm.kernels.native.elementwise import (
     rotary_embedding,
     silu_and_mul,
 )
-from pyxllm.kernels.native.linear import linear, linear_is_row_invariant
+from pyxllm.kernels.native.linear import linear, linear_is_row_invariant, lora_delta
 from pyxllm.kernels.native.moe import fused_moe, fused_topk
 from pyxllm.kernels.native.paged_attention import (
     decode_attention_mask,
@@ -40,6 +40,7 @@ __all__ = [
     "int8_linear",
     "linear",
     "linear_is_row_invariant",
+    "lora_delta",
     "pack_int4_weight",
     "pack_int8_group_weight",
     "paged_attention_decode",
