@@ -227,12 +227,15 @@ def remote(models):
 
 
 def _complete(client, model: str) -> list[str]:
-    return [
-        client.completions.create(model=model, prompt=p, max_tokens=NEW_TOKENS, temperature=0)
-        .choices[0]
-        .text
-        for p in PROMPTS
-    ]
+    """The greedy completion of each prompt by ``model``; each answer reports that model."""
+    texts = []
+    for prompt in PROMPTS:
+        answer = client.completions.create(
+            model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0
+        )
+        assert answer.model == model
+        texts.append(answer.choices[0].text)
+    return texts
 
 
 def test_the_server_serves_adapters_by_name_and_loads_them_at_runtime(models, llm, remote):
@@ -271,3 +274,7 @@ def test_the_server_serves_adapters_by_name_and_loads_them_at_runtime(models, ll
     assert httpx.post(unload, json={"lora_name": "mlp"}).status_code == 404
     assert "mlp" not in {card.id for card in client.models.list().data}
     assert _complete(client, "attn")[0]
+    chat = client.chat.completions.create(
+        model="attn", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert chat.model == "attn"

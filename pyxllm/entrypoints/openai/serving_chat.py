@@ -203,7 +203,7 @@ class OpenAIServingChat(OpenAIServing):
             events = ChatEvents(
                 engine_request,
                 created,
-                self.model_name,
+                self.response_model(engine_request),
                 reasoning,
                 tools,
                 self.engine.tokenizer.token_bytes,
@@ -217,7 +217,7 @@ class OpenAIServingChat(OpenAIServing):
         response = ChatCompletionResponse(
             id=engine_request.request_id,
             created=created,
-            model=self.model_name,
+            model=self.response_model(engine_request),
             choices=[self.full_choice(c, params, reasoning, tools) for c in final.outputs],
             usage=with_reasoning_tokens(
                 self.usage(engine_request, sum(len(c.token_ids) for c in final.outputs), final),

@@ -71,7 +71,9 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            events = _CompletionEvents(engine_request.request_id, choices, created, self.model_name)
+            events = _CompletionEvents(
+                engine_request.request_id, choices, created, self.response_model(engine_request)
+            )
             return self.stream(engine_request, events, include_usage, search)
         try:
             final = await self.generate_full(engine_request, raw_request, search)
@@ -80,7 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
         response = CompletionResponse(
             id=engine_request.request_id,
             created=created,
-            model=self.model_name,
+            model=self.response_model(engine_request),
             choices=[choices.full(completion, final) for completion in final.outputs],
             usage=self.usage(engine_request, choices.completion_tokens, final),
         )

@@ -235,6 +235,12 @@ class OpenAIServing:
         """The LoRA adapter a request's ``model`` names, ``None`` for the base model."""
         return None if model is None else self.engine.lora_requests.get(model)
 
+    def response_model(self, request: EngineRequest) -> str:
+        """The ``model`` an answer reports: its LoRA adapter's name, else the served model's
+        first name (vLLM's rule)."""
+        lora = request.lora_request
+        return self.model_name if lora is None else lora.lora_name
+
     def usage(
         self, request: EngineRequest, completion_tokens: int, output: RequestOutput | None
     ) -> UsageInfo:
