@@ -448,6 +448,22 @@ class EngineConfig:
         group=MODEL_FLAGS,
         metavar="FILE|TEMPLATE",
     )
+    kv_offload_dir: str | None = flag(
+        None,
+        help="also keep every full KV block in files in this directory, read back for a "
+        "prompt prefix the RAM prefix cache lacks: prefixes survive a restart and are shared by "
+        "engines on the same directory (data-parallel replicas); one rank (see docs/serving.md, "
+        "KV cache on disk) (default: off)",
+        group=CACHE_FLAGS,
+        metavar="DIR",
+    )
+    kv_offload_max_gib: float = flag(
+        10.0,
+        help="most GiB --kv-offload-dir's files take for this model; the least recently used "
+        "are deleted first",
+        group=CACHE_FLAGS,
+        metavar="GIB",
+    )
     enable_lora: bool = flag(
         False,
         help="serve LoRA adapters (PEFT directories) on the model: requests name one as their "
@@ -618,6 +634,22 @@ class EngineConfig:
                     "directory, with no KV cache)"
                 )
 
+    def _check_kv_offload(self) -> None:
+        if self.kv_offload_max_gib <= 0:
+            raise ValueError(f"--kv-offload-max-gib: must be > 0, got {self.kv_offload_max_gib}")
+        if self.kv_offload_dir is None:
+            return
+        for name, given in (
+            ("tensor_parallel_size", self.world_size > 1),
+            ("enable_prefix_cache", not self.enable_prefix_cache),
+            ("task", self.task not in ("auto", "generate")),
+        ):
+            if given:
+                raise ValueError(
+                    f"--{name.replace('_', '-')}: not with --kv-offload-dir (the disk tier "
+                    "extends the prefix cache of a one-rank generating engine)"
+                )
+
     def _check_lora(self) -> None:
         for name, value in (("max_loras", self.max_loras), ("max_lora_rank", self.max_lora_rank)):
             if value < 1:
@@ -706,6 +738,7 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config).to_json()
         self._check_task()
         self._check_lora()
+        self._check_kv_offload()
         self._check_frontend()
 
     def _check_frontend(self) -> None:

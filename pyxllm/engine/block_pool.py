@@ -62,6 +62,8 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self.cached: dict[BlockHash, KVBlock] = {}
+        # when a list (a KV tier is on), the blocks registered since it was last emptied
+        self.newly_cached: list[KVBlock] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,6 +117,8 @@ class BlockPool:
             return
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
         self.cached[block_hash] = block
+        if self.newly_cached is not None:
+            self.newly_cached.append(block)
 
     def free_blocks(self, blocks: Sequence[KVBlock]) -> None:
         """Drop one reference on each of ``blocks``, in the given order (pass a table reversed so

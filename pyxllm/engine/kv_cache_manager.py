@@ -93,6 +93,40 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def load_from_tier(self, request: Request, tier, write_block) -> int:
+        """Fill the RAM prefix cache with ``request``'s leading full blocks that it lacks and
+        the disk ``tier`` (``kv_offload.DiskKVTier``) holds: each read into a free block by
+        ``write_block(block_id, payload)`` and registered as a cached free block, so the next
+        :meth:`get_computed_blocks` counts it as a hit. Takes at most half the free blocks;
+        returns how many blocks it loaded."""
+        if not self.enable_prefix_cache:
+            return 0
+        size = self.block_size
+        max_blocks = (request.num_tokens - 1) // size
+        hits = self.get_computed_blocks(request)
+        hashes = self._block_hashes(request, max_blocks)
+        wanted = []
+        for i in range(len(hits), max_blocks):
+            if not tier.contains(hashes[i]):
+                break
+            wanted.append(i)
+        self.pool.touch(hits)  # the RAM hits stay while free blocks are taken
+        count = min(len(wanted), self.pool.num_free_blocks // 2)
+        blocks = self.pool.get_new_blocks(count)
+        saved, self.pool.newly_cached = self.pool.newly_cached, None  # on disk already
+        loaded = 0
+        for i, block in zip(wanted, blocks):
+            payload = tier.load(hashes[i])
+            if payload is None:
+                break
+            write_block(block.block_id, payload)
+            self.pool.cache_block(block, hashes[i], request.token_ids[i * size : (i + 1) * size])
+            loaded += 1
+        self.pool.newly_cached = saved
+        self.pool.free_blocks(blocks[::-1])
+        self.pool.free_blocks(hits[::-1])
+        return loaded
+
     def allocate_slots(
         self,
         request: Request,

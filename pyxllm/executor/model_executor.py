@@ -292,6 +292,31 @@ class ModelExecutor:
             attn=self.attn_backend.build(batch), kv_caches=self.kv_caches, lora=self._lora_step
         )
 
+    def read_kv_block(self, block_id: int) -> bytes:
+        """One KV block's bytes, every layer's K then V rows as the cache holds them (the
+        payload of ``--kv-offload-dir``'s files)."""
+        parts = [cache[block_id].reshape(-1) for pair in self.kv_caches for cache in pair]
+        return torch.cat(parts).view(torch.uint8).cpu().numpy().tobytes()
+
+    def write_kv_block(self, block_id: int, payload: bytes) -> None:
+        """Put a block read by :meth:`read_kv_block` (from the same model and settings) back
+        into block ``block_id``.
+
+        Raises:
+            ValueError: a payload of another size.
+        """
+        caches = [cache for pair in self.kv_caches for cache in pair]
+        total = sum(c[block_id].numel() * c.element_size() for c in caches)
+        if len(payload) != total:
+            raise ValueError(f"KV block payload: {len(payload)} bytes, expected {total}")
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        start = 0
+        for cache in caches:
+            target = cache[block_id]
+            size = target.numel() * target.element_size()
+            target.copy_(data[start : start + size].view(cache.dtype).view(target.shape))
+            start += size
+
     def add_lora(self, request: LoRARequest) -> bool:
         """Load a LoRA adapter (``False`` when it is loaded already).
 

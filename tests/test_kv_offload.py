@@ -1,0 +1,72 @@
+"""``--kv-offload-dir``: full KV blocks written to files and read back for a prompt prefix the
+RAM prefix cache lacks, across engines (a restart) on the same directory; the answers are the
+same bits as without the tier (batch invariance), and a damaged or foreign file is a miss."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyxllm import LLM, SamplingParams
+
+PROMPT = {"prompt_token_ids": [(i * 37) % 40000 + 100 for i in range(100)]}  # 6 full blocks
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+KWARGS = dict(max_model_len=256, kv_cache_memory=0.1)
+
+
+def _answer(llm: LLM):
+    """The prompt's tokens, log-probabilities and prompt tokens served from a cache."""
+    out = llm.generate([PROMPT], GREEDY)[0]
+    sample = out.outputs[0]
+    logprobs = [{t: lp.logprob for t, lp in top.items()} for top in sample.logprobs]
+    return sample.token_ids, logprobs, out.num_cached_tokens
+
+
+@pytest.fixture(scope="module")
+def reference():
+    tokens, logprobs, cached = _answer(LLM(**KWARGS))
+    assert cached == 0
+    return tokens, logprobs
+
+
+def test_a_new_engine_reads_the_prefix_a_former_one_wrote(tmp_path, reference):
+    first = LLM(kv_offload_dir=str(tmp_path), **KWARGS)
+    tokens, logprobs, cached = _answer(first)
+    assert (tokens, logprobs) == reference and cached == 0
+    stats = first.llm_engine.stats()
+    assert stats["kv_tier_bytes_written"] > 0 and stats["kv_tier_hits"] == 0
+    files = sorted(tmp_path.glob("*/*/*.kv"))
+    assert len(files) >= 6
+    del first
+    second = LLM(kv_offload_dir=str(tmp_path), **KWARGS)  # a restart: its RAM cache is empty
+    tokens, logprobs, cached = _answer(second)
+    assert (tokens, logprobs) == reference
+    assert cached == 96  # the 6 blocks of 16 tokens before the prompt's last token
+    assert second.llm_engine.stats()["kv_tier_hits"] == 6
+    # a torn file is a miss, deleted, never wrong KV
+    files[0].write_bytes(files[0].read_bytes()[:-10])
+    third = LLM(kv_offload_dir=str(tmp_path), **KWARGS)
+    tokens, logprobs, cached = _answer(third)
+    assert (tokens, logprobs) == reference and cached < 96
+
+
+def test_another_models_blocks_are_never_read(tmp_path):
+    LLM(kv_offload_dir=str(tmp_path), **KWARGS).generate([PROMPT], GREEDY)
+    other = LLM(kv_offload_dir=str(tmp_path), block_size=32, **KWARGS)
+    _, _, cached = _answer(other)
+    assert cached == 0 and other.llm_engine.stats()["kv_tier_hits"] == 0
+    assert len({p.parent.parent for p in tmp_path.glob("*/*/*.kv")}) == 2
+
+
+def test_the_directory_keeps_its_budget(tmp_path):
+    llm = LLM(kv_offload_dir=str(tmp_path), kv_offload_max_gib=3e-3, **KWARGS)
+    block = llm.llm_engine.kv_tier.block_bytes
+    llm.generate([PROMPT], GREEDY)
+    total = sum(p.stat().st_size for p in tmp_path.glob("*/*/*.kv"))
+    assert 0 < total <= 3e-3 * 2**30 and total // block < 6
+
+
+def test_the_tier_needs_a_one_rank_generating_engine_with_the_prefix_cache(tmp_path):
+    with pytest.raises(ValueError, match="--enable-prefix-cache: not with --kv-offload-dir"):
+        LLM(kv_offload_dir=str(tmp_path), enable_prefix_cache=False)
+    with pytest.raises(ValueError, match="--kv-offload-max-gib"):
+        LLM(kv_offload_dir=str(tmp_path), kv_offload_max_gib=0)
