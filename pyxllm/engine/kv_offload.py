@@ -20,7 +20,7 @@ POSIX), so readers never see a half-written block. The directory keeps at most
 are deleted first.
 
 This first version reads and writes between steps, on the engine's thread (a block of the
-embedded model is ~0.7 MB in float32); an asynchronous copy is the next step.
+embedded model is 0.37 MB in bfloat16); an asynchronous copy is the next step.
 """
 
 from __future__ import annotations
