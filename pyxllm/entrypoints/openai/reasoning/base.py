@@ -33,9 +33,11 @@ class ReasoningParser(ABC):
     computed from the text already streamed and the text now, so concatenated deltas always
     equal the fields of :meth:`extract_reasoning` on the final text.
 
-    A subclass implements :meth:`spans`, which must be monotone: as text grows, the reasoning
+    A subclass implements :meth:`split`, which must be monotone: as text grows, the reasoning
     and the content it reports only grow (what was shown is never taken back), which is why a
-    possible partial tag at the end of an unfinished text is held back.
+    possible partial tag at the end of an unfinished text is held back. A parser whose parts
+    are two stretches of the text (``<think>`` tags) gives them as :class:`ReasoningSpans`
+    (:meth:`split_spans`).
 
     Args:
         tokenizer: the engine's :class:`~pyxllm.engine.tokenizer.Tokenizer`.
@@ -78,19 +80,26 @@ class ReasoningParser(ABC):
         return False
 
     @abstractmethod
-    def spans(self, text: str, final: bool) -> ReasoningSpans:
-        """The reasoning and content spans of ``text``.
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        """``(reasoning, content)`` shown for ``text`` (either may be empty): each a prefix of
+        the same part of every longer text.
 
         Args:
             text: the generated text so far.
             final: no more text follows; nothing may be held back.
         """
 
+    @staticmethod
+    def split_spans(text: str, spans: ReasoningSpans) -> tuple[str, str]:
+        """The ``(reasoning, content)`` that ``spans`` mark in ``text``."""
+        return (
+            text[spans.reasoning_start : spans.reasoning_end],
+            text[spans.content_start : spans.content_end],
+        )
+
     def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
         """``(reasoning, content)`` of a whole generated text; an empty part is ``None``."""
-        s = self.spans(text, final=True)
-        reasoning = text[s.reasoning_start : s.reasoning_end]
-        content = text[s.content_start : s.content_end]
+        reasoning, content = self.split(text, final=True)
         return reasoning or None, content or None
 
     def extract_reasoning_streaming(
@@ -104,11 +113,6 @@ class ReasoningParser(ABC):
             current_text: the text now; starts with ``previous_text``.
             finished: ``current_text`` is final: release anything held back.
         """
-        before = self.spans(previous_text, final=False)
-        now = self.spans(current_text, final=finished)
-        shown_reasoning = before.reasoning_end - before.reasoning_start
-        shown_content = before.content_end - before.content_start
-        return ReasoningDelta(
-            current_text[now.reasoning_start + shown_reasoning : now.reasoning_end],
-            current_text[now.content_start + shown_content : now.content_end],
-        )
+        shown_reasoning, shown_content = self.split(previous_text, final=False)
+        reasoning, content = self.split(current_text, final=finished)
+        return ReasoningDelta(reasoning[len(shown_reasoning) :], content[len(shown_content) :])

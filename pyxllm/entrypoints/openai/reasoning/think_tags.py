@@ -61,6 +61,10 @@ class ThinkTagReasoningParser(ReasoningParser):
         )
         return tail.rstrip().endswith(self.end_tag)
 
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        """The text of :meth:`spans`."""
+        return self.split_spans(text, self.spans(text, final))
+
     def spans(self, text: str, final: bool) -> ReasoningSpans:
         """Reasoning up to the first ``</think>``, content after it; unless ``final``, a text
         that may still become ``<think>`` and a trailing partial ``</think>`` are held back."""

@@ -158,6 +158,13 @@ class ToolParser(abc.ABC):
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
         """The content and calls of ``text``; ``final`` when the text is complete."""
 
+    def content_without_calls(self, text: str, parsed: ParsedToolOutput) -> str:
+        """The content of a final ``text`` in which no call was found (``parsed``, its parse):
+        all of it when :attr:`text_is_content` (a model that answered instead of calling),
+        else the parsed content. A format whose markers are never content (harmony's message
+        headers) gives its parsed content."""
+        return text if self.text_is_content else parsed.content
+
     def for_tools(self, tools: list) -> ToolParser:
         """The parser of one request that offers ``tools`` (its
         :class:`~pyxllm.entrypoints.openai.protocol.ChatCompletionToolParam` list): this one,
@@ -183,12 +190,12 @@ def split_tool_calls(
     parser: ToolParser, text: str, limit: int | None = None
 ) -> tuple[str | None, list[ToolCall]]:
     """``(content, tool_calls)`` of a whole reply: the content is ``None`` when empty, and the
-    whole text when no call is found (``None`` for a forced call's parser, see
-    :attr:`ToolParser.text_is_content`)."""
+    whole text when no call is found (``None`` for a forced call's parser; see
+    :meth:`ToolParser.content_without_calls`)."""
     parsed = parser.parse(text, final=True)
     calls = tool_calls_of(parsed, limit)
     if not calls:
-        return (text or None) if parser.text_is_content else None, []
+        return parser.content_without_calls(text, parsed) or None, []
     return parsed.content or None, calls
 
 
@@ -215,12 +222,10 @@ class ToolCallStream:
         """``(content delta, tool call deltas)`` now that the text is ``text``, at most one
         delta per call (clients such as instructor read one entry per index from a chunk): a
         new call's header carries the arguments parsed so far. A final text in which no call
-        was found is content as a whole, unless the parser says otherwise (see
-        :func:`split_tool_calls`)."""
+        was found is content as the parser says (:meth:`ToolParser.content_without_calls`)."""
         parsed = self.parser.parse(text, final)
-        no_call = final and not self.ids and not any(c.name for c in parsed.calls)
-        if no_call and self.parser.text_is_content:
-            parsed = ParsedToolOutput(text)
+        if final and not self.ids and not any(c.name for c in parsed.calls):
+            parsed = ParsedToolOutput(self.parser.content_without_calls(text, parsed))
         content = parsed.content[self.content_sent :]
         self.content_sent = len(parsed.content)
         deltas = []
