@@ -220,7 +220,9 @@ def test_registry_and_flag(capsys):
     assert {"qwen3", "deepseek_r1"} <= set(reasoning_parser_names())
     assert get_reasoning_parser("qwen3") is ThinkTagReasoningParser
     assert get_reasoning_parser("deepseek_r1") is ThinkTagReasoningParser
-    with pytest.raises(ValueError, match="known parsers: deepseek_r1, qwen3"):
+    with pytest.raises(
+        ValueError, match="known parsers: deepseek_r1, gpt_oss, openai_gptoss, qwen3"
+    ):
         get_reasoning_parser("nope")
     args, _ = parse_args(["serve", "--reasoning_parser", "qwen3"])
     assert args.reasoning_parser == "qwen3"

@@ -22,6 +22,7 @@ from pyxllm.entrypoints.openai.tool_parsers import (
 )
 from pyxllm.entrypoints.openai.tool_parsers.constrained import NamedCallParser, RequiredCallsParser
 from pyxllm.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from pyxllm.entrypoints.openai.tool_parsers.gpt_oss import OpenAIToolParser
 from pyxllm.entrypoints.openai.tool_parsers.granite import GraniteToolParser
 from pyxllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pyxllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -331,6 +332,34 @@ RECORDED = [
         'Sure. functools[{"name": "get_time", "arguments": {"ci',
         ("Sure.", [("get_time", '{"ci')]),
     ),
+    # openai: gpt-oss's harmony messages, calls on the commentary channel to=functions.NAME
+    (
+        OpenAIToolParser(),
+        "<|channel|>analysis<|message|>Two cities.<|end|><|start|>assistant<|channel|>commentary"
+        "<|message|>Checking both.<|end|><|start|>assistant<|channel|>commentary to=functions."
+        'get_weather <|constrain|>json<|message|>{"city": "Paris", "unit": "celsius"}<|call|>'
+        "<|start|>assistant to=functions.ping<|channel|>commentary json<|message|>{}<|call|>",
+        (
+            "Checking both.",
+            [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("ping", "{}")],
+        ),
+    ),
+    (
+        OpenAIToolParser(),
+        "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>"
+        "Paris is in France, <|b|> too.<|return|>",
+        ("Paris is in France, <|b|> too.", []),
+    ),
+    (
+        OpenAIToolParser(),
+        '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"city": "Os',
+        (None, [("get_time", '{"city": "Os')]),
+    ),  # cut short
+    (
+        OpenAIToolParser(),
+        '<|channel|>commentary to=functions.say<|message|>{"text": }<|call|>',
+        (None, [("say", '{"text": }')]),
+    ),  # malformed: the raw text
 ]
 
 

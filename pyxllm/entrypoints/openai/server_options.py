@@ -150,7 +150,7 @@ class ServerOptions:
         choices=reasoning_parser_names,
         group=RESPONSE_FLAGS,
         help="split chat output into message.reasoning_content (the thinking) and content: "
-        "qwen3, or deepseek_r1",
+        "qwen3 or deepseek_r1 (<think> tags), openai_gptoss or gpt_oss (gpt-oss's harmony)",
     )
     reasoning_budget: int | None = flag(
         None,

@@ -18,10 +18,16 @@ __all__ = [
     "reasoning_parser_names",
 ]
 
-# DeepSeek-R1 uses the same <think>...</think> convention as Qwen3.
+# DeepSeek-R1 uses the same <think>...</think> convention as Qwen3; gpt-oss's harmony
+# reasoning is registered under vLLM's name and as gpt_oss.
 REASONING_PARSERS = LazyRegistry(
     "--reasoning-parser",
     {
+        "gpt_oss": ("pyxllm.entrypoints.openai.reasoning.gpt_oss", "GptOssReasoningParser"),
+        "openai_gptoss": (
+            "pyxllm.entrypoints.openai.reasoning.gpt_oss",
+            "GptOssReasoningParser",
+        ),
         "qwen3": ("pyxllm.entrypoints.openai.reasoning.think_tags", "ThinkTagReasoningParser"),
         "deepseek_r1": (
             "pyxllm.entrypoints.openai.reasoning.think_tags",

@@ -51,6 +51,7 @@ TOOL_PARSERS = LazyRegistry(
             "PythonicToolParser",
         ),
         "mistral": ("pyxllm.entrypoints.openai.tool_parsers.mistral", "MistralToolParser"),
+        "openai": ("pyxllm.entrypoints.openai.tool_parsers.gpt_oss", "OpenAIToolParser"),
         "phi4_mini_json": (
             "pyxllm.entrypoints.openai.tool_parsers.phi4_mini",
             "Phi4MiniToolParser",
