@@ -31,7 +31,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # pythonic templates (Llama 3.2, Llama 4) ask for [func_name1(params_name1=...)]; DeepSeek V3
 # writes calls between its own <｜tool▁calls▁begin｜> tokens; vLLM's Phi-4-mini template asks
 # for functools[...]; Granite 3 lists tools under <|start_of_role|>available_tools and answers
-# after <|tool_call|>; InternLM calls with <|action_start|><|plugin|>, which no parser reads.
+# after <|tool_call|>; gpt-oss (harmony) lists functions in a TypeScript namespace and writes
+# a call as a commentary message to=functions.NAME ending in <|call|>; InternLM calls with
+# <|action_start|><|plugin|>, which no parser reads.
 _TURNS = (
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
     "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
@@ -90,6 +92,17 @@ GRANITE_STYLE = (
     "{{ message.role }}<|end_of_role|>{{ message.content }}<|end_of_text|>{%- endfor %}"
     "{#- a call is answered after <|tool_call|> #}"
 )
+GPT_OSS_STYLE = (
+    "{%- if tools %}<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace "
+    "functions {\n{%- for tool in tools %}\n// {{ tool.function.description }}\ntype "
+    "{{ tool.function.name }} = (_: {{ (tool.function.parameters or {}) | tojson }}) => any;"
+    "{%- endfor %}\n} // namespace functions<|end|>{%- endif %}{%- for message in messages %}"
+    "{%- if message.tool_calls %}{%- for call in message.tool_calls %}<|start|>assistant "
+    "to=functions.{{ call.function.name }}<|channel|>commentary json<|message|>"
+    "{{ call.function.arguments }}<|call|>{%- endfor %}{%- else %}<|start|>{{ message.role }}"
+    "<|message|>{{ message.content }}<|end|>{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
 INTERNLM_STYLE = (
     "{%- if tools %}<|im_start|>system name=<|plugin|>\n{{ tools | tojson }}<|im_end|>\n"
     "{%- endif %}{#- a call is <|action_start|><|plugin|>{...}<|action_end|> #}" + _TURNS
@@ -124,6 +137,7 @@ def test_the_embedded_template_gets_the_tools_in_a_system_message_read_by_hermes
         (DEEPSEEK_STYLE, "deepseek_v3"),
         (PHI4_MINI_STYLE, "phi4_mini_json"),
         (GRANITE_STYLE, "granite"),
+        (GPT_OSS_STYLE, "openai"),
         (INTERNLM_STYLE, None),
     ],
 )

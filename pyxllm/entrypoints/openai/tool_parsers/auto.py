@@ -56,7 +56,10 @@ def choose_tool_parser(chat_template: str | None) -> ToolParserChoice:
        ``{"name", "arguments"}`` after the word ``functools``): ``phi4_mini_json``.
     9. Llama 3's ``<|start_header_id|>`` with ``<|python_tag|>`` or a ``"parameters"`` key (the
        JSON call format Llama 3.1-3.3's templates describe and render): ``llama3_json``.
-    10. Anything else that renders tools (InternLM's, Kimi's, gpt-oss's harmony ...): none;
+    10. ``<|channel|>`` and ``<|call|>``: OpenAI's harmony format (gpt-oss's template writes
+        an assistant's call as ``<|start|>assistant to=functions.NAME<|channel|>commentary
+        json<|message|>{...}<|call|>``): ``openai``.
+    11. Anything else that renders tools (InternLM's, Kimi's ...): none;
         ``--tool-call-parser NAME`` picks one by hand.
     """
     if not template_renders_tools(chat_template):
@@ -104,6 +107,12 @@ def choose_tool_parser(chat_template: str | None) -> ToolParserChoice:
             "llama3_json",
             'the chat template is Llama 3\'s and writes calls as {"name": ..., "parameters": '
             "...} JSON",
+        )
+    if "<|channel|>" in chat_template and "<|call|>" in chat_template:
+        return ToolParserChoice(
+            "openai",
+            "the chat template is OpenAI's harmony format and writes calls as commentary "
+            "messages to=functions.NAME ending in <|call|>",
         )
     return ToolParserChoice(
         None, "the chat template renders tools in a call format no tool-call parser reads"
