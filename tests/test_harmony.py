@@ -2,9 +2,12 @@
 reasoning, the final channel the content) and ``--tool-call-parser openai`` (calls on the
 commentary channel), on scripted texts fed whole and in every piece size, alone and one after
 the other as the chat handler runs them, and through a token stream of a tokenizer with
-harmony's special tokens. (The ``openai`` parser's recorded texts are in test_tool_calls.py.)"""
+harmony's special tokens; then through ``pyxllm serve`` with a harmony chat template. (The
+``openai`` parser's recorded texts are in test_tool_calls.py.)"""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -20,8 +23,11 @@ from pyxllm.entrypoints.openai.tool_parsers import (
 )
 from pyxllm.entrypoints.openai.tool_parsers.gpt_oss import OpenAIToolParser
 from tests.test_reasoning import TextTokenizer, stream
-from tests.test_tool_calls import streamed
+from tests.test_tool_calls import TOOLS, assemble, streamed
+from tests.test_tool_choice_auto import GPT_OSS_STYLE, SERVER_ARGS, chat
+from tests.utils import RemoteServer, run_together
 
+TOOLS_WEATHER = TOOLS[0]
 HARMONY_TOKENS = [
     "<|start|>",
     "<|end|>",
@@ -176,3 +182,38 @@ def test_a_token_stream_keeps_the_special_tokens_out_of_both_fields(harmony_tok)
     assert "".join(d.reasoning for d in deltas) == CASES[0][1]
     assert "".join(d.content for d in deltas) == CASES[0][2]
     assert not any("<|" in d.reasoning or "<|" in d.content for d in deltas)
+
+
+def test_a_harmony_server_splits_reasoning_and_reads_calls(hf_gguf_tokenizer):
+    """``--reasoning-parser openai_gptoss`` with a harmony chat template (so ``auto`` picks the
+    ``openai`` tool parser) on the default model: a thinking budget of 0 forces the end of the
+    analysis, and a constraint (which applies after it) writes a preamble and a call, so that
+    what the parsers find does not depend on what the tiny model would write."""
+    answer = (
+        "Checking.<|start|>assistant<|channel|>commentary to=functions.get_weather "
+        '<|constrain|>json<|message|>{"city": "Paris", "unit": "celsius"}<|call|>'
+    )
+    forced = {"regex": re.escape(answer)}
+    body = {
+        "tools": [TOOLS_WEATHER],
+        "max_tokens": 80,
+        "extra_body": {"structured_outputs": forced, "thinking_token_budget": 0},
+    }
+    args = [*SERVER_ARGS, "--chat-template", GPT_OSS_STYLE, "--reasoning-parser", "openai_gptoss"]
+    with RemoteServer(args) as remote:
+        client = remote.openai_client()
+        full, chunks = run_together(
+            lambda: chat(client, **body), lambda: list(chat(client, stream=True, **body))
+        )
+        log = remote.output()
+    assert 'tool_choice "auto": the openai tool-call parser' in log
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    assert getattr(choice.message, "reasoning_content", None) is None
+    [call] = choice.message.tool_calls
+    weather = ("get_weather", '{"city": "Paris", "unit": "celsius"}')
+    assert (call.function.name, call.function.arguments) == weather
+    assert assemble(chunks) == ("Checking.", [weather], "tool_calls")
+    # the reasoning tokens are the forced end of the analysis, no more
+    forced_end = GptOssReasoningParser(Tokenizer(hf_gguf_tokenizer)).end_token_ids()
+    assert full.usage.completion_tokens_details.reasoning_tokens == len(forced_end)
