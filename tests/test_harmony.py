@@ -139,6 +139,17 @@ def test_tool_parser_alone_leaves_analysis_and_headers_out_of_content():
     assert split_tool_calls(parser, browse) == (None, [])
 
 
+def test_reasoning_tokens_are_the_analysis_message(reasoning):
+    """usage's reasoning_tokens (one token a character here): the analysis through its
+    <|end|>, not a call or an answer after it."""
+    count = reasoning.count_reasoning_tokens
+    assert count(list(CASES[7][0])) == len(f"{ANALYSIS}Need the weather.<|end|>")
+    assert count(list(CASES[1][0])) == len(CASES[1][0])  # never closed
+    assert count(list(CASES[3][0])) == 0  # answered at once
+    forced = f"garbage{NEXT}<|channel|>final<|message|>"  # a thinking budget's forced end
+    assert count(list(forced + "answer")) == len(forced)
+
+
 def test_messages_show_only_complete_headers():
     assert parse_messages("<|channel|>analysis<|mess", final=False) == []
     (message,) = parse_messages("<|channel|>final<|message|>ab<|re", final=False)

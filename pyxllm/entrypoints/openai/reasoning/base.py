@@ -7,6 +7,15 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 
+def find_token_ids(token_ids: Sequence[int], sub: Sequence[int]) -> int:
+    """Where ``sub`` first occurs in ``token_ids``; -1 when it does not (or is empty)."""
+    sub, n = list(sub), len(sub)
+    for start in range(len(token_ids) - n + 1) if n else ():
+        if list(token_ids[start : start + n]) == sub:
+            return start
+    return -1
+
+
 class ReasoningSpans(NamedTuple):
     """Where reasoning and content lie in a text: ``text[reasoning_start:reasoning_end]`` and
     ``text[content_start:content_end]``; whatever lies outside both (tags, a held-back partial
@@ -67,12 +76,9 @@ class ReasoningParser(ABC):
         """The output tokens up to the end of the reasoning, its closing tag included; all of
         them while it never closed (OpenAI's ``reasoning_tokens`` of a reply whose reasoning
         this parser splits off)."""
-        end = list(self.end_token_ids())
-        n = len(end)
-        for start in range(len(token_ids) - n + 1) if n else ():
-            if list(token_ids[start : start + n]) == end:
-                return start + n
-        return len(token_ids)
+        end = self.end_token_ids()
+        start = find_token_ids(token_ids, end)
+        return len(token_ids) if start < 0 else start + len(end)
 
     def is_reasoning_end(self, prompt_token_ids: Sequence[int]) -> bool:
         """True when the prompt itself closed the reasoning (e.g. a chat template rendered an

@@ -21,7 +21,7 @@ from pyxllm.entrypoints.openai.harmony import (
     parse_messages,
     shown_text,
 )
-from pyxllm.entrypoints.openai.reasoning.base import ReasoningParser
+from pyxllm.entrypoints.openai.reasoning.base import ReasoningParser, find_token_ids
 from pyxllm.entrypoints.openai.reasoning.think_tags import PROMPT_TAIL_TOKENS
 
 ANALYSIS_HEADER = f"{CHANNEL}analysis{MESSAGE}"
@@ -51,6 +51,19 @@ class GptOssReasoningParser(ReasoningParser):
     def start_token_ids(self) -> tuple[int, ...]:
         """``<|channel|>analysis<|message|>``."""
         return tuple(self.tokenizer.encode(ANALYSIS_HEADER, add_special_tokens=False))
+
+    def count_reasoning_tokens(self, token_ids: Sequence[int]) -> int:
+        """The tokens of the analysis message the reply opens with, through its ``<|end|>``
+        (all of them while it never closed); else those through a forced end of thinking
+        (:meth:`end_token_ids`, a thinking budget's); else none (a reply that answered or
+        called at once)."""
+        if list(token_ids[: len(start := self.start_token_ids())]) == list(start):
+            end = tuple(self.tokenizer.encode(END, add_special_tokens=False))
+            found = find_token_ids(token_ids, end)
+            return len(token_ids) if found < 0 else found + len(end)
+        end = self.end_token_ids()
+        found = find_token_ids(token_ids, end)
+        return 0 if found < 0 else found + len(end)
 
     def is_reasoning_end(self, prompt_token_ids: Sequence[int]) -> bool:
         """True when the prompt ends inside a final message's header (a template that skips
