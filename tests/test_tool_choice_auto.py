@@ -260,6 +260,84 @@ def test_an_unknown_field_is_a_400_naming_it(server, client):
         assert response.status_code == 400 and response.json()["error"]["param"] == "nope"
 
 
+# Nested objects of fixed keys, each with one key no version of the API has: (route, body, path)
+NESTED_UNKNOWN = [
+    ("/v1/chat/completions", {"stream": True, "stream_options": {"foo": 1}}, "stream_options.foo"),
+    (
+        "/v1/chat/completions",
+        {"response_format": {"type": "text", "foo": 1}},
+        "response_format.foo",
+    ),
+    (
+        "/v1/chat/completions",
+        {"tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "foo": 1}}]},
+        "tools[0].function.foo",
+    ),
+    (
+        "/v1/chat/completions",
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x", "foo": 1}}},
+        "tool_choice.function.foo",
+    ),
+    ("/v1/completions", {"prompt": "Hi", "stream_options": {"foo": 1}}, "stream_options.foo"),
+    (
+        "/v1/responses",
+        {"input": "Hi", "text": {"format": {"type": "text", "foo": 1}}},
+        "text.format.foo",
+    ),
+    (
+        "/v1/messages",
+        {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi", "foo": 1}]},
+        "messages[0].foo",
+    ),
+    (
+        "/v1/messages/count_tokens",
+        {"messages": ASK, "tool_choice": {"type": "auto", "foo": 1}},
+        "tool_choice.foo",
+    ),
+]
+
+
+@pytest.mark.parametrize("path, body, named", NESTED_UNKNOWN)
+def test_an_unknown_nested_field_is_a_400_naming_its_path(server, path, body, named):
+    body = {
+        "model": MODEL,
+        **({} if "input" in body or "prompt" in body else {"messages": ASK}),
+        **body,
+    }
+    response = httpx.post(server.url_for(path), json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert message.startswith(f"{named}: unrecognized request argument"), message
+
+
+def test_free_form_nested_objects_keep_their_keys(server):
+    """JSON Schemas, ``logit_bias``, ``chat_template_kwargs``, a message's own keys (for the
+    template) and an echoed tool call's keys are not request objects: any key is taken."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "x-vendor": 1}
+    tool = {**TOOLS[0], "function": {**TOOLS[0]["function"], "parameters": schema}}
+    call = {
+        "id": "c1",
+        "type": "function",
+        "index": 0,
+        "function": {"name": "f", "arguments": "{}"},
+    }
+    messages = [
+        {"role": "user", "content": "Hi", "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    body = {
+        "messages": messages,
+        "tools": [tool],
+        "tool_choice": "none",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        "logit_bias": {"1": 0.5},
+        "chat_template_kwargs": {"anything": {"nested": True}},
+    }
+    response = post(server, body)
+    assert response.status_code == 200, response.text
+
+
 def test_llama_cpp_json_schema_and_grammar_constrain_the_output(server):
     city = {
         "type": "object",
@@ -312,7 +390,9 @@ def test_tool_call_parser_none_refuses_auto_and_unknown_fields_can_be_ignored():
     with RemoteServer(args) as remote:
         refused, ignored = run_together(
             lambda: post(remote, {"tools": TOOLS}),
-            lambda: post(remote, {"totally_unknown_field": 3}),
+            lambda: post(
+                remote, {"totally_unknown_field": 3, "response_format": {"type": "text", "foo": 1}}
+            ),
         )
         log = remote.output()
     assert refused.status_code == 400, refused.text
@@ -321,7 +401,10 @@ def test_tool_call_parser_none_refuses_auto_and_unknown_fields_can_be_ignored():
     assert ignored.status_code == 200, ignored.text
     assert ignored.json()["choices"][0]["message"]["content"]
     assert 'tool_choice "auto": refused' in log
-    assert "request fields ignored (not known to pyxllm): totally_unknown_field" in log
+    assert (
+        "request fields ignored (not known to pyxllm): totally_unknown_field, response_format.foo"
+        in log
+    )
 
 
 def test_enable_auto_tool_choice_fails_start_up_without_a_parser():

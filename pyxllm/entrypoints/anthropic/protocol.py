@@ -1,8 +1,10 @@
 """Pydantic models of Anthropic's Messages API (``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens``), field for field as far as pyxllm serves them.
 
-Requests ignore fields they do not know, as the OpenAI models do (the SDK may send newer ones);
-the fields declared but not served are refused by :func:`~.messages_input.check_supported`
+Requests refuse fields they do not know, top-level or in a nested object of fixed keys
+(``tool_choice.foo``), as the OpenAI models do (``--ignore-unknown-fields`` drops them); tools
+stay open (a server tool's own keys must not hide that its type is refused); the fields
+declared but not served are refused by :func:`~.messages_input.check_supported`
 (400 naming them). Request content blocks are one permissive model (:class:`ContentBlockParam`)
 so that a block pyxllm does not serve (an image) is refused by name rather than failing a
 union's validation; responses and stream events are Anthropic's shapes exactly.
@@ -14,7 +16,11 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from pyxllm.entrypoints.openai.protocol import OpenAIBaseModel, RequestModel
+from pyxllm.entrypoints.openai.protocol import (
+    OpenAIBaseModel,
+    RequestModel,
+    RequestObject,
+)
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
@@ -46,14 +52,14 @@ class ContentBlockParam(OpenAIBaseModel):
     cache_control: dict[str, Any] | None = None
 
 
-class MessageParam(OpenAIBaseModel):
+class MessageParam(RequestObject):
     """One turn of ``messages``: a text, or content blocks (``system`` turns: text only)."""
 
     role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlockParam]
 
 
-class TextBlockParam(OpenAIBaseModel):
+class TextBlockParam(RequestObject):
     """A text block of ``system``."""
 
     type: Literal["text"]
@@ -78,7 +84,7 @@ class ToolParam(OpenAIBaseModel):
     input_examples: list[Any] | None = None
 
 
-class ToolChoiceParam(OpenAIBaseModel):
+class ToolChoiceParam(RequestObject):
     """``tool_choice``: ``auto``, ``any`` (a call to some tool), ``tool`` (a call to ``name``)
     or ``none``; ``disable_parallel_tool_use`` allows one call at most."""
 

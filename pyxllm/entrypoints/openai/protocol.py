@@ -1,8 +1,9 @@
 """Pydantic models of the OpenAI HTTP API, field for field, with vLLM's extensions marked.
 
-A request body's top-level fields that pyxllm does not know are refused with a 400 naming them,
-as OpenAI answers an unknown parameter (:meth:`RequestModel.check_unknown_fields`; logged and
-ignored with ``--ignore-unknown-fields``, as vLLM does); fields we know but cannot honour
+A request body's fields that pyxllm does not know, at the top level or in one of its nested
+objects of fixed keys (:class:`RequestObject`: ``stream_options.foo``), are refused with a 400
+naming them, as OpenAI answers an unknown parameter (:meth:`RequestModel.check_unknown_fields`;
+logged and ignored with ``--ignore-unknown-fields``, as vLLM does); fields we know but cannot honour
 (``suffix``, ``best_of``...) are rejected by the serving layer rather than silently dropped.
 Values are range-checked by :class:`~pyxllm.sampling_params.SamplingParams` (400 naming the
 field). Logprobs in responses are clamped to -9999.0 where the token was ruled out (``-inf``
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
@@ -30,10 +32,43 @@ logger = logging.getLogger(__name__)
 
 
 class OpenAIBaseModel(BaseModel):
-    """Base of every request and response model: unknown fields of nested request objects are
-    ignored (a top-level body's are refused, see :class:`RequestModel`)."""
+    """Base of every request and response model: keys a model does not declare are dropped,
+    unless it is a :class:`RequestObject` (kept, to be refused) or sets ``extra="allow"`` itself
+    (kept, for a meaning of their own: a message's keys go to the chat template)."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestObject(OpenAIBaseModel):
+    """A request object of fixed keys (a body, or an object nested in one: ``stream_options``,
+    ``response_format``, a tool...): keys it does not declare are kept aside (``model_extra``)
+    and refused by :meth:`RequestModel.check_unknown_fields` with their path.
+
+    Free-form by design, and so not request objects: JSON Schemas (``parameters``, ``schema``),
+    ``metadata``, ``logit_bias``, ``chat_template_kwargs`` (plain dicts), and the models whose
+    other keys mean something (``extra="allow"`` on :class:`OpenAIBaseModel`): a chat message
+    (its keys go to the chat template) and the tool calls it echoes, a content part or tool
+    whose ``type`` pyxllm refuses by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def unknown_fields(value: Any, path: str = "") -> Iterator[tuple[RequestObject, str, str]]:
+    """``(owner, key, path)`` of each key that a :class:`RequestObject` in ``value`` (a parsed
+    request, or any model, list or value in one) does not declare: an object's own keys, then
+    its fields' in declaration order; ``path`` is dotted from ``value``'s own
+    (``tools[0].function.foo``). Dicts are free-form and not entered; a list is entered only
+    when its first item is a model or a list (a list of token ids costs one check)."""
+    if isinstance(value, BaseModel):
+        if isinstance(value, RequestObject):
+            for key in value.model_extra or ():
+                yield value, key, f"{path}.{key}" if path else key
+        for name, field in type(value).model_fields.items():
+            key = field.alias or name
+            yield from unknown_fields(getattr(value, name), f"{path}.{key}" if path else key)
+    elif isinstance(value, list) and value and isinstance(value[0], (BaseModel, list)):
+        for index, item in enumerate(value):
+            yield from unknown_fields(item, f"{path}[{index}]")
 
 
 # Deepest nesting of objects and arrays a request body may have (a tool's JSON Schema needs a
@@ -41,38 +76,39 @@ class OpenAIBaseModel(BaseModel):
 MAX_JSON_DEPTH = 64
 
 
-class RequestModel(OpenAIBaseModel):
+class RequestModel(RequestObject):
     """Base of the top-level request bodies: before any field is validated, the whole body is
     walked once and refused with a 400 naming the field (``OpenAIError``, which pydantic lets
     through) if a string holds a lone surrogate (``"\\udfff"`` is valid JSON but not Unicode
     text: no tokenizer or JSON encoder takes it) or objects nest deeper than
-    :data:`MAX_JSON_DEPTH`. Fields the model does not declare are kept aside
-    (``model_extra``) for :meth:`check_unknown_fields`."""
-
-    model_config = ConfigDict(extra="allow")
+    :data:`MAX_JSON_DEPTH`. Fields the body or one of its :class:`RequestObject` s does not
+    declare are kept aside (``model_extra``) for :meth:`check_unknown_fields`."""
 
     def check_unknown_fields(self, ignore: bool) -> None:
-        """Refuse the body's undeclared fields with a 400 naming the first (OpenAI's contract:
-        a field pyxllm does not know is one it cannot honour), or with ``ignore``
-        (``--ignore-unknown-fields``) log them and drop them.
+        """Refuse the body's undeclared fields, top-level or nested, with a 400 naming the
+        first by its path (``stream_options.foo``; OpenAI's contract: a field pyxllm does not
+        know is one it cannot honour), or with ``ignore`` (``--ignore-unknown-fields``) log
+        them and drop them.
 
         Raises:
-            OpenAIError: an undeclared field, unless ``ignore``.
+            OpenAIError: an undeclared field (``param``: its path), unless ``ignore``.
         """
-        unknown = list(self.model_extra or ())
+        unknown = list(unknown_fields(self))
         if not unknown:
             return
+        paths = [path for _, _, path in unknown]
         if not ignore:
             raise OpenAIError(
-                f"{unknown[0]}: unrecognized request argument"
-                + (f" (also {', '.join(unknown[1:])})" if len(unknown) > 1 else "")
+                f"{paths[0]}: unrecognized request argument"
+                + (f" (also {', '.join(paths[1:])})" if len(paths) > 1 else "")
                 + "; the server ignores unknown fields only when started with "
                 "--ignore-unknown-fields",
                 400,
-                unknown[0],
+                paths[0],
             )
-        logger.warning("request fields ignored (not known to pyxllm): %s", ", ".join(unknown))
-        self.model_extra.clear()
+        logger.warning("request fields ignored (not known to pyxllm): %s", ", ".join(paths))
+        for owner, key, _ in unknown:
+            del owner.model_extra[key]
 
     @model_validator(mode="before")
     @classmethod
@@ -207,18 +243,18 @@ class UsageInfo(OmitNoneModel):
     completion_tokens_details: CompletionTokenUsageInfo | None = None
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestObject):
     """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
 
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM's; refused (see check_unsupported)
 
 
-class JsonSchemaFormat(OpenAIBaseModel):
+class JsonSchemaFormat(RequestObject):
     """``response_format.json_schema``: the schema the output must validate against (always
     enforced, whatever ``strict`` says)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     name: str | None = None
     description: str | None = None
@@ -226,7 +262,7 @@ class JsonSchemaFormat(OpenAIBaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
+class ResponseFormat(RequestObject):
     """``response_format``: free ``text``, any ``json_object``, or ``json_schema``; another
     ``type`` is a 400 (as llama.cpp's server answers)."""
 
@@ -307,7 +343,7 @@ class ChatContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
-class FunctionDefinition(OpenAIBaseModel):
+class FunctionDefinition(RequestObject):
     """A tool's function: ``parameters`` is the JSON Schema of its arguments (none: no
     arguments)."""
 
@@ -317,18 +353,18 @@ class FunctionDefinition(OpenAIBaseModel):
     strict: bool | None = None
 
 
-class ChatCompletionToolParam(OpenAIBaseModel):
+class ChatCompletionToolParam(RequestObject):
     """One entry of a chat request's ``tools``."""
 
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(OpenAIBaseModel):
+class NamedFunction(RequestObject):
     name: str
 
 
-class NamedToolChoice(OpenAIBaseModel):
+class NamedToolChoice(RequestObject):
     """``tool_choice`` naming the one function the model must call."""
 
     type: Literal["function"] = "function"

@@ -4,7 +4,7 @@ response object, its output items, and the streamed events.
 
 The request declares every Responses field pyxllm cannot honour too, so that the serving layer
 (:mod:`.serving_responses`) refuses a request using one with a 400 naming it; fields no version
-of the API has are ignored, as in :mod:`.protocol`.
+of the API has are refused as unknown, as in :mod:`.protocol` (``text.format.foo`` too).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbsContent,
     OpenAIBaseModel,
     RequestModel,
+    RequestObject,
 )
 
 # --- the request ------------------------------------------------------------------------------
@@ -77,11 +78,11 @@ class ResponseToolChoiceFunction(OpenAIBaseModel):
     name: str | None = None
 
 
-class ResponseFormatText(OpenAIBaseModel):
+class ResponseFormatText(RequestObject):
     """``text.format``: ``text``, ``json_object``, or ``json_schema`` with ``name`` and
     ``schema`` (always enforced, whatever ``strict`` says)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -90,7 +91,7 @@ class ResponseFormatText(OpenAIBaseModel):
     strict: bool | None = None
 
 
-class ResponseTextConfig(OpenAIBaseModel):
+class ResponseTextConfig(RequestObject):
     """``text``: the output's ``format``; ``verbosity`` other than ``medium`` is refused."""
 
     format: ResponseFormatText | None = None
@@ -109,7 +110,7 @@ class ResponseReasoningConfig(OpenAIBaseModel):
     generate_summary: str | None = None
 
 
-class ResponseStreamOptions(OpenAIBaseModel):
+class ResponseStreamOptions(RequestObject):
     """``stream_options``: ``include_obfuscation: true`` is refused (events carry no
     obfuscation padding)."""
 
