@@ -1,5 +1,11 @@
 // The chat page: conversations kept in localStorage, replies streamed from the server's
 // POST /v1/chat/completions (api.js) and rendered as safe markdown (markdown.js).
+//
+// Every request carries a ``seed``: the one in Settings, else a new random one per reply (so
+// answers still vary, and Regenerate gives another). The seed is shown under the reply, so a
+// user can put it in Settings to get the same reply again (as llama.cpp's web UI lets one fix
+// its seed); with the model's own sampling a fixed seed makes the first answer the same on
+// every page load, which is what the browser tests check.
 
 import { ChatError, requestHeaders, streamChat } from "./api.js";
 import { renderMarkdown } from "./markdown.js";
@@ -7,8 +13,9 @@ import { renderMarkdown } from "./markdown.js";
 const CHAT_URL = "v1/chat/completions";
 const MODELS_URL = "v1/models";
 const STORE = { conversations: "pyxllm-chat.conversations", settings: "pyxllm-chat.settings" };
-const SETTING_NAMES = ["system_prompt", "temperature", "top_p", "max_tokens", "api_key", "extra"];
-const NUMBER_SETTINGS = ["temperature", "top_p", "max_tokens"];
+const SETTING_NAMES = ["system_prompt", "temperature", "top_p", "max_tokens", "seed", "api_key", "extra"];
+const NUMBER_SETTINGS = ["temperature", "top_p", "max_tokens", "seed"];
+const SEED_RANGE = 2 ** 31; // the random seeds drawn: [0, 2**31), any JSON number and any server's
 
 const $ = (id) => document.getElementById(id);
 const ui = {
@@ -123,14 +130,15 @@ function renderSidebar() {
   );
 }
 
-/** "12 prompt + 16 tokens · 31.0 tok/s · TTFT 120 ms" (what is known so far). */
-function statsText(stats) {
+/** "12 prompt + 16 tokens · 31.0 tok/s · TTFT 120 ms · seed 7" (what is known so far). */
+function statsText(stats, seed) {
   if (!stats) return "";
   const parts = [];
   const tokens = `${stats.completion} token${stats.completion === 1 ? "" : "s"}`;
   parts.push(stats.prompt === undefined ? tokens : `${stats.prompt} prompt + ${tokens}`);
   if (stats.rate !== undefined) parts.push(`${stats.rate.toFixed(1)} tok/s`);
   if (stats.ttft !== undefined) parts.push(`TTFT ${Math.round(stats.ttft)} ms`);
+  if (seed !== undefined) parts.push(`seed ${seed}`);
   return parts.join(" · ");
 }
 
@@ -177,7 +185,7 @@ function fillMessage(node, message) {
   parts.error.hidden = !message.error;
   parts.error.textContent = message.error ?? "";
   const stats = parts.meta.querySelector(".stats");
-  stats.textContent = statsText(message.stats);
+  stats.textContent = statsText(message.stats, message.seed);
   if (message.stats) stats.dataset.completionTokens = message.stats.completion;
 }
 
@@ -232,7 +240,13 @@ function numberSettings() {
   return values;
 }
 
-/** The request for a reply to ``history``: settings, extra fields, then the messages. */
+/** A seed for a reply when Settings fix none: uniform in [0, SEED_RANGE). */
+function randomSeed() {
+  return crypto.getRandomValues(new Uint32Array(1))[0] % SEED_RANGE;
+}
+
+/** The request for a reply to ``history``: a random seed, settings, extra fields, then the
+ * messages (a later one wins: the seed of Settings or of the extra fields replaces the drawn one). */
 function requestBody(history) {
   const messages = [];
   const system = state.settings.system_prompt?.trim();
@@ -244,6 +258,7 @@ function requestBody(history) {
   }
   const extra = state.settings.extra?.trim() ? JSON.parse(state.settings.extra) : {};
   return {
+    seed: randomSeed(),
     ...numberSettings(),
     ...extra,
     messages,
@@ -299,6 +314,7 @@ async function generate(conversation) {
     reply.state = "error";
     reply.error = `the extra request fields in Settings are not JSON (${error.message})`;
   }
+  if (body) reply.seed = body.seed;
   conversation.messages.push(reply);
   save();
   if (!body) return render();
