@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 
 import openai
@@ -140,6 +141,26 @@ def test_quick_prints_one_reply_with_the_system_message(server, capsys):
     )  # fmt: skip
     assert status == 0, err
     assert out == expected + "\n"
+
+
+def test_quick_names_paris_without_a_length_bound(server):
+    """Issue 36's item 7: ``pyxllm chat --quick "What is the capital of France?"`` as a user
+    types it, in its own process, with no ``--max-tokens``: the reply ends at the model's end of
+    turn and names Paris. Greedy (``--temperature 0``; ``pyxllm chat`` has no seed flag): at the
+    model card's sampling about 1 answer in 6 is French nonsense instead (and so is the greedy
+    answer of the default int8 GGUF weights; the suite runs float32). The timeout is a hang
+    guard (sampling at temperature 1.0 with no length bound once ran past 120 s), not a speed
+    check."""
+    question = "What is the capital of France?"
+    done = subprocess.run(
+        [*CHAT, "--base-url", server.base_url, "--quick", question, "--temperature", "0"],
+        env={**os.environ, "OPENAI_API_KEY": KEY},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout, done.stdout
 
 
 def test_errors_name_the_flag_to_change(server, capsys, monkeypatch):
