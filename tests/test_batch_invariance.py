@@ -26,15 +26,19 @@ ENGINE = dict(
 )
 
 
-@pytest.fixture(scope="module", params=["gguf", "none"])
-def engines(request):
+def _engines(quantization: str):
     """``(busy, alone)``: one engine for the schedules (decode steps replayed from graph
     captures), one eager with no prefix cache for the requests run one by one; on the weights
     as stored (int4/int8 group kernels) or in float32 (the row-wise float kernel)."""
-    kwargs = dict(ENGINE, quantization=request.param)
+    kwargs = dict(ENGINE, quantization=quantization)
     busy = LLM(graph_backend="graph", **kwargs).llm_engine
     alone = LLM(graph_backend="eager", enable_prefix_cache=False, **kwargs).llm_engine
     return busy, alone
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return _engines("gguf")
 
 
 def _requests(rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
@@ -91,18 +95,36 @@ def _run(engine, requests, arrivals: list[int]) -> dict[str, list]:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_schedules_give_each_request_its_tokens_alone(engines, seed):
     busy, alone = engines
-    rng = random.Random(seed)
-    requests = _requests(rng)
     before = busy.stats()
-    got = _run(busy, requests, [rng.randrange(0, 6) for _ in requests])
+    _check_schedule(busy, alone, seed)
     stats = busy.stats()
-    want = {f"r{i}": _run(alone, [request], [0])["r0"] for i, request in enumerate(requests)}
-    assert got == want
     # the schedule did what it is for: prefix hits, preemptions (over the three schedules the
     # module's engine sees both; each alone is too short a run to be sure of a preemption)
     assert stats["prefix_cache_hits"] > before["prefix_cache_hits"]
     if seed == 2:
         assert stats["num_preemptions"] > 0
+
+
+def _check_schedule(busy, alone, seed: int) -> None:
+    """Schedule ``seed``'s requests on ``busy``; each equals itself alone on ``alone``."""
+    rng = random.Random(seed)
+    requests = _requests(rng)
+    got = _run(busy, requests, [rng.randrange(0, 6) for _ in requests])
+    want = {f"r{i}": _run(alone, [request], [0])["r0"] for i, request in enumerate(requests)}
+    assert got == want
+
+
+def test_float32_weights_give_each_request_its_tokens_alone():
+    """The same on the embedded model dequantized to float32 (the row-wise float32 kernel),
+    two of the schedules (each costs ~13 s on 2 cores): prefix hits and a preemption between
+    them."""
+    busy, alone = _engines("none")
+    before = busy.stats()
+    for seed in (0, 2):
+        _check_schedule(busy, alone, seed)
+    stats = busy.stats()
+    assert stats["prefix_cache_hits"] > before["prefix_cache_hits"]
+    assert stats["num_preemptions"] > before["num_preemptions"]
 
 
 # --- through the server ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ from tests.test_parity import hf_greedy
 from tests.utils import RemoteServer
 
 API_KEY = "eval-key"
-EQUIVALENCE_PROBLEMS, EQUIVALENCE_TOKENS = 8, 16
+EQUIVALENCE_PROBLEMS, EQUIVALENCE_TOKENS = 4, 16
 
 
 def test_the_data_loads_from_the_installed_package():
