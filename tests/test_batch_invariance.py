@@ -115,72 +115,10 @@ def _check_schedule(busy, alone, seed: int) -> None:
 
 
 def test_float32_weights_give_each_request_its_tokens_alone():
-    """The same on the embedded model dequantized to float32 (the row-wise float32 kernel),
-    two of the schedules (each costs ~13 s on 2 cores): prefix hits and a preemption between
-    them."""
+    """The same on the embedded model dequantized to float32 (the row-wise float32 kernel), on
+    one schedule (each costs ~13 s on 2 cores; preemption is the scheduler's, tested above):
+    prefill chunks and decode batches of many sizes, and prefix hits."""
     busy, alone = _engines("none")
     before = busy.stats()
-    for seed in (0, 2):
-        _check_schedule(busy, alone, seed)
-    stats = busy.stats()
-    assert stats["prefix_cache_hits"] > before["prefix_cache_hits"]
-    assert stats["num_preemptions"] > before["num_preemptions"]
-
-
-# --- through the server ---------------------------------------------------------------------
-
-MESSAGES = [{"role": "user", "content": "Write two sentences about summer in Zürich."}]
-
-
-@pytest.fixture(scope="module")
-def client():
-    from tests.utils import RemoteServer
-
-    args = ["--quantization", "gguf", "--max-model-len", "512", "--kv-cache-memory", "0.1"]
-    with RemoteServer(args) as remote:
-        yield remote.openai_client()
-
-
-def _chat(client, stream: bool, **fields) -> tuple[str, list[float]]:
-    """The answer's text and its tokens' log-probabilities."""
-    request = dict(
-        model=client.models.list().data[0].id,
-        messages=MESSAGES,
-        max_tokens=24,
-        logprobs=True,
-        **fields,
-    )
-    if not stream:
-        choice = client.chat.completions.create(**request).choices[0]
-        return choice.message.content, [t.logprob for t in choice.logprobs.content]
-    text, logprobs = "", []
-    for chunk in client.chat.completions.create(stream=True, **request):
-        for choice in chunk.choices:
-            text += choice.delta.content or ""
-            if choice.logprobs:
-                logprobs += [t.logprob for t in choice.logprobs.content or []]
-    return text, logprobs
-
-
-@pytest.mark.parametrize("fields", [{"temperature": 0}, {"temperature": 0.8, "seed": 7}])
-def test_a_request_repeated_streamed_or_among_others_gets_the_same_answer(client, fields):
-    """The same chat request: first alone, then streamed (its prompt now a prefix-cache hit),
-    then beside five other requests of other lengths (one step holds their prefills and its
-    decode): the same text and the same log-probabilities, bit for bit (with
-    ``--no-batch-invariant`` both comparisons fail)."""
-    from tests.utils import run_together
-
-    first = _chat(client, False, **fields)
-    assert _chat(client, True, **fields) == first
-    others = [
-        lambda n=n: client.completions.create(
-            model=client.models.list().data[0].id,
-            prompt="Once upon a time " * n,
-            max_tokens=16,
-            temperature=0.7,
-        )
-        for n in (3, 20, 40, 7, 60)
-    ]
-    together = run_together(lambda: _chat(client, False, **fields), *others)
-    assert together[0] == first
-    assert first[0] and len(first[1]) >= 4  # an answer of several tokens was compared
+    _check_schedule(busy, alone, 0)
+    assert busy.stats()["prefix_cache_hits"] > before["prefix_cache_hits"]
