@@ -359,3 +359,26 @@ def test_check_device_runs_on_cpu(capsys):
         "graph   PASS: greedy tokens equal eager's" in out
     )  # TorchScript-traced decode steps on the CPU
     assert "all checks passed" in out
+
+
+def _resident_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_cpu_kv_tensors_are_zero_and_resident_only_where_written():
+    platform = cpu.load()
+    shapes = [(64, 16, 4, 64), (64, 16, 4, 64), (3, 5)]  # 1 MiB each in float32, and a small one
+    before = _resident_kib()
+    tensors = platform.zeros(shapes * 32, torch.float32, torch.device("cpu"))
+    assert [tuple(t.shape) for t in tensors] == shapes * 32
+    assert all(t.dtype == torch.float32 and not t.any() for t in tensors[:3])
+    # reading zero pages maps the kernel's shared zero page: still nothing resident
+    assert _resident_kib() - before < 16 * 1024  # 64 MiB allocated, then read
+    tensors[0][0].fill_(1.0)  # a block of one layer: a few pages
+    assert tensors[0][0].eq(1).all() and not tensors[0][1:].any() and not tensors[1].any()
+    assert _resident_kib() - before < 16 * 1024
+    tensors[-2].fill_(2.0)  # the tensors do not overlap
+    assert tensors[-2].eq(2).all() and not tensors[-3].any() and not tensors[-1].any()
+    assert all(t.data_ptr() % 4096 == 0 for t in tensors)

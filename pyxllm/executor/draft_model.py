@@ -60,7 +60,9 @@ class DraftModel:
         )
         load_weights(self.model, iter_weight_slices(source, self.model_config))
         spec = KVCacheSpec.from_model(self.model, config.block_size, executor.dtype)
-        self.kv_caches = allocate_kv_caches(spec, executor.num_kv_blocks, self.device)
+        self.kv_caches = allocate_kv_caches(
+            spec, executor.num_kv_blocks, executor.platform, self.device
+        )
         self.attn_backend = load_class(
             executor.platform.select_attention_backend(config.block_size)
         )()

@@ -59,15 +59,10 @@ class KVCacheSpec:
 
 
 def allocate_kv_caches(
-    spec: KVCacheSpec, num_blocks: int, device: torch.device
+    spec: KVCacheSpec, num_blocks: int, platform, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed ``(k_cache, v_cache)`` per layer, each ``[num_blocks, block_size, num_kv_heads,
-    spec.row]``."""
+    spec.row]``, from ``platform.zeros`` (on the CPU resident only as blocks are first used)."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.row)
-    return [
-        (
-            torch.zeros(shape, dtype=spec.dtype, device=device),
-            torch.zeros(shape, dtype=spec.dtype, device=device),
-        )
-        for _ in range(spec.num_layers)
-    ]
+    tensors = platform.zeros([shape] * (2 * spec.num_layers), spec.dtype, device)
+    return list(zip(tensors[0::2], tensors[1::2], strict=True))

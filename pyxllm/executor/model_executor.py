@@ -193,7 +193,7 @@ class ModelExecutor:
         )
         # every TP rank must hold the same blocks: take the smallest count any rank can afford
         self.num_kv_blocks = tensor_model_parallel_min(self.kv_spec.num_blocks_for(budget))
-        self.kv_caches = allocate_kv_caches(self.kv_spec, self.num_kv_blocks, self.device)
+        self.kv_caches = allocate_kv_caches(self.kv_spec, self.num_kv_blocks, platform, self.device)
         backend_cls = load_class(platform.select_attention_backend(config.block_size))
         if cache_dtype == torch.int8 and not getattr(backend_cls, "supports_int8_kv_cache", False):
             raise ValueError(
@@ -233,7 +233,8 @@ class ModelExecutor:
         platform.empty_cache()  # what the warm-up steps and captures freed, before measuring
         logger.info(
             "model %s (%s implementation), device %s, attention %s, runner %s; weights %.0f "
-            "MiB (%s), KV cache %.0f MiB, process resident %s",
+            "MiB (%s), KV cache %.0f MiB (resident as its blocks are first used), process "
+            "resident %s",
             type(self.model).__name__,
             getattr(self.model, "model_impl", "pyxllm"),
             self.device,

@@ -12,6 +12,8 @@ import ctypes
 import importlib
 import importlib.util
 import logging
+import math
+import mmap
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -297,6 +299,33 @@ class Platform:
                 continue
             return fused.backend
         return self.attention_backend
+
+    def zeros(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device):
+        """One zeroed tensor per shape in ``shapes``, of ``dtype`` on ``device`` (the KV cache's
+        per-layer K and V).
+
+        On the CPU they lie in one anonymous memory mapping, which the kernel hands out zeroed
+        page by page when a page is first written: the memory becomes resident as the cache's
+        blocks are first used rather than all at start-up (``torch.zeros`` writes every page,
+        so a 2 GiB budget was 2 GiB of resident memory before the first request). Each tensor
+        starts on a page boundary. The mapping is freed with the last tensor over it
+        (``torch.frombuffer`` keeps it alive). An accelerator gets ``torch.zeros``.
+        """
+        if self.is_accelerator:
+            return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        elem = torch.empty((), dtype=dtype).element_size()
+        sizes = [math.prod(shape) * elem for shape in shapes]
+        offsets, total = [], 0
+        for size in sizes:
+            offsets.append(total)
+            total += -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        if total == 0:
+            return [torch.zeros(shape, dtype=dtype) for shape in shapes]
+        buffer = mmap.mmap(-1, total)
+        return [
+            torch.frombuffer(buffer, dtype=dtype, count=size // elem, offset=offset).view(shape)
+            for shape, size, offset in zip(shapes, sizes, offsets, strict=True)
+        ]
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (for timing); a no-op on CPU."""
