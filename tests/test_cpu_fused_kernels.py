@@ -381,6 +381,41 @@ def test_grouped_pairs_are_held_in_float16_where_that_is_exact(fmt):
     assert fmt.pack(q, tiny)[1].dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("fmt", GROUPED, ids=repr)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_symmetric_groups_keep_their_scales_alone_with_the_same_bits(fmt, dtype):
+    """Where every zero is 0 (GGUF's Q4_0: ``(q - 8) d``; Q8_0 and Q6_K: ``q d``) the pack keeps
+    the scales alone, ``[N/16, G, 16]`` (half the bytes of the pairs), and the kernel derives
+    each low from its scale: the same bits as the same weights held as pairs, one row, 8 rows,
+    a GEMM's 40 and 40 row-invariant rows, and the same rows read back; in float16 where the
+    scales are float16 numbers, else in the given dtype."""
+    g = torch.Generator().manual_seed(10)
+    q, scales_and_zeros = fmt.quantize(torch.randn(64, 576, generator=g))
+    for scale in (
+        scales_and_zeros[..., 0].half().float(),  # a Q4_0 / Q8_0 file's
+        scales_and_zeros[..., 0] * (1 + 2.0**-13),  # a K-quant's product of two levels
+    ):
+        symmetric = torch.stack((scale, torch.zeros_like(scale)), dim=-1).to(dtype)
+        packed, scales = fmt.pack(q, symmetric)
+        assert scales.shape == (64 // 16, 576 // fmt.group, 16)
+        given = symmetric[..., 0].float()
+        exact = torch.equal(given.half().float(), given)
+        assert scales.dtype == (torch.float16 if exact else dtype)
+        # the same numbers as (scale, low) pairs, as the pack holds them for nonzero zeros
+        pairs = torch.stack((scales, -fmt.offset * scales), dim=-1)
+        x = torch.randn(40, 576, generator=g).to(dtype)
+        for rows, invariant in ((1, False), (8, False), (40, False), (40, True)):
+            got = fmt.kernel(x[:rows], packed, scales, fmt.group, None, invariant)
+            want = fmt.kernel(x[:rows], packed, pairs, fmt.group, None, invariant)
+            assert torch.equal(got, want), (rows, invariant)
+        name = "int4_rows" if fmt.name == "int4" else "int8_group_rows"
+        ids = torch.tensor([63, 0, 17, 17])
+        assert torch.equal(
+            getattr(fused, name)(packed, scales, ids, fmt.group),
+            getattr(fused, name)(packed, pairs, ids, fmt.group),
+        )
+
+
 def test_int4_linear_refuses_what_it_cannot_compute():
     from pyxllm.layers.quantization import quantize_int4_groups
 

@@ -275,17 +275,34 @@ INT4_TILE = 16
 def _pack_pairs(scales_and_zeros: torch.Tensor, offset: int, tiles: int) -> torch.Tensor:
     """The kernels' pairs: ``scales_and_zeros`` (``[G, N, 2]``, ``W = (q - offset) * scale +
     zero``) as ``[N/16, G, 16, 2]`` ``(scale, low)`` with ``low = zero - offset * scale`` (what
-    ``q = 0`` stands for, computed in float32), in float16 where that holds every pair exactly (a
-    GGUF Q4_0, Q4_1 or Q8_0 file's), else in ``scales_and_zeros.dtype``."""
+    ``q = 0`` stands for, computed in float32); where every zero is 0 (GGUF's Q4_0, Q8_0 and
+    K-quant Q6_K, Q3_K blocks: ``W = (q - offset) * scale``) the scales alone, ``[N/16, G, 16]``,
+    the kernel computing ``low = -offset * scale`` itself (exact: ``offset`` is 8 or 0). In
+    float16 where that holds every number exactly (a Q4_0, Q4_1 or Q8_0 file's), else in
+    ``scales_and_zeros.dtype``."""
     groups = scales_and_zeros.shape[0]
     scale, zero = scales_and_zeros.float().unbind(-1)
-    pairs = torch.stack((scale, zero - offset * scale), dim=-1)
+    if zero.any():
+        pairs = torch.stack((scale, zero - offset * scale), dim=-1)
+        shape: tuple[int, ...] = (groups, tiles, INT4_TILE, 2)
+    else:
+        pairs, shape = scale, (groups, tiles, INT4_TILE)
     half = pairs.to(torch.float16)
     if torch.equal(half.float(), pairs):
         pairs = half
     else:
         pairs = pairs.to(scales_and_zeros.dtype)
-    return pairs.view(groups, tiles, INT4_TILE, 2).transpose(0, 1).contiguous()
+    return pairs.view(shape).transpose(0, 1).contiguous()
+
+
+def _unpacked_pairs(scales_and_zeros: torch.Tensor, tile, lane, offset: int) -> torch.Tensor:
+    """The ``(scale, low)`` pairs ``[G, n, 2]`` float32 of the output features at ``(tile,
+    lane)`` (each ``[n]``), from :func:`_pack_pairs`' pairs or scales (``low = -offset *
+    scale``)."""
+    if scales_and_zeros.dim() == 4:
+        return scales_and_zeros[tile, :, lane, :].transpose(0, 1).float()
+    scale = scales_and_zeros[tile, :, lane].t().float()
+    return torch.stack((scale, -offset * scale), dim=-1)
 
 
 def pack_int4_weight(
@@ -295,7 +312,8 @@ def pack_int4_weight(
     :func:`int4_linear`'s layout, tiles of 16 output features with each tile's groups of 32
     input features one after the other (``csrc/group_linear.cpp``): ``[N/16, 8 K]`` uint8, two
     weights a byte, and ``[N/16, K/32, 16, 2]`` (scale, low) pairs, ``W = q * scale + low``, in
-    float16 where that is exact, else in ``scales_and_zeros.dtype`` (:func:`_pack_pairs`).
+    float16 where that is exact, else in ``scales_and_zeros.dtype``; ``[N/16, K/32, 16]``
+    scales alone where every zero is 0 (:func:`_pack_pairs`).
 
     Raises:
         ValueError: ``N`` not a multiple of 16 or ``K`` not a multiple of 32.
@@ -360,8 +378,7 @@ def int4_rows(
     # nibble is input 8 chunk + byte of the group, its high nibble input 8 chunk + 4 + byte
     b = packed.view(tiles, k // 32, 4, INT4_TILE, 4)[tile, :, :, lane, :]
     q = torch.stack((b & 0xF, b >> 4), dim=-2).reshape(len(ids), k)
-    pairs = scales_and_zeros[tile, :, lane, :].transpose(0, 1).float()  # (scale, low)
-    return dequantize_groups(q, pairs, group_size)
+    return dequantize_groups(q, _unpacked_pairs(scales_and_zeros, tile, lane, 8), group_size)
 
 
 def int8_group_rows(
@@ -372,7 +389,7 @@ def int8_group_rows(
     tiles, k = packed.shape[0], packed.shape[1] // INT4_TILE
     tile, lane = ids // INT4_TILE, ids % INT4_TILE
     q = packed.view(tiles, k // 32, 8, INT4_TILE, 4)[tile, :, :, lane, :].reshape(len(ids), k)
-    pairs = scales_and_zeros[tile, :, lane, :].transpose(0, 1).float()
+    pairs = _unpacked_pairs(scales_and_zeros, tile, lane, 0)
     # the int8 bits as uint8 with the sign bit flipped are q + 128 (no dtype view: TorchScript's
     # trace, the graph runner's capture, cannot record one)
     return dequantize_groups(q ^ 0x80, pairs, group_size, offset=128)
@@ -385,7 +402,8 @@ def pack_int8_group_weight(
     input features) in :func:`int8_group_linear`'s layout, tiles of 16 output features with each
     tile's groups of 32 input features one after the other, four input features of a lane
     together (``csrc/group_linear.cpp``): ``[N/16, 16 K]`` uint8 (the int8 bits) and ``[N/16,
-    K/G, 16, 2]`` (scale, zero) pairs, in float16 where that is exact (:func:`_pack_pairs`).
+    K/G, 16, 2]`` (scale, zero) pairs, in float16 where that is exact, or ``[N/16, K/G, 16]``
+    scales alone where every zero is 0 (:func:`_pack_pairs`).
 
     Raises:
         ValueError: ``N`` not a multiple of 16, ``K`` not a multiple of 32, or G not 32 or 16.

@@ -40,7 +40,8 @@
 // scale + low, low computed once when packing, so int4's W = q * d + m for a GGUF Q4_1 block is
 // gguf-py's own formula; in float16 where that holds every pair exactly (GGUF Q4_0's, Q4_1's and
 // Q8_0's scales are float16 numbers: an int4 group of 16 outputs then takes 320 bytes instead of
-// 384 with float32 pairs), else in x's dtype.
+// 384 with float32 pairs), else in x's dtype; or the scales alone, [N/16][K/32][16], where every
+// low is the same multiple of its scale (see ScaleLayout).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -179,6 +180,48 @@ inline void load_scales(const BFloat16* pairs, FloatV& scale, FloatV& low) {
   std::memcpy(&low, &z, sizeof z);
 }
 
+// The scales alone of kLanes consecutive output features (a layer whose lows are a fixed multiple
+// of its scales keeps only the scales, see ScaleLayout).
+inline void load_scale(const float* scales, FloatV& scale) { std::memcpy(&scale, scales, sizeof scale); }
+
+inline void load_scale(const Half* scales, FloatV& scale) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  scale = (FloatV)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+#elif defined(__F16C__)
+  scale = (FloatV)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+#else
+  for (int i = 0; i < kLanes; ++i) scale[i] = static_cast<float>(scales[i]);
+#endif
+}
+
+inline void load_scale(const BFloat16* scales, FloatV& scale) {
+  typedef uint16_t HalfV __attribute__((vector_size(kLanes * 2)));
+  HalfV h;
+  std::memcpy(&h, scales, sizeof h);
+  const IntV bits = __builtin_convertvector(h, IntV) << 16;
+  std::memcpy(&scale, &bits, sizeof bits);
+}
+
+// How a layer holds its (scale, low) numbers, per scale group and output feature: as pairs, or
+// the scale alone where every low is the same multiple of its scale (GGUF's Q4_0 blocks, W = (q -
+// 8) d, so low = -8 scale for int4; Q8_0's and Q6_K's, W = q d, so low = 0 for int8), which
+// halves the bytes read beside the weights (an int4 group of 16 outputs takes 288 bytes instead
+// of 320 with float16 pairs). low_per_scale is then F::kLowPerScale, and scale * -8 is exact, so
+// both layouts give the same bits.
+struct ScaleLayout {
+  bool scales_only;
+  int per_lane() const { return scales_only ? 1 : 2; }  // numbers per output feature and group
+  template <typename F, typename S>
+  void load(const S* p, FloatV& scale, FloatV& low) const {
+    if (scales_only) {
+      load_scale(p, scale);
+      low = scale * F::kLowPerScale;
+    } else {
+      load_scales(p, scale, low);
+    }
+  }
+};
+
 // The activations of `rows` rows quantized per group, in two int8 parts: x / xs ~= q1 + q2 / 254
 // with q1 = rint(x / xs) and q2 = rint((x / xs - q1) * 254), both in -127..127; row r's q1 at
 // xq[2 k r + i], its q2 at xq[2 k r + k + i]. xs [rows, k/32] holds max |x| / (127 * 254), xsum
@@ -225,6 +268,7 @@ void quantize_groups(int8_t* xq, float* xs, float* xsum, const T* x, int64_t row
 // GMAC/s on the AVX2 EPYC, 1 to 64 rows, 1024 x 1024, one thread).
 struct Int4Format {
   static constexpr int64_t kScaleInputs = 32, kScaleBytes = kTile * kScaleInputs / 2;
+  static constexpr float kLowPerScale = -8.f;  // W = (q - 8) * scale with no zero
   static constexpr int kChunks = 4, kPieces = 2, kChunkInputs = 8;
   static void unpack(IntV packed, IntV* piece) {
     piece[0] = packed & 0x0F0F0F0F;
@@ -249,6 +293,7 @@ struct Int4Format {
 template <int G>
 struct Int8Format {
   static constexpr int64_t kScaleInputs = G, kScaleBytes = kTile * kScaleInputs;
+  static constexpr float kLowPerScale = 0.f;  // W = q * scale with no zero
   static constexpr int kChunks = G / 4, kPieces = 1, kChunkInputs = 4;
   static void unpack(IntV packed, IntV* piece) { piece[0] = packed; }
   static IntV dot(IntV acc, IntV w, int32_t x) { return dot4_signed(acc, w, x); }
@@ -258,11 +303,11 @@ struct Int8Format {
 
 // acc[m] (m < M) += row m's products with kLanes output features over all scale groups. `w` is
 // the tile's first scale group, offset to this lane block; `pairs` the (scale, low) pairs of that
-// lane block in scale group 0, the next scale group's kTile pairs further; xs per 32 inputs, xsum
-// per scale group.
+// lane block in scale group 0, the next scale group's kTile pairs further (held as `layout` says);
+// xs per 32 inputs, xsum per scale group.
 template <typename F, int M, typename S>
-inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, const int8_t* xq, const float* xs,
-                      const float* xsum, int64_t k) {
+inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, ScaleLayout layout, const int8_t* xq,
+                      const float* xs, const float* xsum, int64_t k) {
   const int64_t scale_groups = k / F::kScaleInputs, groups = k / kGroup;
   for (int64_t g = 0; g < scale_groups; ++g) {
     IntV sum1[M] = {}, sum2[M] = {};
@@ -285,7 +330,7 @@ inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, const int8_
       }
     }
     FloatV scale, low;
-    load_scales(pairs + g * 2 * kTile, scale, low);
+    layout.load<F>(pairs + g * layout.per_lane() * kTile, scale, low);
     const int64_t a = g * F::kScaleInputs / kGroup;  // the activations' group of 32
     for (int m = 0; m < M; ++m) {
       const IntV sum = F::widen(sum1[m]) * 254 + F::widen(sum2[m]);
@@ -296,11 +341,11 @@ inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, const int8_
 }
 
 template <typename F, typename S>
-void tile_rows_any(int rows, FloatV* acc, const uint8_t* w, const S* pairs, const int8_t* xq, const float* xs,
-                   const float* xsum, int64_t k) {
+void tile_rows_any(int rows, FloatV* acc, const uint8_t* w, const S* pairs, ScaleLayout layout, const int8_t* xq,
+                   const float* xs, const float* xsum, int64_t k) {
   switch (rows) {
 #define PYXLLM_TILE_ROWS(M) \
-  case M: return tile_rows<F, M, S>(acc, w, pairs, xq, xs, xsum, k);
+  case M: return tile_rows<F, M, S>(acc, w, pairs, layout, xq, xs, xsum, k);
     PYXLLM_TILE_ROWS(1)
     PYXLLM_TILE_ROWS(2)
     PYXLLM_TILE_ROWS(3)
@@ -314,8 +359,8 @@ void tile_rows_any(int rows, FloatV* acc, const uint8_t* w, const S* pairs, cons
 }
 
 template <typename F, typename T, typename P>
-void group_linear_rows(T* y, const T* x, const uint8_t* w, const P* pairs, const T* bias, int64_t rows, int64_t k,
-                       int64_t n) {
+void group_linear_rows(T* y, const T* x, const uint8_t* w, const P* pairs, ScaleLayout layout, const T* bias,
+                       int64_t rows, int64_t k, int64_t n) {
   const int64_t groups = k / kGroup, scale_groups = k / F::kScaleInputs;
   std::vector<int8_t> xq(2 * rows * k);
   std::vector<float> xs(rows * groups), xsum(rows * scale_groups);
@@ -329,8 +374,8 @@ void group_linear_rows(T* y, const T* x, const uint8_t* w, const P* pairs, const
         for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
           const int mc = static_cast<int>(std::min<int64_t>(kRowBlock, rows - m0));
           FloatV acc[kRowBlock] = {};
-          tile_rows_any<F>(mc, acc, wt, pairs + (t * scale_groups * kTile + lane0) * 2, xq.data() + 2 * m0 * k,
-                           xs.data() + m0 * groups, xsum.data() + m0 * scale_groups, k);
+          tile_rows_any<F>(mc, acc, wt, pairs + (t * scale_groups * kTile + lane0) * layout.per_lane(), layout,
+                           xq.data() + 2 * m0 * k, xs.data() + m0 * groups, xsum.data() + m0 * scale_groups, k);
           for (int m = 0; m < mc; ++m)
             for (int l = 0; l < kLanes; ++l) {
               const float b = bias ? static_cast<float>(bias[n0 + l]) : 0.f;
@@ -356,14 +401,15 @@ inline void store_lanes(BFloat16* dst, FloatV v) {
 // Tiles [t0, t1) of the weights as T, transposed: wt[k][j] = W[16 t0 + j][k] ([K, 16 (t1 - t0)],
 // so that each lane block's kLanes outputs of one input feature are one vector store).
 template <typename F, typename T, typename P>
-void dequantize_transposed(T* wt, const uint8_t* w, const P* pairs, int64_t k, int64_t t0, int64_t t1) {
+void dequantize_transposed(T* wt, const uint8_t* w, const P* pairs, ScaleLayout layout, int64_t k, int64_t t0,
+                           int64_t t1) {
   const int64_t scale_groups = k / F::kScaleInputs, ld = (t1 - t0) * kTile;
   at::parallel_for(t0, t1, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t lane0 = 0; lane0 < kTile; lane0 += kLanes)
         for (int64_t g = 0; g < scale_groups; ++g) {
           FloatV scale, low;
-          load_scales(pairs + ((t * scale_groups + g) * kTile + lane0) * 2, scale, low);
+          layout.load<F>(pairs + ((t * scale_groups + g) * kTile + lane0) * layout.per_lane(), scale, low);
           const uint8_t* wg = w + (t * scale_groups + g) * F::kScaleBytes + lane0 * 4;
           T* out = wt + g * F::kScaleInputs * ld + (t - t0) * kTile + lane0;
           for (int c = 0; c < F::kChunks; ++c) {
@@ -390,10 +436,11 @@ at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& p
               op, ": packed must be contiguous uint8 [N/16, ", row_bytes, "] (its pack function's layout)");
   const int64_t n = packed.size(0) * kTile;
   const bool half_pairs = scales_and_zeros.scalar_type() == at::kHalf;
+  const ScaleLayout layout{scales_and_zeros.numel() == n * k / g};
   TORCH_CHECK((half_pairs || scales_and_zeros.scalar_type() == x.scalar_type()) &&
-                  scales_and_zeros.is_contiguous() && scales_and_zeros.numel() == n * k / g * 2,
+                  scales_and_zeros.is_contiguous() && scales_and_zeros.numel() == n * k / g * layout.per_lane(),
               op, ": scales_and_zeros must be the pack function's contiguous [", n / kTile, ", ", k / g, ", ",
-              kTile, ", 2] in float16 or x's dtype");
+              kTile, ", 2] pairs or [", n / kTile, ", ", k / g, ", ", kTile, "] scales, in float16 or x's dtype");
   at::Tensor b;
   if (bias.has_value()) {
     b = bias->contiguous();
@@ -421,7 +468,7 @@ at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& p
         const int64_t t1 = std::min(tiles, t0 + kGemmTiles), n0 = t0 * kTile, nb = (t1 - t0) * kTile;
         const at::Tensor wb = wt.narrow(0, 0, k * nb).view({k, nb});
         dequantize_transposed<F, T, P>(wb.data_ptr<T>(), packed.data_ptr<uint8_t>(), scales_and_zeros.data_ptr<P>(),
-                                       k, t0, t1);
+                                       layout, k, t0, t1);
         at::Tensor block = out.narrow(1, n0, nb);
         if (b.defined()) {
           at::addmm_out(block, b.narrow(0, n0, nb), x2, wb);
@@ -432,7 +479,8 @@ at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& p
       return;
     }
     group_linear_rows<F, T, P>(out.data_ptr<T>(), x2.data_ptr<T>(), packed.data_ptr<uint8_t>(),
-                               scales_and_zeros.data_ptr<P>(), b.defined() ? b.data_ptr<T>() : nullptr, rows, k, n);
+                               scales_and_zeros.data_ptr<P>(), layout, b.defined() ? b.data_ptr<T>() : nullptr, rows,
+                               k, n);
   };
   if (x.scalar_type() == at::kFloat) {
     if (half_pairs) {
