@@ -409,7 +409,8 @@ def test_tool_call_parser_none_refuses_auto_and_unknown_fields_can_be_ignored():
 
 def test_enable_auto_tool_choice_fails_start_up_without_a_parser():
     """vLLM's flag makes "auto" a promise: a chat template whose call format no parser reads
-    stops the server at start-up, naming the flag and why."""
+    stops the server at start-up, naming the flag and why, before the model loads (a
+    ``--chat-template`` is known from the flags)."""
     args = [*SERVER_ARGS, "--chat-template", INTERNLM_STYLE, "--enable-auto-tool-choice"]
     with pytest.raises(RuntimeError, match="exited with status 2") as caught:
         with RemoteServer(args):
@@ -417,6 +418,23 @@ def test_enable_auto_tool_choice_fails_start_up_without_a_parser():
     assert "error: --enable-auto-tool-choice: no tool-call parser: the chat template renders " in (
         str(caught.value)
     )
+    assert "KV blocks" not in str(caught.value)  # the engine's start-up line: no model loaded
+
+
+def test_enable_auto_tool_choice_is_checked_on_the_template_it_will_serve():
+    """The check the server runs before the model loads (and again on the tokenizer's own
+    template once loaded): a template no parser reads fails only with the flag, a template a
+    parser reads passes with it, and a parser named by hand passes whatever the template."""
+    from pyxllm.entrypoints.openai.server_options import ServerOptions
+    from pyxllm.entrypoints.openai.serving_chat import choose_auto_tool_parser
+
+    promised = ServerOptions(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice: no tool-call parser"):
+        choose_auto_tool_parser(promised, INTERNLM_STYLE)
+    assert choose_auto_tool_parser(ServerOptions(), INTERNLM_STYLE).name is None
+    assert choose_auto_tool_parser(promised, QWEN_STYLE).name == "hermes"
+    named = ServerOptions(enable_auto_tool_choice=True, tool_call_parser="qwen3_coder")
+    assert choose_auto_tool_parser(named, INTERNLM_STYLE).name == "qwen3_coder"
 
 
 def test_a_parser_named_by_hand_reads_typed_xml_calls():

@@ -49,7 +49,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from pyxllm.config import EngineConfig
+from pyxllm.config import EngineConfig, load_chat_template
 from pyxllm.distributed.errors import DistributedError
 from pyxllm.engine.async_engine import AsyncEngine
 from pyxllm.engine.data_parallel.client import DataParallelEngine
@@ -82,7 +82,7 @@ from pyxllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pyxllm.entrypoints.openai.security import install_security
 from pyxllm.entrypoints.openai.server_options import ServerOptions
-from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat, choose_auto_tool_parser
 from pyxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pyxllm.entrypoints.openai.serving_lora import load_lora, runtime_updating_allowed
 from pyxllm.entrypoints.openai.serving_lora import router as lora_router
@@ -529,8 +529,9 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
     The address is bound before the model loads, so a port in use fails at once.
 
     Raises:
-        ValueError: an unknown reasoning or tool-call parser name, or an address that cannot
-            be bound (both before the model loads).
+        ValueError: an unknown reasoning or tool-call parser name, ``--enable-auto-tool-choice``
+            with a ``--chat-template`` no tool-call parser reads, or an address that cannot be
+            bound (all before the model loads).
         DistributedError: the server stopped because a tensor-parallel worker died, or every
             data-parallel replica did (naming them).
     """
@@ -541,6 +542,10 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
         raise ValueError("--reasoning-budget: needs --reasoning-parser")
     if options.tool_call_parser not in (None, AUTO, NONE):
         get_tool_parser(options.tool_call_parser)
+    if options.enable_auto_tool_choice and config.chat_template is not None:
+        # the template is known before the model loads: a promise of "auto" no parser can
+        # keep fails now, not after the load (the tokenizer's own template is checked later)
+        choose_auto_tool_parser(options, load_chat_template(config.chat_template))
     if config.task in POOLING_TASKS and options.data_parallel_size > 1:
         raise ValueError(f"--data-parallel-size: not with --task {config.task} (one engine pools)")
     ensure_logging()

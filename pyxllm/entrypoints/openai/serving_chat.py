@@ -32,7 +32,11 @@ from pyxllm.entrypoints.openai.tool_parsers import (
     get_tool_parser,
     split_tool_calls,
 )
-from pyxllm.entrypoints.openai.tool_parsers.auto import resolve_tool_parser, template_renders_tools
+from pyxllm.entrypoints.openai.tool_parsers.auto import (
+    ToolParserChoice,
+    resolve_tool_parser,
+    template_renders_tools,
+)
 from pyxllm.entrypoints.openai.tools import ToolPlan, plan_tools, template_messages, tool_specs
 from pyxllm.outputs import CompletionOutput
 from pyxllm.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -47,6 +51,26 @@ class PreparedChat(NamedTuple):
     engine_request: EngineRequest
     reasoning: ReasoningParser | None
     tools: ToolPlan
+
+
+def choose_auto_tool_parser(options: ServerOptions, chat_template: str | None) -> ToolParserChoice:
+    """The tool-call parser that reads ``tool_choice: "auto"`` for a model with
+    ``chat_template`` under ``options.tool_call_parser``
+    (:func:`~.tool_parsers.auto.resolve_tool_parser`). A pure function of the flags and the
+    template, so that the server can run it before the model loads when ``--chat-template``
+    gives the template.
+
+    Raises:
+        ValueError: ``options.enable_auto_tool_choice`` (vLLM's flag: ``auto`` must be
+            served) and no parser reads this template's calls, naming the flag and why.
+    """
+    choice = resolve_tool_parser(options.tool_call_parser, chat_template)
+    if choice.name is None and options.enable_auto_tool_choice:
+        raise ValueError(
+            f"--enable-auto-tool-choice: no tool-call parser: {choice.reason}; name one with "
+            "--tool-call-parser"
+        )
+    return choice
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -66,19 +90,13 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: EngineClient, options: ServerOptions | None = None):
         super().__init__(engine, options)
         reasoning_parser = self.options.reasoning_parser
-        tool_call_parser = self.options.tool_call_parser
         self.reasoning_parser: ReasoningParser | None = None
         if reasoning_parser:
             self.reasoning_parser = get_reasoning_parser(reasoning_parser)(engine.tokenizer)
         template = getattr(engine.tokenizer.hf, "chat_template", None)
         self.template_renders_tools = template_renders_tools(template)
-        self.tool_parser_choice = resolve_tool_parser(tool_call_parser, template)
+        self.tool_parser_choice = choose_auto_tool_parser(self.options, template)
         name = self.tool_parser_choice.name
-        if name is None and self.options.enable_auto_tool_choice:
-            raise ValueError(
-                f"--enable-auto-tool-choice: no tool-call parser: "
-                f"{self.tool_parser_choice.reason}; name one with --tool-call-parser"
-            )
         self.tool_parser: ToolParser | None = None
         if name is not None:
             self.tool_parser = get_tool_parser(name)(engine.tokenizer)
