@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from model_fixtures import build_checkpoint
 
 from pyxllm import kernels, platforms
 from pyxllm.cli.main import main
@@ -335,10 +336,17 @@ def test_each_rank_takes_the_card_at_its_index(fake_card):
 # --- check-device, end to end on the CPU (compared with itself) ------------------------------
 
 
-def test_check_device_runs_on_cpu(capsys):
+def test_check_device_runs_on_cpu(capsys, tmp_path, hf_gguf_tokenizer):
+    """The checks on a tiny random Llama (the default model's tokenizer): the command loads
+    four engines (the CPU reference, the device, one per runner), ~30 s on the 135M model."""
+    model_dir, _ = build_checkpoint("llama", tmp_path / "tiny-llama", hf_gguf_tokenizer)
     status = main(
         [
             "check-device",
+            "--model",
+            str(model_dir),
+            "--kv-cache-memory",
+            "0.05",
             "--device",
             "cpu",
             "--runners",
