@@ -148,10 +148,14 @@ class Grouped:
     """One of the grouped weight formats of ``csrc/group_linear.cpp``: ``int4`` (``W = (q - 8)
     scale + zero``, q in 0..15, groups of 32) or ``int8`` (``W = q scale + zero``, q in
     -128..127) in groups of ``group`` (32 or 16), with its quantizer, pack, kernel and
-    reference."""
+    reference; ``int6``: int8 weights whose q lie in -32..31, which the int8 pack holds in 6
+    bits (``q + 32``, ``low = zero - 32 scale``)."""
 
     def __init__(self, name: str, group: int = 32) -> None:
         self.name, self.group, self.offset = name, group, 8 if name == "int4" else 0
+        self.pack_offset = {"int4": 8, "int8": 0, "int6": 32}[name]  # low = zero - it * scale
+        self.levels = 31 if name == "int6" else 127  # q in -levels-1..levels
+        name = "int8" if name == "int6" else name
         self.pack = getattr(
             fused, f"pack_{name}_weight" if name == "int4" else "pack_int8_group_weight"
         )
@@ -172,9 +176,10 @@ class Grouped:
         n, k = w.shape
         g = w.view(n, k // self.group, self.group)
         zero = g.mean(-1)
-        scale = (g - zero.unsqueeze(-1)).abs().amax(-1) / 127
+        scale = (g - zero.unsqueeze(-1)).abs().amax(-1) / self.levels
         inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-        q = torch.round((g - zero.unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(-128, 127)
+        q = torch.round((g - zero.unsqueeze(-1)) * inv.unsqueeze(-1))
+        q = q.clamp(-self.levels - 1, self.levels)
         return q.to(torch.int8).view(n, k), torch.stack((scale, zero), -1).transpose(0, 1)
 
     def weights(self, q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
@@ -188,21 +193,31 @@ class Grouped:
         """The ``[K/G, N, 2]`` float64 (scale, zero) that the packed ``(scale, low)`` pairs (in
         the dtype the pack chose) stand for."""
         groups = pairs.shape[1]
+        if pairs.dim() == 3:  # scales alone: every zero 0
+            scale = pairs.transpose(0, 1).reshape(groups, -1).double()
+            return torch.stack((scale, torch.zeros_like(scale)), dim=-1)
         scale, low = pairs.transpose(0, 1).reshape(groups, -1, 2).double().unbind(-1)
-        return torch.stack((scale, low + self.offset * scale), dim=-1)
+        return torch.stack((scale, low + self.pack_offset * scale), dim=-1)
 
     def __repr__(self) -> str:
         return f"{self.name}/{self.group}"
 
 
-GROUPED = [Grouped("int4"), Grouped("int8"), Grouped("int8", 16)]
+GROUPED = [
+    Grouped("int4"),
+    Grouped("int8"),
+    Grouped("int8", 16),
+    Grouped("int6"),
+    Grouped("int6", 16),
+]
 
 
 def grouped_reference(fmt: Grouped, x: torch.Tensor, q: torch.Tensor, scales_and_zeros):
     """``(y, terms, bound)``: the grouped kernels' arithmetic in float64 (csrc/group_linear.cpp),
     each row's groups of 32 as ``x / s ~= q1 + q2 / 254`` (both int8, ``s = max |x| / 127``,
     quantized in float32 as the kernel does), the integer dot products with the weights' q,
-    then the group's scale and the float sum of x times what q = 0 stands for; ``terms``, the
+    then the group's scale and the sum of the quantized activations times what q = 0 stands
+    for; ``terms``, the
     sum of those two products' magnitudes over the groups (float32 rounds each, and they cancel:
     int4's ``(q - 8) * scale + zero`` has a large zero); ``bound``, that of ``y``'s difference
     from float activations: ``|x - s (q1 + q2 / 254)| <= s / 508`` per activation, times the
@@ -217,11 +232,12 @@ def grouped_reference(fmt: Grouped, x: torch.Tensor, q: torch.Tensor, scales_and
     step = (amax.double() / 127).expand(rows, groups, 32).reshape(rows, k)  # per activation
     # per weight group: the activations' two parts (times their step) and their float sum
     parts = ((q1.double() + q2.double() / 254).reshape(rows, k) * step).view(rows, -1, fmt.group)
-    xsum = x.double().view(rows, -1, fmt.group).sum(-1)
-    qg = q.double().view(n, -1, fmt.group)
+    xsum = parts.sum(-1)  # of the quantized activations, as the kernel sums them
+    # the kernel's q: int6's q + 32 (W = (q + 32) * scale + low)
+    qg = (q.double() + fmt.pack_offset - fmt.offset).view(n, -1, fmt.group)
     scale, zero = (scales_and_zeros[..., i].double().t() for i in (0, 1))  # [N, groups]
     dots = torch.einsum("rgk,ngk->rng", parts, qg)
-    low = zero - fmt.offset * scale
+    low = zero - fmt.pack_offset * scale
     products = (dots * scale, low * xsum.unsqueeze(1))
     y = (products[0] + products[1]).sum(-1)
     terms = (products[0].abs() + products[1].abs()).sum(-1)
@@ -353,11 +369,15 @@ def test_grouped_rows_read_the_packed_tiles_as_the_reference_reads_its_rows(fmt,
     got = getattr(fused, name)(packed, pairs, ids, fmt.group)
     want = fmt.weights(q, fmt.stored(pairs))[ids]
     assert got.dtype == torch.float32 and got.shape == (len(ids), 96)
-    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-7)
+    # float32's rounding of q * scale + low, |low| up to (pack offset + 1) * scale (~0.1 here)
+    atol = 1e-7 * max(1, fmt.pack_offset // 8)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=atol)
     if dtype == torch.float32:
         reference = getattr(native, name)(*fmt.native_pack(q, scales_and_zeros), ids, fmt.group)
-        torch.testing.assert_close(got, reference, rtol=1e-6, atol=1e-7)
-        assert fmt.name == "int4" or torch.equal(got, reference)
+        torch.testing.assert_close(got, reference, rtol=1e-6, atol=atol)
+        # int8's packed formula is the reference's, q * scale + zero; int4's and int6's add a
+        # low computed when packing
+        assert fmt.name != "int8" or torch.equal(got, reference)
 
 
 @pytest.mark.parametrize("fmt", GROUPED, ids=repr)
@@ -368,7 +388,8 @@ def test_grouped_pairs_are_held_in_float16_where_that_is_exact(fmt):
     g = torch.Generator().manual_seed(9)
     q, scales_and_zeros = fmt.quantize(torch.randn(64, 576, generator=g))
     scale = scales_and_zeros[..., 0].half().float()
-    zero = torch.zeros_like(scale) if fmt.name == "int4" else scale.neg()  # low: -8 d, -d
+    # low: -8 d, -d, 0
+    zero = {"int4": torch.zeros_like(scale), "int8": scale.neg(), "int6": 32 * scale}[fmt.name]
     packed, pairs = fmt.pack(q, torch.stack((scale, zero), dim=-1))
     assert pairs.dtype == torch.float16
     x = torch.randn(40, 576, generator=g)
@@ -402,7 +423,7 @@ def test_symmetric_groups_keep_their_scales_alone_with_the_same_bits(fmt, dtype)
         exact = torch.equal(given.half().float(), given)
         assert scales.dtype == (torch.float16 if exact else dtype)
         # the same numbers as (scale, low) pairs, as the pack holds them for nonzero zeros
-        pairs = torch.stack((scales, -fmt.offset * scales), dim=-1)
+        pairs = torch.stack((scales, -fmt.pack_offset * scales), dim=-1)
         x = torch.randn(40, 576, generator=g).to(dtype)
         for rows, invariant in ((1, False), (8, False), (40, False), (40, True)):
             got = fmt.kernel(x[:rows], packed, scales, fmt.group, None, invariant)

@@ -385,9 +385,19 @@ def int8_group_rows(
     packed: torch.Tensor, scales_and_zeros: torch.Tensor, ids: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """Rows ``ids`` of the weight :func:`pack_int8_group_weight` stored, dequantized in float32:
-    ``[len(ids), K]`` (groups of ``group_size``, 32 or 16), read out of its tiles."""
-    tiles, k = packed.shape[0], packed.shape[1] // INT4_TILE
+    ``[len(ids), K]`` (groups of ``group_size``, 32 or 16), read out of its tiles (int8 or
+    6-bit)."""
+    tiles, g = packed.shape[0], group_size
     tile, lane = ids // INT4_TILE, ids % INT4_TILE
+    k = scales_and_zeros.shape[1] * g
+    if packed.shape[1] != k * INT4_TILE:  # 6 bits: 12 bytes a tile per input feature
+        b = packed.view(tiles, k // g, g // 8 + g // 16, INT4_TILE, 4)[tile, :, :, lane, :]
+        nibbles = b[:, :, : g // 8]  # [n, K/G, G/8 chunks, 4 bytes]
+        low = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-2).reshape(len(ids), k // g, g)
+        top = b[:, :, g // 8 :, None, :] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+        u = low | ((top & 3).reshape(len(ids), k // g, g) << 4)
+        pairs = _unpacked_pairs(scales_and_zeros, tile, lane, 32)
+        return dequantize_groups(u.reshape(len(ids), k), pairs, group_size)
     q = packed.view(tiles, k // 32, 8, INT4_TILE, 4)[tile, :, :, lane, :].reshape(len(ids), k)
     pairs = _unpacked_pairs(scales_and_zeros, tile, lane, 0)
     # the int8 bits as uint8 with the sign bit flipped are q + 128 (no dtype view: TorchScript's
@@ -402,8 +412,13 @@ def pack_int8_group_weight(
     input features) in :func:`int8_group_linear`'s layout, tiles of 16 output features with each
     tile's groups of 32 input features one after the other, four input features of a lane
     together (``csrc/group_linear.cpp``): ``[N/16, 16 K]`` uint8 (the int8 bits) and ``[N/16,
-    K/G, 16, 2]`` (scale, zero) pairs, in float16 where that is exact, or ``[N/16, K/G, 16]``
+    K/G, 16, 2]`` (scale, low) pairs, in float16 where that is exact, or ``[N/16, K/G, 16]``
     scales alone where every zero is 0 (:func:`_pack_pairs`).
+
+    Where every ``q`` lies in -32..31 (GGUF's Q6_K, Q5_x, Q3_K, Q2_K) it is packed in 6 bits
+    instead, as ``q + 32``, ``[N/16, 12 K]`` (the kernel's Int6Format: per group, G/8 chunks of
+    nibbles as :func:`pack_int4_weight`'s, then G/16 chunks of the top bit pairs), with ``low =
+    zero - 32 scale``: three quarters of the bytes to read.
 
     Raises:
         ValueError: ``N`` not a multiple of 16, ``K`` not a multiple of 32, or G not 32 or 16.
@@ -416,10 +431,29 @@ def pack_int8_group_weight(
             f"on CPU, in groups of 32 or 16, got {n} x {k} in {groups} groups"
         )
     tiles = n // INT4_TILE
+    q = q.to(torch.int8)
+    if q.numel() and -32 <= int(q.min()) and int(q.max()) <= 31:
+        return _pack_six_bits(q, k // groups, tiles), _pack_pairs(scales_and_zeros, 32, tiles)
     # [tile, lane, group of 32, chunk, byte] -> [tile, group of 32, chunk, lane, byte]
-    t = q.to(torch.int8).view(torch.uint8).view(tiles, INT4_TILE, k // 32, 8, 4)
+    t = q.view(torch.uint8).view(tiles, INT4_TILE, k // 32, 8, 4)
     packed = t.permute(0, 2, 3, 1, 4).contiguous().view(tiles, k * INT4_TILE)
     return packed, _pack_pairs(scales_and_zeros, 0, tiles)
+
+
+def _pack_six_bits(q: torch.Tensor, group: int, tiles: int) -> torch.Tensor:
+    """``q + 32`` (``q [N, K]`` int8 in -32..31) in the kernel's Int6Format, groups of ``group``
+    (16 or 32): ``[N/16, 12 K]`` uint8, see :func:`pack_int8_group_weight`."""
+    n, k = q.shape
+    u = (q.to(torch.int16) + 32).to(torch.uint8).view(tiles, INT4_TILE, k // group, group)
+    u = u.permute(0, 2, 1, 3)  # [tile, group, lane, input]
+    # nibble chunks: [.., chunk, half, byte] -> [tile, group, chunk, lane, byte]
+    low = (u & 0xF).reshape(tiles, k // group, INT4_TILE, group // 8, 2, 4)
+    nibbles = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 1, 3, 2, 4)
+    # top bit pairs: input 16 h + 4 f + j at bits 2 f of byte j
+    top = (u >> 4).reshape(tiles, k // group, INT4_TILE, group // 16, 4, 4)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    top = (top << shifts).sum(-2, dtype=torch.uint8).permute(0, 1, 3, 2, 4)
+    return torch.cat((nibbles, top), dim=2).contiguous().view(tiles, k * INT4_TILE * 3 // 4)
 
 
 def int8_group_linear(

@@ -6,7 +6,8 @@ blocks are converted once, exactly, to the two grouped formats of the CPU kernel
 (``pyxllm.weights.gguf_blocks``): Q4_0, Q4_1 and Q4_K to int4 groups (``W = (q - 8) * scale +
 zero``, ``kernels.ops.int4_linear``), Q8_0, the 5-bit types, IQ4_NL and IQ4_XS to int8 groups
 (``W = q * scale + zero``, ``kernels.ops.int8_group_linear``), Q6_K, Q3_K and Q2_K to int8
-groups of 16. They quantize the
+groups of 16 (the CPU's pack holds int8 values that all lie in -32..31, every type here but
+Q8_0 and the IQ4s, in 6 bits). They quantize the
 activations per group of 32 to ~15 bits (see ``csrc/group_linear.cpp``), so logits stay within
 ~1e-3 of the dequantized model's in float32 (tests/test_gguf_stored.py) with an eighth (int4) or
 a quarter (int8) of float32's bytes to read per token.

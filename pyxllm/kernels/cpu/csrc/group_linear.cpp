@@ -1,7 +1,8 @@
 // Linear layers over grouped int4 or int8 weights with int8 activations on the CPU:
 // torch.ops.pyxllm_cpu.int4_linear (the CPU platform's kernel for --quantization int4 and GGUF's
-// Q4_0 / Q4_1 / Q4_K weights) and torch.ops.pyxllm_cpu.int8_group_linear (GGUF's Q8_0 and 5-bit
-// weights); contracts in pyxllm/kernels/cpu/fused.py.
+// Q4_0 / Q4_1 / Q4_K weights) and torch.ops.pyxllm_cpu.int8_group_linear (GGUF's Q8_0, 5-bit and
+// K-quant weights, held in 6 bits where every q fits, see Int6Format); contracts in
+// pyxllm/kernels/cpu/fused.py.
 //
 // Weights: groups of 32 input features with a (scale, zero) pair per group and output feature.
 // int4: W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n] with q in 0..15 (the format of
@@ -15,7 +16,11 @@
 // stands for (int4: zero - 8 scale, int8: zero)
 //   y[m, n] = sum_g scale[g, n] * s[m, g] / 254 * (254 sum_k q[n, k] q1[m, k] + sum_k q[n, k] q2[m, k])
 //             + low[g, n] * xsum[m, g]
-// with xsum the group's float sum of x. The integer sums run on AVX512-VNNI (vpdpbusd, 16 output
+// with xsum the sum of the group's quantized activations, s / 254 * sum_k (254 q1 + q2), so that
+// the two terms together are sum_k W x~ exactly (before float rounding) and a row's error is that
+// of its activations times |W|: with the float sum of x instead, the offset in low (int4's -8,
+// int6's -32 scales) multiplied the activations' rounding, and a Q3_K weight with q in -4..3 held
+// in 6 bits took ~10x the error of its int8 form. The integer sums run on AVX512-VNNI (vpdpbusd, 16 output
 // features per instruction), AVX-VNNI or AVX2 (vpmaddubsw + vpmaddwd), else plain vector code;
 // int8 weights enter them as |q| with the activation taking q's sign.
 //
@@ -225,7 +230,8 @@ struct ScaleLayout {
 // The activations of `rows` rows quantized per group, in two int8 parts: x / xs ~= q1 + q2 / 254
 // with q1 = rint(x / xs) and q2 = rint((x / xs - q1) * 254), both in -127..127; row r's q1 at
 // xq[2 k r + i], its q2 at xq[2 k r + k + i]. xs [rows, k/32] holds max |x| / (127 * 254), xsum
-// [rows, k/S] the float sum of x over each S = sum_group (32 or 16) inputs.
+// [rows, k/S] the sum of the quantized activations xs * (254 q1 + q2) over each S = sum_group
+// (32 or 16) inputs (an integer sum below 2^24, exact in float, times xs: one rounding).
 template <typename T>
 void quantize_groups(int8_t* xq, float* xs, float* xsum, const T* x, int64_t rows, int64_t k,
                      int64_t sum_group) {
@@ -235,11 +241,11 @@ void quantize_groups(int8_t* xq, float* xs, float* xsum, const T* x, int64_t row
     for (int64_t r = begin; r < end; ++r)
       for (int64_t g = 0; g < groups; ++g) {
         const T* src = x + r * k + g * kGroup;
-        float amax = 0.f, total[2] = {0.f, 0.f};
+        float amax = 0.f;
+        int32_t total[2] = {0, 0};
         for (int64_t i = 0; i < kGroup; ++i) {
           b[i] = static_cast<float>(src[i]);
           amax = std::max(amax, std::fabs(b[i]));
-          total[i >= sum_group] += b[i];  // sum_group 32: one sum; 16: the two halves
         }
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         int8_t* q1 = xq + 2 * k * r + g * kGroup;
@@ -248,9 +254,11 @@ void quantize_groups(int8_t* xq, float* xs, float* xsum, const T* x, int64_t row
           const float v = b[i] * inv, whole = std::rint(v);
           q1[i] = static_cast<int8_t>(whole);
           q2[i] = static_cast<int8_t>(std::rint((v - whole) * 254.f));
+          total[i >= sum_group] += 254 * q1[i] + q2[i];  // sum_group 32: one sum; 16: two halves
         }
-        xs[r * groups + g] = amax / (127.f * 254.f);
-        for (int64_t j = 0; j < sums; ++j) xsum[(r * groups + g) * sums + j] = total[j];
+        const float step = amax / (127.f * 254.f);
+        xs[r * groups + g] = step;
+        for (int64_t j = 0; j < sums; ++j) xsum[(r * groups + g) * sums + j] = static_cast<float>(total[j]) * step;
       }
   });
 }
@@ -270,7 +278,11 @@ struct Int4Format {
   static constexpr int64_t kScaleInputs = 32, kScaleBytes = kTile * kScaleInputs / 2;
   static constexpr float kLowPerScale = -8.f;  // W = (q - 8) * scale with no zero
   static constexpr int kChunks = 4, kPieces = 2, kChunkInputs = 8;
-  static void unpack(IntV packed, IntV* piece) {
+  static constexpr bool kSigned = false;
+  // the pieces of chunk c of the scale group at wg (this lane block's bytes)
+  static void load_chunk(const uint8_t* wg, int c, IntV* piece) {
+    IntV packed;
+    std::memcpy(&packed, wg + c * kChunkBytes, sizeof packed);
     piece[0] = packed & 0x0F0F0F0F;
     piece[1] = (packed >> 4) & 0x0F0F0F0F;
   }
@@ -283,8 +295,32 @@ struct Int4Format {
   static IntV dot(IntV acc, IntV w, int32_t x) { return dot4(acc, w, x); }
   static IntV widen(IntV acc) { return acc; }
 #endif
-  // weight j (0..7) of a chunk in every lane
-  static IntV value(IntV packed, int j) { return (packed >> (j < 4 ? 8 * j : 8 * (j - 4) + 4)) & 0xF; }
+};
+
+// Int6: W = q * scale + low with q in 0..63, scale groups of G = 32 or 16. GGUF's Q6_K, Q5_x,
+// Q3_K and Q2_K blocks, whose int8 q lies in -32..31 (pack_int8_group_weight then packs q + 32
+// this way: 0.75 byte a weight instead of 1, the file's own 6 bits for Q6_K). A scale group is
+// G / 8 chunks of nibbles, as Int4's (byte j of a lane: input 8 c + j in its low nibble, 8 c + 4
+// + j in its high one), then G / 16 chunks of the top two bits, byte j of lane l in chunk h
+// holding those of inputs 16 h + 4 f + j at bits 2 f, 2 f + 1 (f = 0..3), so that one shift and
+// one mask put a piece's four top bit pairs under its nibbles. The dot products are u8 x s8
+// (pairs of at most 2 * 63 * 127 per int16: no saturation).
+template <int G>
+struct Int6Format {
+  static constexpr int64_t kScaleInputs = G, kScaleBytes = kTile * kScaleInputs * 3 / 4;
+  static constexpr float kLowPerScale = -32.f;  // W = (q - 32) * scale with no zero
+  static constexpr int kChunks = G / 8, kPieces = 2, kChunkInputs = 8;
+  static constexpr bool kSigned = false;
+  static void load_chunk(const uint8_t* wg, int c, IntV* piece) {
+    IntV nibbles, top;
+    std::memcpy(&nibbles, wg + c * kChunkBytes, sizeof nibbles);
+    std::memcpy(&top, wg + (kChunks + c / 2) * kChunkBytes, sizeof top);
+    const int f = 2 * (c % 2);
+    piece[0] = (nibbles & 0x0F0F0F0F) | (((top >> (2 * f)) & 0x03030303) << 4);
+    piece[1] = ((nibbles >> 4) & 0x0F0F0F0F) | (((top >> (2 * f + 2)) & 0x03030303) << 4);
+  }
+  static IntV dot(IntV acc, IntV w, int32_t x) { return dot4(acc, w, x); }
+  static IntV widen(IntV acc) { return acc; }
 };
 
 // Int8: W = q * scale + low, q in -128..127, one per byte, scale groups of G = 32 (GGUF's Q8_0,
@@ -295,11 +331,19 @@ struct Int8Format {
   static constexpr int64_t kScaleInputs = G, kScaleBytes = kTile * kScaleInputs;
   static constexpr float kLowPerScale = 0.f;  // W = q * scale with no zero
   static constexpr int kChunks = G / 4, kPieces = 1, kChunkInputs = 4;
-  static void unpack(IntV packed, IntV* piece) { piece[0] = packed; }
+  static constexpr bool kSigned = true;
+  static void load_chunk(const uint8_t* wg, int c, IntV* piece) {
+    std::memcpy(piece, wg + c * kChunkBytes, sizeof *piece);
+  }
   static IntV dot(IntV acc, IntV w, int32_t x) { return dot4_signed(acc, w, x); }
   static IntV widen(IntV acc) { return acc; }  // pairs of s8 x s8 products fill an int16 alone
-  static IntV value(IntV packed, int j) { return (packed << (24 - 8 * j)) >> 24; }  // sign-extended
 };
+
+// Byte j (0..3) of every lane of a piece: input 4 p + j of its chunk, as F's q (int8 sign-extended).
+template <typename F>
+inline IntV piece_value(IntV piece, int j) {
+  return F::kSigned ? (piece << (24 - 8 * j)) >> 24 : (piece >> (8 * j)) & 0xFF;
+}
 
 // acc[m] (m < M) += row m's products with kLanes output features over all scale groups. `w` is
 // the tile's first scale group, offset to this lane block; `pairs` the (scale, low) pairs of that
@@ -313,11 +357,10 @@ inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, ScaleLayout
     IntV sum1[M] = {}, sum2[M] = {};
     const uint8_t* wg = w + g * F::kScaleBytes;
     const int8_t* xg = xq + g * F::kScaleInputs;
-    for (int c = 0; c < F::kChunks; ++c) __builtin_prefetch(wg + c * kChunkBytes + kWeightPrefetchBytes);
+    for (int64_t b = 0; b < F::kScaleBytes; b += kChunkBytes) __builtin_prefetch(wg + b + kWeightPrefetchBytes);
     for (int c = 0; c < F::kChunks; ++c) {
-      IntV packed, piece[F::kPieces];
-      std::memcpy(&packed, wg + c * kChunkBytes, sizeof packed);
-      F::unpack(packed, piece);
+      IntV piece[F::kPieces];
+      F::load_chunk(wg, c, piece);
       for (int m = 0; m < M; ++m) {
         const int8_t* q1 = xg + 2 * k * m + F::kChunkInputs * c;
         for (int p = 0; p < F::kPieces; ++p) {
@@ -413,11 +456,12 @@ void dequantize_transposed(T* wt, const uint8_t* w, const P* pairs, ScaleLayout 
           const uint8_t* wg = w + (t * scale_groups + g) * F::kScaleBytes + lane0 * 4;
           T* out = wt + g * F::kScaleInputs * ld + (t - t0) * kTile + lane0;
           for (int c = 0; c < F::kChunks; ++c) {
-            IntV packed;
-            std::memcpy(&packed, wg + c * kChunkBytes, sizeof packed);
-            for (int j = 0; j < F::kChunkInputs; ++j)
-              store_lanes(out + (F::kChunkInputs * c + j) * ld,
-                          __builtin_convertvector(F::value(packed, j), FloatV) * scale + low);
+            IntV piece[F::kPieces];
+            F::load_chunk(wg, c, piece);
+            for (int p = 0; p < F::kPieces; ++p)
+              for (int j = 0; j < 4; ++j)
+                store_lanes(out + (F::kChunkInputs * c + 4 * p + j) * ld,
+                            __builtin_convertvector(piece_value<F>(piece[p], j), FloatV) * scale + low);
           }
         }
   });
@@ -509,9 +553,15 @@ at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& packed, cons
                              int64_t group_size, const std::optional<at::Tensor>& bias, bool batch_invariant) {
   TORCH_CHECK(group_size == 32 || group_size == 16, "int8_group_linear: groups of 32 or 16 input features only, got ",
               group_size);
+  // packed as 6-bit q (pack_int8_group_weight's choice where every q lies in -32..31): 12 bytes
+  // a tile per input feature instead of 16
+  const bool six_bits = packed.dim() == 2 && packed.size(1) == x.size(-1) * kTile * 3 / 4;
+  const char* op = "int8_group_linear";
   if (group_size == 16)
-    return group_linear<Int8Format<16>>("int8_group_linear", x, packed, scales_and_zeros, bias, batch_invariant);
-  return group_linear<Int8Format<32>>("int8_group_linear", x, packed, scales_and_zeros, bias, batch_invariant);
+    return six_bits ? group_linear<Int6Format<16>>(op, x, packed, scales_and_zeros, bias, batch_invariant)
+                    : group_linear<Int8Format<16>>(op, x, packed, scales_and_zeros, bias, batch_invariant);
+  return six_bits ? group_linear<Int6Format<32>>(op, x, packed, scales_and_zeros, bias, batch_invariant)
+                  : group_linear<Int8Format<32>>(op, x, packed, scales_and_zeros, bias, batch_invariant);
 }
 
 }  // namespace
