@@ -448,6 +448,21 @@ class EngineConfig:
         group=MODEL_FLAGS,
         metavar="FILE|TEMPLATE",
     )
+    # images in prompts (vision-language models, see docs/multimodal.md)
+    limit_mm_per_prompt: str | None = flag(
+        None,
+        help='most images one prompt may hold, vLLM\'s image=N (or its JSON {"image": N}); '
+        "a request with more gets a 400 (default: image=999)",
+        group=MODEL_FLAGS,
+        metavar="image=N",
+    )
+    allowed_local_media_path: str | None = flag(
+        None,
+        help="file:// image URLs in chat messages are read from this directory and below "
+        "(default: none, file:// URLs are refused)",
+        group=MODEL_FLAGS,
+        metavar="DIR",
+    )
     kv_offload_dir: str | None = flag(
         None,
         help="also keep every full KV block in files in this directory, read back for a "

@@ -26,6 +26,7 @@ SHARED = {
     "sampling_params",
     "pooling_params",
     "lora_request",
+    "multimodal_inputs",
     "outputs",
     "flag_fields",
     "flag_types",
@@ -41,6 +42,7 @@ ALLOWED = {
     "sampling_params": set(),
     "pooling_params": set(),
     "lora_request": set(),
+    "multimodal_inputs": set(),
     "speculative_config": set(),
     "outputs": set(),
     "flag_fields": set(),  # a field's flag metadata

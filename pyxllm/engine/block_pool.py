@@ -20,14 +20,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 BlockHash = bytes
-HashFn = Callable[[BlockHash | None, Sequence[int]], BlockHash]
+# ``(parent hash, token ids[, extra keys]) -> hash``, see :func:`hash_block_tokens`
+HashFn = Callable[..., BlockHash]
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """The SHA-256 digest of ``parent_hash`` (``None`` for a prompt's first block) and the block's
-    token ids."""
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b""
+) -> BlockHash:
+    """The SHA-256 digest of ``parent_hash`` (``None`` for a prompt's first block), the block's
+    token ids and ``extra_keys`` (the content hashes of the images whose placeholder tokens
+    the block holds, see ``Request.block_extra_keys``: same tokens, other image, other hash)."""
     digest = hashlib.sha256(parent_hash or b"\0")
     digest.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        digest.update(extra_keys)
     return digest.digest()
 
 

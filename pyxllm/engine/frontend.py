@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pyxllm.config import EngineConfig, load_chat_template
 from pyxllm.engine.input_processor import InputProcessor
+from pyxllm.engine.multimodal import MultiModalProcessor, parse_mm_limits
 from pyxllm.engine.structured_output import StructuredOutputManager
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.executor.tasks import resolve_task
@@ -35,7 +36,7 @@ def resolve_max_model_len(config: EngineConfig, model_config) -> int:
     Raises:
         ValueError: the flag exceeds the model's limit, or neither is known (naming the flag).
     """
-    model_max = getattr(model_config, "max_position_embeddings", None)
+    model_max = getattr(text_config_of(model_config), "max_position_embeddings", None)
     if config.max_model_len is None:
         if model_max is None:
             raise ValueError(
@@ -48,6 +49,13 @@ def resolve_max_model_len(config: EngineConfig, model_config) -> int:
             f"({model_max})"
         )
     return config.max_model_len
+
+
+def text_config_of(model_config):
+    """The language model's config: a vision-language model's ``text_config`` (where
+    ``vocab_size``, ``max_position_embeddings`` and ``hidden_size`` live), else the config."""
+    get = getattr(model_config, "get_text_config", None)
+    return model_config if get is None else get()
 
 
 def _with_task(config: EngineConfig, task: str) -> EngineConfig:
@@ -107,6 +115,7 @@ class EngineFrontend:
                 budget a whole prompt cannot fit without chunked prefill, or a flag the
                 resolved task cannot honour (naming the flag).
         """
+        parse_mm_limits(config.limit_mm_per_prompt)  # a bad flag fails before any loading
         source = resolve_model_source(
             config.model, config.revision, config.download_dir, config.gguf_file, config.task
         )
@@ -147,7 +156,7 @@ class EngineFrontend:
         return StructuredOutputManager(
             self.config.structured_outputs_backend,
             self.tokenizer.hf,
-            self.model_config.vocab_size,
+            text_config_of(self.model_config).vocab_size,
             self.tokenizer.eos_token_ids,
         )
 
@@ -157,7 +166,7 @@ class EngineFrontend:
         """The front door for an engine whose KV cache has ``max_kv_blocks`` blocks."""
         return InputProcessor(
             self.tokenizer,
-            vocab_size=self.model_config.vocab_size,
+            vocab_size=text_config_of(self.model_config).vocab_size,
             max_model_len=self.max_model_len,
             max_kv_blocks=max_kv_blocks,
             block_size=self.config.block_size,
@@ -165,6 +174,13 @@ class EngineFrontend:
             structured_outputs=structured_outputs,
             embedding_size=self.model_config.hidden_size if self.config.task == "embed" else None,
             class_labels=self.class_labels,
+            multimodal=MultiModalProcessor.load(
+                self.source.path if self.source.kind == "hf" else None,
+                self.model_config,
+                self.tokenizer.hf,
+                parse_mm_limits(self.config.limit_mm_per_prompt),
+                self.config.allowed_local_media_path,
+            ),
         )
 
     @property

@@ -33,31 +33,41 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pyxllm.engine.errors import InvalidRequestError
+from pyxllm.engine.multimodal import MultiModalProcessor
 from pyxllm.engine.structured_output import GrammarHandle, StructuredOutputManager
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.lora_request import LoRARequest
+from pyxllm.multimodal_inputs import MultiModalFeatureSpec
 from pyxllm.pooling_params import PoolingParams
 from pyxllm.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
 class TextPrompt:
-    """A prompt as text; ``add_special_tokens`` lets the tokenizer add its BOS token (if any)."""
+    """A prompt as text; ``add_special_tokens`` lets the tokenizer add its BOS token (if any).
+
+    ``multi_modal_data`` (vLLM's): ``{"image": PIL image or list of them}``, one per image
+    token of the text, for a vision-language model (see :mod:`pyxllm.engine.multimodal`).
+    """
 
     text: str
     add_special_tokens: bool = True
+    multi_modal_data: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
     """Chat messages (OpenAI-style dicts) to render with the model's chat template.
 
-    ``chat_template_kwargs`` reach the template (``enable_thinking=False``, ``tools=[...]``).
+    ``chat_template_kwargs`` reach the template (``enable_thinking=False``, ``tools=[...]``);
+    ``multi_modal_data``: the images the rendered messages hold image tokens for, in order
+    (see :class:`TextPrompt`; ``pyxllm.entrypoints.chat_media`` takes them out of the parts).
     """
 
     messages: Sequence[Mapping[str, Any]]
     add_generation_prompt: bool = True
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    multi_modal_data: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +76,13 @@ class TokensPrompt:
 
     ``text`` is the prompt's text where there is one (it is returned in the request's output);
     ``param`` is the request field the ids came from, named in errors (``"messages"`` for a
-    rendered chat).
+    rendered chat); ``multi_modal_data``: see :class:`TextPrompt`.
     """
 
     token_ids: Sequence[int]
     text: str | None = None
     param: str = "prompt"
+    multi_modal_data: Mapping[str, Any] | None = None
 
 
 Prompt = str | TextPrompt | ChatPrompt | TokensPrompt
@@ -97,6 +108,8 @@ class EngineRequest:
             ``None`` for generation.
         lora_request: the LoRA adapter to run it with (``--enable-lora``), ``None``: the base
             model.
+        mm_features: its images, in prompt order (each image token of the prompt is expanded
+            to its placeholder run), empty for text.
     """
 
     request_id: str
@@ -107,6 +120,7 @@ class EngineRequest:
     constrain_after: tuple[int, ...] = ()
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
+    mm_features: tuple[MultiModalFeatureSpec, ...] = ()
 
 
 class InputProcessor:
@@ -128,6 +142,8 @@ class InputProcessor:
             the most ``dimensions`` a request may ask for; ``None`` for generation.
         class_labels: a classifier's label names by class index (its config's ``id2label``;
             the score and classify tasks), ``None`` for other models.
+        multimodal: a vision-language model's image processing, ``None`` for a text model
+            (which refuses images).
     """
 
     def __init__(
@@ -142,6 +158,7 @@ class InputProcessor:
         structured_outputs: StructuredOutputManager | None = None,
         embedding_size: int | None = None,
         class_labels: tuple[str, ...] | None = None,
+        multimodal: MultiModalProcessor | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -152,6 +169,7 @@ class InputProcessor:
         self.structured_outputs = structured_outputs
         self.embedding_size = embedding_size
         self.class_labels = class_labels
+        self.multimodal = multimodal
 
     def process(
         self,
@@ -179,6 +197,7 @@ class InputProcessor:
         if not ids or tokens.text == "":
             raise InvalidRequestError(f"{tokens.param}: must not be empty", tokens.param)
         self.check_token_ids(ids, tokens.param)
+        ids, mm_features = self.process_multimodal(ids, tokens)
         params = SamplingParams() if params is None else params
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.check_token_ids(params.logit_bias or (), "logit_bias")
@@ -207,7 +226,38 @@ class InputProcessor:
             now,
             constrain_after if constrained else (),
             lora_request=lora_request,
+            mm_features=mm_features,
         )
+
+    def process_multimodal(
+        self, ids: list[int], tokens: TokensPrompt
+    ) -> tuple[list[int], tuple[MultiModalFeatureSpec, ...]]:
+        """``ids`` with their image tokens expanded, and the images' feature specs (see
+        :meth:`MultiModalProcessor.process`); ``ids`` unchanged for a text model.
+
+        Raises:
+            InvalidRequestError: images for a text model, a modality other than ``image``, or
+                what :meth:`MultiModalProcessor.process` refuses.
+        """
+        data = dict(tokens.multi_modal_data or {})
+        images = data.pop("image", None)
+        if data:
+            raise InvalidRequestError(
+                f"multi_modal_data: unknown modality {next(iter(data))!r} (served: image)",
+                "multi_modal_data",
+            )
+        if images is None:
+            images = []
+        elif not isinstance(images, (list, tuple)):
+            images = [images]
+        if self.multimodal is None:
+            if images:
+                raise InvalidRequestError(
+                    f"{tokens.param}: this model reads text only; images are not supported",
+                    tokens.param,
+                )
+            return ids, ()
+        return self.multimodal.process(ids, list(images), tokens.param)
 
     def constraint(self, request: EngineRequest) -> GrammarHandle | None:
         """The request's constraint, compiling or compiled (``None`` without one): wait on it
@@ -338,7 +388,7 @@ class InputProcessor:
                 ids = self.tokenizer.encode(prompt.text, prompt.add_special_tokens)
             except (TypeError, ValueError) as exc:  # e.g. a lone surrogate in the text
                 raise InvalidRequestError(f"prompt: cannot be tokenized ({exc})", "prompt") from exc
-            return TokensPrompt(ids, prompt.text)
+            return TokensPrompt(ids, prompt.text, multi_modal_data=prompt.multi_modal_data)
         try:
             ids = self.tokenizer.apply_chat_template(
                 list(prompt.messages), prompt.add_generation_prompt, **prompt.chat_template_kwargs
@@ -349,7 +399,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 "messages: the chat template rendered an empty prompt", "messages"
             )
-        return TokensPrompt(ids, None, "messages")
+        return TokensPrompt(ids, None, "messages", prompt.multi_modal_data)
 
     def _template_fault(self, prompt: ChatPrompt) -> str:
         """The field at fault when ``prompt`` does not render: ``chat_template_kwargs`` when

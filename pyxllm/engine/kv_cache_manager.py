@@ -69,7 +69,11 @@ class KVCacheManager:
         hashes, size = request.block_hashes, self.block_size
         for i in range(len(hashes), num_full_blocks):
             parent = hashes[i - 1] if i else request.prefix_cache_salt
-            hashes.append(self.hash_fn(parent, request.token_ids[i * size : (i + 1) * size]))
+            tokens = request.token_ids[i * size : (i + 1) * size]
+            extra = request.block_extra_keys(i * size, (i + 1) * size)
+            hashes.append(
+                self.hash_fn(parent, tokens, extra) if extra else self.hash_fn(parent, tokens)
+            )
         return hashes
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:

@@ -253,6 +253,7 @@ class LLMEngine:
             index=index,
             min_tokens_stop_ids=min_tokens_stop_ids,
             lora_request=request.lora_request,
+            mm_features=request.mm_features,
         )
         if grammar is not None:
             child.matcher = grammar.new_matcher()

@@ -12,6 +12,7 @@ from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.structured_output import GrammarMatcher
 from pyxllm.engine.thinking_budget import ThinkingBudget
 from pyxllm.lora_request import LoRARequest
+from pyxllm.multimodal_inputs import MultiModalFeatureSpec
 from pyxllm.outputs import PromptLogprobs, SampleLogprobs
 from pyxllm.pooling_params import PoolingParams
 from pyxllm.sampling_params import FULL_VOCAB_LOGPROBS, SamplingParams
@@ -62,6 +63,8 @@ class Request:
         thinking: its thinking-token budget (``thinking_token_budget``), ``None`` without one.
         lora_request: the LoRA adapter it runs with (``--enable-lora``), ``None`` for the base
             model; its KV blocks are cached under the adapter (:attr:`prefix_cache_salt`).
+        mm_features: its images (placeholder runs, pixel values, content hashes), in prompt
+            order; empty for text.
     """
 
     request_id: str
@@ -89,6 +92,7 @@ class Request:
     pooling_params: PoolingParams | None = None
     thinking: ThinkingBudget | None = field(default=None, repr=False)
     lora_request: LoRARequest | None = None
+    mm_features: tuple[MultiModalFeatureSpec, ...] = ()
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -201,6 +205,17 @@ class Request:
         """What its first block's prefix-cache hash chains from: the adapter's salt, so no
         two adapters (or an adapter and the base model) share a block; ``None`` for the base."""
         return None if self.lora_request is None else self.lora_request.prefix_cache_salt
+
+    def block_extra_keys(self, start: int, end: int) -> bytes:
+        """What a KV block over tokens ``[start, end)`` adds to its prefix-cache hash: the
+        content hashes of the images whose placeholder runs it overlaps (empty: none)."""
+        return b"".join(
+            f.identifier.encode() for f in self.mm_features if f.overlap(start, end) is not None
+        )
+
+    def mm_features_in(self, start: int, end: int) -> list[MultiModalFeatureSpec]:
+        """Its images whose placeholder runs overlap the tokens ``[start, end)``."""
+        return [f for f in self.mm_features if f.overlap(start, end) is not None]
 
     @property
     def max_tokens(self) -> int:

@@ -155,6 +155,9 @@ class Scheduler:
             prompt_logprob_targets=targets,
             pooling_params=request.pooling_params,
             lora_request=request.lora_request,
+            mm_features=request.mm_features_in(start, start + num_real)
+            if request.mm_features
+            else [],
         )
 
     def update_from_output(

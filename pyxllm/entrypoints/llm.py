@@ -14,6 +14,7 @@ from pyxllm.engine.errors import RequestFailedError
 from pyxllm.engine.input_processor import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.engine.tokenizer import Tokenizer
+from pyxllm.entrypoints.chat_media import chat_images
 from pyxllm.entrypoints.score_utils import (
     check_cross_encoder,
     cosine_scores,
@@ -216,13 +217,25 @@ class LLM:
         """Apply the model's chat template to one conversation (a list of ``{"role", "content"}``)
         or several, then generate as ``generate`` does (``lora_request`` likewise).
 
+        A vision-language model takes images as content parts, vLLM's forms:
+        ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` (or a
+        ``file://`` URL under ``allowed_local_media_path``) and ``{"type": "image_pil",
+        "image_pil": <PIL image>}`` (see :mod:`pyxllm.entrypoints.chat_media`).
+
         Raises:
-            ValueError: malformed messages or a model without a chat template.
+            ValueError: malformed messages, a model without a chat template, or an image part
+                refused (``InvalidRequestError`` naming ``messages[i].content[j]``).
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kwargs = dict(chat_template_kwargs or {})
+        processor = self.llm_engine.input_processor
+        template = getattr(self.get_tokenizer().hf, "chat_template", None)
+        prompts = []
+        for conversation in conversations:
+            rendered, mm_data = chat_images(conversation, processor, template)
+            prompts.append(ChatPrompt(rendered, True, kwargs, mm_data))
         return self._run(
-            [ChatPrompt(c, True, kwargs) for c in conversations],
+            prompts,
             sampling_params,
             use_tqdm,
             lora_request,
@@ -354,9 +367,13 @@ class LLM:
 
 def _as_prompt(prompt: PromptType) -> Prompt:
     """vLLM's prompt forms as an input-processor prompt: text, ``{"prompt": text}`` or
-    ``{"prompt_token_ids": ids}`` (with an optional ``"prompt"`` text)."""
+    ``{"prompt_token_ids": ids}`` (with an optional ``"prompt"`` text); either with
+    ``"multi_modal_data": {"image": PIL image or list}`` for a vision-language model."""
     if isinstance(prompt, str):
         return TextPrompt(prompt)
+    mm_data = prompt.get("multi_modal_data")
     if "prompt_token_ids" in prompt:
-        return TokensPrompt(prompt["prompt_token_ids"], prompt.get("prompt"))
-    return TextPrompt(prompt["prompt"])
+        return TokensPrompt(
+            prompt["prompt_token_ids"], prompt.get("prompt"), multi_modal_data=mm_data
+        )
+    return TextPrompt(prompt["prompt"], multi_modal_data=mm_data)

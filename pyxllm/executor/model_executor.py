@@ -19,6 +19,7 @@ from pyxllm.distributed.parallel_state import (
     tensor_model_parallel_min,
 )
 from pyxllm.executor.draft_model import DraftModel
+from pyxllm.executor.encoder_cache import EncoderCache
 from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.kv_cache import KVCacheSpec, allocate_kv_caches
 from pyxllm.executor.logits_processors import compute_logprobs
@@ -28,7 +29,7 @@ from pyxllm.executor.sampler import Sampler, SamplingMetadata
 from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.executor.spec_decode import GeneratorRewind, accept_drafts, expand_for_verification
 from pyxllm.executor.thread_tuner import make_thread_tuner
-from pyxllm.layers.forward_context import ForwardContext
+from pyxllm.layers.forward_context import ForwardContext, MultiModalEmbeddings
 from pyxllm.layers.pooler import Pooler
 from pyxllm.layers.quantization import (
     prepare_model,
@@ -204,7 +205,9 @@ class ModelExecutor:
         if config.batch_invariant:
             self._make_batch_invariant(backend_cls)
         max_model_len = (
-            config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
+            config.max_model_len
+            or getattr(_text_config(model_config), "max_position_embeddings", None)
+            or 2048
         )
         # a trace would record a step's adapters as constants: LoRA runs eagerly
         self.lora = (
@@ -213,6 +216,18 @@ class ModelExecutor:
             else None
         )
         self._lora_step: LoRAStep | None = None
+        # a vision-language model's encoder outputs by image hash (see encoder_cache.py)
+        self.encoder_cache = (
+            EncoderCache(self.model, self.device)
+            if hasattr(self.model, "embed_multimodal")
+            else None
+        )
+        self._mm_step: MultiModalEmbeddings | None = None
+        if self.encoder_cache is not None and get_tp_size() > 1:
+            raise ValueError(
+                "--tensor-parallel-size: vision-language models run on one rank for now (the "
+                "step plan sent to the workers carries no images)"
+            )
         runner_kind = "eager" if config.enable_lora else config.graph_backend
         self.runner = build_runner(
             resolve_runner(runner_kind, self.model, platform),
@@ -290,7 +305,10 @@ class ModelExecutor:
         """The forward context of one step: the backend's metadata for ``batch``, the caches,
         and the step's LoRA adapters (set by :meth:`execute`)."""
         return ForwardContext(
-            attn=self.attn_backend.build(batch), kv_caches=self.kv_caches, lora=self._lora_step
+            attn=self.attn_backend.build(batch),
+            kv_caches=self.kv_caches,
+            lora=self._lora_step,
+            multimodal=self._mm_step,
         )
 
     def read_kv_block(self, block_id: int) -> bytes:
@@ -344,6 +362,8 @@ class ModelExecutor:
             self._lora_step = self.lora.step(
                 [s.lora_request for s in plan.sequences], batch.query_lens
             )
+        if self.encoder_cache is not None:  # the encoder step: each new image once
+            self._mm_step = self.encoder_cache.step_embeddings(plan, batch.query_start_list)
         if self.thread_tuner is None:
             return self._run(plan, batch)
         key = len(batch.input_ids) if batch.decodes_only else None
@@ -420,6 +440,12 @@ class ModelExecutor:
                 target_ids = torch.tensor(targets, device=logits.device)
                 out[i] = compute_logprobs(logits.float(), target_ids, num_top).tolists()
         return out
+
+
+def _text_config(model_config):
+    """A vision-language model's ``text_config``, else ``model_config`` itself."""
+    get = getattr(model_config, "get_text_config", None)
+    return model_config if get is None else get()
 
 
 def _embedding_checkpoint_name(name: str) -> str | None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pyxllm.lora_request import LoRARequest
+from pyxllm.multimodal_inputs import MultiModalFeatureSpec
 from pyxllm.pooling_params import PoolingParams
 from pyxllm.sampling_params import SamplingParams
 
@@ -46,6 +47,9 @@ class ScheduledSequence:
             the step computes logits at the last ``1 + k`` positions and verifies the drafts.
         pooling_params: an embedding request's (the embed task), ``None`` for generation.
         lora_request: the LoRA adapter its tokens run with, ``None`` for the base model.
+        mm_features: the request's images whose placeholder runs overlap this step's tokens
+            (the executor encodes those it has not cached and slices each run to the step's
+            part); empty for a decode or text.
     """
 
     request_id: str
@@ -64,6 +68,7 @@ class ScheduledSequence:
     num_draft_tokens: int = 0
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
 
     @property
     def draft_token_ids(self) -> list[int]:

@@ -54,12 +54,29 @@ class ForwardContext:
             of the step's positions), keyed by the producer; dropped with the context.
         lora: the step's LoRA adapters and their rows (``pyxllm.lora.manager.LoRAStep``), read
             by the layers' ``LoRALinearMethod``; ``None`` when no row uses an adapter.
+        multimodal: the step's encoder outputs and the rows they replace
+            (:class:`MultiModalEmbeddings`), read by a vision-language model's forward;
+            ``None`` when no row is an image placeholder.
     """
 
     attn: AttentionStep
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     step_cache: dict = field(default_factory=dict)
     lora: object | None = None
+    multimodal: MultiModalEmbeddings | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalEmbeddings:
+    """Encoder outputs that replace token embeddings in one step.
+
+    Attributes:
+        indices: ``int64 [K]`` rows of the step's flattened tokens (placeholder positions).
+        embeds: ``[K, hidden]`` the projected encoder features for those rows, in order.
+    """
+
+    indices: torch.Tensor
+    embeds: torch.Tensor
 
 
 _CONTEXT: ContextVar[ForwardContext | None] = ContextVar("pyxllm_forward_context", default=None)

@@ -178,8 +178,16 @@ class LlamaModel(nn.Module):
         """``[T] -> [T, hidden]``: the token embeddings the first layer reads."""
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_input_ids(input_ids), None
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``inputs_embeds [T, hidden]``, where given, replace the token embeddings of
+        ``input_ids`` (a vision-language model's, with image features at its placeholders)."""
+        hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)

@@ -32,6 +32,10 @@ MODEL_REGISTRY: dict[str, RegisteredModel] = {
     "Qwen3MoeForCausalLM": RegisteredModel("pyxllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Gemma2ForCausalLM": RegisteredModel("pyxllm.models.gemma3", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": RegisteredModel("pyxllm.models.gemma3", "Gemma3ForCausalLM"),
+    # vision-language: transformers' CLIP tower, our projector and Llama (see docs/multimodal.md)
+    "LlavaForConditionalGeneration": RegisteredModel(
+        "pyxllm.models.llava", "LlavaForConditionalGeneration"
+    ),
     # encoders for the embed task (sentence-transformers' all-MiniLM-L6-v2)
     "BertModel": RegisteredModel("pyxllm.models.bert", "BertModel"),
     # cross-encoders and classifiers for the score and classify tasks
@@ -41,6 +45,9 @@ MODEL_REGISTRY: dict[str, RegisteredModel] = {
 }
 # encoders, which pool rather than generate: run by the pooling executor
 POOLING_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification"})
+# models that read images beside text: their prompts carry multimodal items (see
+# pyxllm.multimodal_inputs); transformers' backend runs none of them
+MULTIMODAL_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
 # encoders with a sequence-classification head: --task score (one label: a cross-encoder) or
 # --task classify
 CLASSIFIER_ARCHITECTURES = frozenset({"BertForSequenceClassification"})
@@ -59,6 +66,11 @@ def is_classifier(config) -> bool:
     """Whether ``config.architectures`` names a classifier of :data:`CLASSIFIER_ARCHITECTURES`
     (a cross-encoder when ``config.num_labels`` is 1)."""
     return any(arch in CLASSIFIER_ARCHITECTURES for arch in _archs(config))
+
+
+def is_multimodal(config) -> bool:
+    """Whether ``config.architectures`` names a model of :data:`MULTIMODAL_ARCHITECTURES`."""
+    return any(arch in MULTIMODAL_ARCHITECTURES for arch in _archs(config))
 
 
 def check_task(config, task: str) -> None:

@@ -88,7 +88,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     Names are routed through the model's ``expert_params_mapping`` first, then its
     ``packed_modules_mapping`` (see the module docstring), after the model's
     ``rename_checkpoint_tensor(name) -> name`` where it has one (the transformers backend's
-    renamings; ``None`` skips a tensor the model does not use). A tied LM head is skipped.
+    renamings; ``None`` skips a tensor the model does not use); a name that is a parameter's
+    own loads as is. A tied LM head (the model's ``lm_head_name``, default ``lm_head.weight``;
+    tied per its ``tied_lm_head``, else its config's ``tie_word_embeddings``) is skipped.
 
     Raises:
         ValueError: a checkpoint tensor with no parameter to go to, a piece of a parameter the
@@ -98,14 +100,19 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules_mapping", {})
     experts = getattr(model, "expert_params_mapping", {})
-    tied = getattr(model.config, "tie_word_embeddings", False)
+    tied = getattr(model, "tied_lm_head", None)
+    if tied is None:
+        tied = getattr(model.config, "tie_word_embeddings", False)
+    head = getattr(model, "lm_head_name", "lm_head.weight")
     rename = getattr(model, "rename_checkpoint_tensor", None)
     loaded: set[_Piece] = set()
     for name, tensor in weights:
         key = name if rename is None else rename(name)
-        if key is None or key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+        if key is None or key.endswith(_IGNORED_SUFFIXES) or (tied and key == head):
             continue
-        piece = _route(key, packed, experts)
+        # a tensor named as a parameter loads as is (a library module's q_proj inside a model
+        # whose own q/k/v are fused: LLaVA's transformers vision tower)
+        piece = (key, None, None) if key in params else _route(key, packed, experts)
         target, shard_id, expert_id = piece
         if target not in params:
             raise ValueError(
@@ -123,7 +130,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
         loaded.add(piece)
     if tied:
-        loaded.add(("lm_head.weight", None, None))
+        loaded.add((head, None, None))
     missing = sorted(
         ckpt for piece, ckpt in _expected(params, packed, experts).items() if piece not in loaded
     )

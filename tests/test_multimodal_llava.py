@@ -1,0 +1,192 @@
+"""LLaVA end to end on a tiny random checkpoint: greedy tokens equal transformers' float32
+``generate`` on text+image prompts, with the prefix cache and chunked prefill on, in batches
+with text-only requests, and through preemption; images refused by name."""
+
+from __future__ import annotations
+
+import pytest
+from llava_fixtures import (
+    IMAGE_TOKEN,
+    NUM_IMAGE_TOKENS,
+    build_llava,
+    data_url,
+    make_image,
+    reference_tokens,
+)
+
+from pyxllm import LLM, SamplingParams
+from pyxllm.engine.errors import InvalidRequestError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_TOKENS = 6
+QUESTION = "What is in the picture?"
+# the text the chat template renders for one image and QUESTION (string content format)
+CHAT_TEXT = f"USER: {IMAGE_TOKEN}\n{QUESTION}\nASSISTANT:"
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+# the KV bytes of one 16-token block of the tiny model: 2 (K, V) x 2 layers x 16 x 2 heads x 16
+BLOCK_GIB = 2 * 2 * 16 * 2 * 16 * 4 / 2**30
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, hf_gguf_tokenizer):
+    """``(directory, hf_model, processor)`` of the tiny LLaVA."""
+    return build_llava(tmp_path_factory.mktemp("llava"), hf_gguf_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def llm(llava):
+    """An engine on the defaults (prefix cache and chunked prefill on)."""
+    return LLM(str(llava[0]), max_model_len=256, kv_cache_memory=64 * BLOCK_GIB)
+
+
+@pytest.fixture(scope="module")
+def images():
+    return [make_image(0), make_image(1, (64, 48)), make_image(2)]
+
+
+@pytest.fixture(scope="module")
+def expected(llava, images):
+    """transformers' greedy tokens for CHAT_TEXT with each image."""
+    _, hf_model, processor = llava
+    return [reference_tokens(hf_model, processor, CHAT_TEXT, [img], MAX_TOKENS) for img in images]
+
+
+def image_chat(image, question: str = QUESTION, as_url: bool = True) -> list[dict]:
+    part = (
+        {"type": "image_url", "image_url": {"url": data_url(image)}}
+        if as_url
+        else {"type": "image_pil", "image_pil": image}
+    )
+    return [{"role": "user", "content": [part, {"type": "text", "text": question}]}]
+
+
+def test_chat_with_an_image_equals_transformers(llm, llava, images, expected):
+    _, _, processor = llava
+    out = llm.chat(image_chat(images[0]), GREEDY)[0]
+    assert out.outputs[0].token_ids == expected[0]
+    # the placeholder run is as long as transformers' processor makes it
+    want = processor(images=[images[0]], text=CHAT_TEXT, return_tensors="pt")["input_ids"]
+    assert out.prompt_token_ids == want[0].tolist()
+    assert out.prompt_token_ids.count(llm.llm_engine.input_processor.multimodal.image_token_id) == (
+        NUM_IMAGE_TOKENS
+    )
+    # the image moves the tokens: another image gives others (else this test proves nothing)
+    assert expected[0] != expected[1]
+    pil = llm.chat(image_chat(images[1], as_url=False), GREEDY)[0]
+    assert pil.outputs[0].token_ids == expected[1]
+
+
+def test_generate_with_multi_modal_data(llm, images, expected):
+    out = llm.generate({"prompt": CHAT_TEXT, "multi_modal_data": {"image": images[2]}}, GREEDY)
+    assert out[0].outputs[0].token_ids == expected[2]
+
+
+def test_batched_with_text_requests(llm, llava, images, expected):
+    hf_model, processor = llava[1], llava[2]
+    texts = ["USER: Tell me a story.\nASSISTANT:", "USER: Count to five.\nASSISTANT:"]
+    text_expected = [reference_tokens(hf_model, processor, t, [], MAX_TOKENS) for t in texts]
+    outs = llm.generate(
+        [
+            texts[0],
+            {"prompt": CHAT_TEXT, "multi_modal_data": {"image": images[0]}},
+            texts[1],
+            {"prompt": CHAT_TEXT, "multi_modal_data": {"image": images[1]}},
+        ],
+        GREEDY,
+    )
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == [text_expected[0], expected[0], text_expected[1], expected[1]]
+
+
+def test_prefix_cache_hits_the_same_image_and_misses_another(llava, images, expected):
+    llm = LLM(str(llava[0]), max_model_len=256, kv_cache_memory=64 * BLOCK_GIB)
+    encoder = llm.llm_engine.executor.driver.encoder_cache
+    first = llm.chat(image_chat(images[0]), GREEDY)[0]
+    again = llm.chat(image_chat(images[0]), GREEDY)[0]
+    other = llm.chat(image_chat(images[1]), GREEDY)[0]
+    assert [o.outputs[0].token_ids for o in (first, again, other)] == [
+        expected[0],
+        expected[0],
+        expected[1],
+    ]
+    assert first.num_cached_tokens == 0
+    # the same image and text: every full block but the last token's is a hit (the image run
+    # fills the first block past "USER: ")
+    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 16 * 16 > 0
+    # the same tokens with another image: the first block holds image tokens, so nothing hits
+    assert other.prompt_token_ids == first.prompt_token_ids
+    assert other.num_cached_tokens == 0
+    assert encoder.num_encoded == 2  # the first image was encoded once
+
+
+def test_chunked_prefill_cuts_through_the_image(llava, images, expected):
+    # 5 tokens a step: the 16-token image run spans four steps, its rows sliced each time
+    llm = LLM(
+        str(llava[0]),
+        max_model_len=256,
+        kv_cache_memory=64 * BLOCK_GIB,
+        max_tokens_per_batch=5,
+        enable_chunked_prefill=True,
+        enable_prefix_cache=False,
+    )
+    outs = llm.chat([image_chat(images[0]), image_chat(images[1])], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:2]
+    assert llm.llm_engine.executor.driver.encoder_cache.num_encoded == 2
+
+
+def test_preemption_recomputes_the_image(llava, images, expected):
+    # 6 blocks: three prompts of 2-3 blocks each cannot all run, so some are recomputed
+    llm = LLM(
+        str(llava[0]),
+        max_model_len=256,
+        kv_cache_memory=6 * BLOCK_GIB,
+        enable_prefix_cache=False,
+    )
+    llm.llm_engine.executor.driver.encoder_cache.max_rows = 0  # recompute the encoder too
+    outs = llm.chat([image_chat(img) for img in images], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    ("part", "words"),
+    [
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}, "image"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}, "base64"),
+        ({"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}, "scheme"),
+        ({"type": "image_url", "image_url": {"url": "https://x/y.png"}}, "scheme"),
+        ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "file://"),
+        ({"type": "input_audio", "input_audio": {}}, "input_audio"),
+    ],
+)
+def test_bad_image_parts_are_refused_by_name(llm, part, words):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
+    with pytest.raises(InvalidRequestError, match=words) as info:
+        llm.chat(messages, GREEDY)
+    assert info.value.param == "messages[0].content[1]"
+
+
+def test_too_many_images_and_a_count_mismatch(llava, images):
+    llm = LLM(
+        str(llava[0]),
+        max_model_len=256,
+        kv_cache_memory=64 * BLOCK_GIB,
+        limit_mm_per_prompt="image=1",
+    )
+    two = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_pil", "image_pil": images[0]},
+                {"type": "image_pil", "image_pil": images[1]},
+            ],
+        }
+    ]
+    with pytest.raises(InvalidRequestError, match="limit-mm-per-prompt") as info:
+        llm.chat(two, GREEDY)
+    assert info.value.param == "messages[0].content[1]"
+    with pytest.raises(InvalidRequestError, match="image placeholders"):
+        llm.generate(
+            {"prompt": "USER: no image\nASSISTANT:", "multi_modal_data": {"image": images[0]}}
+        )
