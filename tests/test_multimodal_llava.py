@@ -4,6 +4,7 @@ with text-only requests, and through preemption; images refused by name."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from llava_fixtures import (
     IMAGE_TOKEN,
@@ -13,6 +14,7 @@ from llava_fixtures import (
     make_image,
     reference_tokens,
 )
+from utils import RemoteServer
 
 from pyxllm import LLM, SamplingParams
 from pyxllm.engine.errors import InvalidRequestError
@@ -24,6 +26,7 @@ QUESTION = "What is in the picture?"
 # the text the chat template renders for one image and QUESTION (string content format)
 CHAT_TEXT = f"USER: {IMAGE_TOKEN}\n{QUESTION}\nASSISTANT:"
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+DATA_URL_OF_SEED_0 = data_url(make_image(0))
 # the KV bytes of one 16-token block of the tiny model: 2 (K, V) x 2 layers x 16 x 2 heads x 16
 BLOCK_GIB = 2 * 2 * 16 * 2 * 16 * 4 / 2**30
 
@@ -190,3 +193,84 @@ def test_too_many_images_and_a_count_mismatch(llava, images):
         llm.generate(
             {"prompt": "USER: no image\nASSISTANT:", "multi_modal_data": {"image": images[0]}}
         )
+
+
+@pytest.fixture(scope="module")
+def server(llava, tmp_path_factory):
+    """A server on the tiny LLaVA: at most 2 images a prompt, file:// URLs under a media
+    directory (the fixture's second item)."""
+    media = tmp_path_factory.mktemp("media")
+    args = [
+        str(llava[0]),
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        str(64 * BLOCK_GIB),
+        "--limit-mm-per-prompt",
+        "image=2",
+        "--allowed-local-media-path",
+        str(media),
+    ]
+    with RemoteServer(args) as remote:
+        yield remote, media
+
+
+def test_server_answers_a_base64_image_through_the_openai_sdk(server, llava, images, expected):
+    remote, media = server
+    client = remote.openai_client()
+    tokenizer = llava[2].tokenizer
+    path = media / "cat.png"
+    images[1].save(path)
+    num_text_tokens = len(tokenizer.encode(CHAT_TEXT, add_special_tokens=False)) - 1
+    for url, want in ((data_url(images[0]), expected[0]), (path.as_uri(), expected[1])):
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": QUESTION},
+                    ],
+                }
+            ],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+        assert reply.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
+        # the <image> token became the image's placeholder run
+        assert reply.usage.prompt_tokens == num_text_tokens + NUM_IMAGE_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("parts", "where", "words"),
+    [
+        (
+            [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}],
+            0,
+            "image",
+        ),
+        ([{"type": "image_url", "image_url": {"url": "gopher://x/y.png"}}], 0, "scheme"),
+        ([{"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}], 0, "allowed"),
+        ([{"type": "image_url", "image_url": {"url": DATA_URL_OF_SEED_0}}] * 3, 2, "limit-mm"),
+    ],
+)
+def test_server_refuses_bad_images_by_part_and_serves_on(server, parts, where, words):
+    remote, _ = server
+    body = {
+        "model": "x",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}],
+        "max_tokens": 2,
+    }
+    body["model"] = httpx.get(remote.url_for("v1", "models")).json()["data"][0]["id"]
+    response = httpx.post(remote.url_for("v1", "chat", "completions"), json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == f"messages[0].content[{where + 1}]"
+    assert words in error["message"]
+    ok = httpx.post(
+        remote.url_for("v1", "chat", "completions"),
+        json={**body, "messages": [{"role": "user", "content": "hi"}]},
+        timeout=60,
+    )
+    assert ok.status_code == 200, ok.text

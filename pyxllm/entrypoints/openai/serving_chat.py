@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pyxllm.engine.input_processor import ChatPrompt, EngineRequest
 from pyxllm.engine.protocol import EngineClient
+from pyxllm.entrypoints.chat_media import chat_images
 from pyxllm.entrypoints.openai.chat_choices import (
     ChatEvents,
     chat_message,
@@ -282,9 +283,14 @@ class OpenAIServingChat(OpenAIServing):
         ``chat_template_kwargs`` may override ``add_generation_prompt``. The tools reach the
         template (or a system message) when ``offer_tools``.
 
+        Image parts become the model's image tokens and the prompt's ``multi_modal_data``
+        (:func:`~pyxllm.entrypoints.chat_media.chat_images`).
+
         Raises:
-            OpenAIError: no messages, a content part other than text, or a tool message
-                without ``tool_call_id``.
+            OpenAIError: no messages, or a tool message without ``tool_call_id``.
+            InvalidRequestError: a content part other than text and images, or an image that
+                cannot be read, is too many or is sent to a text model (400 naming
+                ``messages[i].content[j]``).
         """
         if not request.messages:
             raise OpenAIError("messages: must contain at least one message", 400, "messages")
@@ -295,24 +301,12 @@ class OpenAIServingChat(OpenAIServing):
                 400,
                 "messages",
             )
-        messages = []
-        for i, message in enumerate(request.messages):
-            entry = message.model_dump(exclude_none=True)
-            content = message.content
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if part.type != "text" or part.text is None:
-                        raise OpenAIError(
-                            f"messages[{i}].content: only text parts are supported, "
-                            f"got a part of type {part.type!r}",
-                            400,
-                            "messages",
-                        )
-                    texts.append(part.text)
-                content = "\n".join(texts)
-            entry["content"] = content
-            messages.append(entry)
+        messages = [message.model_dump(exclude_none=True) for message in request.messages]
+        messages, mm_data = chat_images(
+            messages,
+            self.processor,
+            getattr(self.engine.tokenizer.hf, "chat_template", None),
+        )
         tools = (request.tools or []) if offer_tools else []
         messages = template_messages(messages, tools, self.template_renders_tools)
         kwargs = dict(request.chat_template_kwargs or {})
@@ -320,7 +314,7 @@ class OpenAIServingChat(OpenAIServing):
         if tools and self.template_renders_tools:
             kwargs.setdefault("tools", [t.model_dump(exclude_none=True) for t in tools])
         add_generation_prompt = kwargs.pop("add_generation_prompt", request.add_generation_prompt)
-        return ChatPrompt(messages, add_generation_prompt, kwargs)
+        return ChatPrompt(messages, add_generation_prompt, kwargs, mm_data)
 
     def check_request_template(self, request: ChatCompletionRequest, kwargs: dict) -> None:
         """Put a request's own ``chat_template`` into the template ``kwargs``, if the server
