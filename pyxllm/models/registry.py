@@ -126,10 +126,16 @@ def resolve_model_class(config, platform: str, model_impl: str = "auto") -> type
 
     Raises:
         ValueError: no implementation runs the architecture (naming it, the native ones, and why
-            transformers cannot), or the native one does not run on this platform.
+            transformers cannot), the native one does not run on this platform, or
+            ``transformers`` for a vision-language model.
     """
     archs = list(getattr(config, "architectures", None) or [])
     native = next((arch for arch in archs if arch in MODEL_REGISTRY), None)
+    if model_impl == "transformers" and native in MULTIMODAL_ARCHITECTURES:
+        raise ValueError(
+            f"--model-impl transformers: {native} reads images, which only pyxllm's own "
+            "implementation feeds (use --model-impl auto or pyxllm)"
+        )
     if native is not None and model_impl != "transformers":
         module, cls, platforms = MODEL_REGISTRY[native]
         if platforms is not None and platform not in platforms:
