@@ -463,6 +463,12 @@ class EngineConfig:
         group=MODEL_FLAGS,
         metavar="DIR",
     )
+    fetch_media: bool = flag(
+        True,
+        help="http(s):// image URLs in chat messages are fetched (at most 20 MiB, within 10 s); "
+        "--no-fetch-media refuses them with a 400",
+        group=MODEL_FLAGS,
+    )
     kv_offload_dir: str | None = flag(
         None,
         help="also keep every full KV block in files in this directory, read back for a "

@@ -158,7 +158,6 @@ def test_preemption_recomputes_the_image(llava, images, expected):
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}, "image"),
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}, "base64"),
         ({"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}, "scheme"),
-        ({"type": "image_url", "image_url": {"url": "https://x/y.png"}}, "scheme"),
         ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "file://"),
         ({"type": "input_audio", "input_audio": {}}, "input_audio"),
     ],
@@ -170,13 +169,59 @@ def test_bad_image_parts_are_refused_by_name(llm, part, words):
     assert info.value.param == "messages[0].content[1]"
 
 
-def test_too_many_images_and_a_count_mismatch(llava, images):
+@pytest.fixture
+def http_media(tmp_path, images):
+    """``(base URL, directory)`` of an HTTP server on ``tmp_path``, which holds ``a.png``
+    (``images[0]``) and ``big.png`` (a PNG of ``images[1]`` padded to 4 KiB); stopped after."""
+    import functools
+    import http.server
+    import threading
+
+    images[0].save(tmp_path / "a.png")
+    images[1].save(tmp_path / "big.png")
+    with open(tmp_path / "big.png", "ab") as f:
+        f.write(b"\0" * 4096)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", tmp_path
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_http_image_urls_are_fetched_within_a_size_limit(llm, http_media, expected, monkeypatch):
+    from pyxllm.entrypoints import chat_media
+
+    base, _ = http_media
+
+    def chat(name):
+        part = {"type": "image_url", "image_url": {"url": f"{base}/{name}"}}
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]
+        return llm.chat(messages, GREEDY)[0].outputs[0].token_ids
+
+    assert chat("a.png") == expected[0]
+    monkeypatch.setattr(chat_media, "MAX_IMAGE_BYTES", 4096)
+    for name, words in (("big.png", "larger than"), ("missing.png", "HTTP 404")):
+        with pytest.raises(InvalidRequestError, match=words) as info:
+            chat(name)
+        assert info.value.param == "messages[0].content[0]"
+
+
+def test_too_many_images_a_count_mismatch_and_no_fetching(llava, images):
     llm = LLM(
         str(llava[0]),
         max_model_len=256,
         kv_cache_memory=64 * BLOCK_GIB,
         limit_mm_per_prompt="image=1",
+        fetch_media=False,
     )
+    fetched = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}}]
+    with pytest.raises(InvalidRequestError, match="no-fetch-media") as info:
+        llm.chat([{"role": "user", "content": fetched}], GREEDY)
+    assert info.value.param == "messages[0].content[0]"
     two = [
         {
             "role": "user",

@@ -180,6 +180,7 @@ class EngineFrontend:
                 self.tokenizer.hf,
                 parse_mm_limits(self.config.limit_mm_per_prompt),
                 self.config.allowed_local_media_path,
+                self.config.fetch_media,
             ),
         )
 

@@ -95,6 +95,7 @@ class MultiModalProcessor:
         image_token: the image token's text (what a chat's string content gets per image).
         allowed_local_media_path: the directory ``file://`` image URLs may be read from
             (``--allowed-local-media-path``), ``None``: none.
+        fetch_media: whether ``http(s)://`` image URLs are fetched (``--fetch-media``).
     """
 
     def __init__(
@@ -106,12 +107,14 @@ class MultiModalProcessor:
         limits: Mapping[str, int],
         image_token: str,
         allowed_local_media_path: str | None = None,
+        fetch_media: bool = True,
     ) -> None:
         self.image_processor = image_processor
         self.image_token_id, self.image_token = image_token_id, image_token
         self.patch_size, self.extra_tokens = patch_size, extra_tokens
         self.limits = dict(limits)
         self.allowed_local_media_path = allowed_local_media_path
+        self.fetch_media = fetch_media
 
     @classmethod
     def load(
@@ -121,6 +124,7 @@ class MultiModalProcessor:
         tokenizer,
         limits: Mapping[str, int],
         allowed_local_media_path: str | None = None,
+        fetch_media: bool = True,
     ) -> MultiModalProcessor | None:
         """The processor of a LLaVA-style checkpoint directory (a config with ``vision_config``
         and ``image_token_id``), ``None`` for a text-only model.
@@ -151,6 +155,7 @@ class MultiModalProcessor:
             limits,
             token,
             allowed_local_media_path,
+            fetch_media,
         )
 
     def num_features(self, pixel_values) -> int:

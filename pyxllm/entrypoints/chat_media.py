@@ -2,8 +2,9 @@
 PIL images and template-ready messages.
 
 A part ``{"type": "image_url", "image_url": {"url": ...}}`` takes a ``data:image/...;base64,``
-URL, or a ``file://`` URL under ``--allowed-local-media-path``; other schemes (http and https
-included: this server fetches nothing) are refused. ``LLM.chat`` also takes vLLM's
+URL, a ``file://`` URL under ``--allowed-local-media-path``, or an ``http(s)://`` URL, fetched
+(at most :data:`MAX_IMAGE_BYTES` within :data:`FETCH_TIMEOUT_S`) unless ``--no-fetch-media``;
+other schemes are refused. ``LLM.chat`` also takes vLLM's
 ``{"type": "image_pil", "image_pil": <PIL image>}``. Every refusal is an
 :class:`~pyxllm.engine.errors.InvalidRequestError` naming the part,
 ``messages[i].content[j]``, which the server answers with a 400.
@@ -21,6 +22,7 @@ import base64
 import binascii
 import io
 import re
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,9 @@ _LOOPS_OVER_PARTS = re.compile(
     r"for\s+\w+\s+in\s+(message|m|msg)(\.content|\[\s*['\"]content['\"]\s*\])"
 )
 IMAGE_PART_TYPES = ("image_url", "image_pil")
+# what an http(s) image URL may take: bytes, and seconds for the whole fetch
+MAX_IMAGE_BYTES = 20 * 2**20
+FETCH_TIMEOUT_S = 10.0
 
 
 def content_format(chat_template: str | None) -> str:
@@ -60,13 +65,17 @@ def decode_image(data: bytes, where: str):
     return image
 
 
-def load_image_url(url: Any, where: str, allowed_local_media_path: str | None = None):
-    """The image an ``image_url`` URL names (see the module docstring).
+def load_image_url(
+    url: Any, where: str, allowed_local_media_path: str | None = None, fetch_media: bool = False
+):
+    """The image an ``image_url`` URL names (see the module docstring; ``http(s)`` only with
+    ``fetch_media``).
 
     Raises:
         InvalidRequestError: a URL that is not a string, bad base64, a scheme not served, a
-            ``file://`` path outside ``allowed_local_media_path`` (or without it), or data that
-            is not an image (naming ``where``).
+            ``file://`` path outside ``allowed_local_media_path`` (or without it), a fetch that
+            fails, answers other than 200, is too large or too slow, or data that is not an
+            image (naming ``where``).
     """
     if not isinstance(url, str) or not url:
         raise InvalidRequestError(f"{where}: image_url.url must be a non-empty string", where)
@@ -84,11 +93,49 @@ def load_image_url(url: Any, where: str, allowed_local_media_path: str | None = 
     scheme = urlparse(url).scheme
     if scheme == "file":
         return decode_image(_read_local(url, where, allowed_local_media_path), where)
+    if scheme in ("http", "https") and fetch_media:
+        return decode_image(_fetch(url, where), where)
+    fetched = "" if fetch_media else " (this server fetches no URLs: --no-fetch-media)"
     raise InvalidRequestError(
-        f"{where}: image URL scheme {scheme or '(none)'!r} is not served; send the image as a "
-        "data:image/...;base64 URL (or file:// under --allowed-local-media-path)",
+        f"{where}: image URL scheme {scheme or '(none)'!r} is not served{fetched}; send the "
+        "image as a data:image/...;base64 URL (or file:// under --allowed-local-media-path)",
         where,
     )
+
+
+def _fetch(url: str, where: str) -> bytes:
+    """The body of a GET of ``url`` (redirects followed): at most :data:`MAX_IMAGE_BYTES`,
+    all of it within :data:`FETCH_TIMEOUT_S`."""
+    import httpx  # lazy: only fetched images need it
+
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
+    size, chunks = 0, []
+    too_large = InvalidRequestError(
+        f"{where}: the image at the URL is larger than {MAX_IMAGE_BYTES // 2**20} MiB", where
+    )
+    try:
+        with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=True) as reply:
+            if reply.status_code != 200:
+                raise InvalidRequestError(
+                    f"{where}: fetching the image URL answered HTTP {reply.status_code}", where
+                )
+            declared = reply.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > MAX_IMAGE_BYTES:
+                raise too_large
+            for chunk in reply.iter_bytes():
+                size += len(chunk)
+                if size > MAX_IMAGE_BYTES:
+                    raise too_large
+                if time.monotonic() > deadline:
+                    raise httpx.TimeoutException("the whole fetch took too long")
+                chunks.append(chunk)
+    except httpx.HTTPError as exc:
+        raise InvalidRequestError(
+            f"{where}: the image URL could not be fetched within {FETCH_TIMEOUT_S:.0f} s "
+            f"({type(exc).__name__}: {exc})",
+            where,
+        ) from exc
+    return b"".join(chunks)
 
 
 def _read_local(url: str, where: str, allowed: str | None) -> bytes:
@@ -113,6 +160,7 @@ def extract_chat_images(
     fmt: str,
     limit: int | None = None,
     allowed_local_media_path: str | None = None,
+    fetch_media: bool = False,
 ) -> tuple[list[dict], list]:
     """The messages for the chat template and their images in order (see the module
     docstring); a message whose content is a list of parts gets text parts joined by newlines
@@ -123,6 +171,7 @@ def extract_chat_images(
             image parts).
         fmt: ``string`` or ``openai`` (:func:`content_format`).
         limit: the most images (``--limit-mm-per-prompt``); ``None``: no limit here.
+        allowed_local_media_path, fetch_media: see :func:`load_image_url`.
 
     Raises:
         InvalidRequestError: naming ``messages[i].content[j]``: a part that is not an object,
@@ -164,7 +213,7 @@ def extract_chat_images(
                     "(--limit-mm-per-prompt image=N)",
                     where,
                 )
-            images.append(_part_image(part, kind, where, allowed_local_media_path))
+            images.append(_part_image(part, kind, where, allowed_local_media_path, fetch_media))
             parts.append({"type": "image"})
             count += 1
         if fmt == "openai":
@@ -182,7 +231,8 @@ def chat_images(
     ``InputProcessor``), and the prompt's ``multi_modal_data`` (``{"image": [...]}``, ``None``
     without images): what the chat route and ``LLM.chat`` call (see
     :func:`extract_chat_images`; ``file://`` URLs under the model's
-    ``allowed_local_media_path``; a text model keeps the string format and refuses images).
+    ``allowed_local_media_path``, ``http(s)`` fetched per its ``fetch_media``; a text model
+    keeps the string format and refuses images).
 
     Raises:
         InvalidRequestError: see :func:`extract_chat_images`.
@@ -195,11 +245,14 @@ def chat_images(
         fmt,
         None if mm is None else mm.limits["image"],
         None if mm is None else mm.allowed_local_media_path,
+        mm is not None and mm.fetch_media,
     )
     return out, ({"image": images} if images else None)
 
 
-def _part_image(part: Mapping[str, Any], kind: str, where: str, allowed: str | None):
+def _part_image(
+    part: Mapping[str, Any], kind: str, where: str, allowed: str | None, fetch_media: bool
+):
     """The PIL image of an ``image_url`` or ``image_pil`` part."""
     if kind == "image_pil":
         image = part.get("image_pil")
@@ -208,4 +261,4 @@ def _part_image(part: Mapping[str, Any], kind: str, where: str, allowed: str | N
         return image
     spec = part.get("image_url")
     url = spec.get("url") if isinstance(spec, Mapping) else spec
-    return load_image_url(url, where, allowed)
+    return load_image_url(url, where, allowed, fetch_media)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -187,7 +188,12 @@ class OpenAIServingChat(OpenAIServing):
                     field,
                 )
             fields["structured_outputs"] = tools.constraint
-        tokens = await self.tokenize(self.chat_prompt(request, tools.mode != "none"))
+        offer_tools = tools.mode != "none"
+        if _has_media(request):  # off the event loop: images are decoded, http(s) ones fetched
+            prompt = await asyncio.to_thread(self.chat_prompt, request, offer_tools)
+        else:
+            prompt = self.chat_prompt(request, offer_tools)
+        tokens = await self.tokenize(prompt)
         reasoning, reasoning_fields = self.request_reasoning(request, list(tokens.token_ids))
         fields.update(reasoning_fields)
         if tools.mode == "auto" and tools.parser.needs_special_tokens:
@@ -341,6 +347,14 @@ class OpenAIServingChat(OpenAIServing):
             )
         if request.chat_template is not None:
             kwargs["chat_template"] = request.chat_template
+
+
+def _has_media(request: ChatCompletionRequest) -> bool:
+    """Whether a message holds a content part other than text (an image to read)."""
+    return any(
+        isinstance(m.content, list) and any(p.type != "text" for p in m.content)
+        for m in request.messages
+    )
 
 
 def requested_logprobs(request: ChatCompletionRequest) -> int | None:
