@@ -283,8 +283,24 @@ def test_server_answers_a_base64_image_through_the_openai_sdk(server, llava, ima
             temperature=0,
         )
         assert reply.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
-        # the <image> token became the image's placeholder run
+        # the <image> token became the image's placeholder run, which /tokenize counts too
         assert reply.usage.prompt_tokens == num_text_tokens + NUM_IMAGE_TOKENS
+        counted = httpx.post(
+            remote.url_for("tokenize"),
+            json={
+                "model": reply.model,
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}
+                ],
+            },
+            timeout=60,
+        )
+        assert (
+            counted.json()["count"]
+            == len(tokenizer.encode(f"USER: {IMAGE_TOKEN}\nASSISTANT:", add_special_tokens=False))
+            - 1
+            + NUM_IMAGE_TOKENS
+        )
 
 
 @pytest.mark.parametrize(

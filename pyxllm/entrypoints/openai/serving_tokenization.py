@@ -87,11 +87,13 @@ class OpenAIServingTokenization:
         self.info_endpoint = info_endpoint
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
-        """The token ids of ``request.prompt`` or of its rendered ``messages``.
+        """The token ids of ``request.prompt`` or of its rendered ``messages`` (with a
+        vision-language model, each image's placeholder run as the engine would run it).
 
         Raises:
             OpenAIError: another model's name (404), neither or both of prompt and messages,
                 or messages the template cannot render (400).
+            InvalidRequestError: an image part refused (400 naming it).
         """
         self.chat.check_model(request.model)
         tokenizer = self.engine.tokenizer
@@ -107,8 +109,14 @@ class OpenAIServingTokenization:
                 chat_template=request.chat_template,
                 chat_template_kwargs=request.chat_template_kwargs,
             )
-            prompt = self.chat.chat_prompt(chat)
-        ids = list((await self.chat.tokenize(prompt)).token_ids)
+            # on the tokenizer thread: image parts are decoded (http(s) ones fetched) there
+            prompt = await self.chat.on_tokenizer_thread(self.chat.chat_prompt, chat)
+        tokens = await self.chat.tokenize(prompt)
+        ids = list(tokens.token_ids)
+        if tokens.multi_modal_data:  # each image token counted as its placeholder run
+            ids, _ = await self.chat.on_tokenizer_thread(
+                self.processor.process_multimodal, ids, tokens
+            )
         if request.messages is not None and request.add_special_tokens:
             bos = getattr(tokenizer.hf, "bos_token_id", None)
             ids = ids if bos is None or ids[:1] == [bos] else [bos, *ids]
