@@ -210,6 +210,15 @@ def test_http_image_urls_are_fetched_within_a_size_limit(llm, http_media, expect
         assert info.value.param == "messages[0].content[0]"
 
 
+def test_an_image_of_too_many_pixels_is_refused_before_decoding(llm, images, monkeypatch):
+    from pyxllm.entrypoints import chat_media
+
+    monkeypatch.setattr(chat_media, "MAX_IMAGE_PIXELS", 40 * 60 - 1)  # images[0] is 40x60
+    with pytest.raises(InvalidRequestError, match="40x60 pixels") as info:
+        llm.chat(image_chat(images[0]), GREEDY)
+    assert info.value.param == "messages[0].content[0]"
+
+
 def test_too_many_images_a_count_mismatch_and_no_fetching(llava, images):
     llm = LLM(
         str(llava[0]),

@@ -38,6 +38,9 @@ IMAGE_PART_TYPES = ("image_url", "image_pil")
 # what an http(s) image URL may take: bytes, and seconds for the whole fetch
 MAX_IMAGE_BYTES = 20 * 2**20
 FETCH_TIMEOUT_S = 10.0
+# the most pixels an image may have, checked before it is decoded (a small PNG of a huge blank
+# image would otherwise take gigabytes); 40 MP is a 7,300-pixel square, above any camera's
+MAX_IMAGE_PIXELS = 40_000_000
 
 
 def content_format(chat_template: str | None) -> str:
@@ -50,14 +53,23 @@ def decode_image(data: bytes, where: str):
     """A PIL image (fully read) from encoded bytes (PNG, JPEG, ...).
 
     Raises:
-        InvalidRequestError: bytes PIL cannot read as an image, or one larger than PIL's
-            decompression-bomb limit (naming ``where``).
+        InvalidRequestError: bytes PIL cannot read as an image, or one of more than
+            :data:`MAX_IMAGE_PIXELS` pixels (naming ``where``).
     """
     from PIL import Image  # lazy: only image requests need PIL
 
     try:
         image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise InvalidRequestError(
+                f"{where}: the image has {width}x{height} pixels, more than the "
+                f"{MAX_IMAGE_PIXELS:,} served",
+                where,
+            )
         image.load()
+    except InvalidRequestError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure to read is the request's: a 400
         raise InvalidRequestError(
             f"{where}: not a readable image ({type(exc).__name__}: {exc})", where
