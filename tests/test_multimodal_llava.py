@@ -80,6 +80,34 @@ def test_chat_with_an_image_equals_transformers(llm, llava, images, expected):
     assert pil.outputs[0].token_ids == expected[1]
 
 
+# llava-hf's LLaVA-1.5 template, which loops over a message's parts (vLLM's "openai" format)
+PARTS_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' ' }}{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def test_a_template_that_loops_over_parts_gets_the_parts(llava, images):
+    llm = LLM(
+        str(llava[0]),
+        max_model_len=256,
+        kv_cache_memory=64 * BLOCK_GIB,
+        chat_template=PARTS_TEMPLATE,
+    )
+    history = [
+        {"role": "user", "content": "Hello."},  # a string content becomes one text part
+        {"role": "assistant", "content": "Hi."},
+        *image_chat(images[0]),
+    ]
+    text = f"USER: Hello. ASSISTANT: Hi. USER: {IMAGE_TOKEN}\n{QUESTION} ASSISTANT:"
+    want = reference_tokens(llava[1], llava[2], text, [images[0]], MAX_TOKENS)
+    assert llm.chat(history, GREEDY)[0].outputs[0].token_ids == want
+
+
 def test_generate_with_multi_modal_data(llm, images, expected):
     out = llm.generate({"prompt": CHAT_TEXT, "multi_modal_data": {"image": images[2]}}, GREEDY)
     assert out[0].outputs[0].token_ids == expected[2]

@@ -176,7 +176,8 @@ def extract_chat_images(
 ) -> tuple[list[dict], list]:
     """The messages for the chat template and their images in order (see the module
     docstring); a message whose content is a list of parts gets text parts joined by newlines
-    (``string`` format) or kept as parts (``openai``).
+    (``string`` format) or kept as parts (``openai``, where a string content becomes one text
+    part).
 
     Args:
         image_token: the model's image token text; ``None`` for a text model (which refuses
@@ -194,6 +195,8 @@ def extract_chat_images(
     for i, message in enumerate(messages):
         entry = dict(message)
         content = entry.get("content")
+        if isinstance(content, str) and fmt == "openai":  # the template loops over parts
+            entry["content"] = [{"type": "text", "text": content}]
         if not isinstance(content, list):
             out.append(entry)
             continue
