@@ -372,3 +372,29 @@ def test_server_refuses_bad_images_by_part_and_serves_on(server, parts, where, w
         timeout=60,
     )
     assert ok.status_code == 200, ok.text
+
+
+def test_responses_api_takes_an_input_image(server, llava, images, expected):
+    remote, _ = server
+    model = httpx.get(remote.url_for("v1", "models")).json()["data"][0]["id"]
+
+    def respond(url):
+        content = [
+            {"type": "input_image", "image_url": url},
+            {"type": "input_text", "text": QUESTION},
+        ]
+        body = {
+            "model": model,
+            "input": [{"role": "user", "content": content}],
+            "max_output_tokens": MAX_TOKENS,
+            "temperature": 0,
+        }
+        return httpx.post(remote.url_for("v1", "responses"), json=body, timeout=60)
+
+    reply = respond(data_url(images[0]))
+    assert reply.status_code == 200, reply.text
+    text = reply.json()["output"][-1]["content"][0]["text"]
+    assert text == llava[2].tokenizer.decode(expected[0], skip_special_tokens=True)
+    bad = respond("data:image/png;base64,aGk=")
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "input[0].content[0]"

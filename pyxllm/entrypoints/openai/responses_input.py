@@ -130,13 +130,24 @@ def chat_request(
     )
 
 
-def input_messages(items: str | list[ResponseInputItem] | None) -> list[dict[str, Any]]:
+def input_messages(
+    items: str | list[ResponseInputItem] | None,
+    images: bool = False,
+    sources: dict[int, int] | None = None,
+) -> list[dict[str, Any]]:
     """``input`` as chat messages: a text is one user message; items in order, the
     assistant's consecutive items (reasoning, message, function calls) joined into one turn.
 
+    With ``images`` (a vision-language model), a user or system message holding
+    ``input_image`` parts keeps its parts as chat parts (``input_image``'s ``image_url`` as an
+    ``image_url`` part, text parts as text), which the chat handler reads; ``sources`` then
+    gets, for each such message, its index among the returned messages -> its ``input`` index
+    (to name ``input[i].content[j]`` in the chat handler's errors).
+
     Raises:
-        OpenAIError: an item type, role or content part pyxllm cannot serve, or an item
-            without a field it needs (400 naming ``input[i]...``).
+        OpenAIError: an item type, role or content part pyxllm cannot serve (an image for a
+            text model, or one given by ``file_id``), or an item without a field it needs (400
+            naming ``input[i]...``).
     """
     if items is None:
         return []
@@ -150,6 +161,11 @@ def input_messages(items: str | list[ResponseInputItem] | None) -> list[dict[str
             role = {"developer": "system"}.get(item.role or "", item.role)
             if role not in ("user", "system", "assistant"):
                 raise _refuse(f"{where}.role", item.role)
+            if images and role != "assistant" and _has_image(item.content):
+                if sources is not None:
+                    sources[len(messages)] = i
+                messages.append({"role": role, "content": _parts(item.content, where)})
+                continue
             text = _text(item.content, f"{where}.content")
             if role == "assistant":
                 turn = _assistant_turn(messages)
@@ -195,6 +211,31 @@ def _required(item: ResponseInputItem, field: str, where: str) -> str:
             f"{where}.{field}: required for an item of type {item.type}", 400, "input"
         )
     return value
+
+
+def _has_image(content: str | list[ResponseInputPart] | None) -> bool:
+    return isinstance(content, list) and any(p.type == "input_image" for p in content)
+
+
+def _parts(content: list[ResponseInputPart], where: str) -> list[dict[str, Any]]:
+    """A message's Responses parts as chat content parts (text and ``image_url``)."""
+    parts = []
+    for j, part in enumerate(content):
+        if part.type == "input_image":
+            url = getattr(part, "image_url", None)
+            if not isinstance(url, str) or not url:
+                raise _refuse(
+                    f"{where}.content[{j}]",
+                    part.model_dump(exclude_none=True),
+                    "an input_image needs an image_url (a data: URL, file:// or http(s)); "
+                    "file_id is OpenAI's file store",
+                )
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif part.type in TEXT_PARTS and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+        else:
+            raise _refuse(f"{where}.content[{j}].type", part.type, "text and image parts only")
+    return parts
 
 
 def _text(content: str | list[ResponseInputPart] | None, where: str) -> str:

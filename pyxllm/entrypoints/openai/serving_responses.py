@@ -128,6 +128,22 @@ def responses_field(text: str | None) -> str | None:
     return text
 
 
+_MESSAGE_PART = re.compile(r"messages\[(\d+)\]\.content")
+
+
+def _input_part(text: str | None, items: dict[int, int]) -> str | None:
+    """``messages[k].content...`` as ``input[i].content...`` for the chat messages ``items``
+    maps (chat index -> input index); other text unchanged."""
+    if text is None or not items:
+        return text
+    return _MESSAGE_PART.sub(
+        lambda m: (
+            f"input[{items[int(m.group(1))]}].content" if int(m.group(1)) in items else m.group(0)
+        ),
+        text,
+    )
+
+
 class OpenAIServingResponses:
     """Serves the Responses API through a chat completions handler (its engine, parsers and
     checks; see the module docstring).
@@ -156,8 +172,15 @@ class OpenAIServingResponses:
         owner = key_owner(raw_request)
         conversation = self.history(request.previous_response_id, owner)
         response_id = f"resp_{uuid.uuid4().hex}"
+        sources: dict[int, int] = {}
+        images = chat.processor.multimodal is not None
         with renamed_fields(responses_field):
-            conversation = conversation + input_messages(request.input)
+            added = input_messages(request.input, images, sources)
+        # a chat error naming an image message's part names the input item's
+        first = len(conversation) + (1 if request.instructions else 0)
+        items = {first + k: i for k, i in sources.items()}
+        conversation = conversation + added
+        with renamed_fields(lambda text: responses_field(_input_part(text, items))):
             prepared = await chat.prepare_chat(chat_request(request, conversation), response_id)
         engine_request = prepared.engine_request
         echo = self.echo(request, engine_request.sampling_params)
