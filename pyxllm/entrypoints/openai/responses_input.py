@@ -7,7 +7,8 @@ become a system message, ``input`` items chat messages (function calls an assist
 chat's tools, ``text.format`` chat's ``response_format``, ``max_output_tokens``
 ``max_completion_tokens``, ``include``'s logprobs chat's ``logprobs`` and ``reasoning.effort``
 chat's ``thinking_token_budget`` (:data:`REASONING_EFFORT_BUDGETS`; it needs
-``--reasoning-parser``). A field or item that
+``--reasoning-parser``); with a vision-language model, ``input_image`` parts chat's
+``image_url`` parts. A field or item that
 asks for something pyxllm cannot do is a 400 naming it (:func:`check_supported`).
 """
 
