@@ -26,7 +26,7 @@ from test_gguf_models import write_gguf
 from pyxllm import LLM, SamplingParams, kernels
 from pyxllm.config import EngineConfig
 from pyxllm.layers.quantization import DEFAULT_ENV, resolve_quantization
-from pyxllm.layers.quantization.stored import GroupedLinearMethod
+from pyxllm.layers.quantization.stored import GroupedLinearMethod, SplitGroupedLinearMethod
 from pyxllm.weights.gguf_reader import open_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -42,6 +42,8 @@ def _model(llm: LLM):
 
 def _format(layer) -> str:
     method = layer.quant_method
+    if isinstance(method, SplitGroupedLinearMethod):
+        return method.format
     if not isinstance(method, GroupedLinearMethod):
         return "float"
     return method.format + ("" if method.group_size == 32 else f"/{method.group_size}")
@@ -119,10 +121,15 @@ _LAYER_TYPES = [  # a name left out stays float32
     {"attn_q": T.Q8_0, "attn_k": T.Q8_0, "attn_v": T.Q8_0, "attn_output": T.Q5_K,
      "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q4_0},
 ]  # fmt: skip
-# the format each fused layer must end in: all int4 pieces -> int4, any int8 -> int8 (groups of
-# 16 with a Q6_K, Q3_K or Q2_K piece), any float piece -> float
+# the format each fused layer must end in: all int4 pieces -> int4, all int8 -> int8 (groups of
+# 16 with a Q6_K, Q3_K or Q2_K piece), a mix -> each run in its own, any float piece -> float
 _EXPECTED = [
-    {"qkv_proj": "int8/16", "o_proj": "int8", "gate_up_proj": "int8/16", "down_proj": "float"},
+    {
+        "qkv_proj": "int4+int8/16",
+        "o_proj": "int8",
+        "gate_up_proj": "int4+int8/16",
+        "down_proj": "float",
+    },
     {"qkv_proj": "int8", "o_proj": "int4", "gate_up_proj": "int4", "down_proj": "int8/16"},
     {"qkv_proj": "int8", "o_proj": "int8", "gate_up_proj": "int4", "down_proj": "int4"},
 ]

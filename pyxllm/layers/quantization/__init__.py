@@ -150,7 +150,7 @@ def quantize_model(
     kept = 0
     if quantization in _KEEPS_STORED:
         taken = apply_stored_weights(model, batch_invariant, _KEEPS_STORED[quantization])
-        kept = taken["int4"] + taken["int8"]
+        kept = taken["int4"] + taken["int8"] + taken["split"]
         if quantization == "gguf":
             if batch_invariant:  # the layers the file stores in float
                 make_row_invariant(model)

@@ -100,6 +100,22 @@ class StoredRows:
             zero = torch.cat((zero, zero.new_zeros(pad, zero.shape[1])))
         return q, torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
 
+    def segments(self) -> list[StoredRows]:
+        """The pieces split into runs of one format and group size, in row order, each a
+        :class:`StoredRows` of its own rows (a Q4_K_M file's QKV: the int4 query and key, then
+        the value's Q6_K groups of 16)."""
+        runs: list[StoredRows] = []
+        key = None
+        for offset in sorted(self.pieces):
+            piece = self.pieces[offset]
+            if (piece.format, piece.group_size) != key:
+                key = (piece.format, piece.group_size)
+                runs.append(StoredRows(0))
+            run = runs[-1]
+            run.pieces[run.rows] = piece
+            run.rows += piece.q.shape[0]
+        return runs
+
     def dequantize_into(self, weight: torch.Tensor) -> None:
         """Write the stored pieces' values into their rows of the float ``weight``."""
         for offset, piece in self.pieces.items():
@@ -128,26 +144,84 @@ class GroupedLinearMethod(UnquantizedLinearMethod):
         self.format, self.group_size = fmt, group_size
         self.batch_invariant = batch_invariant  # the kernel's row-invariant path at any count
 
+    @property
+    def pack(self):
+        """The platform's pack function of :attr:`format`."""
+        if self.format == "int4":
+            return kernels.ops.pack_int4_weight
+        return kernels.ops.pack_int8_group_weight
+
+    @property
+    def kernel(self):
+        """The platform's matmul of :attr:`format`."""
+        return kernels.ops.int4_linear if self.format == "int4" else kernels.ops.int8_group_linear
+
     def process_stored(self, layer: nn.Module, stored: StoredRows) -> None:
         """Replace ``layer.weight`` by ``stored``'s groups, packed."""
-        dtype = layer.weight.dtype
         q, scales_and_zeros = stored.groups(layer.weight.shape[0])
-        pack = (
-            kernels.ops.pack_int4_weight
-            if self.format == "int4"
-            else kernels.ops.pack_int8_group_weight
-        )
-        packed, scales_and_zeros = pack(q, scales_and_zeros.to(dtype))
+        packed, scales_and_zeros = self.pack(q, scales_and_zeros.to(layer.weight.dtype))
         replace_weight(layer, qweight=packed, scales_and_zeros=scales_and_zeros)
         layer.quant_method = self
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        linear = kernels.ops.int4_linear if self.format == "int4" else kernels.ops.int8_group_linear
-        return linear(
+        return self.kernel(
             x, layer.qweight, layer.scales_and_zeros, self.group_size, bias, self.batch_invariant
         )
+
+
+class SplitGroupedLinearMethod(UnquantizedLinearMethod):
+    """A fused layer whose pieces the file stores in different grouped formats (a Q4_K_M file's
+    QKV: Q4_K query and key, Q6_K value), each run of one format kept in it: the runs' outputs
+    are computed by their own kernels and concatenated. Held whole in the widest format
+    instead, an int4 query would take int8's (or 6 bits') bytes and scales per 16 inputs.
+
+    Args:
+        parts: one :class:`GroupedLinearMethod` a run, in row order, each with its rows;
+            buffers ``qweight_{i}`` and ``scales_and_zeros_{i}``.
+    """
+
+    name = "gguf"
+
+    def __init__(self, parts: list[tuple[GroupedLinearMethod, int]]) -> None:
+        self.parts = parts
+
+    @property
+    def format(self) -> str:
+        """The runs' formats, e.g. ``int4+int8/16``."""
+        return "+".join(
+            m.format + ("" if m.group_size == 32 else f"/{m.group_size}") for m, _ in self.parts
+        )
+
+    def process_stored(self, layer: nn.Module, runs: list[StoredRows]) -> None:
+        """Replace ``layer.weight`` by each run's groups, packed."""
+        dtype, buffers = layer.weight.dtype, {}
+        for i, ((method, _), run) in enumerate(zip(self.parts, runs, strict=True)):
+            q, scales_and_zeros = run.groups(run.rows)
+            packed, scales_and_zeros = method.pack(q, scales_and_zeros.to(dtype))
+            buffers |= {f"qweight_{i}": packed, f"scales_and_zeros_{i}": scales_and_zeros}
+        replace_weight(layer, **buffers)
+        layer.quant_method = self
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        outputs, start = [], 0
+        for i, (method, rows) in enumerate(self.parts):
+            part_bias = None if bias is None else bias[start : start + rows]
+            outputs.append(
+                method.kernel(
+                    x,
+                    getattr(layer, f"qweight_{i}"),
+                    getattr(layer, f"scales_and_zeros_{i}"),
+                    method.group_size,
+                    part_bias,
+                    method.batch_invariant,
+                )
+            )
+            start += rows
+        return torch.cat(outputs, dim=-1)
 
 
 class StoredEmbedding:
@@ -233,6 +307,13 @@ def apply_stored_weights(
         elif embedding:
             module.stored_lookup = _embedding_lookup(module, stored, packed_by.get(id(stored)))
             taken[stored.format] += 1
+        elif (runs := _split_runs(stored, keep)) is not None:
+            parts = [
+                (GroupedLinearMethod(run.format, run.group_size, batch_invariant), run.rows)
+                for run in runs
+            ]
+            SplitGroupedLinearMethod(parts).process_stored(module, runs)
+            taken["split"] += 1
         else:
             method = GroupedLinearMethod(stored.format, stored.group_size, batch_invariant)
             method.process_stored(module, stored)
@@ -246,9 +327,11 @@ def apply_stored_weights(
         return taken
     logger.info(
         "weights kept as the GGUF file stores them: %d layers as int4 groups, %d as int8 groups, "
-        "%d dequantized to %s (--quantization none dequantizes every layer)",
+        "%d split by piece between formats, %d dequantized to %s (--quantization none "
+        "dequantizes every layer)",
         taken["int4"],
         taken["int8"],
+        taken["split"],
         taken["float"],
         str(next(model.parameters()).dtype).removeprefix("torch."),
     )
@@ -273,6 +356,16 @@ def _embedding_lookup(
     return StoredEmbedding(
         q, scales_and_zeros, _OWN_ROWS[stored.format], stored.group_size, module.weight.dtype
     )
+
+
+def _split_runs(stored: StoredRows, keep: tuple[str, ...]) -> list[StoredRows] | None:
+    """``stored``'s runs of one format (:meth:`StoredRows.segments`) where there are several,
+    each in a format of ``keep`` and of whole tiles (rows a multiple of 16); else ``None`` (the
+    layer is held whole)."""
+    runs = stored.segments()
+    if len(runs) < 2 or any(run.format not in keep or run.rows % 16 for run in runs):
+        return None
+    return runs
 
 
 def _fits(shape: torch.Size) -> bool:
