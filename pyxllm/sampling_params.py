@@ -141,7 +141,8 @@ class SamplingParams:
       token a step) and the content follows (see :mod:`pyxllm.engine.thinking_budget`).
       ``think_start_token_ids`` / ``think_end_token_ids`` (vLLM's ``ReasoningConfig``
       names) are the tags that open and close the reasoning; the OpenAI server fills them
-      from ``--reasoning-parser``; a budget needs the end tag's ids.
+      from ``--reasoning-parser``, ``LLM`` from its ``reasoning_parser``; a budget needs the
+      end tag's ids by the time the engine takes the request.
 
     Raises:
         ValueError: a value out of range; the message starts with the field name.
@@ -255,11 +256,6 @@ class SamplingParams:
             if self.thinking_token_budget < 0:
                 raise ValueError(
                     f"thinking_token_budget: must be >= 0, got {self.thinking_token_budget}"
-                )
-            if not self.think_end_token_ids:
-                raise ValueError(
-                    "thinking_token_budget: needs think_end_token_ids, the tokens that end the "
-                    "reasoning (the server takes them from --reasoning-parser)"
                 )
         for name in ("logprobs", "prompt_logprobs"):
             value, prompt = getattr(self, name), name == "prompt_logprobs"

@@ -12,16 +12,19 @@ import torch
 from model_fixtures import thinking_tokenizer
 
 from pyxllm.cli.main import parse_args
-from pyxllm.engine.input_processor import InputProcessor
+from pyxllm.engine.errors import InvalidRequestError
+from pyxllm.engine.input_processor import InputProcessor, TokensPrompt
 from pyxllm.engine.request import Request
 from pyxllm.engine.thinking_budget import ThinkingBudget, forced_token_bitmask
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.entrypoints.anthropic.messages_input import chat_request as anthropic_chat_request
 from pyxllm.entrypoints.anthropic.messages_input import check_supported as anthropic_check
 from pyxllm.entrypoints.anthropic.protocol import MessagesRequest
+from pyxllm.entrypoints.llm import LLM
 from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pyxllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pyxllm.entrypoints.openai.responses_input import (
     REASONING_EFFORT_BUDGETS,
     chat_request,
@@ -114,8 +117,32 @@ def test_sampling_params_checks_the_budget():
     )
     with pytest.raises(ValueError, match="^thinking_token_budget: must be >= 0"):
         SamplingParams(thinking_token_budget=-1, think_end_token_ids=(5,))
-    with pytest.raises(ValueError, match="^thinking_token_budget: needs think_end_token_ids"):
-        SamplingParams(thinking_token_budget=4)
+
+
+def test_a_budget_without_tags_is_refused_unless_the_llm_has_a_reasoning_parser(think_tok):
+    """``SamplingParams(thinking_token_budget=N)`` alone is taken; the engine refuses it with no
+    end tag, and ``LLM(reasoning_parser=...)`` fills the parser's tags (not over the request's
+    own)."""
+    tokenizer = Tokenizer(think_tok)
+    processor = InputProcessor(
+        tokenizer, vocab_size=tokenizer.vocab_size, max_model_len=64, max_kv_blocks=4, block_size=16
+    )
+    params = SamplingParams(thinking_token_budget=4)
+    with pytest.raises(InvalidRequestError, match="^thinking_token_budget: needs think_end") as e:
+        processor.process("r", TokensPrompt([1, 2]), params)
+    assert e.value.param == "thinking_token_budget"
+    llm = object.__new__(LLM)  # what _with_think_tags reads of an LLM, without a model
+    llm._reasoning = get_reasoning_parser("qwen3")(tokenizer)
+    start, end = (think_tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>"))
+    filled = llm._with_think_tags(params)
+    assert (filled.think_start_token_ids, filled.think_end_token_ids) == ((start,), (end,))
+    assert filled.thinking_token_budget == 4 and filled.unset_fields == params.unset_fields
+    processor.process("r", TokensPrompt([1, 2]), filled)
+    own = SamplingParams(thinking_token_budget=4, think_end_token_ids=END)
+    assert llm._with_think_tags(own) is own
+    assert llm._with_think_tags(SamplingParams()).thinking_token_budget is None
+    llm._reasoning = None
+    assert llm._with_think_tags(params) is params
 
 
 def test_reasoning_budget_flag():

@@ -201,6 +201,13 @@ class InputProcessor:
         params = SamplingParams() if params is None else params
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.check_token_ids(params.logit_bias or (), "logit_bias")
+        if params.thinking_token_budget is not None and not params.think_end_token_ids:
+            raise InvalidRequestError(
+                "thinking_token_budget: needs think_end_token_ids, the tokens that end the "
+                "reasoning (the server takes them from --reasoning-parser, LLM from its "
+                "reasoning_parser)",
+                "thinking_token_budget",
+            )
         thinking_ids = (*params.think_start_token_ids, *params.think_end_token_ids)
         self.check_token_ids(thinking_ids, "thinking_token_budget")
         try:

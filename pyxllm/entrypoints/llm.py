@@ -15,6 +15,7 @@ from pyxllm.engine.input_processor import ChatPrompt, Prompt, TextPrompt, Tokens
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.entrypoints.chat_media import chat_images
+from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pyxllm.entrypoints.score_utils import (
     check_cross_encoder,
     cosine_scores,
@@ -49,6 +50,9 @@ class LLM:
     Args:
         model: ``None`` (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file, a Hugging Face
             directory or a Hugging Face model id ``ORG/NAME``.
+        reasoning_parser: a reasoning parser's name (the server's ``--reasoning-parser``
+            choices, e.g. ``"qwen3"``; vLLM's engine argument): a request with a
+            ``thinking_token_budget`` and no think tags of its own takes the parser's.
         **kwargs: any other ``EngineConfig`` field (``tokenizer``, ``gguf_file``, ``revision``,
             ``dtype``, ``max_model_len``, ``kv_cache_memory``, ...), also under vLLM's names
             (``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``,
@@ -56,12 +60,17 @@ class LLM:
 
     Raises:
         TypeError: an unknown keyword, or one setting under two names.
-        ValueError: a bad setting or a model that cannot be loaded (the message says which and why).
+        ValueError: a bad setting (an unknown ``reasoning_parser`` among them) or a model that
+            cannot be loaded (the message says which and why).
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, reasoning_parser: str | None = None, **kwargs: Any
+    ) -> None:
+        parser_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
+        self._reasoning = parser_cls(self.llm_engine.tokenizer) if parser_cls else None
 
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
@@ -318,6 +327,7 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        params = [self._with_think_tags(p) for p in params]
         loras = lora_request
         if loras is None or isinstance(loras, LoRARequest):
             loras = [loras] * len(prompts)
@@ -336,6 +346,20 @@ class LLM:
             if grammar is not None:
                 grammar.compiled()
         return self._drain(requests, use_tqdm, "Generating")
+
+    def _with_think_tags(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the reasoning parser's think tags where it has a thinking budget
+        and no tags of its own (as the server fills them)."""
+        if (
+            self._reasoning is None
+            or params.thinking_token_budget is None
+            or params.think_end_token_ids
+        ):
+            return params
+        return params.replace(
+            think_start_token_ids=self._reasoning.start_token_ids(),
+            think_end_token_ids=self._reasoning.end_token_ids(),
+        )
 
     def _require_generate(self, method: str) -> None:
         """Raise ValueError (naming ``method``) unless this LLM generates text."""
