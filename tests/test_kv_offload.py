@@ -5,12 +5,25 @@ same bits as without the tier (batch invariance), and a damaged or foreign file 
 from __future__ import annotations
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pyxllm import LLM, SamplingParams
 
 PROMPT = {"prompt_token_ids": [(i * 37) % 40000 + 100 for i in range(100)]}  # 6 full blocks
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 KWARGS = dict(max_model_len=256, kv_cache_memory=0.1)
+
+
+def _metrics(llm: LLM) -> dict[tuple[str, str | None], float]:
+    """The engine's Prometheus samples, as ``/metrics`` renders them: ``(name,
+    transfer_type label) -> value``."""
+    text = generate_latest(llm.llm_engine.metrics.registry).decode()
+    return {
+        (sample.name, sample.labels.get("transfer_type")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def _answer(llm: LLM):
@@ -34,6 +47,7 @@ def test_a_new_engine_reads_the_prefix_a_former_one_wrote(tmp_path, reference):
     assert (tokens, logprobs) == reference and cached == 0
     stats = first.llm_engine.stats()
     assert stats["kv_tier_bytes_written"] > 0 and stats["kv_tier_hits"] == 0
+    assert _metrics(first)[("pyxllm:kv_offload_blocks_total", "CPU_to_DISK")] >= 6
     files = sorted(tmp_path.glob("*/*/*.kv"))
     assert len(files) >= 6
     del first
@@ -41,12 +55,26 @@ def test_a_new_engine_reads_the_prefix_a_former_one_wrote(tmp_path, reference):
     tokens, logprobs, cached = _answer(second)
     assert (tokens, logprobs) == reference
     assert cached == 96  # the 6 blocks of 16 tokens before the prompt's last token
-    assert second.llm_engine.stats()["kv_tier_hits"] == 6
+    stats = second.llm_engine.stats()
+    assert stats["kv_tier_hits"] == 6 and stats["kv_tier_blocks_written"] == 0
+    block = second.llm_engine.kv_connector.tier.block_bytes
+    metrics = _metrics(second)
+    assert metrics[("vllm:external_prefix_cache_queries_total", None)] == 100
+    assert metrics[("vllm:external_prefix_cache_hits_total", None)] == 96
+    assert metrics[("vllm:kv_offload_total_bytes_total", "DISK_to_CPU")] == 6 * block
+    assert metrics[("vllm:kv_offload_total_bytes_total", "CPU_to_DISK")] == 0
+    assert metrics[("pyxllm:kv_offload_blocks_total", "DISK_to_CPU")] == 6
+    assert metrics[("pyxllm:kv_offload_rejected_blocks_total", None)] == 0
     # a torn file is a miss, deleted, never wrong KV
     files[0].write_bytes(files[0].read_bytes()[:-10])
     third = LLM(kv_offload_dir=str(tmp_path), **KWARGS)
     tokens, logprobs, cached = _answer(third)
     assert (tokens, logprobs) == reference and cached < 96
+    metrics = _metrics(third)
+    assert metrics[("pyxllm:kv_offload_rejected_blocks_total", None)] == 1
+    assert metrics[("vllm:external_prefix_cache_hits_total", None)] == cached
+    # computed again, the torn block alone is written again (the others are on disk)
+    assert metrics[("pyxllm:kv_offload_blocks_total", "CPU_to_DISK")] == 1
 
 
 def test_another_models_blocks_are_never_read(tmp_path):
@@ -59,7 +87,7 @@ def test_another_models_blocks_are_never_read(tmp_path):
 
 def test_the_directory_keeps_its_budget(tmp_path):
     llm = LLM(kv_offload_dir=str(tmp_path), kv_offload_max_gib=3e-3, **KWARGS)
-    block = llm.llm_engine.kv_tier.block_bytes
+    block = llm.llm_engine.kv_connector.tier.block_bytes
     llm.generate([PROMPT], GREEDY)
     total = sum(p.stat().st_size for p in tmp_path.glob("*/*/*.kv"))
     assert 0 < total <= 3e-3 * 2**30 and total // block < 6

@@ -15,9 +15,13 @@ block's byte size): another model's blocks are never read. Each file is a header
 payload length, SHA-256 of the payload) and the payload (every layer's K then V rows of the
 block, as the cache holds them); a torn, truncated or foreign file fails the check and counts
 as a miss, never as wrong KV. Writes go to a temporary file renamed into place (atomic on
-POSIX), so readers never see a half-written block. The directory keeps at most
-``max_bytes``: the least recently used files (by modification time, refreshed on each read)
-are deleted first.
+POSIX), so readers never see a half-written block, and two engines writing the same block
+both leave one whole file. The directory keeps at most ``max_bytes``: the least recently used
+files (by modification time, refreshed on each read) are deleted first. Several engines may
+share the directory (data-parallel replicas, prefill and decode instances): each counts what it
+writes and measures the directory again whenever it has written an eighth of ``max_bytes``
+since it last did, so together they overshoot by at most an eighth each; a file another engine
+deletes meanwhile is simply a miss.
 
 This first version reads and writes between steps, on the engine's thread (a block of the
 embedded model is 0.37 MB in bfloat16); an asynchronous copy is the next step.
@@ -48,7 +52,9 @@ class DiskKVTier:
         block_bytes: the payload of one block, bytes.
 
     Attributes:
-        hits, bytes_read, bytes_written: counters since start.
+        hits, bytes_read: blocks and payload bytes read back, since start.
+        blocks_written, bytes_written: blocks and payload bytes written, since start.
+        rejected: files that failed their check (deleted), since start.
     """
 
     def __init__(self, directory: str, max_bytes: int, identity: str, block_bytes: int) -> None:
@@ -56,8 +62,10 @@ class DiskKVTier:
         self.root = Path(directory).expanduser() / digest
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.block_bytes = max_bytes, block_bytes
-        self.hits = self.bytes_read = self.bytes_written = 0
-        self._size = sum(p.stat().st_size for p in self.root.glob("*/*.kv"))
+        self.hits = self.bytes_read = self.blocks_written = self.bytes_written = 0
+        self.rejected = 0
+        self._size = sum(size for _, _, size in self._files())
+        self._unmeasured = 0  # bytes written since the directory was last measured
 
     def _path(self, block_hash: bytes) -> Path:
         name = block_hash.hex()
@@ -83,11 +91,15 @@ class DiskKVTier:
                 and length == len(payload) == self.block_bytes
                 and hashlib.sha256(payload).digest() == checksum
             ):
-                os.utime(path)  # least recently used goes first
+                try:
+                    os.utime(path)  # least recently used goes first
+                except OSError:  # another engine evicted it meanwhile: the bytes are whole
+                    pass
                 self.hits += 1
                 self.bytes_read += len(payload)
                 return payload
         logger.warning("KV tier: %s fails its check; deleted", path)
+        self.rejected += 1
         path.unlink(missing_ok=True)
         return None
 
@@ -97,9 +109,13 @@ class DiskKVTier:
         path = self._path(block_hash)
         if path.is_file():
             return
-        path.parent.mkdir(exist_ok=True)
         header = _HEADER.pack(MAGIC, len(payload), hashlib.sha256(payload).digest())
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        except OSError as exc:
+            logger.warning("KV tier: cannot write %s: %s", path, exc)
+            return
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(header)
@@ -109,17 +125,32 @@ class DiskKVTier:
             Path(tmp).unlink(missing_ok=True)
             logger.warning("KV tier: cannot write %s: %s", path, exc)
             return
+        self.blocks_written += 1
         self.bytes_written += len(payload)
         self._size += _HEADER.size + len(payload)
-        if self._size > self.max_bytes:
+        self._unmeasured += _HEADER.size + len(payload)
+        if self._size > self.max_bytes or self._unmeasured > self.max_bytes // 8:
             self._evict()
 
+    def _files(self) -> list[tuple[float, Path, int]]:
+        """``(modification time, path, size)`` of each block file now in the directory (one
+        deleted while listing is left out)."""
+        files = []
+        for path in self.root.glob("*/*.kv"):
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            files.append((stat.st_mtime, path, stat.st_size))
+        return files
+
     def _evict(self) -> None:
-        files = sorted(self.root.glob("*/*.kv"), key=lambda p: p.stat().st_mtime)
-        self._size = sum(p.stat().st_size for p in files)
-        for path in files:
+        """Measure the directory, then delete its least recently used files beyond
+        ``max_bytes``."""
+        files = sorted(self._files())
+        self._size, self._unmeasured = sum(size for _, _, size in files), 0
+        for _, path, size in files:
             if self._size <= self.max_bytes:
                 return
-            size = path.stat().st_size
             path.unlink(missing_ok=True)
             self._size -= size

@@ -13,7 +13,7 @@ from pyxllm.engine.errors import ConstraintFailedError, InvalidRequestError
 from pyxllm.engine.frontend import EngineFrontend
 from pyxllm.engine.input_processor import EngineRequest
 from pyxllm.engine.kv_cache_manager import KVCacheManager
-from pyxllm.engine.kv_offload import DiskKVTier
+from pyxllm.engine.kv_connector import KVTierConnector
 from pyxllm.engine.logprobs import record_logprobs
 from pyxllm.engine.metrics import EngineMetrics
 from pyxllm.engine.parallel_sampling import ParentRequest, fold_children
@@ -78,7 +78,9 @@ class LLMEngine:
         self.input_processor = front.input_processor(
             self.executor.num_kv_blocks, self.structured_outputs
         )
-        self.kv_tier = self._make_kv_tier(config, front)
+        self.kv_connector = KVTierConnector.from_config(
+            config, front, self.executor, self.kv_cache_manager
+        )
         budget = config.token_budget(self.max_model_len)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         if config.max_tokens_per_batch is None and budget > DEFAULT_MAX_TOKENS_PER_BATCH:
@@ -89,7 +91,9 @@ class LLMEngine:
             )
         self.speculative = config.speculative
         self.proposer = None if self.speculative is None else self._make_proposer(config)
-        self.metrics = EngineMetrics(self.model_name, self.scheduler, self.kv_cache_manager)
+        self.metrics = EngineMetrics(
+            self.model_name, self.scheduler, self.kv_cache_manager, self.kv_connector
+        )
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, ParentRequest] = {}  # n > 1: parent id -> its children's outputs
         self.failed: dict[str, Exception] = {}  # see _fail
@@ -261,64 +265,6 @@ class LLMEngine:
         self.requests[request_id] = child
         self.scheduler.add_request(child)
 
-    def _make_kv_tier(self, config: EngineConfig, front: EngineFrontend) -> DiskKVTier | None:
-        """``--kv-offload-dir``'s tier, keyed by what this engine's KV bytes depend on.
-
-        Raises:
-            ValueError: the executor cannot read and write blocks (a worker process holds
-                the cache).
-        """
-        if config.kv_offload_dir is None:
-            return None
-        driver = getattr(self.executor, "driver", None)
-        if not hasattr(driver, "read_kv_block"):
-            raise ValueError("--kv-offload-dir: needs the cache in this process (one rank)")
-        block_bytes = len(driver.read_kv_block(0))
-        identity = "|".join(
-            str(part)
-            for part in (
-                front.source.path,
-                config.gguf_file,
-                config.revision,
-                driver.quantization,
-                driver.dtype,
-                config.kv_cache_dtype,
-                config.block_size,
-                type(driver.model).__name__,
-                block_bytes,
-            )
-        )
-        tier = DiskKVTier(
-            config.kv_offload_dir, int(config.kv_offload_max_gib * 2**30), identity, block_bytes
-        )
-        self.kv_cache_manager.pool.newly_cached = []
-        logger.info(
-            "KV tier on disk: %s (%.2f MB a block of %d tokens, at most %.1f GiB)",
-            tier.root,
-            block_bytes / 1e6,
-            config.block_size,
-            config.kv_offload_max_gib,
-        )
-        return tier
-
-    def _load_from_kv_tier(self) -> None:
-        """Before scheduling: the waiting requests' prefix blocks the disk tier holds, into the
-        RAM prefix cache (see ``KVCacheManager.load_from_tier``)."""
-        write = self.executor.driver.write_kv_block
-        for request in self.scheduler.waiting:
-            if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
-                self.kv_cache_manager.load_from_tier(request, self.kv_tier, write)
-
-    def _save_to_kv_tier(self) -> None:
-        """After a step: the blocks the prefix cache registered for it, now computed, to
-        disk."""
-        pool = self.kv_cache_manager.pool
-        blocks, pool.newly_cached = pool.newly_cached, []
-        read = self.executor.driver.read_kv_block
-        for block in blocks:
-            if block.block_hash is not None and not self.kv_tier.contains(block.block_hash):
-                self.kv_tier.save(block.block_hash, read(block.block_id))
-
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load a LoRA adapter into the model (``False``: loaded already); requests name it by
         their ``lora_request`` (vLLM's ``add_lora``).
@@ -372,8 +318,8 @@ class LLMEngine:
         engine that waits does not spin."""
         if self.waiting_for_grammar:
             self._admit_compiled()
-        if self.kv_tier is not None and self.scheduler.waiting:
-            self._load_from_kv_tier()
+        if self.kv_connector is not None and self.scheduler.waiting:
+            self.kv_connector.load(self.scheduler.waiting)
         plan = self.scheduler.schedule()
         if not plan.sequences:
             if self.waiting_for_grammar:
@@ -382,8 +328,8 @@ class LLMEngine:
             return []
         broken = self._constrain(plan)  # (request, exception) of each that failed its step
         result = self.executor.execute(plan)
-        if self.kv_tier is not None:
-            self._save_to_kv_tier()
+        if self.kv_connector is not None:
+            self.kv_connector.save()
         if result.pooled is not None:
             return self._finish_pooled(plan, result.pooled)
         outputs, now = [], time.monotonic()
@@ -607,15 +553,7 @@ class LLMEngine:
             "spec_decode_num_drafts": self.metrics.num_spec_drafts,
             "spec_decode_num_draft_tokens": self.metrics.num_spec_draft_tokens,
             "spec_decode_num_accepted_tokens": self.metrics.num_spec_accepted,
-            **(
-                {}
-                if self.kv_tier is None
-                else {
-                    "kv_tier_hits": self.kv_tier.hits,
-                    "kv_tier_bytes_read": self.kv_tier.bytes_read,
-                    "kv_tier_bytes_written": self.kv_tier.bytes_written,
-                }
-            ),
+            **({} if self.kv_connector is None else self.kv_connector.stats()),
         }
 
 

@@ -13,8 +13,15 @@ tokens). Recorded by the engine as requests progress: ``vllm:prompt_tokens``,
 {position}`` (drafts accepted at each draft position, 0-based). vLLM has no count of requests
 that failed in the engine (their own processing raised, see ``LLMEngine._fail``; they also
 count as ``aborted`` successes, as vLLM's do), so ours has its own name:
-``pyxllm:request_failures{cause}``, ``cause`` one of ``FAILURE_CAUSES``. Counters are exposed with
-prometheus_client's ``_total`` suffix, as vLLM's are.
+``pyxllm:request_failures{cause}``, ``cause`` one of ``FAILURE_CAUSES``. With the disk KV tier
+(``--kv-offload-dir``), vLLM's names for a KV connector's prefix cache and offload traffic:
+``vllm:external_prefix_cache_queries`` and ``vllm:external_prefix_cache_hits`` (tokens looked
+up in the tier, each request once, and tokens read back from it: their difference is the
+misses) and ``vllm:kv_offload_total_bytes{transfer_type}`` (payload bytes, ``transfer_type``
+``CPU_to_DISK`` written or ``DISK_to_CPU`` read), with ``pyxllm:kv_offload_blocks
+{transfer_type}`` (the same transfers in blocks) and ``pyxllm:kv_offload_rejected_blocks``
+(files that failed their check: torn, truncated or foreign, read as misses). Counters are
+exposed with prometheus_client's ``_total`` suffix, as vLLM's are.
 
 The collectors live in a per-engine ``CollectorRegistry`` (``EngineMetrics.registry``), so
 several engines in one process do not clash; ``prometheus_client.generate_latest(registry)``
@@ -30,6 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pyxllm.engine.kv_cache_manager import KVCacheManager
+from pyxllm.engine.kv_connector import KVTierConnector
 from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
 
@@ -185,13 +193,62 @@ class _TotalsCollector(Collector):
         yield per_pos
 
 
-class EngineMetrics:
-    """The Prometheus collectors of one engine (see the module doc for what each means)."""
+class _TierCollector(Collector):
+    """The disk KV tier's counters (:class:`KVTierConnector`), read when Prometheus scrapes."""
 
-    def __init__(self, model_name: str, scheduler: Scheduler, kv: KVCacheManager) -> None:
+    def __init__(self, model_name: str, connector: KVTierConnector) -> None:
+        self.model_name, self.connector = model_name, connector
+
+    def collect(self) -> Iterator[Metric]:
+        label, connector, tier = [self.model_name], self.connector, self.connector.tier
+        for name, doc, value in (
+            (
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache (the disk KV tier) queries, in tokens.",
+                connector.num_queries,
+            ),
+            (
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache (the disk KV tier) hits, in tokens.",
+                connector.num_hits,
+            ),
+            (
+                "pyxllm:kv_offload_rejected_blocks",
+                "Disk KV tier files that failed their check (read as misses).",
+                tier.rejected,
+            ),
+        ):
+            metric = CounterMetricFamily(name, doc, labels=["model_name"])
+            metric.add_metric(label, value)
+            yield metric
+        transfers = (("CPU_to_DISK", tier.blocks_written, tier.bytes_written),)
+        transfers += (("DISK_to_CPU", tier.hits, tier.bytes_read),)
+        for name, doc, column in (
+            ("vllm:kv_offload_total_bytes", "KV bytes moved to and from the disk tier.", 2),
+            ("pyxllm:kv_offload_blocks", "KV blocks moved to and from the disk tier.", 1),
+        ):
+            metric = CounterMetricFamily(name, doc, labels=["model_name", "transfer_type"])
+            for row in transfers:
+                metric.add_metric([self.model_name, row[0]], row[column])
+            yield metric
+
+
+class EngineMetrics:
+    """The Prometheus collectors of one engine (see the module doc for what each means);
+    ``kv_connector``: the disk KV tier's, when the engine has one."""
+
+    def __init__(
+        self,
+        model_name: str,
+        scheduler: Scheduler,
+        kv: KVCacheManager,
+        kv_connector: KVTierConnector | None = None,
+    ) -> None:
         self.scheduler, self.kv = scheduler, kv
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(model_name, scheduler, kv))
+        if kv_connector is not None:
+            self.registry.register(_TierCollector(model_name, kv_connector))
         label, kw = ["model_name"], {"registry": self.registry}
         success = Counter(
             "vllm:request_success",

@@ -1,0 +1,135 @@
+"""The engine's side of the disk KV tier (``--kv-offload-dir``): which blocks go to the tier
+and come back from it, and the counters ``/metrics`` and ``/debug/stats`` show.
+
+:class:`KVTierConnector` is vLLM's KV connector idea kept small: before a step, the waiting
+requests' leading full blocks that the RAM prefix cache lacks are looked up in the tier and read
+into free blocks (``KVCacheManager.load_from_tier``); after a step, the blocks the prefix cache
+registered for it are written to the tier. ``--kv-role`` says which of the two an engine does:
+``both`` (the default), ``prefill`` (a prefill instance of prefill/decode disaggregation: it
+also writes) or ``decode`` (reads only: its blocks hold its own generated tokens, which no other
+instance asks for).
+
+Tokens count as vLLM's connector counts them: a request's first lookup adds its tokens to
+``num_queries``; the tokens its blocks from the tier cover add to ``num_hits``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable
+
+from pyxllm.config import EngineConfig
+from pyxllm.engine.kv_cache_manager import KVCacheManager
+from pyxllm.engine.kv_offload import DiskKVTier
+from pyxllm.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+# --kv-role values: whether the engine reads the tier, and whether it writes it
+KV_ROLES = {"both": (True, True), "prefill": (True, True), "decode": (True, False)}
+
+
+class KVTierConnector:
+    """Moves full KV blocks between an engine's cache and a :class:`DiskKVTier` (see the
+    module doc).
+
+    Args:
+        tier: the directory's tier.
+        kv: the engine's block manager.
+        driver: the executor driver holding the cache (``read_kv_block`` / ``write_kv_block``).
+        role: a :data:`KV_ROLES` key.
+
+    Attributes:
+        num_queries / num_hits: tokens looked up in the tier (each request once) and tokens
+            read back from it.
+    """
+
+    def __init__(self, tier: DiskKVTier, kv: KVCacheManager, driver, role: str = "both") -> None:
+        self.tier, self.kv, self.driver, self.role = tier, kv, driver, role
+        self.loads, self.saves = KV_ROLES[role]
+        self.num_queries = self.num_hits = 0
+        self._queried: weakref.WeakSet[Request] = weakref.WeakSet()
+        if self.saves:
+            kv.pool.newly_cached = []  # the pool lists the blocks it registers
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, front, executor, kv: KVCacheManager):
+        """``--kv-offload-dir``'s connector (``None`` without the flag), its tier keyed by what
+        the engine's KV bytes depend on.
+
+        Raises:
+            ValueError: the executor cannot read and write blocks (a worker process holds
+                the cache).
+        """
+        if config.kv_offload_dir is None:
+            return None
+        driver = getattr(executor, "driver", None)
+        if not hasattr(driver, "read_kv_block"):
+            raise ValueError("--kv-offload-dir: needs the cache in this process (one rank)")
+        block_bytes = len(driver.read_kv_block(0))
+        identity = "|".join(
+            str(part)
+            for part in (
+                front.source.path,
+                config.gguf_file,
+                config.revision,
+                driver.quantization,
+                driver.dtype,
+                config.kv_cache_dtype,
+                config.block_size,
+                type(driver.model).__name__,
+                block_bytes,
+            )
+        )
+        tier = DiskKVTier(
+            config.kv_offload_dir, int(config.kv_offload_max_gib * 2**30), identity, block_bytes
+        )
+        logger.info(
+            "KV tier on disk: %s (%.2f MB a block of %d tokens, at most %.1f GiB)",
+            tier.root,
+            block_bytes / 1e6,
+            config.block_size,
+            config.kv_offload_max_gib,
+        )
+        return cls(tier, kv, driver)
+
+    def load(self, waiting: Iterable[Request]) -> None:
+        """Before scheduling: the ``waiting`` requests' prefix blocks the tier holds, into the
+        RAM prefix cache (a request that asks for prompt logprobs computes its whole prompt)."""
+        if not self.loads:
+            return
+        write = self.driver.write_kv_block
+        for request in waiting:
+            if request.num_computed_tokens or request.needs_prompt_logprobs:
+                continue
+            if request not in self._queried:
+                self._queried.add(request)
+                self.num_queries += request.num_tokens
+            loaded = self.kv.load_from_tier(request, self.tier, write)
+            self.num_hits += loaded * self.kv.block_size
+
+    def save(self) -> None:
+        """After a step: the blocks the prefix cache registered for it, now computed, to the
+        tier."""
+        if not self.saves:
+            return
+        pool = self.kv.pool
+        blocks, pool.newly_cached = pool.newly_cached, []
+        read = self.driver.read_kv_block
+        for block in blocks:
+            if block.block_hash is not None and not self.tier.contains(block.block_hash):
+                self.tier.save(block.block_hash, read(block.block_id))
+
+    def stats(self) -> dict[str, int]:
+        """The counters under ``/debug/stats``' names."""
+        tier = self.tier
+        return {
+            "kv_tier_queries": self.num_queries,
+            "kv_tier_hit_tokens": self.num_hits,
+            "kv_tier_hits": tier.hits,
+            "kv_tier_bytes_read": tier.bytes_read,
+            "kv_tier_blocks_written": tier.blocks_written,
+            "kv_tier_bytes_written": tier.bytes_written,
+            "kv_tier_rejected": tier.rejected,
+        }
