@@ -98,3 +98,24 @@ def test_the_tier_needs_a_one_rank_generating_engine_with_the_prefix_cache(tmp_p
         LLM(kv_offload_dir=str(tmp_path), enable_prefix_cache=False)
     with pytest.raises(ValueError, match="--kv-offload-max-gib"):
         LLM(kv_offload_dir=str(tmp_path), kv_offload_max_gib=0)
+
+
+def test_engines_sharing_a_directory_keep_its_budget_together(tmp_path):
+    """Two tiers on one directory (two replicas) each write blocks: the directory stays within
+    the budget plus the eighth each may write before measuring it again; a block one deletes
+    is a plain miss for the other, and a block both write is one whole file."""
+    from pyxllm.engine.kv_offload import _HEADER, DiskKVTier
+
+    block, budget = 1000, 40 * (1000 + _HEADER.size)
+    tiers = [DiskKVTier(str(tmp_path), budget, "one model", block) for _ in range(2)]
+    for i in range(200):
+        tiers[i % 2].save(i.to_bytes(32, "big"), bytes([i % 256]) * block)
+        total = sum(p.stat().st_size for p in tmp_path.glob("*/*/*.kv"))
+        assert total <= budget + 2 * (budget // 8 + block + _HEADER.size), (i, total)
+    assert tiers[0].blocks_written == tiers[1].blocks_written == 100
+    gone = [i for i in range(200) if not tiers[0].contains(i.to_bytes(32, "big"))]
+    assert gone and tiers[0].load(gone[0].to_bytes(32, "big")) is None
+    assert tiers[0].rejected == 0
+    kept = next(i for i in range(199, 0, -1) if i not in gone)
+    tiers[1 - kept % 2].save(kept.to_bytes(32, "big"), bytes([kept % 256]) * block)
+    assert tiers[0].load(kept.to_bytes(32, "big")) == bytes([kept % 256]) * block
