@@ -485,6 +485,14 @@ class EngineConfig:
         group=CACHE_FLAGS,
         metavar="GIB",
     )
+    kv_role: str = flag(
+        "both",
+        help="what this engine does with --kv-offload-dir: both reads and writes blocks; "
+        "prefill (the prefill instance of prefill/decode disaggregation) reads and writes; "
+        "decode reads only (see docs/serving.md, Prefill/decode disaggregation)",
+        group=CACHE_FLAGS,
+        choices=("both", "prefill", "decode"),
+    )
     enable_lora: bool = flag(
         False,
         help="serve LoRA adapters (PEFT directories) on the model: requests name one as their "
@@ -659,6 +667,11 @@ class EngineConfig:
         if self.kv_offload_max_gib <= 0:
             raise ValueError(f"--kv-offload-max-gib: must be > 0, got {self.kv_offload_max_gib}")
         if self.kv_offload_dir is None:
+            if self.kv_role != "both":
+                raise ValueError(
+                    f"--kv-role {self.kv_role}: needs --kv-offload-dir (the directory the "
+                    "instances share)"
+                )
             return
         for name, given in (
             ("tensor_parallel_size", self.world_size > 1),

@@ -98,6 +98,8 @@ def test_the_tier_needs_a_one_rank_generating_engine_with_the_prefix_cache(tmp_p
         LLM(kv_offload_dir=str(tmp_path), enable_prefix_cache=False)
     with pytest.raises(ValueError, match="--kv-offload-max-gib"):
         LLM(kv_offload_dir=str(tmp_path), kv_offload_max_gib=0)
+    with pytest.raises(ValueError, match="--kv-role decode: needs --kv-offload-dir"):
+        LLM(kv_role="decode")
 
 
 def test_engines_sharing_a_directory_keep_its_budget_together(tmp_path):

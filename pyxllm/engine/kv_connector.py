@@ -5,9 +5,12 @@ and come back from it, and the counters ``/metrics`` and ``/debug/stats`` show.
 requests' leading full blocks that the RAM prefix cache lacks are looked up in the tier and read
 into free blocks (``KVCacheManager.load_from_tier``); after a step, the blocks the prefix cache
 registered for it are written to the tier. ``--kv-role`` says which of the two an engine does:
-``both`` (the default), ``prefill`` (a prefill instance of prefill/decode disaggregation: it
-also writes) or ``decode`` (reads only: its blocks hold its own generated tokens, which no other
-instance asks for).
+``both`` (the default), ``prefill`` or ``decode``, the two instances of prefill/decode
+disaggregation (:mod:`pyxllm.entrypoints.disagg_proxy`). A prefill instance reads and writes as
+``both`` does, and also writes a prompt's blocks that it found in its RAM prefix cache but the
+directory no longer holds (evicted, or deleted), so every full block of each prompt it computes
+is on disk when its answer leaves. A decode instance reads only: its own blocks hold generated
+tokens, which no other instance asks for.
 
 Tokens count as vLLM's connector counts them: a request's first lookup adds its tokens to
 ``num_queries``; the tokens its blocks from the tier cover add to ``num_hits``.
@@ -20,6 +23,7 @@ import weakref
 from collections.abc import Iterable
 
 from pyxllm.config import EngineConfig
+from pyxllm.engine.block_pool import KVBlock
 from pyxllm.engine.kv_cache_manager import KVCacheManager
 from pyxllm.engine.kv_offload import DiskKVTier
 from pyxllm.engine.request import Request
@@ -86,13 +90,14 @@ class KVTierConnector:
             config.kv_offload_dir, int(config.kv_offload_max_gib * 2**30), identity, block_bytes
         )
         logger.info(
-            "KV tier on disk: %s (%.2f MB a block of %d tokens, at most %.1f GiB)",
+            "KV tier on disk: %s (%.2f MB a block of %d tokens, at most %.1f GiB, role %s)",
             tier.root,
             block_bytes / 1e6,
             config.block_size,
             config.kv_offload_max_gib,
+            config.kv_role,
         )
-        return cls(tier, kv, driver)
+        return cls(tier, kv, driver, config.kv_role)
 
     def load(self, waiting: Iterable[Request]) -> None:
         """Before scheduling: the ``waiting`` requests' prefix blocks the tier holds, into the
@@ -108,6 +113,8 @@ class KVTierConnector:
                 self.num_queries += request.num_tokens
             loaded = self.kv.load_from_tier(request, self.tier, write)
             self.num_hits += loaded * self.kv.block_size
+            if self.role == "prefill":
+                self._save_blocks(self.kv.get_computed_blocks(request))
 
     def save(self) -> None:
         """After a step: the blocks the prefix cache registered for it, now computed, to the
@@ -116,6 +123,10 @@ class KVTierConnector:
             return
         pool = self.kv.pool
         blocks, pool.newly_cached = pool.newly_cached, []
+        self._save_blocks(blocks)
+
+    def _save_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Write each of ``blocks`` (computed, cached) that the tier lacks."""
         read = self.driver.read_kv_block
         for block in blocks:
             if block.block_hash is not None and not self.tier.contains(block.block_hash):
