@@ -3,16 +3,24 @@ real ``pyxllm serve`` subprocesses:
 
 - two data-parallel replicas on one directory: a prompt computed on one replica is read back
   by the other (``cached_tokens``, and the replica's ``/metrics``);
+- prefill/decode disaggregation: a prefill instance and a decode instance on one directory
+  behind ``pyxllm disagg-proxy`` answer completions and chats, streamed or not, with the
+  offline engine's greedy tokens; the decode instance reads each prompt's full blocks and
+  computes the partial last one; with the prefill instance killed, the decode instance
+  computes the prompt itself and the answer is the same.
 """
 
 from __future__ import annotations
+
+import json
+import signal
 
 import httpx
 import pytest
 from model_fixtures import build_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.utils import RemoteServer
+from tests.utils import RemoteServer, run_together
 
 BLOCK = 16
 ENGINE_ARGS = ["--max-model-len", "256", "--kv-cache-memory", "0.05", "--disable-log-stats"]
@@ -65,3 +73,112 @@ def test_data_parallel_replicas_share_the_directory(model_dir, tmp_path):
         written = metric(server, "pyxllm:kv_offload_blocks_total", transfer_type="CPU_to_DISK")
         assert (written["0"], written["1"]) == (6, 0)
     assert len(list(tmp_path.glob("*/*/*.kv"))) == 6
+
+
+class ProxyServer(RemoteServer):
+    """``python -m pyxllm disagg-proxy --port <free port> *args`` in a subprocess."""
+
+    def __init__(self, args: list[str]):
+        super().__init__(args, startup_timeout=60)
+        self.args[3] = "disagg-proxy"
+
+
+@pytest.fixture(scope="module")
+def disaggregated(model_dir, tmp_path_factory):
+    """``(proxy, prefill instance, decode instance)`` on one directory."""
+    shared = str(tmp_path_factory.mktemp("kv"))
+    args = [model_dir, *ENGINE_ARGS, "--kv-offload-dir", shared, "--kv-role"]
+    prefill, decode = RemoteServer([*args, "prefill"]), RemoteServer([*args, "decode"])
+    try:
+        run_together(prefill.__enter__, decode.__enter__)  # both start at once
+        urls = ["--prefill", prefill.url_for(""), "--decode", decode.url_for("")]
+        with ProxyServer(urls) as proxy:
+            yield proxy, prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    """One engine in this process, configured as the instances are: the colocated reference."""
+    from pyxllm import LLM
+
+    llm = LLM(model=model_dir, max_model_len=256, kv_cache_memory=0.05)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def greedy(llm, prompts: list, max_tokens: int = 6) -> list[str]:
+    from pyxllm import SamplingParams
+
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    outputs = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return [output.outputs[0].text for output in outputs]
+
+
+def stream_text(server: RemoteServer, route: str, body: dict) -> str:
+    """The text of a streamed answer, its chunks joined."""
+    text = []
+    with httpx.stream("POST", server.url_for("v1", route), json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                choice = json.loads(line[5:])["choices"][0]
+                text.append(choice["text"] if "text" in choice else choice["delta"].get("content"))
+    return "".join(t or "" for t in text)
+
+
+def test_prefill_and_decode_instances_answer_as_one_engine(disaggregated, offline):
+    proxy, prefill, decode = disaggregated
+    # 103 tokens (6 full blocks and 7 tokens), 96 (6 full blocks), 10 (no full block)
+    prompts = [PROMPT, [t + 1 for t in PROMPT[:96]], PROMPT[50:60]]
+    expected = greedy(offline, prompts)
+    answers = run_together(*[lambda p=p: complete(proxy, p) for p in prompts])
+    assert [a["choices"][0]["text"] for a in answers] == expected
+    # the decode instance read every full block but the one holding the last prompt token
+    assert [cached_tokens(a) for a in answers] == [96, 80, 0]
+    assert metric(decode, "vllm:external_prefix_cache_hits_total")[None] == 96 + 80
+    written = {"transfer_type": "CPU_to_DISK"}
+    assert metric(prefill, "pyxllm:kv_offload_blocks_total", **written)[None] == 6 + 6
+    assert metric(decode, "pyxllm:kv_offload_blocks_total", **written)[None] == 0
+    # streamed, beside the same request unstreamed, and a chat
+    body = {"prompt": [t + 2 for t in PROMPT], "max_tokens": 6, "temperature": 0}
+    chat = {"messages": [{"role": "user", "content": "Name three colours. " * 8}]}
+    chat.update(max_tokens=6, temperature=0)
+    streamed, plain, chat_streamed, chat_plain = run_together(
+        lambda: stream_text(proxy, "completions", {**body, "stream": True}),
+        lambda: complete(proxy, **body)["choices"][0]["text"],
+        lambda: stream_text(proxy, "chat/completions", {**chat, "stream": True}),
+        lambda: httpx.post(
+            proxy.url_for("v1", "chat", "completions"), json=chat, timeout=120
+        ).json()["choices"][0]["message"]["content"],
+    )
+    assert streamed == plain == greedy(offline, [body["prompt"]])[0]
+    from pyxllm import SamplingParams
+
+    reference = offline.chat(chat["messages"], SamplingParams(temperature=0, max_tokens=6))
+    assert chat_streamed == chat_plain == reference[0].outputs[0].text
+    assert httpx.get(proxy.url_for("stats")).json() == {"requests": 7, "prefill_failures": 0}
+
+
+def test_a_bad_body_is_a_400_naming_it(disaggregated):
+    proxy, _, _ = disaggregated
+    response = httpx.post(proxy.url_for("v1", "completions"), content=b"[1, 2")
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "body"
+
+
+def test_without_its_prefill_instance_the_decode_instance_computes_the_prompt(
+    disaggregated, offline
+):
+    """Comes last: it kills the prefill instance."""
+    proxy, prefill, decode = disaggregated
+    prefill.proc.send_signal(signal.SIGKILL)
+    prefill.proc.wait(timeout=10)
+    prompt = [t + 3 for t in PROMPT]
+    answer = complete(proxy, prompt)
+    assert answer["choices"][0]["text"] == greedy(offline, [prompt])[0]
+    assert cached_tokens(answer) == 0
+    assert httpx.get(proxy.url_for("stats")).json()["prefill_failures"] == 1
+    assert httpx.get(proxy.url_for("health")).status_code == 503

@@ -1,5 +1,5 @@
 """The ``pyxllm`` command: ``serve``, ``generate``, ``run-batch``, ``check-device``, ``bench``
-(serve|eval|perplexity|throughput|latency), ``env`` and ``chat``, each a module of
+(serve|eval|perplexity|throughput|latency), ``env``, ``chat`` and ``disagg-proxy``, each a module of
 :mod:`pyxllm.cli`.
 
 A bad flag value exits with argparse's usage error (status 2); an error while loading the model
@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 
-from pyxllm.cli import bench, chat, check_device, env, generate, run_batch, serve
+from pyxllm.cli import bench, chat, check_device, disagg_proxy, env, generate, run_batch, serve
 from pyxllm.cli.engine_args import config_from_args, engine_flags_help
 from pyxllm.config import EngineConfig
 from pyxllm.distributed.errors import DistributedError
@@ -34,6 +34,7 @@ COMMANDS = {
     "run-batch": run_batch,
     "env": env,
     "chat": chat,
+    "disagg-proxy": disagg_proxy,
 }
 
 
