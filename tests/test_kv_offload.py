@@ -121,3 +121,35 @@ def test_engines_sharing_a_directory_keep_its_budget_together(tmp_path):
     kept = next(i for i in range(199, 0, -1) if i not in gone)
     tiers[1 - kept % 2].save(kept.to_bytes(32, "big"), bytes([kept % 256]) * block)
     assert tiers[0].load(kept.to_bytes(32, "big")) == bytes([kept % 256]) * block
+
+
+@pytest.mark.parametrize("role", ["both", "prefill", "decode"])
+def test_writes_run_on_the_writer_thread_but_a_prefill_instance_waits_for_them(tmp_path, role):
+    """A step's new blocks are written while the engine runs on (a write held back does not
+    hold ``save``); a prefill instance's ``save`` returns once they are on disk; a decode
+    instance writes nothing."""
+    import threading
+    from types import SimpleNamespace
+
+    from pyxllm.engine.kv_cache_manager import KVCacheManager
+    from pyxllm.engine.kv_connector import KVTierConnector
+    from pyxllm.engine.kv_offload import DiskKVTier
+    from pyxllm.engine.request import Request
+
+    kv = KVCacheManager(8, 4)
+    driver = SimpleNamespace(read_kv_block=lambda i: bytes([i]) * 64)
+    tier = DiskKVTier(str(tmp_path), 2**20, "one model", 64)
+    connector = KVTierConnector(tier, kv, driver, role)
+    gate, save = threading.Event(), tier.save
+    if role == "both":
+        tier.save = lambda block_hash, payload: (gate.wait(30), save(block_hash, payload))
+    request = Request("r", None, list(range(9)), SamplingParams(max_tokens=1), None)
+    assert kv.allocate_slots(request, 9, [])  # registers its 2 full blocks of 4 tokens
+    connector.save()
+    if role == "both":
+        assert tier.blocks_written == 0 and not list(tmp_path.glob("*/*/*.kv"))
+        gate.set()
+        connector.flush()
+    assert tier.blocks_written == (0 if role == "decode" else 2)
+    assert len(list(tmp_path.glob("*/*/*.kv"))) == tier.blocks_written
+    connector.close()

@@ -12,6 +12,13 @@ directory no longer holds (evicted, or deleted), so every full block of each pro
 is on disk when its answer leaves. A decode instance reads only: its own blocks hold generated
 tokens, which no other instance asks for.
 
+Writes do not hold up a step: after it, the new blocks' bytes are copied out of the cache (a
+block may be reused by the next step), and a writer thread checksums and writes them while the
+engine runs on. A prefill instance waits for its step's writes before its answers leave (the
+decode instance reads them next), and any engine waits for them when it has nothing left to
+run, so what it answered is on disk when it is idle or shut down. Reads stay on the engine's
+thread, before scheduling.
+
 Tokens count as vLLM's connector counts them: a request's first lookup adds its tokens to
 ``num_queries``; the tokens its blocks from the tier cover add to ``num_hits``.
 """
@@ -19,8 +26,11 @@ Tokens count as vLLM's connector counts them: a request's first lookup adds its 
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 
 from pyxllm.config import EngineConfig
 from pyxllm.engine.block_pool import KVBlock
@@ -54,6 +64,11 @@ class KVTierConnector:
         self.loads, self.saves = KV_ROLES[role]
         self.num_queries = self.num_hits = 0
         self._queried: weakref.WeakSet[Request] = weakref.WeakSet()
+        # the writer thread's queue: futures of the writes in flight, and their blocks' hashes
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="pyxllm-kv-tier")
+        self._pending: list[Future] = []
+        self._writing: set[bytes] = set()
+        self._lock = threading.Lock()
         if self.saves:
             kv.pool.newly_cached = []  # the pool lists the blocks it registers
 
@@ -118,19 +133,49 @@ class KVTierConnector:
 
     def save(self) -> None:
         """After a step: the blocks the prefix cache registered for it, now computed, to the
-        tier."""
+        tier (in the background; a prefill instance waits for them)."""
         if not self.saves:
             return
         pool = self.kv.pool
         blocks, pool.newly_cached = pool.newly_cached, []
         self._save_blocks(blocks)
+        if self.role == "prefill":
+            self.flush()
 
     def _save_blocks(self, blocks: Iterable[KVBlock]) -> None:
-        """Write each of ``blocks`` (computed, cached) that the tier lacks."""
+        """Queue a write of each of ``blocks`` (computed, cached) that the tier lacks, its
+        bytes copied now."""
         read = self.driver.read_kv_block
         for block in blocks:
-            if block.block_hash is not None and not self.tier.contains(block.block_hash):
-                self.tier.save(block.block_hash, read(block.block_id))
+            block_hash = block.block_hash
+            if block_hash is None or block_hash in self._writing:
+                continue
+            if self.tier.contains(block_hash):
+                continue
+            with self._lock:
+                self._writing.add(block_hash)
+            future = self._writer.submit(self._write, block_hash, read(block.block_id))
+            self._pending.append(future)
+
+    def _write(self, block_hash: bytes, payload: bytes) -> None:
+        """The writer thread's job: one block to the tier."""
+        try:
+            self.tier.save(block_hash, payload)
+        finally:
+            with self._lock:
+                self._writing.discard(block_hash)
+
+    def flush(self) -> None:
+        """Wait until every queued write is on disk (or failed: a write that raised is logged)."""
+        pending, self._pending = self._pending, []
+        for future in wait_for_futures(pending).done:
+            if future.exception() is not None:
+                logger.error("KV tier: a write failed", exc_info=future.exception())
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the writer thread; idempotent."""
+        self.flush()
+        self._writer.shutdown(wait=True)
 
     def stats(self) -> dict[str, int]:
         """The counters under ``/debug/stats``' names."""

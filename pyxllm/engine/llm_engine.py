@@ -306,6 +306,8 @@ class LLMEngine:
         """Stop the executor's TP workers, if any, and the grammar compile threads; idempotent."""
         if self.structured_outputs is not None:
             self.structured_outputs.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
@@ -357,6 +359,8 @@ class LLMEngine:
                 self._fail(request, exc)
         if self.proposer is not None:
             self._propose_drafts()
+        if self.kv_connector is not None and not self.scheduler.has_unfinished_requests():
+            self.kv_connector.flush()  # idle: what it answered is on disk
         return fold_children(outputs, self.parents, self._parent_of) if self.parents else outputs
 
     def _finish_pooled(self, plan: SchedulerOutput, pooled: list) -> list[PoolingRequestOutput]:
