@@ -153,3 +153,60 @@ def test_writes_run_on_the_writer_thread_but_a_prefill_instance_waits_for_them(t
     assert tier.blocks_written == (0 if role == "decode" else 2)
     assert len(list(tmp_path.glob("*/*/*.kv"))) == tier.blocks_written
     connector.close()
+
+
+def test_reads_run_on_the_reader_thread_while_the_request_waits_outside_the_queue(tmp_path):
+    """A restarted engine's request whose blocks are on disk leaves the queue while they are
+    read (a read held back holds up nothing), comes back with them in its prefix cache, and
+    an abort meanwhile frees the blocks set aside."""
+    import threading
+    from collections import deque
+    from types import SimpleNamespace
+
+    from pyxllm.engine.kv_cache_manager import KVCacheManager
+    from pyxllm.engine.kv_connector import KVTierConnector
+    from pyxllm.engine.kv_offload import DiskKVTier
+    from pyxllm.engine.request import Request
+
+    def engine(cache: dict):
+        kv = KVCacheManager(8, 4)
+        driver = SimpleNamespace(
+            read_kv_block=lambda i: bytes([i + 1]) * 64, write_kv_block=cache.__setitem__
+        )
+        return kv, KVTierConnector(DiskKVTier(str(tmp_path), 2**20, "m", 64), kv, driver)
+
+    def request(rid: str) -> Request:
+        return Request(rid, None, list(range(9)), SamplingParams(max_tokens=1), None)
+
+    kv, first = engine({})
+    assert kv.allocate_slots(request("a"), 9, [])  # its 2 full blocks go to disk
+    first.save()
+    first.close()
+    cache = {}
+    kv, connector = engine(cache)
+    gate, load = threading.Event(), connector.tier.load
+    connector.tier.load = lambda block_hash: (gate.wait(30), load(block_hash))[1]
+    again, scheduler = request("b"), SimpleNamespace(waiting=deque())
+    scheduler.waiting.append(again)
+    connector.load(scheduler)
+    assert not scheduler.waiting and set(connector.loading) == {"b"}
+    assert kv.num_free_blocks == 6 and not cache  # 2 set aside, nothing written yet
+    connector.load(scheduler)  # still reading
+    assert not scheduler.waiting
+    gate.set()
+    connector.wait_for_loads(30)
+    while connector.loading:
+        connector.load(scheduler)
+    assert list(scheduler.waiting) == [again] and kv.num_free_blocks == 8
+    assert len(kv.get_computed_blocks(again)) == 2 and connector.num_hits == 8
+    assert sorted(cache.values()) == [bytes([1]) * 64, bytes([2]) * 64]
+    # an abort while its blocks are read
+    gate.clear()
+    kv.reset_prefix_cache()
+    connector.load(scheduler)
+    assert set(connector.loading) == {"b"} and kv.num_free_blocks == 6
+    connector.cancel(again, scheduler)
+    assert not connector.loading and list(scheduler.waiting) == [again]
+    assert kv.num_free_blocks == 8 and not kv.get_computed_blocks(again)
+    gate.set()
+    connector.close()

@@ -11,8 +11,29 @@ before any attention reads them), so requests admitted later in the same step al
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pyxllm.engine.block_pool import BlockPool, HashFn, KVBlock, hash_block_tokens
 from pyxllm.engine.request import Request
+
+
+@dataclass(slots=True, eq=False)
+class TierLoad:
+    """A read of a request's prefix blocks from a KV tier in progress
+    (:meth:`KVCacheManager.begin_tier_load`).
+
+    Attributes:
+        request: whose blocks they are.
+        hits: its RAM prefix-cache hits, referenced until the load ends.
+        blocks / hashes: the free blocks taken for the tier's blocks, and their hashes, in
+            prompt order, starting with its block ``first`` (``len(hits)``).
+    """
+
+    request: Request
+    hits: list[KVBlock]
+    blocks: list[KVBlock]
+    hashes: list[bytes]
+    first: int
 
 
 class KVCacheManager:
@@ -97,39 +118,55 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def load_from_tier(self, request: Request, tier, write_block) -> int:
-        """Fill the RAM prefix cache with ``request``'s leading full blocks that it lacks and
-        the disk ``tier`` (``kv_offload.DiskKVTier``) holds: each read into a free block by
-        ``write_block(block_id, payload)`` and registered as a cached free block, so the next
-        :meth:`get_computed_blocks` counts it as a hit. Takes at most half the free blocks;
-        returns how many blocks it loaded."""
+    def begin_tier_load(self, request: Request, contains) -> TierLoad | None:
+        """Start filling the RAM prefix cache with ``request``'s leading full blocks that it
+        lacks and a KV tier holds (``contains(block_hash)``): takes a free block for each (at
+        most half the free blocks) and a reference on the request's RAM hits, so neither is
+        evicted while the tier is read. ``None`` when there is nothing to read. Pass the result
+        to :meth:`finish_tier_load` (or :meth:`cancel_tier_load`)."""
         if not self.enable_prefix_cache:
-            return 0
-        size = self.block_size
-        max_blocks = (request.num_tokens - 1) // size
+            return None
+        max_blocks = (request.num_tokens - 1) // self.block_size
         hits = self.get_computed_blocks(request)
         hashes = self._block_hashes(request, max_blocks)
         wanted = []
         for i in range(len(hits), max_blocks):
-            if not tier.contains(hashes[i]):
+            if not contains(hashes[i]):
                 break
             wanted.append(i)
+        if not wanted:
+            return None
         self.pool.touch(hits)  # the RAM hits stay while free blocks are taken
         count = min(len(wanted), self.pool.num_free_blocks // 2)
+        if count == 0:
+            self.pool.free_blocks(hits[::-1])
+            return None
         blocks = self.pool.get_new_blocks(count)
+        return TierLoad(request, hits, blocks, [hashes[i] for i in wanted[:count]], len(hits))
+
+    def finish_tier_load(self, load: TierLoad, payloads: list, write_block) -> int:
+        """Write the blocks read for ``load`` (``payloads[i]``: block ``i``'s bytes, ``None``
+        for a miss, which ends the run) into its blocks with ``write_block(block_id,
+        payload)``, register them as cached free blocks (the next :meth:`get_computed_blocks`
+        counts them as hits) and drop the load's references; returns how many it loaded."""
+        size, tokens = self.block_size, load.request.token_ids
         saved, self.pool.newly_cached = self.pool.newly_cached, None  # on disk already
         loaded = 0
-        for i, block in zip(wanted, blocks):
-            payload = tier.load(hashes[i])
+        for block, block_hash, payload in zip(load.blocks, load.hashes, payloads):
             if payload is None:
                 break
+            i = load.first + loaded
             write_block(block.block_id, payload)
-            self.pool.cache_block(block, hashes[i], request.token_ids[i * size : (i + 1) * size])
+            self.pool.cache_block(block, block_hash, tokens[i * size : (i + 1) * size])
             loaded += 1
         self.pool.newly_cached = saved
-        self.pool.free_blocks(blocks[::-1])
-        self.pool.free_blocks(hits[::-1])
+        self.cancel_tier_load(load)
         return loaded
+
+    def cancel_tier_load(self, load: TierLoad) -> None:
+        """Drop ``load``'s references (its blocks not yet registered are plain free blocks)."""
+        self.pool.free_blocks(load.blocks[::-1])
+        self.pool.free_blocks(load.hits[::-1])
 
     def allocate_slots(
         self,

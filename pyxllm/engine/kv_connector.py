@@ -3,7 +3,7 @@ and come back from it, and the counters ``/metrics`` and ``/debug/stats`` show.
 
 :class:`KVTierConnector` is vLLM's KV connector idea kept small: before a step, the waiting
 requests' leading full blocks that the RAM prefix cache lacks are looked up in the tier and read
-into free blocks (``KVCacheManager.load_from_tier``); after a step, the blocks the prefix cache
+into free blocks (``KVCacheManager.begin_tier_load``); after a step, the blocks the prefix cache
 registered for it are written to the tier. ``--kv-role`` says which of the two an engine does:
 ``both`` (the default), ``prefill`` or ``decode``, the two instances of prefill/decode
 disaggregation (:mod:`pyxllm.entrypoints.disagg_proxy`). A prefill instance reads and writes as
@@ -12,12 +12,16 @@ directory no longer holds (evicted, or deleted), so every full block of each pro
 is on disk when its answer leaves. A decode instance reads only: its own blocks hold generated
 tokens, which no other instance asks for.
 
-Writes do not hold up a step: after it, the new blocks' bytes are copied out of the cache (a
-block may be reused by the next step), and a writer thread checksums and writes them while the
-engine runs on. A prefill instance waits for its step's writes before its answers leave (the
-decode instance reads them next), and any engine waits for them when it has nothing left to
-run, so what it answered is on disk when it is idle or shut down. Reads stay on the engine's
-thread, before scheduling.
+Neither direction holds up a step. Reads: a waiting request whose next blocks are on disk
+leaves the scheduler's queue while a reader thread reads and checks them into memory (free
+blocks are set aside for them meanwhile); at the start of a later step they are copied into
+those blocks and registered in the prefix cache, and the request goes back to the head of the
+queue, where its admission counts them as hits (vLLM's ``WAITING_FOR_REMOTE_KVS``). Writes:
+after a step, the new blocks' bytes are copied out of the cache (a block may be reused by the
+next step), and a writer thread checksums and writes them while the engine runs on. A prefill
+instance waits for its step's writes before its answers leave (the decode instance reads them
+next), and any engine waits for them when it has nothing left to run, so what it answered is
+on disk when it is idle or shut down.
 
 Tokens count as vLLM's connector counts them: a request's first lookup adds its tokens to
 ``num_queries``; the tokens its blocks from the tier cover add to ``num_hits``.
@@ -29,14 +33,15 @@ import logging
 import threading
 import weakref
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
 
 from pyxllm.config import EngineConfig
 from pyxllm.engine.block_pool import KVBlock
-from pyxllm.engine.kv_cache_manager import KVCacheManager
+from pyxllm.engine.kv_cache_manager import KVCacheManager, TierLoad
 from pyxllm.engine.kv_offload import DiskKVTier
 from pyxllm.engine.request import Request
+from pyxllm.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +69,10 @@ class KVTierConnector:
         self.loads, self.saves = KV_ROLES[role]
         self.num_queries = self.num_hits = 0
         self._queried: weakref.WeakSet[Request] = weakref.WeakSet()
+        self._missed: weakref.WeakSet[Request] = weakref.WeakSet()  # see _finish_loads
+        # the reads in flight: request id -> (its load, the reader's futures of the payloads)
+        self.loading: dict[str, tuple[TierLoad, list[Future]]] = {}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="pyxllm-kv-tier-read")
         # the writer thread's queue: futures of the writes in flight, and their blocks' hashes
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pyxllm-kv-tier")
         self._pending: list[Future] = []
@@ -114,22 +123,65 @@ class KVTierConnector:
         )
         return cls(tier, kv, driver, config.kv_role)
 
-    def load(self, waiting: Iterable[Request]) -> None:
-        """Before scheduling: the ``waiting`` requests' prefix blocks the tier holds, into the
-        RAM prefix cache (a request that asks for prompt logprobs computes its whole prompt)."""
+    def load(self, scheduler: Scheduler) -> None:
+        """Before scheduling: end the reads that are done (their requests back to the head of
+        ``scheduler``'s queue), then start reading the waiting requests' prefix blocks that
+        the tier holds and the RAM prefix cache lacks (a request that asks for prompt logprobs
+        computes its whole prompt)."""
         if not self.loads:
             return
-        write = self.driver.write_kv_block
-        for request in waiting:
+        self._finish_loads(scheduler)
+        started = []
+        for request in scheduler.waiting:
             if request.num_computed_tokens or request.needs_prompt_logprobs:
                 continue
             if request not in self._queried:
                 self._queried.add(request)
                 self.num_queries += request.num_tokens
-            loaded = self.kv.load_from_tier(request, self.tier, write)
-            self.num_hits += loaded * self.kv.block_size
             if self.role == "prefill":
                 self._save_blocks(self.kv.get_computed_blocks(request))
+            if request in self._missed:
+                continue
+            load = self.kv.begin_tier_load(request, self.tier.contains)
+            if load is not None:
+                reads = [self._reader.submit(self.tier.load, h) for h in load.hashes]
+                self.loading[request.request_id] = (load, reads)
+                started.append(request)
+        for request in started:
+            scheduler.waiting.remove(request)
+
+    def _finish_loads(self, scheduler: Scheduler) -> None:
+        """Copy the finished reads into their blocks; their requests go back into the queue
+        in arrival order. A request one of whose files failed is not looked up again (a file
+        that cannot be read would otherwise keep it out of the queue)."""
+        waiting = scheduler.waiting
+        for request_id, (load, reads) in list(self.loading.items()):
+            if not all(read.done() for read in reads):
+                continue
+            del self.loading[request_id]
+            payloads = [read.result() for read in reads]
+            loaded = self.kv.finish_tier_load(load, payloads, self.driver.write_kv_block)
+            self.num_hits += loaded * self.kv.block_size
+            request = load.request
+            if loaded < len(payloads):
+                self._missed.add(request)
+            later = (i for i, r in enumerate(waiting) if r.arrival_time > request.arrival_time)
+            waiting.insert(next(later, len(waiting)), request)
+
+    def cancel(self, request: Request, scheduler: Scheduler) -> None:
+        """``request`` ends (aborted): if its blocks are being read, drop the read and put it
+        back in ``scheduler``'s queue, where the scheduler finishes it."""
+        entry = self.loading.pop(request.request_id, None)
+        if entry is not None:
+            self.kv.cancel_tier_load(entry[0])
+            scheduler.waiting.appendleft(request)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a read in flight to end (an engine with nothing
+        else to run does not spin)."""
+        reads = [read for _, entry in self.loading.items() for read in entry[1]]
+        if reads:
+            wait_for_futures(reads, timeout, return_when=FIRST_COMPLETED)
 
     def save(self) -> None:
         """After a step: the blocks the prefix cache registered for it, now computed, to the
@@ -176,6 +228,7 @@ class KVTierConnector:
         """Finish the queued writes and stop the writer thread; idempotent."""
         self.flush()
         self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict[str, int]:
         """The counters under ``/debug/stats``' names."""

@@ -23,8 +23,8 @@ writes and measures the directory again whenever it has written an eighth of ``m
 since it last did, so together they overshoot by at most an eighth each; a file another engine
 deletes meanwhile is simply a miss.
 
-The engine reads blocks on its own thread before scheduling and writes them on a writer
-thread (``pyxllm.engine.kv_connector``); a block of the embedded model is 0.37 MB in bfloat16.
+The engine reads and writes blocks on threads of their own, so a step never waits for the
+disk (``pyxllm.engine.kv_connector``); a block of the embedded model is 0.37 MB in bfloat16.
 """
 
 from __future__ import annotations

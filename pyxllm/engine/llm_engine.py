@@ -299,6 +299,8 @@ class LLMEngine:
             self.abort_request(child_id)
         request = self.requests.pop(request_id, None)
         if request is not None:
+            if self.kv_connector is not None:
+                self.kv_connector.cancel(request, self.scheduler)
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
             self.metrics.record_finished(request, time.monotonic())
 
@@ -311,7 +313,8 @@ class LLMEngine:
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting_for_grammar) or self.scheduler.has_unfinished_requests()
+        loading = self.kv_connector is not None and bool(self.kv_connector.loading)
+        return bool(self.waiting_for_grammar) or loading or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs of requests that got a token this step.
@@ -320,13 +323,15 @@ class LLMEngine:
         engine that waits does not spin."""
         if self.waiting_for_grammar:
             self._admit_compiled()
-        if self.kv_connector is not None and self.scheduler.waiting:
-            self.kv_connector.load(self.scheduler.waiting)
+        if self.kv_connector is not None:
+            self.kv_connector.load(self.scheduler)
         plan = self.scheduler.schedule()
         if not plan.sequences:
             if self.waiting_for_grammar:
                 pending = [grammar.future for _, grammar in self.waiting_for_grammar.values()]
                 wait_for_futures(pending, GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
+            elif self.kv_connector is not None:
+                self.kv_connector.wait_for_loads(GRAMMAR_POLL_S)
             return []
         broken = self._constrain(plan)  # (request, exception) of each that failed its step
         result = self.executor.execute(plan)
@@ -548,7 +553,9 @@ class LLMEngine:
         kv = self.kv_cache_manager
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting) + len(self.waiting_for_grammar),
+            "num_waiting": len(self.scheduler.waiting)
+            + len(self.waiting_for_grammar)
+            + (0 if self.kv_connector is None else len(self.kv_connector.loading)),
             "num_kv_blocks_total": kv.num_blocks,
             "num_kv_blocks_used": kv.num_used_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
