@@ -15,13 +15,13 @@ tokens, which no other instance asks for.
 Neither direction holds up a step. Reads: a waiting request whose next blocks are on disk
 leaves the scheduler's queue while a reader thread reads and checks them into memory (free
 blocks are set aside for them meanwhile); at the start of a later step they are copied into
-those blocks and registered in the prefix cache, and the request goes back to the head of the
-queue, where its admission counts them as hits (vLLM's ``WAITING_FOR_REMOTE_KVS``). Writes:
-after a step, the new blocks' bytes are copied out of the cache (a block may be reused by the
-next step), and a writer thread checksums and writes them while the engine runs on. A prefill
-instance waits for its step's writes before its answers leave (the decode instance reads them
-next), and any engine waits for them when it has nothing left to run, so what it answered is
-on disk when it is idle or shut down.
+those blocks and registered in the prefix cache, and the request goes back into the queue in
+its arrival order, where its admission counts them as hits (vLLM's
+``WAITING_FOR_REMOTE_KVS``). Writes: after a step, the new blocks' bytes are copied out of the
+cache (a block may be reused by the next step), and a writer thread checksums and writes them
+while the engine runs on. A prefill instance waits for its step's writes before its answers
+leave (the decode instance reads them next), and any engine waits for them when it has nothing
+left to run, so what it answered is on disk when it is idle or shut down.
 
 Tokens count as vLLM's connector counts them: a request's first lookup adds its tokens to
 ``num_queries``; the tokens its blocks from the tier cover add to ``num_hits``.
@@ -124,7 +124,7 @@ class KVTierConnector:
         return cls(tier, kv, driver, config.kv_role)
 
     def load(self, scheduler: Scheduler) -> None:
-        """Before scheduling: end the reads that are done (their requests back to the head of
+        """Before scheduling: end the reads that are done (their requests back into
         ``scheduler``'s queue), then start reading the waiting requests' prefix blocks that
         the tier holds and the RAM prefix cache lacks (a request that asks for prompt logprobs
         computes its whole prompt)."""
