@@ -166,6 +166,7 @@ def test_reads_run_on_the_reader_thread_while_the_request_waits_outside_the_queu
     from pyxllm.engine.kv_cache_manager import KVCacheManager
     from pyxllm.engine.kv_connector import KVTierConnector
     from pyxllm.engine.kv_offload import DiskKVTier
+    from pyxllm.engine.metrics import EngineMetrics
     from pyxllm.engine.request import Request
 
     def engine(cache: dict):
@@ -191,6 +192,9 @@ def test_reads_run_on_the_reader_thread_while_the_request_waits_outside_the_queu
     connector.load(scheduler)
     assert not scheduler.waiting and set(connector.loading) == {"b"}
     assert kv.num_free_blocks == 6 and not cache  # 2 set aside, nothing written yet
+    scheduler.running, scheduler.num_preemptions = [], 0
+    registry = EngineMetrics("m", scheduler, kv, connector).registry
+    assert registry.get_sample_value("vllm:num_requests_waiting", {"model_name": "m"}) == 1
     connector.load(scheduler)  # still reading
     assert not scheduler.waiting
     gate.set()

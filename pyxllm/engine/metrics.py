@@ -106,11 +106,19 @@ FAILURE_CAUSES = ("constraint", "other")
 class _StateCollector(Collector):
     """Scheduler and KV cache state, read when Prometheus scrapes."""
 
-    def __init__(self, model_name: str, scheduler: Scheduler, kv: KVCacheManager) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        scheduler: Scheduler,
+        kv: KVCacheManager,
+        kv_connector: KVTierConnector | None = None,
+    ) -> None:
         self.model_name, self.scheduler, self.kv = model_name, scheduler, kv
+        self.kv_connector = kv_connector  # its requests whose blocks are read wait too
 
     def collect(self) -> Iterator[Metric]:
         label = [self.model_name]
+        loading = 0 if self.kv_connector is None else len(self.kv_connector.loading)
         values = [
             (
                 GaugeMetricFamily,
@@ -122,7 +130,7 @@ class _StateCollector(Collector):
                 GaugeMetricFamily,
                 "vllm:num_requests_waiting",
                 "Requests waiting to be processed.",
-                len(self.scheduler.waiting),
+                len(self.scheduler.waiting) + loading,
             ),
             (
                 GaugeMetricFamily,
@@ -246,7 +254,7 @@ class EngineMetrics:
     ) -> None:
         self.scheduler, self.kv = scheduler, kv
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(model_name, scheduler, kv))
+        self.registry.register(_StateCollector(model_name, scheduler, kv, kv_connector))
         if kv_connector is not None:
             self.registry.register(_TierCollector(model_name, kv_connector))
         label, kw = ["model_name"], {"registry": self.registry}
