@@ -30,6 +30,7 @@ Tokens count as vLLM's connector counts them: a request's first lookup adds its 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterable
@@ -96,10 +97,13 @@ class KVTierConnector:
         if not hasattr(driver, "read_kv_block"):
             raise ValueError("--kv-offload-dir: needs the cache in this process (one rank)")
         block_bytes = len(driver.read_kv_block(0))
+        path = str(front.source.path)
+        # one file spelled two ways (a relative path, a link) is one model
+        path = os.path.realpath(path) if os.path.exists(path) else path
         identity = "|".join(
             str(part)
             for part in (
-                front.source.path,
+                path,
                 config.gguf_file,
                 config.revision,
                 driver.quantization,
