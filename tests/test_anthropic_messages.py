@@ -437,7 +437,7 @@ HI = [{"role": "user", "content": "Hi"}]
             },
             400,
             "invalid_request_error",
-            "messages[0].content[1]: image",
+            "content[1]: this model reads text only",
         ),
         (
             {

@@ -398,3 +398,32 @@ def test_responses_api_takes_an_input_image(server, llava, images, expected):
     bad = respond("data:image/png;base64,aGk=")
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "input[0].content[0]"
+
+
+def test_anthropic_messages_take_image_blocks(server, llava, images, expected):
+    """Anthropic's ``image`` blocks (a base64 source) are the chat API's image parts: the same
+    greedy text; a Files API source is a 400 naming the block."""
+    remote, _ = server
+    model = httpx.get(remote.url_for("v1", "models")).json()["data"][0]["id"]
+    data = data_url(images[0]).split(",", 1)[1]
+
+    def message(source):
+        content = [
+            {"type": "image", "source": source},
+            {"type": "text", "text": QUESTION},
+        ]
+        body = {
+            "model": model,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": content}],
+        }
+        return httpx.post(remote.url_for("v1", "messages"), json=body, timeout=60)
+
+    reply = message({"type": "base64", "media_type": "image/png", "data": data})
+    assert reply.status_code == 200, reply.text
+    text = reply.json()["content"][0]["text"]
+    assert text == llava[2].tokenizer.decode(expected[0], skip_special_tokens=True)
+    bad = message({"type": "file", "file_id": "file_1"})
+    assert bad.status_code == 400
+    assert "messages[0].content[0].source.type" in bad.json()["error"]["message"]

@@ -43,7 +43,6 @@ UNSUPPORTED = {
 }
 # Anthropic's block types pyxllm refuses by name, with why.
 REFUSED_BLOCKS = {
-    "image": "image blocks are not supported yet (this server serves text models)",
     "document": "document blocks are not supported",
     "redacted_thinking": "redacted_thinking blocks are not supported (pyxllm cannot read "
     "encrypted reasoning)",
@@ -215,28 +214,60 @@ def _assistant_message(blocks: list[ContentBlockParam], where: str) -> dict[str,
 
 
 def _user_messages(blocks: list[ContentBlockParam], role: str, where: str) -> list[dict[str, Any]]:
-    """A user (or system) turn: a message of its consecutive text blocks, and a ``tool``
-    message per ``tool_result`` block (a user's only), in their order."""
-    allowed = ("text", "tool_result") if role == "user" else ("text",)
+    """A user (or system) turn: a message of its consecutive text and image blocks (text joined
+    by newlines; with an image, OpenAI content parts in their order), and a ``tool`` message per
+    ``tool_result`` block (a user's only), in their order."""
+    allowed = ("text", "image", "tool_result") if role == "user" else ("text",)
     messages: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        if any(part["type"] == "image_url" for part in parts):
+            messages.append({"role": role, "content": list(parts)})
+        else:
+            messages.append({"role": role, "content": "\n".join(p["text"] for p in parts)})
+        parts.clear()
+
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         _check_block(block, at, allowed)
         if block.type == "text":
-            texts.append(_required(block.text, "text", at, "text"))
+            parts.append({"type": "text", "text": _required(block.text, "text", at, "text")})
             continue
-        if texts:
-            messages.append({"role": role, "content": "\n".join(texts)})
-            texts = []
+        if block.type == "image":
+            parts.append(_image_part(block, at))
+            continue
+        if parts:
+            flush()
         call_id = _required(block.tool_use_id, "tool_use_id", at, "tool_result")
         text = _result_text(block.content, f"{at}.content")
         if block.is_error:
             text = f"Error: {text}"
         messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
-    if texts or not blocks:
-        messages.append({"role": role, "content": "\n".join(texts)})
+    if parts or not blocks:
+        flush()
     return messages
+
+
+def _image_part(block: ContentBlockParam, where: str) -> dict[str, Any]:
+    """An ``image`` block as an OpenAI ``image_url`` part: a ``base64`` source as a data URL,
+    a ``url`` source as its URL (fetched as the chat API fetches it); a Files API source is
+    refused."""
+    source = _required(block.source, "source", where, "image")
+    kind = source.get("type")
+    if kind == "base64":
+        media_type = source.get("media_type")
+        data = source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str):
+            raise OpenAIError(
+                f"{where}.source: a base64 image needs media_type and data", 400, "messages"
+            )
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+    if kind == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise OpenAIError(
+        f"{where}.source.type: {kind!r} is not supported (served: base64, url)", 400, "messages"
+    )
 
 
 def _result_text(content: str | list[ContentBlockParam] | None, where: str) -> str:

@@ -30,9 +30,9 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 class ContentBlockParam(OpenAIBaseModel):
     """One block of a message's ``content``: ``text``, ``tool_use`` (an assistant's call),
     ``tool_result`` (a user's answer to one, its ``content`` a text or text blocks),
-    ``thinking`` (an assistant's earlier reasoning), or a type pyxllm refuses by name
-    (``image``, ``document`` ...). ``cache_control`` is accepted on any: the prefix cache keeps
-    every prompt's blocks without being asked."""
+    ``thinking`` (an assistant's earlier reasoning), ``image`` (a user's, for a vision-language
+    model), or a type pyxllm refuses by name (``document`` ...). ``cache_control`` is accepted
+    on any: the prefix cache keeps every prompt's blocks without being asked."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -46,6 +46,8 @@ class ContentBlockParam(OpenAIBaseModel):
     tool_use_id: str | None = None
     content: str | list[ContentBlockParam] | None = None
     is_error: bool | None = None
+    # image: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
+    source: dict[str, Any] | None = None
     # thinking
     thinking: str | None = None
     signature: str | None = None
