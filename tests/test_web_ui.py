@@ -501,3 +501,47 @@ def test_a_narrow_window_and_the_dark_theme(page):
         assert by_id(page, "prompt").is_displayed() and by_id(page, "send").is_displayed()
     finally:
         page.set_window_size(900, 640)
+
+
+DROP_IMAGES_JS = """
+const transfer = new DataTransfer();
+for (const [name, b64] of arguments[0]) {
+  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  const type = name.endsWith('.png') ? 'image/png' : 'text/plain';
+  transfer.items.add(new File([bytes], name, {type}));
+}
+document.getElementById('composer').dispatchEvent(
+  new DragEvent('drop', {dataTransfer: transfer, bubbles: true, cancelable: true}));
+"""
+
+
+def test_a_dropped_image_is_sent_as_an_image_part(page):
+    """Images dropped on the composer show as thumbnails (each removable) and go with the next
+    message as OpenAI ``image_url`` parts: the text model of this server refuses the first part
+    by name, which the page shows; the question keeps its image. A dropped non-image is not
+    attached."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4), (200, 30, 30)).save(buffer, format="PNG")
+    png = base64.b64encode(buffer.getvalue()).decode()
+    thumbnails = "return document.querySelectorAll('#attachments img').length"
+    page.execute_script(DROP_IMAGES_JS, [["a.png", png], ["b.png", png], ["c.txt", "aGk="]])
+    wait(page, lambda d: d.execute_script(thumbnails) == 2)
+    assert "only images" in by_id(page, "notice").text
+    page.execute_script("document.querySelector('#attachments .remove-attachment').click()")
+    wait(page, lambda d: d.execute_script(thumbnails) == 1)
+    ask(page, "What is in this picture?")
+    reply = finished_reply(page)
+    assert reply["state"] == "error", reply
+    assert "content[0]" in reply["error"] and "reads text only" in reply["error"], reply
+    sent = page.execute_script(
+        "const img = document.querySelector('#messages .message.user img.attached');"
+        "return img && img.src;"
+    )
+    assert sent == f"data:image/png;base64,{png}"
+    assert page.execute_script(thumbnails) == 0
+    assert by_id(page, "attachments").get_attribute("hidden") is not None

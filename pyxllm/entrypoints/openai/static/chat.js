@@ -31,6 +31,8 @@ const ui = {
   settings: $("settings"),
   settingsForm: $("settings-form"),
   settingsError: $("settings-error"),
+  attachments: $("attachments"),
+  attachInput: $("attach-input"),
 };
 
 const state = {
@@ -38,6 +40,7 @@ const state = {
   currentId: null,
   settings: Object.fromEntries(SETTING_NAMES.map((name) => [name, ""])),
   controller: null, // the AbortController of the reply being streamed
+  attachments: [], // data: URLs of the images the next message carries
 };
 
 // --- storage ---------------------------------------------------------------------------------
@@ -169,6 +172,12 @@ function fillMessage(node, message) {
   node.dataset.state = message.state ?? "done";
   if (message.role === "user") {
     parts.content.textContent = message.content;
+    for (const url of message.images ?? []) {
+      const image = element("img", "attached");
+      image.src = url;
+      image.alt = "attached image";
+      parts.content.prepend(image);
+    }
   } else {
     parts.content.innerHTML = renderMarkdown(message.content);
     if (message.state === "stopped") parts.content.append(element("span", "stopped", " (stopped)"));
@@ -252,7 +261,12 @@ function requestBody(history) {
   const system = state.settings.system_prompt?.trim();
   if (system) messages.push({ role: "system", content: system });
   for (const message of history) {
-    if (message.role === "user" || message.content) {
+    if (message.images?.length) {
+      // OpenAI's content parts: the images, then the text (a vision-language model reads them)
+      const parts = message.images.map((url) => ({ type: "image_url", image_url: { url } }));
+      if (message.content) parts.push({ type: "text", text: message.content });
+      messages.push({ role: message.role, content: parts });
+    } else if (message.role === "user" || message.content) {
       messages.push({ role: message.role, content: message.content });
     }
   }
@@ -360,12 +374,15 @@ function stop() {
 }
 
 function send(text) {
-  if (state.controller || !text.trim()) return;
+  if (state.controller || (!text.trim() && !state.attachments.length)) return;
   const conversation = current() ?? newConversation();
-  conversation.messages.push({ role: "user", content: text });
-  conversation.title ||= text.trim().slice(0, 60);
+  const message = { role: "user", content: text };
+  if (state.attachments.length) message.images = state.attachments.splice(0);
+  conversation.messages.push(message);
+  conversation.title ||= text.trim().slice(0, 60) || "Image";
   ui.prompt.value = "";
   fitPrompt();
+  renderAttachments();
   generate(conversation);
 }
 
@@ -462,6 +479,43 @@ function saveSettings(event) {
 
 // --- the composer ----------------------------------------------------------------------------
 
+/** Show the images the next message carries, each with a button that removes it. */
+function renderAttachments() {
+  ui.attachments.hidden = !state.attachments.length;
+  ui.attachments.replaceChildren(
+    ...state.attachments.map((url, index) => {
+      const item = element("span", "attachment");
+      const image = element("img", "");
+      image.src = url;
+      image.alt = `image ${index + 1}`;
+      const remove = button("×", "remove-attachment", () => {
+        state.attachments.splice(index, 1);
+        renderAttachments();
+      });
+      remove.setAttribute("aria-label", `remove image ${index + 1}`);
+      item.append(image, remove);
+      return item;
+    }),
+  );
+}
+
+/** Attach the image files among ``files`` (pasted, dropped or chosen) as data: URLs; says so
+ * when some are not images. */
+function attachFiles(files) {
+  const images = [...files].filter((file) => file.type.startsWith("image/"));
+  const skipped = files.length - images.length;
+  if (skipped) showNotice(`only images can be attached (${skipped} other file${skipped > 1 ? "s" : ""} left out)`);
+  for (const file of images) {
+    const reader = new FileReader();
+    reader.addEventListener("load", () => {
+      state.attachments.push(reader.result);
+      renderAttachments();
+    });
+    reader.readAsDataURL(file);
+  }
+  return images.length > 0;
+}
+
 function fitPrompt() {
   ui.prompt.style.height = "auto";
   ui.prompt.style.height = `${Math.min(ui.prompt.scrollHeight, 200)}px`;
@@ -481,6 +535,19 @@ function start() {
     }
   });
   ui.prompt.addEventListener("input", fitPrompt);
+  ui.prompt.addEventListener("paste", (event) => {
+    if (attachFiles(event.clipboardData?.files ?? [])) event.preventDefault();
+  });
+  ui.composer.addEventListener("dragover", (event) => event.preventDefault());
+  ui.composer.addEventListener("drop", (event) => {
+    event.preventDefault();
+    attachFiles(event.dataTransfer?.files ?? []);
+  });
+  $("attach").addEventListener("click", () => ui.attachInput.click());
+  ui.attachInput.addEventListener("change", () => {
+    attachFiles(ui.attachInput.files);
+    ui.attachInput.value = "";
+  });
   ui.stop.addEventListener("click", stop);
   $("new-chat").addEventListener("click", () => {
     stop();
