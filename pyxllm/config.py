@@ -469,6 +469,13 @@ class EngineConfig:
         "--no-fetch-media refuses them with a 400",
         group=MODEL_FLAGS,
     )
+    allowed_media_domains: tuple[str, ...] = flag(
+        (),
+        help="the only hosts http(s):// image URLs (and their redirects) may name, as vLLM's "
+        "flag; others get a 400 (default: any host)",
+        group=MODEL_FLAGS,
+        metavar="HOST",
+    )
     kv_offload_dir: str | None = flag(
         None,
         help="also keep every full KV block in files in this directory, read back for a "

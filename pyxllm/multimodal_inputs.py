@@ -11,6 +11,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPolicy:
+    """Where image URLs in requests may be read from (the server's media flags).
+
+    Attributes:
+        allowed_local_media_path: the directory ``file://`` URLs may be read from, and below
+            (``--allowed-local-media-path``); ``None``: none.
+        fetch_media: whether ``http(s)://`` URLs are fetched (``--fetch-media``).
+        allowed_media_domains: the host names ``http(s)://`` URLs (and every redirect) may
+            name (``--allowed-media-domains``, vLLM's flag); empty: any host.
+    """
+
+    allowed_local_media_path: str | None = None
+    fetch_media: bool = True
+    allowed_media_domains: tuple[str, ...] = ()
+
+    def allows_host(self, url: str) -> bool:
+        """Whether ``url``'s host may be fetched (any host when no domains are set)."""
+        host = (urlparse(url).hostname or "").lower()
+        return not self.allowed_media_domains or host in self.allowed_media_domains
+
+
+DEFAULT_MEDIA = MediaPolicy()  # the flags' defaults: http(s) fetched, no file:// URLs
+NO_MEDIA_URLS = MediaPolicy(fetch_media=False)  # data: URLs only
 
 
 @dataclass(frozen=True, slots=True)

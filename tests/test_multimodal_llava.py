@@ -238,6 +238,49 @@ def test_http_image_urls_are_fetched_within_a_size_limit(llm, http_media, expect
         assert info.value.param == "messages[0].content[0]"
 
 
+def test_allowed_media_domains_limit_the_hosts_and_their_redirects(http_media, images):
+    """``--allowed-media-domains``: a URL whose host is listed is fetched; another host, or a
+    listed one redirecting to another, is a 400 naming the part, before anything is read."""
+    from pyxllm.entrypoints.chat_media import load_image_url
+    from pyxllm.multimodal_inputs import MediaPolicy
+
+    base, _ = http_media
+    port = base.rsplit(":", 1)[1]
+    where = "messages[0].content[0]"
+    local = MediaPolicy(allowed_media_domains=("127.0.0.1",))
+    assert load_image_url(f"{base}/a.png", where, local).size == images[0].size
+    other = MediaPolicy(allowed_media_domains=("example.com",))
+    with pytest.raises(InvalidRequestError, match="allowed-media-domains") as info:
+        load_image_url(f"{base}/a.png", where, other)
+    assert info.value.param == where
+    with pytest.raises(InvalidRequestError, match="not 'localhost'"):
+        load_image_url(f"http://localhost:{port}/a.png", where, local)
+    # a listed host redirecting to another: refused at the redirect
+    import http.server
+    import threading
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{port}/a.png")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    redirector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=redirector.serve_forever, daemon=True).start()
+    try:
+        hop = f"http://127.0.0.1:{redirector.server_address[1]}/a.png"
+        with pytest.raises(InvalidRequestError, match="not 'localhost'"):
+            load_image_url(hop, where, local)
+        # with any host allowed, the redirect is followed
+        assert load_image_url(hop, where, MediaPolicy()).size == images[0].size
+    finally:
+        redirector.shutdown()
+        redirector.server_close()
+
+
 def test_an_image_of_too_many_pixels_is_refused_before_decoding(llm, images, monkeypatch):
     from pyxllm.entrypoints import chat_media
 

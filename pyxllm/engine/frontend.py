@@ -17,6 +17,7 @@ from pyxllm.engine.multimodal import MultiModalProcessor, parse_mm_limits
 from pyxllm.engine.structured_output import StructuredOutputManager
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.executor.tasks import resolve_task
+from pyxllm.multimodal_inputs import MediaPolicy
 from pyxllm.pooling_params import POOLING_TASKS
 from pyxllm.weights import (
     load_generation_defaults,
@@ -179,8 +180,11 @@ class EngineFrontend:
                 self.model_config,
                 self.tokenizer.hf,
                 parse_mm_limits(self.config.limit_mm_per_prompt),
-                self.config.allowed_local_media_path,
-                self.config.fetch_media,
+                MediaPolicy(
+                    self.config.allowed_local_media_path,
+                    self.config.fetch_media,
+                    tuple(d.lower() for d in self.config.allowed_media_domains),
+                ),
             ),
         )
 

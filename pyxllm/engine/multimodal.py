@@ -20,7 +20,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pyxllm.engine.errors import InvalidRequestError
-from pyxllm.multimodal_inputs import MultiModalFeatureSpec, PlaceholderRange
+from pyxllm.multimodal_inputs import (
+    DEFAULT_MEDIA,
+    MediaPolicy,
+    MultiModalFeatureSpec,
+    PlaceholderRange,
+)
 
 # vLLM's default per-modality limit (--limit-mm-per-prompt)
 DEFAULT_MM_LIMIT = 999
@@ -93,9 +98,7 @@ class MultiModalProcessor:
             strategy, which keeps the CLS position; 0 for ``default``).
         limits: the most items of each modality one prompt may hold.
         image_token: the image token's text (what a chat's string content gets per image).
-        allowed_local_media_path: the directory ``file://`` image URLs may be read from
-            (``--allowed-local-media-path``), ``None``: none.
-        fetch_media: whether ``http(s)://`` image URLs are fetched (``--fetch-media``).
+        media: where image URLs may be read from (the server's media flags)
     """
 
     def __init__(
@@ -106,15 +109,13 @@ class MultiModalProcessor:
         extra_tokens: int,
         limits: Mapping[str, int],
         image_token: str,
-        allowed_local_media_path: str | None = None,
-        fetch_media: bool = True,
+        media: MediaPolicy = DEFAULT_MEDIA,
     ) -> None:
         self.image_processor = image_processor
         self.image_token_id, self.image_token = image_token_id, image_token
         self.patch_size, self.extra_tokens = patch_size, extra_tokens
         self.limits = dict(limits)
-        self.allowed_local_media_path = allowed_local_media_path
-        self.fetch_media = fetch_media
+        self.media = media
 
     @classmethod
     def load(
@@ -123,8 +124,7 @@ class MultiModalProcessor:
         model_config,
         tokenizer,
         limits: Mapping[str, int],
-        allowed_local_media_path: str | None = None,
-        fetch_media: bool = True,
+        media: MediaPolicy = DEFAULT_MEDIA,
     ) -> MultiModalProcessor | None:
         """The processor of a LLaVA-style checkpoint directory (a config with ``vision_config``
         and ``image_token_id``), ``None`` for a text-only model.
@@ -154,8 +154,7 @@ class MultiModalProcessor:
             int(full),
             limits,
             token,
-            allowed_local_media_path,
-            fetch_media,
+            media,
         )
 
     def num_features(self, pixel_values) -> int:

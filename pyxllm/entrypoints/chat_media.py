@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from pyxllm.engine.errors import InvalidRequestError
+from pyxllm.multimodal_inputs import NO_MEDIA_URLS, MediaPolicy
 
 # a template that iterates a message's content parts renders {"type": "image"} itself
 _LOOPS_OVER_PARTS = re.compile(
@@ -77,17 +78,16 @@ def decode_image(data: bytes, where: str):
     return image
 
 
-def load_image_url(
-    url: Any, where: str, allowed_local_media_path: str | None = None, fetch_media: bool = False
-):
-    """The image an ``image_url`` URL names (see the module docstring; ``http(s)`` only with
-    ``fetch_media``).
+def load_image_url(url: Any, where: str, media: MediaPolicy = NO_MEDIA_URLS):
+    """The image an ``image_url`` URL names (see the module docstring; ``file://`` and
+    ``http(s)`` as ``media`` allows).
 
     Raises:
         InvalidRequestError: a URL that is not a string, bad base64, a scheme not served, a
-            ``file://`` path outside ``allowed_local_media_path`` (or without it), a fetch that
-            fails, answers other than 200, is too large or too slow, or data that is not an
-            image (naming ``where``).
+            ``file://`` path outside ``media.allowed_local_media_path`` (or without it), a
+            host (or a redirect's) outside ``media.allowed_media_domains``, a fetch that fails,
+            answers other than 200, is too large or too slow, or data that is not an image
+            (naming ``where``).
     """
     if not isinstance(url, str) or not url:
         raise InvalidRequestError(f"{where}: image_url.url must be a non-empty string", where)
@@ -104,10 +104,10 @@ def load_image_url(
         return decode_image(data, where)
     scheme = urlparse(url).scheme
     if scheme == "file":
-        return decode_image(_read_local(url, where, allowed_local_media_path), where)
-    if scheme in ("http", "https") and fetch_media:
-        return decode_image(_fetch(url, where), where)
-    fetched = "" if fetch_media else " (this server fetches no URLs: --no-fetch-media)"
+        return decode_image(_read_local(url, where, media.allowed_local_media_path), where)
+    if scheme in ("http", "https") and media.fetch_media:
+        return decode_image(_fetch(url, where, media), where)
+    fetched = "" if media.fetch_media else " (this server fetches no URLs: --no-fetch-media)"
     raise InvalidRequestError(
         f"{where}: image URL scheme {scheme or '(none)'!r} is not served{fetched}; send the "
         "image as a data:image/...;base64 URL (or file:// under --allowed-local-media-path)",
@@ -115,10 +115,18 @@ def load_image_url(
     )
 
 
-def _fetch(url: str, where: str) -> bytes:
-    """The body of a GET of ``url`` (redirects followed): at most :data:`MAX_IMAGE_BYTES`,
-    all of it within :data:`FETCH_TIMEOUT_S`."""
+def _fetch(url: str, where: str, media: MediaPolicy) -> bytes:
+    """The body of a GET of ``url`` (redirects followed, each to a host ``media`` allows): at
+    most :data:`MAX_IMAGE_BYTES`, all of it within :data:`FETCH_TIMEOUT_S`."""
     import httpx  # lazy: only fetched images need it
+
+    def check_host(request: httpx.Request) -> None:
+        if not media.allows_host(str(request.url)):
+            raise InvalidRequestError(
+                f"{where}: image URLs may name only the hosts of --allowed-media-domains "
+                f"({', '.join(media.allowed_media_domains)}), not {request.url.host!r}",
+                where,
+            )
 
     deadline = time.monotonic() + FETCH_TIMEOUT_S
     size, chunks = 0, []
@@ -126,7 +134,10 @@ def _fetch(url: str, where: str) -> bytes:
         f"{where}: the image at the URL is larger than {MAX_IMAGE_BYTES // 2**20} MiB", where
     )
     try:
-        with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=True) as reply:
+        client = httpx.Client(
+            timeout=FETCH_TIMEOUT_S, follow_redirects=True, event_hooks={"request": [check_host]}
+        )
+        with client, client.stream("GET", url) as reply:
             if reply.status_code != 200:
                 raise InvalidRequestError(
                     f"{where}: fetching the image URL answered HTTP {reply.status_code}", where
@@ -171,8 +182,7 @@ def extract_chat_images(
     image_token: str | None,
     fmt: str,
     limit: int | None = None,
-    allowed_local_media_path: str | None = None,
-    fetch_media: bool = False,
+    media: MediaPolicy = NO_MEDIA_URLS,
 ) -> tuple[list[dict], list]:
     """The messages for the chat template and their images in order (see the module
     docstring); a message whose content is a list of parts gets text parts joined by newlines
@@ -184,7 +194,7 @@ def extract_chat_images(
             image parts).
         fmt: ``string`` or ``openai`` (:func:`content_format`).
         limit: the most images (``--limit-mm-per-prompt``); ``None``: no limit here.
-        allowed_local_media_path, fetch_media: see :func:`load_image_url`.
+        media: see :func:`load_image_url`.
 
     Raises:
         InvalidRequestError: naming ``messages[i].content[j]``: a part that is not an object,
@@ -228,7 +238,7 @@ def extract_chat_images(
                     "(--limit-mm-per-prompt image=N)",
                     where,
                 )
-            images.append(_part_image(part, kind, where, allowed_local_media_path, fetch_media))
+            images.append(_part_image(part, kind, where, media))
             parts.append({"type": "image"})
             count += 1
         if fmt == "openai":
@@ -245,9 +255,8 @@ def chat_images(
     """``messages`` ready for the chat template of ``processor`` (the engine's
     ``InputProcessor``), and the prompt's ``multi_modal_data`` (``{"image": [...]}``, ``None``
     without images): what the chat route and ``LLM.chat`` call (see
-    :func:`extract_chat_images`; ``file://`` URLs under the model's
-    ``allowed_local_media_path``, ``http(s)`` fetched per its ``fetch_media``; a text model
-    keeps the string format and refuses images).
+    :func:`extract_chat_images`; URLs read as the processor's ``media`` policy allows; a text
+    model keeps the string format and refuses images).
 
     Raises:
         InvalidRequestError: see :func:`extract_chat_images`.
@@ -259,15 +268,12 @@ def chat_images(
         None if mm is None else mm.image_token,
         fmt,
         None if mm is None else mm.limits["image"],
-        None if mm is None else mm.allowed_local_media_path,
-        mm is not None and mm.fetch_media,
+        NO_MEDIA_URLS if mm is None else mm.media,
     )
     return out, ({"image": images} if images else None)
 
 
-def _part_image(
-    part: Mapping[str, Any], kind: str, where: str, allowed: str | None, fetch_media: bool
-):
+def _part_image(part: Mapping[str, Any], kind: str, where: str, media: MediaPolicy):
     """The PIL image of an ``image_url`` or ``image_pil`` part."""
     if kind == "image_pil":
         image = part.get("image_pil")
@@ -276,4 +282,4 @@ def _part_image(
         return image
     spec = part.get("image_url")
     url = spec.get("url") if isinstance(spec, Mapping) else spec
-    return load_image_url(url, where, allowed, fetch_media)
+    return load_image_url(url, where, media)
