@@ -783,8 +783,12 @@ class EngineConfig:
         self._check_frontend()
 
     def _check_frontend(self) -> None:
-        """Normalize ``served_model_name`` to a tuple; check ``generation_config`` and
-        ``chat_template`` before any model loads."""
+        """Normalize ``served_model_name`` and ``allowed_media_domains`` to tuples (a host
+        name in lower case); check ``generation_config`` and ``chat_template`` before any model
+        loads."""
+        domains = self.allowed_media_domains
+        domains = (domains,) if isinstance(domains, str) else domains
+        self.allowed_media_domains = tuple(d.lower() for d in domains)
         names = self.served_model_name
         if isinstance(names, str):
             names = (names,)

@@ -183,7 +183,7 @@ class EngineFrontend:
                 MediaPolicy(
                     self.config.allowed_local_media_path,
                     self.config.fetch_media,
-                    tuple(d.lower() for d in self.config.allowed_media_domains),
+                    self.config.allowed_media_domains,
                 ),
             ),
         )
