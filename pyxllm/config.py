@@ -128,9 +128,9 @@ class EngineConfig:
     - ``batch_invariant``: kernels give a token the same bits whatever else its step holds
       (vLLM's ``VLLM_BATCH_INVARIANT``, SGLang's ``--enable-deterministic-inference``, here
       the default): attention through one kernel for every token, the int4/int8 group
-      matmuls on their row-invariant integer path at any row count, and float32 matmuls on
-      the CPU on a row-wise kernel instead of BLAS. bfloat16 matmuls (oneDNN) and the W8A8
-      ones do not promise it yet; the executor says at start-up what is covered.
+      matmuls on their row-invariant integer path at any row count, and float32 and bfloat16
+      matmuls on the CPU on row-wise kernels instead of MKL / oneDNN. The W8A8 ones do not
+      promise it yet; the executor says at start-up what is covered.
     - ``device``: ``auto`` picks CUDA, then NPU, then MLU, else the CPU (see ``pyxllm.platforms``).
     - ``graph_backend``: ``auto`` (the default: the platform's ``default_runner`` where the
       model allows it, the graph runner on the CPU, else ``eager``; see
@@ -347,8 +347,8 @@ class EngineConfig:
         True,
         help="give a request the same tokens whatever else runs beside it (other "
         "requests, prefix-cache hits, prefill chunks): attention through one kernel for every "
-        "token, the GGUF/int4 matmuls on their row-invariant integer path and float32 ones on a "
-        "row-wise kernel at any batch size (bfloat16 matmuls not yet); off, prefills take the "
+        "token, the GGUF/int4 matmuls on their row-invariant integer path and float32 and "
+        "bfloat16 ones on row-wise kernels at any batch size; off, prefills take the "
         "BLAS and prefill-attention paths, which "
         "prefilled a 1000-token prompt 2x faster on an AVX2 CPU (see docs/defaults.md)",
         group=SCHEDULER_FLAGS,

@@ -2,9 +2,9 @@
 does. Random schedules (arrivals at random steps, prompts sharing prefixes of whole and partial
 blocks, chunked prefills of any size, a KV cache small enough to preempt, ``n > 1``, greedy and
 seeded sampling, the graph runner) on the embedded model's weights as stored (the default for
-a GGUF) and dequantized to float32 (a float checkpoint's default on a CPU without bfloat16),
-against each request run alone on an eager engine with nothing cached: the same tokens and the
-same log-probabilities, bit for bit."""
+a GGUF), dequantized to float32 (a float checkpoint's default on a CPU without bfloat16) and to
+bfloat16 (its default with avx512_bf16 or AMX), against each request run alone on an eager
+engine with nothing cached: the same tokens and the same log-probabilities, bit for bit."""
 
 from __future__ import annotations
 
@@ -18,19 +18,24 @@ from pyxllm.engine.input_processor import TokensPrompt
 # a small cache (preemption), small steps (prefill chunks of many sizes, batches of more and
 # fewer than 32 rows: the group kernels' GEMM threshold without --batch-invariant)
 ENGINE = dict(
-    dtype="float32",
     max_model_len=256,
-    kv_cache_memory_bytes=24 * 16 * 30 * 2 * 3 * 64 * 4,  # 24 blocks of 16 tokens
     max_tokens_per_batch=48,
     max_seqs_per_batch=8,
 )
 
 
-def _engines(quantization: str):
+def _engines(quantization: str, dtype: str = "float32"):
     """``(busy, alone)``: one engine for the schedules (decode steps replayed from graph
     captures), one eager with no prefix cache for the requests run one by one; on the weights
-    as stored (int4/int8 group kernels) or in float32 (the row-wise float kernel)."""
-    kwargs = dict(ENGINE, quantization=quantization)
+    as stored (int4/int8 group kernels) or in float (the row-wise float32 or bfloat16 kernel),
+    with a KV cache of 24 blocks of 16 tokens in ``dtype``."""
+    itemsize = 2 if dtype == "bfloat16" else 4
+    kwargs = dict(
+        ENGINE,
+        quantization=quantization,
+        dtype=dtype,
+        kv_cache_memory_bytes=24 * 16 * 30 * 2 * 3 * 64 * itemsize,
+    )
     busy = LLM(graph_backend="graph", **kwargs).llm_engine
     alone = LLM(graph_backend="eager", enable_prefix_cache=False, **kwargs).llm_engine
     return busy, alone
@@ -119,6 +124,17 @@ def test_float32_weights_give_each_request_its_tokens_alone():
     one schedule (each costs ~13 s on 2 cores; preemption is the scheduler's, tested above):
     prefill chunks and decode batches of many sizes, and prefix hits."""
     busy, alone = _engines("none")
+    before = busy.stats()
+    _check_schedule(busy, alone, 0)
+    assert busy.stats()["prefix_cache_hits"] > before["prefix_cache_hits"]
+
+
+def test_bfloat16_weights_give_each_request_its_tokens_alone():
+    """The same on the embedded model dequantized to bfloat16 (the row-wise bfloat16 kernel,
+    bfloat16 attention, norms and KV cache), on one schedule, as float32 above. On oneDNN's
+    bfloat16 GEMM (``--no-batch-invariant``'s matmuls) some of this schedule's requests
+    differ (checked when the kernel was added)."""
+    busy, alone = _engines("none", "bfloat16")
     before = busy.stats()
     _check_schedule(busy, alone, 0)
     assert busy.stats()["prefix_cache_hits"] > before["prefix_cache_hits"]

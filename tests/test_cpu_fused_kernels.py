@@ -460,8 +460,8 @@ def test_int4_linear_refuses_what_it_cannot_compute():
 @pytest.mark.parametrize("rows", range(1, fused.SMALL_LINEAR_ROWS + 1))
 def test_small_batch_linear_matches_native(rows):
     """1 to 8 float32 rows (K = 577: a tail past the 8-lane blocks), with and without bias,
-    from a strided view; more rows (without ``batch_invariant``) or bfloat16 take F.linear
-    itself."""
+    from a strided view; more rows (without ``batch_invariant``) or float16 take F.linear
+    itself (bfloat16: ``test_bf16_linear_takes_the_kernel_where_it_should``)."""
     g = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(301, 577, generator=g), torch.randn(301, generator=g)
     x = torch.randn(rows, 2, 577, generator=g)[:, 1]  # not contiguous
@@ -476,10 +476,8 @@ def test_small_batch_linear_matches_native(rows):
     assert fused.linear(batched, weight).shape == (1, rows, 301)
     many = torch.randn(fused.SMALL_LINEAR_ROWS + 1, 577, generator=g)
     assert torch.equal(fused.linear(many, weight), native.linear(many, weight))
-    half = x.bfloat16()
-    assert torch.equal(
-        fused.linear(half, weight.bfloat16()), native.linear(half, weight.bfloat16())
-    )
+    half = x.half()
+    assert torch.equal(fused.linear(half, weight.half()), native.linear(half, weight.half()))
 
 
 def test_row_invariant_linear_gives_a_row_the_same_bits_at_any_row_count():
@@ -490,8 +488,10 @@ def test_row_invariant_linear_gives_a_row_the_same_bits_at_any_row_count():
     weight, bias = torch.randn(75, 203, generator=g), torch.randn(75, generator=g)
     x = torch.randn(40, 203, generator=g)
     assert fused.linear_is_row_invariant(weight)
-    assert not fused.linear_is_row_invariant(weight.bfloat16())
+    assert fused.linear_is_row_invariant(weight.bfloat16())
+    assert not fused.linear_is_row_invariant(weight.half())
     assert not fused.linear_is_row_invariant(weight.t())
+    assert not fused.linear_is_row_invariant(weight.bfloat16().t())
     assert not native.linear_is_row_invariant(weight)
     alone = torch.cat([fused.linear(x[i : i + 1], weight, bias, True) for i in range(40)])
     bound = 204 * torch.finfo(torch.float32).eps * (x.abs() @ weight.abs().t() + bias.abs())
@@ -501,6 +501,94 @@ def test_row_invariant_linear_gives_a_row_the_same_bits_at_any_row_count():
         assert torch.equal(got, alone[:rows]), rows
     empty = fused.linear(x[:0], weight, bias, batch_invariant=True)
     assert empty.shape == (0, 75)
+
+
+def _bf16_linear_in_order(x, weight, bias=None):
+    """``bf16_rowwise_linear``'s documented order in float32 tensor arithmetic (each product of
+    two bfloat16 values exact, each addition rounded to nearest): 16 lanes, lane l adding the
+    odd then the even product of the pairs (32 c + 2 l, 32 c + 2 l + 1), inputs past K zeros;
+    the lanes summed by halving, the bias added, the sum rounded to bfloat16."""
+    k = x.shape[-1]
+    padded = -(-k // 32) * 32
+    xs = F.pad(x.float(), (0, padded - k)).view(x.shape[0], 1, padded // 32, 16, 2)
+    ws = F.pad(weight.float(), (0, padded - k)).view(1, weight.shape[0], padded // 32, 16, 2)
+    acc = torch.zeros(x.shape[0], weight.shape[0], 16)
+    for c in range(padded // 32):
+        acc = acc + xs[:, :, c, :, 1] * ws[:, :, c, :, 1]
+        acc = acc + xs[:, :, c, :, 0] * ws[:, :, c, :, 0]
+    for half in (8, 4, 2, 1):
+        acc = acc[..., :half] + acc[..., half:]
+    total = acc[..., 0] if bias is None else acc[..., 0] + bias.float()
+    return total.bfloat16()
+
+
+def _expected_bf16_path() -> str:
+    """The branch of ``bf16_rowwise_linear`` a build for this CPU and level compiles."""
+    from pyxllm.kernels.cpu import build
+
+    arch = build.target_arch()
+    if arch != "native":
+        return "avx2_fma" if arch in ("x86-64-v3", "x86-64-v4") else "generic"
+    flags = cpu_flags()
+    if {"avx512_bf16", "avx512bw"} <= flags:
+        return "avx512_bf16"
+    return "avx2_fma" if platform.machine() == "x86_64" and "fma" in flags else "generic"
+
+
+@pytest.mark.parametrize("k", [203, 576])
+def test_bf16_linear_is_its_documented_order_bit_for_bit(k):
+    """``bf16_rowwise_linear`` on this build's branch (``vdpbf16ps``, AVX2 fused multiply-adds
+    or plain vector code: the older ISA levels' runs of this file take the others) gives the
+    bits of its order computed by torch: K = 203 with a tail past the 32-input steps, K = 576
+    (SmolLM2's hidden size), past the 4x4 register blocks and a 64-row task, with a bias."""
+    assert fused.bf16_linear_path() == _expected_bf16_path()
+    g = torch.Generator().manual_seed(k)
+    weight = torch.randn(75, k, generator=g).bfloat16()
+    bias = torch.randn(75, generator=g).bfloat16()
+    x = torch.randn(9, k, generator=g).bfloat16()
+    for b in (None, bias):
+        got = fused.linear(x, weight, b, batch_invariant=True)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, _bf16_linear_in_order(x, weight, b))
+
+
+def test_bf16_linear_gives_a_row_the_same_bits_at_any_row_count():
+    """``batch_invariant`` on bfloat16: each row of a batch of 1, 3, 17 or 64 rows (row blocks
+    of 4, a remainder, a 64-row panel) equals that row alone, and is within float32's
+    summation-order bound plus bfloat16's rounding of the float32 product."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(150, 200, generator=g).bfloat16()
+    bias = torch.randn(150, generator=g).bfloat16()
+    x = torch.randn(64, 200, generator=g).bfloat16()
+    alone = torch.cat([fused.linear(x[i : i + 1], weight, bias, True) for i in range(64)])
+    for rows in (1, 3, 17, 64):
+        assert torch.equal(fused.linear(x[:rows], weight, bias, True), alone[:rows]), rows
+    want = x.float() @ weight.float().t() + bias.float()
+    # float32 sums in another order (Higham eq. 3.5), then one rounding to bfloat16 (2^-9)
+    order = 201 * torch.finfo(torch.float32).eps * (x.float().abs() @ weight.float().abs().t())
+    bound = 2.0**-8 * (want.abs() + order) + order
+    assert bool(((alone.float() - want).abs() <= bound).all())
+    assert fused.linear(x[:0], weight, bias, True).shape == (0, 150)
+
+
+def test_bf16_linear_takes_the_kernel_where_it_should():
+    """bfloat16 over at most 8 rows, or any number with ``batch_invariant``, takes the
+    row-wise kernel (on every branch 3x oneDNN's speed or more at one row); more rows without
+    it take F.linear (oneDNN) itself; bad inputs raise naming the argument."""
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(40, 96, generator=g).bfloat16()
+    x = torch.randn(2, 12, 96, generator=g).bfloat16()[:, 3]  # a strided view
+    assert torch.equal(fused.linear(x, weight), _bf16_linear_in_order(x, weight))
+    assert fused.linear(x.reshape(1, 2, 96), weight).shape == (1, 2, 40)
+    many = torch.randn(fused.SMALL_LINEAR_ROWS + 1, 96, generator=g).bfloat16()
+    assert torch.equal(fused.linear(many, weight), native.linear(many, weight))
+    assert torch.equal(fused.linear(many, weight, None, True), _bf16_linear_in_order(many, weight))
+    ops = torch.ops.pyxllm_cpu
+    with pytest.raises(RuntimeError, match="weight must be a contiguous bfloat16"):
+        ops.bf16_rowwise_linear(x, weight.t().contiguous().t(), None)
+    with pytest.raises(RuntimeError, match=r"x must be bfloat16 \[\.\.\., 96\]"):
+        ops.bf16_rowwise_linear(x[:, :95], weight, None)
+    with pytest.raises(RuntimeError, match="bias must be bfloat16"):
+        ops.bf16_rowwise_linear(x, weight, torch.zeros(40))
 
 
 def test_decode_attention_of_an_empty_row_is_zero():

@@ -35,7 +35,8 @@ from pyxllm.kernels.cpu.features import cpu_feature_line
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "group_linear.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("cpu_kernels.cpp", "group_linear.cpp", "bf16_linear.cpp")
 )
 MODE_ENV = "PYXLLM_CPU_KERNELS"
 LOCK_TIMEOUT_ENV = "PYXLLM_CPU_KERNELS_LOCK_TIMEOUT"

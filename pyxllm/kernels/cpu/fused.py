@@ -9,13 +9,15 @@ call per op took SmolLM2-135M's int4 batch-1 decode step from 18 to 10 ms on 2 c
 (docs/performance.md). vLLM's CPU backend fuses the same ops (its ``csrc/cpu``); ours are plain
 loops and GCC/Clang vector extensions that the compiler vectorizes, in float32 and bfloat16.
 
-One is a float32 matmul, ``linear`` (``rowwise_linear`` in ``csrc/cpu_kernels.cpp``): each
-output summed in a fixed order whatever the row count, so it serves ``--batch-invariant`` at any
-row count, and without it 1 to 8 rows (a small decode batch, a sequence verifying speculative
-drafts), where it reads each weight row once for all rows. On the development machine's AVX2
-CPU, over weights streaming from memory as a model's do (30 layers of SmolLM2's projections, 424
-MB of float32), MKL took 53 ms for one row and 101 ms for five; this kernel's first version 26
-and 34 ms. Over hundreds of rows (a prefill) it reaches ~0.75-0.85x MKL's GFLOP/s on one core.
+One is ``linear``, float32 (``rowwise_linear`` in ``csrc/cpu_kernels.cpp``) and bfloat16
+(``bf16_rowwise_linear`` in ``csrc/bf16_linear.cpp``): each output summed in a fixed order
+whatever the row count, so it serves ``--batch-invariant`` at any row count, and without it 1 to
+8 rows (a small decode batch, a sequence verifying speculative drafts), where it reads each
+weight row once for all rows. On the development machine's AVX2 CPU, over weights streaming
+from memory as a model's do (30 layers of SmolLM2's projections, 424 MB of float32), MKL took
+53 ms for one row and 101 ms for five; the float32 kernel's first version 26 and 34 ms. Over
+hundreds of rows (a prefill) it reaches ~0.75-0.85x MKL's GFLOP/s on one core; the bfloat16
+one, on AVX512-BF16, ~0.85-1.0x oneDNN's (and ~3x at one row).
 
 Two are ``int4_linear`` and ``int8_group_linear`` (``csrc/group_linear.cpp``), the matmuls of
 ``--quantization int4`` and of GGUF weights kept as stored: int8 activations in two parts and
@@ -96,6 +98,10 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], b.shape[0])
 
     @torch.library.register_fake(lib + "rowwise_linear")
+    def _(x, weight, bias):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.register_fake(lib + "bf16_rowwise_linear")
     def _(x, weight, bias):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
@@ -198,8 +204,9 @@ def paged_attention_decode(
     )
 
 
-# rows up to which ``linear`` takes the C++ kernel even without ``batch_invariant``: it reads
-# each weight row once for all rows, where MKL's GEMM over 2-8 rows costs ~2.3x its GEMV
+# rows up to which ``linear`` takes the C++ kernels even without ``batch_invariant``: they read
+# each weight row once for all rows, where MKL's float32 GEMM over 2-8 rows costs ~2.3x its
+# GEMV, and oneDNN's bfloat16 one runs at a third of their speed at one row (docs/defaults.md)
 SMALL_LINEAR_ROWS = 8
 
 
@@ -209,27 +216,38 @@ def linear(
     bias: torch.Tensor | None = None,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """See ``pyxllm.kernels.native.linear``: float32 with a contiguous weight takes the C++
-    kernel (``rowwise_linear``: each output's sum in a fixed order, so a row gets the same bits
-    at any row count; float32 sums in another order than BLAS, results agree to ~1e-6 relative)
-    over at most :data:`SMALL_LINEAR_ROWS` rows, and over any number with ``batch_invariant``;
-    anything else ``F.linear``."""
+    """See ``pyxllm.kernels.native.linear``. A contiguous float32 or bfloat16 weight with ``x``
+    (and ``bias``) of its dtype takes the C++ kernel over at most :data:`SMALL_LINEAR_ROWS`
+    rows, and over any number with ``batch_invariant``: each output's sum in a fixed order, so a
+    row gets the same bits at any row count. float32: ``rowwise_linear`` (float32 sums in
+    another order than BLAS, results agree to ~1e-6 relative); bfloat16: ``bf16_rowwise_linear``
+    (float32 sums, the output rounded to bfloat16 once, as oneDNN's; on AVX512-BF16 CPUs with
+    ``vdpbf16ps``, elsewhere the same bits from fused multiply-adds). Anything else
+    ``F.linear``."""
     if (
         linear_is_row_invariant(weight)
-        and x.dtype == torch.float32
-        and (bias is None or bias.dtype == torch.float32)
+        and x.dtype == weight.dtype
+        and (bias is None or bias.dtype == weight.dtype)
         and 0 < x.numel()
         and (batch_invariant or x.numel() <= SMALL_LINEAR_ROWS * x.shape[-1])
     ):
+        if weight.dtype == torch.bfloat16:
+            return torch.ops.pyxllm_cpu.bf16_rowwise_linear.default(x, weight, bias)
         return torch.ops.pyxllm_cpu.rowwise_linear.default(x, weight, bias)
     return native.linear(x, weight, bias)
 
 
 def linear_is_row_invariant(weight: torch.Tensor) -> bool:
     """Whether :func:`linear` with ``batch_invariant`` gives a row the same bits at any row
-    count for float32 inputs over ``weight``: a contiguous float32 weight (a bfloat16 one takes
-    oneDNN, which does not)."""
-    return weight.dtype == torch.float32 and weight.is_contiguous()
+    count for inputs of ``weight``'s dtype: a contiguous float32 or bfloat16 weight (float16,
+    and a transposed view, take ``F.linear``, which does not)."""
+    return weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
+
+
+def bf16_linear_path() -> str:
+    """Which branch of ``bf16_rowwise_linear`` this build compiled: ``avx512_bf16``
+    (``vdpbf16ps``), ``avx2_fma`` or ``generic`` (plain vector code); the same bits on each."""
+    return torch.ops.pyxllm_cpu.bf16_linear_path()
 
 
 def lora_delta(

@@ -133,9 +133,9 @@ UNQUANTIZED_ROW_INVARIANT = UnquantizedLinearMethod(batch_invariant=True)
 def make_row_invariant(model: nn.Module) -> int:
     """``--batch-invariant`` for the float layers: every quantizable layer still on
     :data:`UNQUANTIZED` whose weight the platform's ``linear`` sums row by row in a fixed order
-    (``kernels.ops.linear_is_row_invariant``: float32 on the CPU) takes
-    :data:`UNQUANTIZED_ROW_INVARIANT`; returns how many did. Others (bfloat16 on oneDNN, an
-    accelerator's BLAS) stay, and the executor's start-up log names them as not covered."""
+    (``kernels.ops.linear_is_row_invariant``: float32 and bfloat16 on the CPU) takes
+    :data:`UNQUANTIZED_ROW_INVARIANT`; returns how many did. Others (float16, an accelerator's
+    BLAS) stay, and the executor's start-up log names them as not covered."""
     count = 0
     for module in model.modules():
         if (
