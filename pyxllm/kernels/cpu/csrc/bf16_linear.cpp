@@ -242,21 +242,32 @@ void rows_of(const Problem& p, int64_t m0, int64_t m1, int64_t j) {
   static_assert(kRows <= 4, "rows_of: the remainder switch covers up to 3 rows");
 }
 
-// Rows [m0, m1) x weight rows [j0, j1), blocks of C of them.
+// Rows [m0, m1) x weight rows [j0, j1): blocks of C weight rows, the rest in blocks of C / 2,
+// C / 4, ..., 1 (a few block shapes: each is compiled for every row count up to kRows).
 template <int C>
 void rows_by_columns(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
   int64_t j = j0;
   for (; j + C <= j1; j += C) rows_of<C>(p, m0, m1, j);
   if constexpr (C > 1) {
-    if (j < j1) rows_by_columns<C - 1>(p, m0, m1, j, j1);
+    if (j < j1) rows_by_columns<C / 2>(p, m0, m1, j, j1);
+  }
+}
+
+// One row (decode) x weight rows [j0, j1), in blocks of C, C / 2, ..., 1 weight rows.
+template <int C>
+void one_row(const Problem& p, int64_t j0, int64_t j1) {
+  int64_t j = j0;
+  for (; j + C <= j1; j += C) block<1, C>(p, 0, j);
+  if constexpr (C > 1) {
+    if (j < j1) one_row<C / 2>(p, j, j1);
   }
 }
 
 // Weight rows [j0, j1) for every row: row panels of kPanelRows (L2-resident), in each the
-// blocks of kCols weight rows (L1-resident) in turn, each over the panel's rows. A few rows
-// (decode) take wider blocks, each weight row read once.
+// blocks of kCols weight rows (L1-resident) in turn, each over the panel's rows. One row
+// (decode) takes wider blocks, each weight row read once.
 void columns(const Problem& p, int64_t j0, int64_t j1) {
-  if (p.rows == 1) return rows_by_columns<kColsOneRow>(p, 0, 1, j0, j1);
+  if (p.rows == 1) return one_row<kColsOneRow>(p, j0, j1);
   for (int64_t m = 0; m < p.rows; m += kPanelRows)
     rows_by_columns<kCols>(p, m, std::min(p.rows, m + kPanelRows), j0, j1);
 }
