@@ -572,8 +572,8 @@ def test_bf16_linear_gives_a_row_the_same_bits_at_any_row_count():
 
 def test_bf16_linear_takes_the_kernel_where_it_should():
     """bfloat16 over at most 8 rows, or any number with ``batch_invariant``, takes the
-    row-wise kernel (on every branch 3x oneDNN's speed or more at one row); more rows without
-    it take F.linear (oneDNN) itself; bad inputs raise naming the argument."""
+    row-wise kernel (faster than oneDNN there: ``SMALL_LINEAR_ROWS``); more rows without it
+    take F.linear (oneDNN) itself; bad inputs raise naming the argument."""
     g = torch.Generator().manual_seed(2)
     weight = torch.randn(40, 96, generator=g).bfloat16()
     x = torch.randn(2, 12, 96, generator=g).bfloat16()[:, 3]  # a strided view

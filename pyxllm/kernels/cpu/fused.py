@@ -206,7 +206,8 @@ def paged_attention_decode(
 
 # rows up to which ``linear`` takes the C++ kernels even without ``batch_invariant``: they read
 # each weight row once for all rows, where MKL's float32 GEMM over 2-8 rows costs ~2.3x its
-# GEMV, and oneDNN's bfloat16 one runs at a third of their speed at one row (docs/defaults.md)
+# GEMV, and oneDNN's bfloat16 one on a Zen 4 core (AVX512-BF16) ran at a third of the row-wise
+# kernel's speed at one row and 0.6x at 8 (its AVX2 branch: 0.5x at one row; docs/defaults.md)
 SMALL_LINEAR_ROWS = 8
 
 
