@@ -757,28 +757,56 @@ def test_isa_level_names_are_checked(monkeypatch):
     assert status["arch"] == "pentium3" and "must be one of" in status["status"]
 
 
-def test_lora_delta_gives_each_row_its_own_adapters_row_wise_bits():
-    """Rows on three adapters (ranks 8, 16, 24; one 8-column block past the others') and rows
-    on none: each row equals its adapter's pair through the row-wise linear alone, bit for bit,
-    and the native reference within float32 rounding; rows on none get zeros."""
-    g = torch.Generator().manual_seed(0)
-    lens = torch.tensor([8, 16, 24])
-    offsets = torch.cumsum(lens, 0) - lens
-    a = torch.randn(int(lens.sum()), 77, generator=g)
-    b = torch.randn(50, int(lens.sum()), generator=g)
-    x = torch.randn(9, 77, generator=g)
-    row_adapter = torch.tensor([2, -1, 0, 1, 1, -1, 2, 0, 2])
-    got = fused.lora_delta(x, a, b, row_adapter, offsets, lens)
-    for m, adapter in enumerate(row_adapter.tolist()):
-        if adapter < 0:
-            assert not got[m].any()
-            continue
-        o, r = int(offsets[adapter]), int(lens[adapter])
-        xa = fused.linear(x[m : m + 1], a[o : o + r].contiguous(), None, True)
-        want = fused.linear(xa, b[:, o : o + r].contiguous(), None, True)
-        assert torch.equal(got[m : m + 1], want), m
-    torch.testing.assert_close(
-        got, native.lora_delta(x, a, b, row_adapter, offsets, lens), rtol=1e-5, atol=1e-4
-    )
-    with pytest.raises(RuntimeError, match="outside a"):
-        fused.lora_delta(x, a, b, row_adapter, offsets + 40, lens)
+def _lora_layer(gen, k: int, modules: list[tuple[int, int, int]], dtype):
+    """One adapter's layer in ``lora_delta``'s layout: ``modules`` as ``(out_start, out_len,
+    rank)``, random weights, rank padded to 8 with zero columns of ``a``."""
+    total = sum(r for _, _, r in modules)
+    a = torch.zeros(k, -(-total // 8) * 8)
+    a[:, :total] = torch.randn(k, total, generator=gen)
+    blocks, segments, rank_start, b_offset = [], [], 0, 0
+    for out_start, out_len, rank in modules:
+        blocks.append(torch.randn(rank * out_len, generator=gen))
+        segments.append((out_start, out_len, rank_start, rank, b_offset))
+        rank_start, b_offset = rank_start + rank, b_offset + rank * out_len
+    return a.to(dtype), torch.cat(blocks).to(dtype), torch.tensor(segments)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_delta_adds_each_rows_own_adapter_with_bits_of_its_own(dtype):
+    """Rows on three adapters (one with three modules and a column tail, one not adapting the
+    layer) and rows on none, in one call: each row gets the bits it gets alone, in a block
+    of rows on its adapter or with them in another order; within float32 rounding of the
+    native reference; rows on none, and on the adapter without the layer, are left as they
+    were. A segment outside b is refused."""
+    gen = torch.Generator().manual_seed(0)
+    k, n = 77, 50
+    layers = [
+        _lora_layer(gen, k, [(0, 20, 8), (20, 13, 4), (33, 17, 8)], dtype),
+        (torch.empty(0, 0, dtype=dtype), torch.empty(0, dtype=dtype), torch.empty(0, 5).long()),
+        _lora_layer(gen, k, [(3, 40, 5)], dtype),
+        _lora_layer(gen, k, [(0, 50, 24)], dtype),
+    ]
+    a, b, segments = (list(t) for t in zip(*layers))
+    x = torch.randn(11, k, generator=gen).to(dtype)
+    y0 = torch.randn(11, n, generator=gen).to(dtype)
+    row_adapter = torch.tensor([3, -1, 0, 1, 0, 2, 3, 0, 3, 0, 0])
+    y = y0.clone()
+    fused.lora_delta(y, x, a, b, segments, row_adapter)
+    for m in range(11):
+        alone = y0[m : m + 1].clone()
+        fused.lora_delta(alone, x[m : m + 1], a, b, segments, row_adapter[m : m + 1].clone())
+        assert torch.equal(alone, y[m : m + 1]), m
+    order = torch.tensor([10, 4, 2, 0, 1, 5, 3, 6, 9, 7, 8])
+    shuffled = y0[order].contiguous()
+    fused.lora_delta(shuffled, x[order].contiguous(), a, b, segments, row_adapter[order].clone())
+    assert torch.equal(shuffled, y[order])
+    assert torch.equal(y[[1, 3]], y0[[1, 3]])
+    assert not torch.equal(y[[0, 2, 5]], y0[[0, 2, 5]])
+    want = y0.clone()
+    native.lora_delta(want, x, a, b, segments, row_adapter)
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else {}
+    torch.testing.assert_close(y, want, **tolerance)
+    bad = segments[0].clone()
+    bad[0, 4] = b[0].numel()
+    with pytest.raises(RuntimeError, match="segment 0 falls outside"):
+        fused.lora_delta(y, x, a, b, [bad, *segments[1:]], row_adapter)

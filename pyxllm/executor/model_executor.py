@@ -211,7 +211,9 @@ class ModelExecutor:
         )
         # a trace would record a step's adapters as constants: LoRA runs eagerly
         self.lora = (
-            LoRAManager(self.model, config.max_lora_rank, config.lora_slots, self.device)
+            LoRAManager(
+                self.model, config.max_lora_rank, config.lora_slots, self.device, self.dtype
+            )
             if config.enable_lora
             else None
         )

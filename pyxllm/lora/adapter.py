@@ -6,9 +6,9 @@ saves ``adapter_config.json`` and ``adapter_model.safetensors`` with, per target
 computes ``W x + B A x * scaling`` with ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)``
 with ``use_rslora``, Kalajdzievski 2023). Our models fuse q/k/v and gate/up into one layer
 (``packed_modules_mapping``), so an adapter's pieces for one fused layer are gathered: their A
-matrices stacked into one ``[sum r, in]`` matmul, the B matrices placed in one block matrix
-``[out, sum r]`` (each in its own output slice and rank columns). ``scaling`` is folded into B
-once, at load.
+matrices side by side in one ``[in, sum r]`` matrix (one pass over the inputs), each B kept
+with the output slice and rank columns it covers (see :class:`LoRALayerWeights`). ``scaling``
+is folded into B once, at load.
 
 What vLLM refuses we refuse, by name: DoRA (``use_dora``), trained biases (``bias`` other
 than ``"none"``), ``modules_to_save`` (whole replaced layers such as a new LM head), embedding
@@ -33,9 +33,8 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # what PEFT puts before the base model's own module names
 _PEFT_PREFIX = "base_model.model."
-# a layer's stacked rank is padded with zeros to a multiple of this (the row-wise kernel's 8
-# lanes), so that its rank columns take the same lanes wherever they sit in several adapters'
-# stack (see pyxllm.lora.manager): a row's delta gets the same bits either way
+# a layer's stacked rank is padded with zeros to a multiple of this: the lora_delta kernel
+# computes 8 rank columns to a vector
 RANK_ALIGNMENT = 8
 
 
@@ -53,15 +52,25 @@ class LoRAAdapterError(ValueError):
 
 @dataclass(slots=True)
 class LoRALayerWeights:
-    """An adapter's weights for one layer, float32: ``a [R, in]``, the ``lora_A`` of each
-    adapted checkpoint module inside the layer stacked (``R`` the sum of their ranks, padded
-    with zero rows to a multiple of :data:`RANK_ALIGNMENT`), and ``b [out, R]``, each module's
-    ``lora_B * scaling`` in its block (its output features, its rank columns) and zeros
-    elsewhere, so the layer's delta is two matmuls, ``(x a^T) b^T``, whatever it fuses (q/k/v:
-    a few thousand zero multiply-adds instead of three calls)."""
+    """An adapter's weights for one layer, in the layout of ``kernels.ops.lora_delta``.
+
+    Attributes:
+        a: ``[in, R]``, the ``lora_A`` of each adapted checkpoint module inside the layer,
+            transposed and side by side (``R`` the sum of their ranks, padded with zero columns
+            to a multiple of :data:`RANK_ALIGNMENT`), so the layer's inputs go through every
+            module's A in one pass.
+        b: 1-D, each module's ``lora_B * scaling`` transposed (``[rank, out features]``), one
+            after the other: only a module's own output features and rank columns are stored
+            (q/k/v's or gate/up's blocks, not the zeros around them).
+        segments: ``int64 [M, 5]``, per module ``(out_start, out_len, rank_start, rank_len,
+            b_offset)``: its output features in the layer, its columns of ``a``, where its
+            block starts in ``b``.
+    ``a`` and ``b`` are bfloat16 when the model runs in bfloat16, else float32.
+    """
 
     a: torch.Tensor
     b: torch.Tensor
+    segments: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -71,7 +80,7 @@ class LoRAAdapter:
     Attributes:
         request: what named and located it.
         rank: its largest rank.
-        layers: ``{module path: LoRALayerWeights}`` in the model's dtype and device.
+        layers: ``{module path: LoRALayerWeights}`` on the model's device.
     """
 
     request: LoRARequest
@@ -81,7 +90,7 @@ class LoRAAdapter:
     @property
     def nbytes(self) -> int:
         """Bytes its weights take."""
-        return sum(w.a.nbytes + w.b.nbytes for w in self.layers.values())
+        return sum(w.a.nbytes + w.b.nbytes + w.segments.nbytes for w in self.layers.values())
 
 
 def output_slice(layer: nn.Module, shard) -> tuple[int, int]:
@@ -236,14 +245,19 @@ def load_adapter(
     for path, (layer, parts) in stacked.items():
         total = sum(a.shape[0] for _, a, _ in parts)
         padded = -(-total // RANK_ALIGNMENT) * RANK_ALIGNMENT
-        a_all = torch.zeros(padded, layer.input_size, dtype=torch.float64)
-        b_all = torch.zeros(layer.output_size, padded, dtype=torch.float64)
-        start = 0
+        a_all = torch.zeros(layer.input_size, padded, dtype=torch.float64)
+        b_blocks, segments = [], []
+        start = b_offset = 0
         for offset, a, b in parts:
-            a_all[start : start + a.shape[0]] = a.double()
-            b_all[offset : offset + b.shape[0], start : start + a.shape[0]] = b.double() * scaling
-            start += a.shape[0]
+            rank, size = a.shape[0], b.shape[0]
+            a_all[:, start : start + rank] = a.double().t()
+            b_blocks.append((b.double() * scaling).t().reshape(-1))
+            segments.append((offset, size, start, rank, b_offset))
+            start += rank
+            b_offset += rank * size
         layers[path] = LoRALayerWeights(
-            a_all.to(dtype=dtype, device=device), b_all.to(dtype=dtype, device=device)
+            a_all.to(dtype=dtype, device=device),
+            torch.cat(b_blocks).to(dtype=dtype, device=device),
+            torch.tensor(segments, dtype=torch.long, device=device),
         )
     return LoRAAdapter(request, rank, layers)

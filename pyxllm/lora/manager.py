@@ -2,15 +2,16 @@
 
 Every linear layer of the decoder (not the LM head or the embedding) gets a
 :class:`LoRALinearMethod` around its own ``quant_method``: the base matmul runs once for the
-whole step, whatever adapters its rows use, and then each adapter present in the step adds
-``B (A x)`` to its own rows only (a gather, two small matmuls, a scatter-add: vLLM's punica
-idea, "segmented" LoRA, written as plain ops). Rows without an adapter get the base output. So
-requests on different adapters and on the base model share every step.
+whole step, whatever adapters its rows use, and then one ``kernels.ops.lora_delta`` call adds
+each row's own adapter's ``B (A x)`` to its output, in place (vLLM's punica idea, "segmented"
+LoRA: rows on one adapter computed together, each adapter's weights read once). Rows without
+an adapter keep the base output. So requests on different adapters and on the base model share
+every step, prefills and decodes alike.
 
-The adapters' matmuls run in float32 on the platform's row-invariant ``linear`` (the CPU's), so
-a row's delta has the same bits whichever rows share its step. The base weights may be
-quantized (``--quantization``, a GGUF file's blocks) or bfloat16; the float32 delta is added to
-the base output in its dtype.
+The deltas are summed in float32 in a fixed order per output (the kernel's contract), so a
+row's delta has the same bits whichever rows share its step. The adapters' weights are kept in
+bfloat16 when the model runs in bfloat16 (half the bytes a decode step reads), else in float32;
+the base weights may be quantized (``--quantization``, a GGUF file's blocks).
 
 Adapters are loaded once (:meth:`LoRAManager.add`, validated then) and kept up to
 ``--max-cpu-loras``, the least recently used one dropped for a new one (and read again from its
@@ -40,28 +41,37 @@ class LoRAStep:
     """One step's adapters and the rows (flattened tokens) each applies to.
 
     Attributes:
-        segments: ``(adapter, rows)`` for each adapter in the step: ``rows`` an ``int64 [n]``
-            index tensor, or ``None`` when the adapter covers every row of the step.
-        row_adapter: with few rows (a decode step, :data:`STACKED_MAX_ROWS`), ``int64 [T]``:
-            each row's position in ``segments`` (-1: the base model); the layers then run
-            every adapter of the step in one ``lora_delta`` call. ``None``: one pair of
-            matmuls per adapter, over its own rows.
-        adapter_rows: the rows that have an adapter (``int64``), ``None`` when all do.
-        stacks: filled by the layers: ``{layer path: _stack(...)}``, the step's adapters'
-            weights side by side (kept across steps with the same adapters on the same rows,
-            see :class:`LoRAManager`).
+        adapters: the adapters of the step.
+        row_adapter: ``int64 [T]``, each row's position in ``adapters`` (-1: the base model).
+        layers: ``{layer path: (a, b, segments)}``, the lists ``lora_delta`` takes for the
+            layer (one entry per adapter, empty tensors for an adapter that does not adapt it),
+            or ``None`` when none does; filled by the layers as they run and shared by the
+            steps with the same adapters in the same order (see :class:`LoRAManager`).
     """
 
-    segments: list[tuple[LoRAAdapter, torch.Tensor | None]]
-    row_adapter: torch.Tensor | None = None
-    adapter_rows: torch.Tensor | None = None
-    stacks: dict = field(default_factory=dict)
+    adapters: list[LoRAAdapter]
+    row_adapter: torch.Tensor
+    layers: dict = field(default_factory=dict)
 
-
-# up to this many rows a step runs all its adapters in one lora_delta call per layer (a kernel
-# call against ~7 small ops per adapter); above it, one pair of row-wise matmuls per adapter over
-# its rows (register-blocked over rows: the faster for a prefill's hundreds of rows)
-STACKED_MAX_ROWS = 64
+    def weights(self, path: str) -> tuple | None:
+        """``lora_delta``'s ``(a, b, segments)`` lists for layer ``path``, ``None`` when no
+        adapter of the step adapts it."""
+        try:
+            return self.layers[path]
+        except KeyError:
+            pass
+        found = [adapter.layers.get(path) for adapter in self.adapters]
+        if all(w is None for w in found):
+            entry = None
+        else:
+            empty = next(w for w in found if w is not None)
+            nothing = (empty.a.new_empty(0, 0), empty.b.new_empty(0), empty.segments[:0])
+            entry = tuple(
+                [nothing[i] if w is None else (w.a, w.b, w.segments)[i] for w in found]
+                for i in range(3)
+            )
+        self.layers[path] = entry
+        return entry
 
 
 class LoRALinearMethod:
@@ -78,83 +88,29 @@ class LoRALinearMethod:
 
     @property
     def batch_invariant(self) -> bool:
-        """Whether the base matmul is row-invariant (the float32 deltas are on the CPU)."""
+        """Whether the base matmul is row-invariant (the deltas always are, on the CPU)."""
         return getattr(self.base, "batch_invariant", False)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``base(x) + B (A x)`` on each adapter's rows of ``x [T, in]`` -> ``[T, out]``.
-
-        The deltas are computed in float32 on the platform's row-invariant ``linear`` where it
-        has one (so a row's delta does not depend on the other rows), then added to the base
-        output in its dtype: each adapter's rows gathered, added to, and written back whole
-        (row copies; a scatter-add into a column slice took ~100 us a call on the CPU).
-        """
+        """``base(x) + B (A x)`` on each adapter's rows of ``x [T, in]`` -> ``[T, out]``: the
+        base output, added to in place by one ``lora_delta`` call (see the module docstring)."""
         y = self.base.apply(layer, x, bias)
         context = current_forward_context()
         step = None if context is None else context.lora
         if step is None:
             return y
-        if step.row_adapter is not None:
-            return self._add_stacked(y, x, step)
-        for adapter, rows in step.segments:
-            weights = adapter.layers.get(self.path)
-            if weights is None:
-                continue
-            xs = (x if rows is None else x.index_select(0, rows)).float()
-            xa = kernels.ops.linear(xs, weights.a, None, True)
-            delta = kernels.ops.linear(xa, weights.b, None, True)
-            _add_to_rows(y, rows, delta)
-        return y
-
-    def _add_stacked(self, y: torch.Tensor, x: torch.Tensor, step: LoRAStep) -> torch.Tensor:
-        """Every adapter of a small step in one ``lora_delta`` call over their weights stacked,
-        each row computing its own adapter's pair only, in the order the per-adapter path
-        sums it (so a row gets the same bits either way)."""
-        stack = step.stacks.get(self.path)
-        if stack is None:
-            stack = step.stacks[self.path] = _stack(step, self.path, y.device)
-        if not stack:
+        weights = step.weights(self.path)
+        if weights is None:
             return y
-        a, b, row_adapter, offsets, lens = stack
-        delta = kernels.ops.lora_delta(x.float(), a, b, row_adapter, offsets, lens)
-        rows = step.adapter_rows
-        return _add_to_rows(y, rows, delta if rows is None else delta.index_select(0, rows))
-
-
-def _add_to_rows(y: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor) -> torch.Tensor:
-    """``y[rows] += delta`` (every row when ``rows`` is None), in place, by whole rows: gathered,
-    added to and written back (a scatter-add into a column slice took ~100 us a call)."""
-    if rows is None:
-        return y.add_(delta)
-    return y.index_copy_(0, rows, y.index_select(0, rows).add_(delta))
-
-
-def _stack(step: LoRAStep, path: str, device: torch.device) -> tuple:
-    """The step's adapters' weights for layer ``path`` side by side: ``(a [S, in], b [out, S],
-    each row's adapter among them (-1: none), their column offsets, their ranks)``; ``()`` when
-    none adapts the layer."""
-    pieces = [
-        (i, adapter.layers[path])
-        for i, (adapter, _) in enumerate(step.segments)
-        if path in adapter.layers
-    ]
-    if not pieces:
-        return ()
-    position = {i: j for j, (i, _) in enumerate(pieces)}
-    row_adapter = step.row_adapter.clone()
-    for i in range(len(step.segments)):  # segment index -> index among the layer's pieces
-        row_adapter[step.row_adapter == i] = position.get(i, -1)
-    lens = torch.tensor([w.a.shape[0] for _, w in pieces], dtype=torch.long)
-    offsets = torch.cumsum(lens, 0) - lens
-    return (
-        torch.cat([w.a for _, w in pieces]),
-        torch.cat([w.b for _, w in pieces], dim=1).contiguous(),
-        row_adapter,
-        offsets.to(device),
-        lens.to(device),
-    )
+        kernels.ops.lora_delta(
+            y.view(-1, y.shape[-1]),
+            x.reshape(-1, x.shape[-1]).contiguous(),
+            *weights,
+            step.row_adapter,
+        )
+        return y
 
 
 class LoRAManager:
@@ -164,8 +120,9 @@ class LoRAManager:
         model: the loaded (and quantized) model; its decoder's linear layers are wrapped.
         max_rank: ``--max-lora-rank``.
         max_cpu_loras: adapters kept loaded at once (``--max-cpu-loras``).
-        device: where the adapters' weights go (in float32, whatever the activations' dtype:
-            the deltas are small matmuls, and float32 keeps them row-invariant on the CPU).
+        device: where the adapters' weights go.
+        dtype: the model's activations' dtype; the adapters' weights are kept in bfloat16 when
+            it is bfloat16, else in float32.
     """
 
     def __init__(
@@ -174,12 +131,15 @@ class LoRAManager:
         max_rank: int,
         max_cpu_loras: int,
         device: torch.device,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.model, self.max_rank, self.max_cpu_loras = model, max_rank, max_cpu_loras
         self.device = device
+        self.weight_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
-        self._stacks_key: tuple[int, ...] | None = None  # see step()
-        self._stacks: dict = {}
+        # the last step's adapters (ids in order) and its layers' lists (LoRAStep.layers)
+        self._layers_key: tuple[int, ...] | None = None
+        self._layers: dict = {}
         wrapped = 0
         for path, module in model.named_modules():
             if (
@@ -213,9 +173,9 @@ class LoRAManager:
                 )
             self.adapters.move_to_end(request.lora_int_id)
             return False
-        adapter = load_adapter(request, self.model, self.max_rank, torch.float32, self.device)
+        adapter = load_adapter(request, self.model, self.max_rank, self.weight_dtype, self.device)
         self.adapters[request.lora_int_id] = adapter
-        self._stacks_key = None
+        self._layers_key = None
         logger.info(
             "LoRA adapter %r loaded from %s: rank %d, %d layers, %.1f MiB",
             request.lora_name,
@@ -229,7 +189,7 @@ class LoRAManager:
 
     def remove(self, lora_int_id: int) -> bool:
         """Drop an adapter; ``False`` when it was not loaded."""
-        self._stacks_key = None
+        self._layers_key = None
         return self.adapters.pop(lora_int_id, None) is not None
 
     def _evict(self, keep: set[int]) -> None:
@@ -239,42 +199,34 @@ class LoRAManager:
                 return
             if lora_id not in keep:
                 del self.adapters[lora_id]
-                self._stacks_key = None
+                self._layers_key = None
 
     def step(self, requests: list[LoRARequest | None], query_lens: list[int]) -> LoRAStep | None:
         """The step's :class:`LoRAStep` for sequences with adapters ``requests`` (``None``:
         the base model) of ``query_lens`` tokens each, laid end to end; ``None`` when no
         sequence uses one. An adapter dropped since it was added is read again."""
-        rows: dict[int, list[int]] = {}
+        owner: list[int] = []
+        ids: dict[int, int] = {}  # adapter id -> its position in the step
         by_id: dict[int, LoRARequest] = {}
-        start = 0
         for request, n in zip(requests, query_lens):
-            if request is not None:
-                rows.setdefault(request.lora_int_id, []).extend(range(start, start + n))
-                by_id[request.lora_int_id] = request
-            start += n
-        if not rows:
+            if request is None:
+                owner.extend([-1] * n)
+                continue
+            position = ids.setdefault(request.lora_int_id, len(ids))
+            by_id[request.lora_int_id] = request
+            owner.extend([position] * n)
+        if not ids:
             return None
-        segments = []
-        for lora_id, ids in rows.items():
+        for lora_id in ids:
             if lora_id not in self.adapters:
                 self.add(by_id[lora_id])
             self.adapters.move_to_end(lora_id)
-            index = None if len(ids) == start else torch.tensor(ids, device=self.device)
-            segments.append((self.adapters[lora_id], index))
-        self._evict(keep=set(rows))
-        if start > STACKED_MAX_ROWS:
-            return LoRAStep(segments)
-        owner = torch.full((start,), -1, dtype=torch.long)
-        for i, ids in enumerate(rows.values()):
-            owner[ids] = i
-        covered = sum(len(ids) for ids in rows.values()) == start
-        key = (tuple(rows), tuple(owner.tolist()))
-        if self._stacks_key != key:  # the last step's stacks, reused by a step laid out alike
-            self._stacks_key, self._stacks = key, {}
+        self._evict(keep=set(ids))
+        key = tuple(ids)
+        if self._layers_key != key:  # the layers' lists, kept while the adapters stay the same
+            self._layers_key, self._layers = key, {}
         return LoRAStep(
-            segments,
-            row_adapter=owner.to(self.device),
-            adapter_rows=None if covered else (owner >= 0).nonzero().flatten().to(self.device),
-            stacks=self._stacks,
+            [self.adapters[lora_id] for lora_id in ids],
+            torch.tensor(owner, dtype=torch.long, device=self.device),
+            self._layers,
         )

@@ -94,8 +94,8 @@ def _register_fakes() -> None:
         return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
     @torch.library.register_fake(lib + "lora_delta")
-    def _(x, a, b, row_adapter, offsets, lens):
-        return x.new_empty(x.shape[0], b.shape[0])
+    def _(y, x, a, b, segments, row_adapter):
+        return None
 
     @torch.library.register_fake(lib + "rowwise_linear")
     def _(x, weight, bias):
@@ -252,21 +252,22 @@ def bf16_linear_path() -> str:
 
 
 def lora_delta(
+    y: torch.Tensor,
     x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    segments: list[torch.Tensor],
     row_adapter: torch.Tensor,
-    offsets: torch.Tensor,
-    lens: torch.Tensor,
-) -> torch.Tensor:
-    """See ``pyxllm.kernels.native.lora_delta``; one call for every adapter of a step, each row
-    computing only its own adapter's pair, each sum in :func:`linear`'s row-wise order (so a
-    row gets the bits of ``linear(linear(x, a_g, None, True), b_g, None, True)``).
+) -> None:
+    """See ``pyxllm.kernels.native.lora_delta``: one call for every adapter of a step, rows on
+    one adapter computed together, each output's sum one fused multiply-add per term in a
+    fixed order in a vector lane of its own, so a row's bits do not depend on the other rows.
 
     Raises:
-        RuntimeError: tensors of other dtypes or shapes, or an adapter's columns outside ``a``.
+        RuntimeError: tensors of other dtypes, layouts or shapes, a segment outside ``y``, ``a``
+            or ``b``, or a row naming an adapter that is not there.
     """
-    return torch.ops.pyxllm_cpu.lora_delta.default(x, a, b, row_adapter, offsets, lens)
+    torch.ops.pyxllm_cpu.lora_delta.default(y, x, a, b, segments, row_adapter)
 
 
 def w8a8_linear(

@@ -26,29 +26,40 @@ def linear_is_row_invariant(weight: torch.Tensor) -> bool:
 
 
 def lora_delta(
+    y: torch.Tensor,
     x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    segments: list[torch.Tensor],
     row_adapter: torch.Tensor,
-    offsets: torch.Tensor,
-    lens: torch.Tensor,
-) -> torch.Tensor:
-    """The LoRA deltas of rows using different adapters (vLLM's BGMV shrink then expand): row
-    ``m`` with adapter ``g = row_adapter[m] >= 0`` gets ``(x[m] a_g^T) b_g^T`` with ``a_g =
-    a[offsets[g] : offsets[g] + lens[g]]`` and ``b_g = b[:, offsets[g] : offsets[g] +
-    lens[g]]``; a row with ``g = -1`` gets zeros.
+) -> None:
+    """Add the LoRA deltas of rows using different adapters to ``y`` in place (vLLM's punica
+    shrink then expand): row ``m`` with adapter ``g = row_adapter[m] >= 0`` gets ``xa = x[m]
+    a[g]``, then for each module ``(out_start, out_len, rank_start, rank_len, b_offset)`` of
+    ``segments[g]``, ``y[m, out_start : out_start + out_len] += xa[rank_start : rank_start +
+    rank_len] @ b[g][b_offset : b_offset + rank_len * out_len].view(rank_len, out_len)``, in
+    float32, rounded once to ``y``'s dtype. Rows with ``g = -1``, or whose ``a[g]`` is empty
+    (the adapter does not adapt this layer), are left as they are.
 
     Args:
-        x: ``float32 [T, in]``; a: ``float32 [S, in]`` (the adapters' A stacked); b: ``float32
-            [out, S]`` (their B side by side); row_adapter: ``int64 [T]``; offsets, lens:
-            ``int64 [num adapters]``, each adapter's columns of ``a`` and ``b``.
-    Returns:
-        ``float32 [T, out]``.
+        y: ``[T, out]``, the base layer's output (float32 or bfloat16), added to in place.
+        x: ``[T, in]``, the layer's input, ``y``'s dtype.
+        a: per adapter ``[in, R]`` (its A matrices transposed, side by side; ``R`` a multiple
+            of 8), float32 or bfloat16, or an empty tensor.
+        b: per adapter, 1-D: each module's ``B * scaling`` transposed (``[rank, out]``), one
+            after the other, ``a``'s dtype.
+        segments: per adapter ``int64 [M, 5]``, one row per adapted module.
+        row_adapter: ``int64 [T]``, each row's adapter (-1: none).
     """
-    out = x.new_zeros(x.shape[0], b.shape[0])
-    for g, (offset, length) in enumerate(zip(offsets.tolist(), lens.tolist())):
+    for g, (a_g, b_g, seg) in enumerate(zip(a, b, segments)):
         rows = (row_adapter == g).nonzero().flatten()
-        if len(rows):
-            xa = F.linear(x.index_select(0, rows), a[offset : offset + length])
-            out.index_copy_(0, rows, F.linear(xa, b[:, offset : offset + length]))
-    return out
+        if not len(rows) or not a_g.numel():
+            continue
+        xa = x.index_select(0, rows).float() @ a_g.float()
+        out = y.index_select(0, rows).float()
+        for out_start, out_len, rank_start, rank_len, b_offset in seg.tolist():
+            b_mod = b_g[b_offset : b_offset + rank_len * out_len].view(rank_len, out_len)
+            out[:, out_start : out_start + out_len] += (
+                xa[:, rank_start : rank_start + rank_len] @ b_mod.float()
+            )
+        y.index_copy_(0, rows, out.to(y.dtype))

@@ -1197,58 +1197,249 @@ at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& weight, const s
 }
 
 // ---------------------------------------------------------------------------------------------
-// LoRA deltas of a step whose rows use different adapters, one call per layer (vLLM's BGMV
-// "shrink" then "expand"): row m with adapter g = row_adapter[m] >= 0 gets
-//   xa[j] = sum_k x[m, k] a[offsets[g] + j, k]           (j < lens[g])
-//   delta[m, n] = sum_j xa[j] b[n, offsets[g] + j]
-// with each sum the operations rowwise_linear does (8-lane fused multiply-adds in order, hsum8,
-// the k % 8 tail in order), so a row gets the bits of linear(linear(x, a_g), b_g) alone, its
-// adapter's own a_g [lens[g], in] and b_g [out, lens[g]]; a row with no adapter gets zeros.
-// Only each row's own adapter is computed.
-inline float rowwise_dot(const float* w, const float* x, int64_t k) {
-  Vec8 acc = {};
-  int64_t i = 0;
-  for (; i + 8 <= k; i += 8) acc = fma8(load8(w + i), load8(x + i), acc);
-  float total = hsum8(acc);
-  for (; i < k; ++i) total += w[i] * x[i];
-  return total;
+// LoRA deltas of a step whose rows use different adapters, added to the base output in place,
+// one call per layer (vLLM's punica "shrink" then "expand"). Adapter g's layer is a_g [in, R_g]
+// (its A matrices transposed and side by side, R_g a multiple of 8), b_g (each module's
+// B * scaling transposed, [rank, out features], one after the other) and segments_g [M, 5]:
+// per module (out_start, out_len, rank_start, rank_len, b_offset). Row m with adapter
+// g = row_adapter[m] >= 0 gets
+//   xa[j] = sum_i x[m, i] a_g[i, j]
+//   y[m, out_start + c] += sum_j xa[rank_start + j] b_g[b_offset + j * out_len + c]
+// each sum in float32, one fused multiply-add per term in the order of j (and of i, the even
+// and the odd terms apart, then added), an output's terms in one vector lane of its own (no
+// reduction across lanes), then y's value plus the sum rounded once to y's dtype (as torch's y.add_(delta) with a float32 delta). So a row's bits
+// depend on its own x and adapter alone, whatever else shares the call: rows on one adapter
+// are computed together (up to kLoraRows at a time, the weights read once for them), which
+// changes no sum's order. Rows with g = -1, or whose adapter has no weights for the layer (an
+// empty a_g), are left as they are. Weights may be float32 or bfloat16 (widened exactly).
+// the scalar form of fma8 for a column tail, rounding as the vector lanes do
+inline float fma1(float a, float b, float c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
 }
 
-at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_adapter,
-                      const at::Tensor& offsets, const at::Tensor& lens) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "lora_delta: x must be float32 [T, in]");
-  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kFloat && a.is_contiguous() && a.size(1) == x.size(1),
-              "lora_delta: a must be contiguous float32 [S, in]");
-  TORCH_CHECK(b.dim() == 2 && b.scalar_type() == at::kFloat && b.is_contiguous() && b.size(1) == a.size(0),
-              "lora_delta: b must be contiguous float32 [out, S]");
-  const int64_t rows = x.size(0), k = x.size(1), s = a.size(0), n = b.size(0);
-  const at::Tensor xc = x.contiguous(), ra = row_adapter.to(at::kLong).contiguous();
-  const at::Tensor off = offsets.to(at::kLong).contiguous(), len = lens.to(at::kLong).contiguous();
-  TORCH_CHECK(ra.numel() == rows && off.numel() == len.numel(), "lora_delta: one adapter index per row");
-  const int64_t* rap = ra.data_ptr<int64_t>();
-  const int64_t *offp = off.data_ptr<int64_t>(), *lenp = len.data_ptr<int64_t>();
-  for (int64_t g = 0; g < off.numel(); ++g)
-    TORCH_CHECK(offp[g] >= 0 && lenp[g] >= 0 && offp[g] + lenp[g] <= s, "lora_delta: adapter ", g,
-                "'s columns fall outside a");
-  for (int64_t m = 0; m < rows; ++m)
-    TORCH_CHECK(rap[m] < off.numel(), "lora_delta: row ", m, " names adapter ", rap[m], " of ", off.numel());
-  at::Tensor out = at::zeros({rows, n}, x.options());
-  const float *xp = xc.data_ptr<float>(), *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
-  float* yp = out.data_ptr<float>();
-  // 16 rows a task: a decode step's few rows run on the calling thread (a row is a few
-  // microseconds; waking the pool for 8 of them cost more, and ~0.8 ms under a busy core)
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> xa;
-    for (int64_t m = begin; m < end; ++m) {
-      const int64_t g = rap[m];
-      if (g < 0) continue;
-      const int64_t o = offp[g], r = lenp[g];
-      xa.assign(r, 0.f);
-      for (int64_t j = 0; j < r; ++j) xa[j] = rowwise_dot(ap + (o + j) * k, xp + m * k, k);
-      for (int64_t c = 0; c < n; ++c) yp[m * n + c] = rowwise_dot(bp + c * s + o, xa.data(), r);
+inline Vec8 load8w(const float* p) { return load8(p); }
+
+typedef uint16_t U16x8 __attribute__((vector_size(16)));
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
+
+inline Vec8 load8w(const BFloat16* p) {
+  U16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const U32x8 w = __builtin_convertvector(h, U32x8) << 16;
+  Vec8 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline float load1w(const float* p) { return *p; }
+inline float load1w(const BFloat16* p) {
+  uint16_t raw;
+  std::memcpy(&raw, p, sizeof raw);
+  return bits_to_float(static_cast<uint32_t>(raw) << 16);
+}
+
+inline Vec8 broadcast8(float s) { return Vec8{s, s, s, s, s, s, s, s}; }
+
+// y[0..8) = y + d in each lane, rounded to y's dtype once (bf16_bits' rule, vectorized)
+inline void add8_rounded(float* y, Vec8 d) {
+  const Vec8 v = load8(y) + d;
+  std::memcpy(y, &v, sizeof v);
+}
+inline void add8_rounded(BFloat16* y, Vec8 d) {
+  const Vec8 v = load8w(y) + d;
+  U32x8 u;
+  std::memcpy(&u, &v, sizeof u);
+  U32x8 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  rounded = v != v ? U32x8{} + 0x7fc0u : rounded;  // NaN kept a NaN
+  const U16x8 h = __builtin_convertvector(rounded, U16x8);
+  std::memcpy(y, &h, sizeof h);
+}
+
+// one lane's worth of add8_rounded, for a column tail
+inline void add_rounded(float* y, float d) { *y = *y + d; }
+inline void add_rounded(BFloat16* y, float d) {
+  uint16_t raw;
+  std::memcpy(&raw, y, sizeof raw);
+  raw = bf16_bits(bits_to_float(static_cast<uint32_t>(raw) << 16) + d);
+  std::memcpy(y, &raw, sizeof raw);
+}
+
+constexpr int kLoraRows = 4;
+
+// xa[r, j0 .. j0 + 8 NV) for the NR rows xf [NR, k] (float32) over a [k, R]: each lane sums
+// the even i and the odd i apart (two chains of fused multiply-adds in the order of i), then
+// adds the two, whatever NR and NV
+template <int NR, int NV, typename W>
+void lora_shrink_tile(float* xa, const float* xf, const W* a, int64_t k, int64_t R, int64_t j0) {
+  Vec8 even[NR][NV] = {}, odd[NR][NV] = {};
+  int64_t i = 0;
+  for (; i + 2 <= k; i += 2) {
+    Vec8 w0[NV], w1[NV];
+    for (int v = 0; v < NV; ++v) {
+      w0[v] = load8w(a + i * R + j0 + 8 * v);
+      w1[v] = load8w(a + (i + 1) * R + j0 + 8 * v);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const Vec8 x0 = broadcast8(xf[r * k + i]), x1 = broadcast8(xf[r * k + i + 1]);
+      for (int v = 0; v < NV; ++v) {
+        even[r][v] = fma8(x0, w0[v], even[r][v]);
+        odd[r][v] = fma8(x1, w1[v], odd[r][v]);
+      }
+    }
+  }
+  if (i < k)
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < NV; ++v)
+        even[r][v] = fma8(broadcast8(xf[r * k + i]), load8w(a + i * R + j0 + 8 * v), even[r][v]);
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) {
+      const Vec8 total = even[r][v] + odd[r][v];
+      std::memcpy(xa + r * R + j0 + 8 * v, &total, sizeof total);
+    }
+}
+
+// y rows ys[r] += columns [c0, c0 + 8 NV) of one module: xa[r, rs .. rs + rl) over b [rl, ol]
+template <int NR, int NV, typename T, typename W>
+void lora_expand_tile(T* const* ys, const float* xa, int64_t R, const W* b, int64_t ol, int64_t rs, int64_t rl,
+                      int64_t c0) {
+  Vec8 acc[NR][NV] = {};
+  for (int64_t j = 0; j < rl; ++j) {
+    Vec8 w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = load8w(b + j * ol + c0 + 8 * v);
+    for (int r = 0; r < NR; ++r) {
+      const Vec8 xb = broadcast8(xa[r * R + rs + j]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = fma8(xb, w[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) add8_rounded(ys[r] + c0 + 8 * v, acc[r][v]);
+}
+
+// One block of NR rows on one adapter: x rows widened, the shrink, then each module's expand.
+template <int NR, typename T, typename W>
+void lora_rows(T* y, const T* x, const int64_t* rows, int64_t k, int64_t n, const W* a, int64_t R, const W* b,
+               const int64_t* seg, int64_t num_seg, float* xf, float* xa) {
+  constexpr int NV = NR <= 2 ? 4 : 2;  // accumulators: NR * NV <= 8 (twice that in the shrink)
+  for (int r = 0; r < NR; ++r) Rows<T>::load(xf + r * k, x + rows[r] * k, k);
+  for (int64_t j0 = 0; j0 < R;) {
+    switch (std::min<int64_t>(NV, (R - j0) / 8)) {
+      case 4: lora_shrink_tile<NR, 4>(xa, xf, a, k, R, j0); j0 += 32; break;
+      case 3: lora_shrink_tile<NR, 3>(xa, xf, a, k, R, j0); j0 += 24; break;
+      case 2: lora_shrink_tile<NR, 2>(xa, xf, a, k, R, j0); j0 += 16; break;
+      default: lora_shrink_tile<NR, 1>(xa, xf, a, k, R, j0); j0 += 8; break;
+    }
+  }
+  T* ys[NR];
+  for (int64_t s = 0; s < num_seg; ++s) {
+    const int64_t os = seg[5 * s], ol = seg[5 * s + 1], rs = seg[5 * s + 2], rl = seg[5 * s + 3];
+    const W* bs = b + seg[5 * s + 4];
+    for (int r = 0; r < NR; ++r) ys[r] = y + rows[r] * n + os;
+    int64_t c = 0;
+    for (; c + 8 * NV <= ol; c += 8 * NV) lora_expand_tile<NR, NV>(ys, xa, R, bs, ol, rs, rl, c);
+    for (; c + 8 <= ol; c += 8) lora_expand_tile<NR, 1>(ys, xa, R, bs, ol, rs, rl, c);
+    for (; c < ol; ++c)
+      for (int r = 0; r < NR; ++r) {
+        float total = 0.f;
+        for (int64_t j = 0; j < rl; ++j) total = fma1(xa[r * R + rs + j], load1w(bs + j * ol + c), total);
+        add_rounded(ys[r] + c, total);
+      }
+  }
+}
+
+template <typename T, typename W>
+void lora_job(T* y, const T* x, const int64_t* rows, int64_t count, int64_t k, int64_t n, const at::Tensor& a,
+              const at::Tensor& b, const at::Tensor& seg, std::vector<float>& buffer) {
+  const int64_t R = a.size(1);
+  buffer.resize(kLoraRows * (k + R));
+  float *xf = buffer.data(), *xa = xf + kLoraRows * k;
+  const W *ap = a.data_ptr<W>(), *bp = b.data_ptr<W>();
+  const int64_t *sp = seg.data_ptr<int64_t>(), ns = seg.size(0);
+  switch (count) {
+    case 1: lora_rows<1>(y, x, rows, k, n, ap, R, bp, sp, ns, xf, xa); break;
+    case 2: lora_rows<2>(y, x, rows, k, n, ap, R, bp, sp, ns, xf, xa); break;
+    case 3: lora_rows<3>(y, x, rows, k, n, ap, R, bp, sp, ns, xf, xa); break;
+    default: lora_rows<4>(y, x, rows, k, n, ap, R, bp, sp, ns, xf, xa); break;
+  }
+}
+
+template <typename T>
+void lora_delta_typed(const at::Tensor& y, const at::Tensor& x, at::TensorList a, at::TensorList b,
+                      at::TensorList segments, const std::vector<std::vector<int64_t>>& rows_of) {
+  struct Job {
+    int64_t g, start, count;  // adapter, first of its rows, row count (kLoraRows at most)
+  };
+  std::vector<Job> jobs;
+  const int64_t k = x.size(1), n = y.size(1);
+  int64_t macs = 0;
+  for (size_t g = 0; g < rows_of.size(); ++g) {
+    const int64_t count = static_cast<int64_t>(rows_of[g].size());
+    for (int64_t start = 0; start < count; start += kLoraRows)
+      jobs.push_back({static_cast<int64_t>(g), start, std::min<int64_t>(kLoraRows, count - start)});
+    if (count) macs += count * (a[g].numel() + b[g].numel());
+  }
+  T* yp = y.data_ptr<T>();
+  const T* xp = x.data_ptr<T>();
+  const int64_t num_jobs = static_cast<int64_t>(jobs.size());
+  // below kSerialLinearMacs in all the calling thread alone (waking the pool costs more)
+  const int64_t grain = macs < kSerialLinearMacs ? std::max<int64_t>(num_jobs, 1) : 1;
+  at::parallel_for(0, num_jobs, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer;
+    for (int64_t t = begin; t < end; ++t) {
+      const Job& job = jobs[t];
+      const int64_t* rows = rows_of[job.g].data() + job.start;
+      const at::Tensor &ag = a[job.g], &bg = b[job.g], &sg = segments[job.g];
+      if (ag.scalar_type() == at::kFloat)
+        lora_job<T, float>(yp, xp, rows, job.count, k, n, ag, bg, sg, buffer);
+      else
+        lora_job<T, BFloat16>(yp, xp, rows, job.count, k, n, ag, bg, sg, buffer);
     }
   });
-  return out;
+}
+
+void lora_delta(const at::Tensor& y, const at::Tensor& x, at::TensorList a, at::TensorList b, at::TensorList segments,
+                const at::Tensor& row_adapter) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && (y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16),
+              "lora_delta: y must be a contiguous float32 or bfloat16 [T, out] tensor");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == y.scalar_type() && x.size(0) == y.size(0),
+              "lora_delta: x must be a contiguous [T, in] tensor of y's dtype and rows");
+  TORCH_CHECK(row_adapter.dim() == 1 && row_adapter.scalar_type() == at::kLong && row_adapter.is_contiguous() &&
+                  row_adapter.numel() == y.size(0),
+              "lora_delta: row_adapter must be a contiguous int64 [T] tensor");
+  const int64_t num = static_cast<int64_t>(a.size()), k = x.size(1), n = y.size(1);
+  TORCH_CHECK(b.size() == a.size() && segments.size() == a.size(), "lora_delta: one a, b and segments per adapter");
+  for (int64_t g = 0; g < num; ++g) {
+    if (a[g].numel() == 0) continue;  // the adapter does not adapt this layer
+    TORCH_CHECK(a[g].dim() == 2 && a[g].is_contiguous() && a[g].size(0) == k && a[g].size(1) % 8 == 0 &&
+                    (a[g].scalar_type() == at::kFloat || a[g].scalar_type() == at::kBFloat16),
+                "lora_delta: adapter ", g, "'s a must be a contiguous float32 or bfloat16 [", k,
+                ", R] tensor, R a multiple of 8");
+    TORCH_CHECK(b[g].dim() == 1 && b[g].is_contiguous() && b[g].scalar_type() == a[g].scalar_type(),
+                "lora_delta: adapter ", g, "'s b must be a contiguous 1-D tensor of a's dtype");
+    const at::Tensor& seg = segments[g];
+    TORCH_CHECK(seg.dim() == 2 && seg.size(1) == 5 && seg.scalar_type() == at::kLong && seg.is_contiguous(),
+                "lora_delta: adapter ", g, "'s segments must be a contiguous int64 [M, 5] tensor");
+    const int64_t* sp = seg.data_ptr<int64_t>();
+    for (int64_t s = 0; s < seg.size(0); ++s) {
+      const int64_t os = sp[5 * s], ol = sp[5 * s + 1], rs = sp[5 * s + 2], rl = sp[5 * s + 3], bo = sp[5 * s + 4];
+      TORCH_CHECK(os >= 0 && ol >= 0 && os + ol <= n && rs >= 0 && rl >= 0 && rs + rl <= a[g].size(1) && bo >= 0 &&
+                      bo + rl * ol <= b[g].numel(),
+                  "lora_delta: adapter ", g, "'s segment ", s, " falls outside y, a or b");
+    }
+  }
+  std::vector<std::vector<int64_t>> rows_of(num);
+  const int64_t* rap = row_adapter.data_ptr<int64_t>();
+  for (int64_t m = 0; m < y.size(0); ++m) {
+    TORCH_CHECK(rap[m] >= -1 && rap[m] < num, "lora_delta: row ", m, " names adapter ", rap[m], " of ", num);
+    if (rap[m] >= 0 && a[rap[m]].numel() > 0) rows_of[rap[m]].push_back(m);
+  }
+  if (y.scalar_type() == at::kFloat)
+    lora_delta_typed<float>(y, x, a, b, segments, rows_of);
+  else
+    lora_delta_typed<BFloat16>(y, x, a, b, segments, rows_of);
 }
 
 }  // namespace
@@ -1262,7 +1453,7 @@ TORCH_LIBRARY(pyxllm_cpu, m) {
   m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, int sliding_window=0) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor weight_scales, Tensor? bias, int hadamard_block=0) -> Tensor");
   m.def("rowwise_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("lora_delta(Tensor x, Tensor a, Tensor b, Tensor row_adapter, Tensor offsets, Tensor lens) -> Tensor");
+  m.def("lora_delta(Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] b, Tensor[] segments, Tensor row_adapter) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pyxllm_cpu, CPU, m) {
