@@ -205,28 +205,31 @@ class LoRAManager:
         """The step's :class:`LoRAStep` for sequences with adapters ``requests`` (``None``:
         the base model) of ``query_lens`` tokens each, laid end to end; ``None`` when no
         sequence uses one. An adapter dropped since it was added is read again."""
-        owner: list[int] = []
-        ids: dict[int, int] = {}  # adapter id -> its position in the step
+        owner: list[int | None] = []  # each row's adapter id
         by_id: dict[int, LoRARequest] = {}
         for request, n in zip(requests, query_lens):
-            if request is None:
-                owner.extend([-1] * n)
-                continue
-            position = ids.setdefault(request.lora_int_id, len(ids))
-            by_id[request.lora_int_id] = request
-            owner.extend([position] * n)
-        if not ids:
+            lora_id = None if request is None else request.lora_int_id
+            if request is not None:
+                by_id[lora_id] = request
+            owner.extend([lora_id] * n)
+        if not by_id:
             return None
-        for lora_id in ids:
+        for lora_id in by_id:
             if lora_id not in self.adapters:
                 self.add(by_id[lora_id])
             self.adapters.move_to_end(lora_id)
-        self._evict(keep=set(ids))
-        key = tuple(ids)
-        if self._layers_key != key:  # the layers' lists, kept while the adapters stay the same
+        self._evict(keep=set(by_id))
+        # in id order: the steps of one set of adapters share their layers' lists
+        key = tuple(sorted(by_id))
+        if self._layers_key != key:
             self._layers_key, self._layers = key, {}
+        position = {lora_id: i for i, lora_id in enumerate(key)}
         return LoRAStep(
-            [self.adapters[lora_id] for lora_id in ids],
-            torch.tensor(owner, dtype=torch.long, device=self.device),
+            [self.adapters[lora_id] for lora_id in key],
+            torch.tensor(
+                [-1 if i is None else position[i] for i in owner],
+                dtype=torch.long,
+                device=self.device,
+            ),
             self._layers,
         )
