@@ -9,10 +9,14 @@ clients send random 100-token prompts, ``--output-len`` new tokens each with ``i
   them);
 - ``base, same server``: 8 clients on the base model, on that server (``--enable-lora`` runs
   the eager runner);
-- ``base, default server``: 8 clients on ``pyxllm serve`` with no flags (the graph runner).
+- ``base, default server``: 8 clients on ``pyxllm serve`` with no flags (the graph runner);
+- ``llama-server --lora``: 8 clients on llama.cpp's server with adapter ``a`` (converted to
+  llama.cpp's LoRA GGUF here, see :func:`to_llama_cpp_lora`) applied to every request; skipped
+  with a message when its binary is not built (``benchmarks/build_llama_server.sh``).
 
-Printed: output tok/s, median TPOT and TTFT of the adapters' load, with each base load as a peer
-(the ratio is the adapters' share of the base's throughput; the target is at least 0.85).
+Printed: output tok/s, median TPOT and TTFT of the adapters' load, with each other load as a
+peer (against the base loads the ratio is the adapters' share of the base's throughput; the
+target is at least 0.85).
 
 Run from the repository root::
 
@@ -23,12 +27,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import tempfile
 from pathlib import Path
 
 from harness import log, measure_server, pyxllm_serve_cmd, ratio_lines
+from llama_server import CONTEXT_MARGIN, DEFAULT_BIN_DIR, find_binaries
 
 from pyxllm.benchmarks.prompts import load_tokenizer, make_prompts
+from pyxllm.weights.source import default_gguf_path
 
 # SmolLM2-135M-Instruct's shapes (the embedded GGUF's)
 SMOLLM2 = dict(
@@ -44,6 +51,16 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 NAMES = ("a", "b", "c", "d")
 CLIENTS = 8
 SIZING = "--max-model-len 512 --kv-cache-memory 0.5 --max-seqs-per-batch 16".split()
+# llama.cpp's tensor names for the Llama projections (its convert_hf_to_gguf.py's mapping)
+LLAMA_CPP_NAMES = {
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_output",
+    "gate_proj": "ffn_gate",
+    "up_proj": "ffn_up",
+    "down_proj": "ffn_down",
+}
 
 
 def build_adapters(directory: Path, rank: int) -> dict[str, Path]:
@@ -69,12 +86,58 @@ def build_adapters(directory: Path, rank: int) -> dict[str, Path]:
     return paths
 
 
+def _rope_rows(b, heads: int):
+    """``b``'s rows (a q/k projection's outputs) in llama.cpp's order: its GGUF converter
+    stores each head's rotary halves interleaved (``convert_hf_to_gguf.py``'s ``permute``), so
+    the base model's q/k weights there are, and an adapter's B must match them."""
+    out, rank = b.shape
+    return b.reshape(heads, 2, out // heads // 2, rank).transpose(1, 2).reshape(out, rank)
+
+
+def to_llama_cpp_lora(peft_dir: Path, path: Path) -> Path:
+    """The PEFT adapter in ``peft_dir`` (on the embedded Llama's shapes) written to ``path`` as
+    llama.cpp's LoRA GGUF (what its ``convert_lora_to_gguf.py`` writes for a Llama adapter:
+    ``general.type`` ``adapter``, ``adapter.type`` ``lora``, ``adapter.lora.alpha``, and per
+    projection ``blk.N.<name>.weight.lora_a`` ``[r, in]`` and ``.lora_b`` ``[out, r]`` in
+    float32, q/k's B rows in llama.cpp's rotary order)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(config["lora_alpha"]))
+    pattern = re.compile(r".*\.layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight")
+    heads = {
+        "q_proj": SMOLLM2["num_attention_heads"],
+        "k_proj": SMOLLM2["num_key_value_heads"],
+    }
+    for key, tensor in sorted(load_file(str(peft_dir / "adapter_model.safetensors")).items()):
+        layer, module, kind = pattern.fullmatch(key).groups()
+        tensor = tensor.float()
+        if kind == "B" and module in heads:
+            tensor = _rope_rows(tensor, heads[module])
+        name = f"blk.{layer}.{LLAMA_CPP_NAMES[module]}.weight.lora_{kind.lower()}"
+        writer.add_tensor(name, tensor.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument(
+        "--llama-server-dir",
+        default=str(DEFAULT_BIN_DIR),
+        help="where llama.cpp's llama-server is built (its peer is skipped without it)",
+    )
     args = parser.parse_args()
     tokenizer = load_tokenizer(None)
     prompts = make_prompts(tokenizer, CLIENTS * args.requests_per_client, 100, "random", seed=7)
@@ -92,6 +155,18 @@ def main() -> None:
         default_cmd = pyxllm_serve_cmd(18952, *SIZING)
         plain = {"base, default server": (prompts, args.output_len, CLIENTS)}
         results.update(measure_server("default", default_cmd, 18952, args.threads, plain, warmup))
+        binaries = find_binaries(args.llama_server_dir, ("llama-server",), "llama-server --lora")
+        if binaries is not None:
+            lora_gguf = to_llama_cpp_lora(paths["a"], Path(tmp) / "a.gguf")
+            slot_len = 100 + args.output_len + CONTEXT_MARGIN
+            llama_cmd = [
+                str(binaries["llama-server"]),
+                *("-m", str(default_gguf_path()), "--lora", str(lora_gguf)),
+                *f"--host 127.0.0.1 --port 18953 -np {CLIENTS} -cb -t {args.threads}".split(),
+                *("-c", str(CLIENTS * slot_len)),
+            ]
+            peer = {"llama-server --lora": (prompts, args.output_len, CLIENTS)}
+            results.update(measure_server("llama", llama_cmd, 18953, args.threads, peer, warmup))
     log("lora:", json.dumps(results))
     ours = results["adapters"]
     title = f"4 LoRA adapters (rank {args.rank}), {CLIENTS} clients, 100-token prompts"
@@ -100,7 +175,8 @@ def main() -> None:
         ("median_tpot_ms", "median TPOT", "ms", True),
         ("median_ttft_ms", "median TTFT", "ms", True),
     ):
-        peers = {name: results[name][key] for name in ("base, same server", "base, default server")}
+        names = ("base, same server", "base, default server", "llama-server --lora")
+        peers = {name: results[name][key] for name in names if name in results}
         for line in ratio_lines(f"{title}, {what}", ours[key], peers, unit, lower_better=lower):
             print(line)
 
