@@ -18,9 +18,16 @@ Printed: output tok/s, median TPOT and TTFT of the adapters' load, with each oth
 peer (against the base loads the ratio is the adapters' share of the base's throughput; the
 target is at least 0.85).
 
+With ``--in-process`` it serves nothing and measures CPU time instead: one ``LLM`` (one
+thread, the prefix cache off) generates for 8 prompts on the base model, then on the four
+adapters in turn, ``--reps`` times after a warm-up pair, and prints the median process CPU
+seconds of each and their ratio. On a machine others share, CPU time moves far less than wall
+time with what else runs (a busy core stretches a step's wall time, not its instructions).
+
 Run from the repository root::
 
     .venv/bin/python benchmarks/lora.py --threads 2 --requests-per-client 2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lora.py --in-process --reps 3
 """
 
 from __future__ import annotations
@@ -127,6 +134,48 @@ def to_llama_cpp_lora(peft_dir: Path, path: Path) -> Path:
     return path
 
 
+def in_process(tokenizer, output_len: int, rank: int, reps: int) -> None:
+    """``--in-process`` (see the module docstring): prints the median CPU seconds of the base
+    and the adapters' generations and the base's share of the adapters' (the throughput ratio
+    when the CPU is the bottleneck)."""
+    import statistics
+    import time
+
+    from pyxllm import LLM, LoRARequest, SamplingParams
+
+    prompts = [
+        {"prompt_token_ids": ids}
+        for _, ids in make_prompts(tokenizer, CLIENTS, 100, "random", seed=7)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    cpu: dict[str, list[float]] = {"base": [], "adapters": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = build_adapters(Path(tmp), rank)
+        llm = LLM(
+            max_model_len=512,
+            kv_cache_memory=0.5,
+            max_seqs_per_batch=16,
+            enable_lora=True,
+            max_loras=len(NAMES),
+            enable_prefix_cache=False,
+        )
+        requests = [LoRARequest(name, i + 1, str(paths[name])) for i, name in enumerate(NAMES)]
+        mixed = [requests[i % len(requests)] for i in range(CLIENTS)]
+        for rep in range(reps + 1):  # the first pair warms up
+            for label, lora in (("base", None), ("adapters", mixed)):
+                start = time.process_time()
+                llm.generate(prompts, params, lora_request=lora)
+                if rep:
+                    cpu[label].append(time.process_time() - start)
+    base, adapters = (statistics.median(cpu[label]) for label in ("base", "adapters"))
+    log("lora in-process:", json.dumps(cpu))
+    print(
+        f"4 LoRA adapters (rank {rank}), {CLIENTS} prompts x {output_len} tokens, CPU seconds "
+        f"(median of {reps}): base {base:.2f}, adapters {adapters:.2f} -> base/adapters = "
+        f"{base / adapters:.2f}x"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -138,8 +187,17 @@ def main() -> None:
         default=str(DEFAULT_BIN_DIR),
         help="where llama.cpp's llama-server is built (its peer is skipped without it)",
     )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="measure CPU time in this process instead of serving (see the docstring)",
+    )
+    parser.add_argument("--reps", type=int, default=3, help="--in-process repetitions")
     args = parser.parse_args()
     tokenizer = load_tokenizer(None)
+    if args.in_process:
+        in_process(tokenizer, args.output_len, args.rank, args.reps)
+        return
     prompts = make_prompts(tokenizer, CLIENTS * args.requests_per_client, 100, "random", seed=7)
     warmup = make_prompts(tokenizer, 2, 32, "random", seed=8)
     results = {}
