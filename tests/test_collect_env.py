@@ -83,6 +83,10 @@ def test_env_runs_on_the_cpu_and_lists_the_loaded_torch_libraries():
     assert os.path.basename(fused["cache_dir"]) == fused["name"]
     assert native or os.path.isfile(fused["library"])
 
+    memory = report["memory"]
+    if os.path.exists("/proc/meminfo"):
+        assert 0 < memory["available_gib"] <= memory["total_gib"], memory
+        assert 0.05 < memory["rss_gib"] < memory["total_gib"], memory  # torch alone is ~0.3
     assert report["threads"]["OMP_NUM_THREADS"] == "1"
     assert report["threads"]["torch_num_threads"] == 1
     assert report["environment"]["OMP_NUM_THREADS"] == "1"
@@ -151,7 +155,8 @@ def test_the_text_report_has_every_section_and_the_torch_libraries():
     out = io.StringIO()
     assert run_env(argparse.Namespace(json=False), out) == 0
     text = out.getvalue()
-    for section in ("pyxllm", "CPU", "threads", "torch", "fused CPU kernels", "device platforms"):
+    sections = ("pyxllm", "CPU", "threads", "memory", "torch", "fused CPU kernels")
+    for section in (*sections, "device platforms"):
         assert f"== {section} ==" in text
     assert os.path.join(TORCH_LIB, "libtorch_cpu.so") in text
     assert "avx512_bf16" in text and "OMP_NUM_THREADS" in text

@@ -80,6 +80,27 @@ def _os() -> dict[str, str | None]:
     }
 
 
+def _memory() -> dict[str, float | None]:
+    """Host memory in GiB (``MemTotal``, ``MemAvailable`` of ``/proc/meminfo``; ``None`` where
+    there is none) and this process's resident memory (``VmRSS``): what a model's weights and
+    its KV budget have to fit in. A server logs its own resident memory after loading
+    ("process resident" in its start-up line)."""
+    values: dict[str, float | None] = {"total_gib": None, "available_gib": None, "rss_gib": None}
+    for path, keys in (
+        ("/proc/meminfo", {"MemTotal:": "total_gib", "MemAvailable:": "available_gib"}),
+        ("/proc/self/status", {"VmRSS:": "rss_gib"}),
+    ):
+        try:
+            with open(path) as lines:
+                for line in lines:
+                    fields = line.split()  # "Key: <n> kB"
+                    if fields and fields[0] in keys:
+                        values[keys[fields[0]]] = round(int(fields[1]) / 2**20, 2)
+        except (OSError, ValueError, IndexError):
+            continue
+    return values
+
+
 def _warnings(report: dict, loaded: set[str]) -> list[str]:
     """What in ``report`` deserves attention: two copies of a library on the search path (one
     of them among the ``loaded`` paths), a platform package that does not import, fused CPU
@@ -113,7 +134,8 @@ def _warnings(report: dict, loaded: set[str]) -> list[str]:
 
 
 def collect_env() -> dict:
-    """The report as a JSON-ready dict: ``pyxllm``, ``python``, ``os``, ``cpu``, ``threads``,
+    """The report as a JSON-ready dict: ``pyxllm``, ``python``, ``os``, ``memory``, ``cpu``,
+    ``threads``,
     ``torch``, ``platforms`` (one dict per platform), ``device_auto`` (what ``--device auto``
     picks), ``packages``, ``environment`` and ``warnings``. Imports each installed platform
     package (so that its libraries are loaded and listed)."""
@@ -147,6 +169,7 @@ def collect_env() -> dict:
             "virtualenv": sys.prefix if sys.prefix != sys.base_prefix else None,
         },
         "os": _os(),
+        "memory": _memory(),
         "cpu": cpu_environment(),
         "threads": {
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
@@ -221,6 +244,14 @@ def format_report(report: dict) -> str:
             ],
         ),  # fmt: skip
         ("threads", [(name, value) for name, value in report["threads"].items()]),
+        (
+            "memory",
+            [
+                ("host total (GiB)", report["memory"]["total_gib"]),
+                ("host available (GiB)", report["memory"]["available_gib"]),
+                ("this process resident (GiB)", report["memory"]["rss_gib"]),
+            ],
+        ),
         (
             "torch",
             [
