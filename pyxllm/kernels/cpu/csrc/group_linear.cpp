@@ -227,38 +227,81 @@ struct ScaleLayout {
   }
 };
 
+// Each lane rounded to the nearest integer, ties to even (std::rint's rounding in the default
+// mode, so the vector branches give the scalar branch's bits).
+inline FloatV rint_lanes(FloatV v) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return (FloatV)_mm512_roundscale_ps((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(__AVX__)
+  return (FloatV)_mm256_round_ps((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  for (int i = 0; i < kLanes; ++i) v[i] = std::rint(v[i]);
+  return v;
+#endif
+}
+
+// kLanes activations of x as floats (bfloat16 widened exactly).
+inline FloatV load_floats(const float* x) {
+  FloatV v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+inline FloatV load_floats(const BFloat16* x) {
+  typedef uint16_t HalfV __attribute__((vector_size(kLanes * 2)));
+  HalfV h;
+  std::memcpy(&h, x, sizeof h);
+  const IntV bits = __builtin_convertvector(h, IntV) << 16;
+  FloatV v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
 // The activations of `rows` rows quantized per group, in two int8 parts: x / xs ~= q1 + q2 / 254
 // with q1 = rint(x / xs) and q2 = rint((x / xs - q1) * 254), both in -127..127; row r's q1 at
 // xq[2 k r + i], its q2 at xq[2 k r + k + i]. xs [rows, k/32] holds max |x| / (127 * 254), xsum
 // [rows, k/S] the sum of the quantized activations xs * (254 q1 + q2) over each S = sum_group
-// (32 or 16) inputs (an integer sum below 2^24, exact in float, times xs: one rounding).
+// (32 or 16) inputs (an integer sum below 2^24, exact in float, times xs: one rounding). Vectors of
+// kLanes activations, each lane doing the scalar formula's operations (a maximum and integer
+// sums are exact in any order), so every ISA branch gives the same bytes.
 template <typename T>
 void quantize_groups(int8_t* xq, float* xs, float* xsum, const T* x, int64_t rows, int64_t k,
                      int64_t sum_group) {
+  constexpr int kVecs = kGroup / kLanes;
+  typedef int8_t ByteV __attribute__((vector_size(kLanes)));
   const int64_t groups = k / kGroup, sums = kGroup / sum_group;
   at::parallel_for(0, rows, rows * k < kSerialMacs ? rows : 1, [&](int64_t begin, int64_t end) {
-    float b[kGroup];
     for (int64_t r = begin; r < end; ++r)
       for (int64_t g = 0; g < groups; ++g) {
         const T* src = x + r * k + g * kGroup;
-        float amax = 0.f;
-        int32_t total[2] = {0, 0};
-        for (int64_t i = 0; i < kGroup; ++i) {
-          b[i] = static_cast<float>(src[i]);
-          amax = std::max(amax, std::fabs(b[i]));
+        FloatV b[kVecs], amax_v{};
+        for (int v = 0; v < kVecs; ++v) {
+          b[v] = load_floats(src + v * kLanes);
+          const IntV bits = (IntV)b[v] & 0x7FFFFFFF;  // |x|
+          const FloatV mag = (FloatV)bits;
+          amax_v = mag > amax_v ? mag : amax_v;
         }
+        float amax = 0.f;
+        for (int i = 0; i < kLanes; ++i) amax = std::max(amax, amax_v[i]);
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         int8_t* q1 = xq + 2 * k * r + g * kGroup;
         int8_t* q2 = q1 + k;
-        for (int64_t i = 0; i < kGroup; ++i) {
-          const float v = b[i] * inv, whole = std::rint(v);
-          q1[i] = static_cast<int8_t>(whole);
-          q2[i] = static_cast<int8_t>(std::rint((v - whole) * 254.f));
-          total[i >= sum_group] += 254 * q1[i] + q2[i];  // sum_group 32: one sum; 16: two halves
+        IntV total_v[2] = {};
+        for (int v = 0; v < kVecs; ++v) {
+          const FloatV scaled = b[v] * inv, whole = rint_lanes(scaled);
+          const IntV i1 = __builtin_convertvector(whole, IntV);
+          const IntV i2 = __builtin_convertvector(rint_lanes((scaled - whole) * 254.f), IntV);
+          const ByteV b1 = __builtin_convertvector(i1, ByteV), b2 = __builtin_convertvector(i2, ByteV);
+          std::memcpy(q1 + v * kLanes, &b1, sizeof b1);
+          std::memcpy(q2 + v * kLanes, &b2, sizeof b2);
+          total_v[v * kLanes >= sum_group] += 254 * i1 + i2;  // sum_group 32: one sum; 16: two halves
         }
         const float step = amax / (127.f * 254.f);
         xs[r * groups + g] = step;
-        for (int64_t j = 0; j < sums; ++j) xsum[(r * groups + g) * sums + j] = static_cast<float>(total[j]) * step;
+        for (int64_t j = 0; j < sums; ++j) {
+          int32_t total = 0;
+          for (int i = 0; i < kLanes; ++i) total += total_v[j][i];
+          xsum[(r * groups + g) * sums + j] = static_cast<float>(total) * step;
+        }
       }
   });
 }
