@@ -14,6 +14,8 @@ import pytest
 
 from pyxllm import LLM, SamplingParams
 from pyxllm.engine.input_processor import TokensPrompt
+from pyxllm.platforms.cpu import cpu_default_dtype
+from tests.utils import RemoteServer, run_together
 
 # a small cache (preemption), small steps (prefill chunks of many sizes, batches of more and
 # fewer than 32 rows: the group kernels' GEMM threshold without --batch-invariant)
@@ -138,3 +140,61 @@ def test_bfloat16_weights_give_each_request_its_tokens_alone():
     before = busy.stats()
     _check_schedule(busy, alone, 0)
     assert busy.stats()["prefix_cache_hits"] > before["prefix_cache_hits"]
+
+
+def test_a_default_server_answers_a_request_the_same_every_time():
+    """``pyxllm serve`` with every default (``--dtype auto``: bfloat16 on a CPU with avx512_bf16
+    or AMX, float32 elsewhere; the GGUF's weights as stored; the graph runner): a chat at
+    temperature 0 sent, sent again (a prefix-cache hit: its prefill runs over fewer rows),
+    streamed, and streamed and unstreamed at once beside a longer request (a batch of three),
+    gives the same tokens and log-probabilities each time. The suite's other servers run
+    float32 and dequantized weights; this one runs what ``make serve`` runs."""
+    defaults = {
+        "PYXLLM_CPU_DEFAULT_DTYPE": "",
+        "PYXLLM_DEFAULT_QUANTIZATION": "",
+        "PYXLLM_DEFAULT_GRAPH_BACKEND": "",
+    }
+    args = ["--served-model-name", "m", "--max-model-len", "512", "--kv-cache-memory", "0.1"]
+    with RemoteServer(args, env=defaults) as server:
+        client = server.openai_client()
+        text = "Écris une phrase en français sur l'été à Zürich, avec des accents."
+        ask = dict(
+            model="m",
+            messages=[{"role": "user", "content": text}],
+            temperature=0,
+            max_tokens=40,
+            logprobs=True,
+        )
+
+        def plain():
+            reply = client.chat.completions.create(**ask)
+            return [(e.token, e.logprob) for e in reply.choices[0].logprobs.content]
+
+        def streamed():
+            chunks = client.chat.completions.create(**ask, stream=True)
+            return [
+                (e.token, e.logprob)
+                for c in chunks
+                if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content
+            ]
+
+        def longer():
+            story = "Tell me a long story about a fox who lives in the mountains."
+            return client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": story}], max_tokens=30
+            )
+
+        first = plain()
+        assert len(first) > 10
+        assert plain() == first
+        assert streamed() == first
+        again, again_streamed, _ = run_together(plain, streamed, longer)
+        assert again == first
+        assert again_streamed == first
+        # it ran the defaults: this CPU's dtype, the weights as stored, the graph runner
+        dtype = str(cpu_default_dtype(override="")).removeprefix("torch.")
+        log = server.output()
+        assert f"dtype {dtype}," in log
+        assert "weights kept as the GGUF file stores them" in log
+        assert "runner graph" in log
