@@ -465,3 +465,80 @@ def test_a_parser_named_by_hand_reads_typed_xml_calls():
     [call] = choice.message.tool_calls
     assert (call.function.name, call.function.arguments) == ("set_alarm", '{"hour": 7}')
     assert assemble(chunks) == (None, [("set_alarm", '{"hour": 7}')], "tool_calls")
+
+
+# --- agent frameworks, as they send tools (tool_choice left out) -----------------------------
+
+
+def test_langchain_bind_tools_reads_the_call_streamed_or_not(server):
+    """LangChain's ``ChatOpenAI.bind_tools`` with its default ``tool_choice`` (none sent): the
+    call comes back as the message's ``tool_calls``, and streamed chunks add up to it."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str, unit: str = "celsius") -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url=server.base_url,
+        api_key="none",
+        temperature=0,
+        max_tokens=48,
+        extra_body={"structured_outputs": FORCED_CALL},
+    ).bind_tools([get_weather])
+    question = "What is the weather in Paris?"
+    message, chunks = run_together(lambda: llm.invoke(question), lambda: list(llm.stream(question)))
+    [call] = message.tool_calls
+    assert (call["name"], call["args"]) == ("get_weather", {"city": "Paris", "unit": "celsius"})
+    streamed = chunks[0]
+    for chunk in chunks[1:]:
+        streamed += chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
+    # and free (no constraint): a well-formed answer, a call of the tool or text
+    free = llm.bind(extra_body={}, max_tokens=8).invoke(question)
+    assert free.tool_calls or free.content
+
+
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+def test_openai_agents_run_a_function_tool(server, api):
+    """The ``openai-agents`` SDK (its Chat Completions model, ``tool_choice`` left out, the call
+    forced by a constraint beside it; and its default, the Responses API, which has no such
+    field: ``tool_choice="required"``): the agent's call reaches the function, whose result
+    ends the run."""
+    from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
+    from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
+    from agents.models.openai_responses import OpenAIResponsesModel
+
+    set_tracing_disabled(True)
+    seen = []
+
+    @function_tool
+    def get_weather(city: str, unit: str) -> str:
+        """The weather in a city."""
+        seen.append((city, unit))
+        return f"sunny in {city}"
+
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="none")
+    if api == "chat_completions":
+        model_class, forcing = (
+            OpenAIChatCompletionsModel,
+            {"extra_body": {"structured_outputs": FORCED_CALL}},
+        )
+    else:
+        model_class, forcing = OpenAIResponsesModel, {"tool_choice": "required"}
+    agent = Agent(
+        name="weather",
+        instructions="Answer with the weather tool.",
+        tools=[get_weather],
+        model=model_class(model=MODEL, openai_client=client),
+        model_settings=ModelSettings(temperature=0, max_tokens=48, **forcing),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    result = Runner.run_sync(agent, "What is the weather in Paris?")
+    [(city, unit)] = seen
+    assert result.final_output == f"sunny in {city}"
+    if api == "chat_completions":
+        assert (city, unit) == ("Paris", "celsius")
