@@ -6,10 +6,10 @@ take comma-separated names):
 
 1. ``offline``: pyxllm's offline throughput, ``--num-prompts`` prompts of ``--input-len``
    tokens generating exactly ``--output-len`` tokens each (greedy), with pyxllm's ``LLM``
-   (``--dtype auto``: bfloat16 on CPUs with native bf16), with float weights and with
-   ``--quantization w8a8`` (int8 matmuls); and its batch-1 figures: prefill rate of one prompt
-   and decode rate of ``--output-len`` tokens, with ``--quantization int4`` (the GGUF's Q4_1
-   weights, exactly) and with float weights. pyxllm runs ``--graph-backend graph`` throughout.
+   with no flags (the GGUF's weights as stored, ``--dtype auto``: bfloat16 on CPUs with native
+   bf16) and with ``--quantization w8a8`` (int8 matmuls); and its batch-1 figures: prefill
+   rate of one prompt and decode rate of ``--output-len`` tokens, with no flags and with
+   ``--quantization int4``. pyxllm runs ``--graph-backend graph`` throughout.
    The peers of these rows: ``transformers`` (``generate`` in bfloat16, batches of
    ``--hf-batch-size`` (16) with left padding) and ``llamacpp`` (llama-cpp-python one request
    at a time on the GGUF, on ``--llamacpp-prompts`` of them: it has no batching).
@@ -140,8 +140,9 @@ def llamacpp_figures(path, prompts, output_len: int, threads: int, num: int, fre
 
 
 def pyxllm_figures(prompts, output_len: int, fresh) -> dict:
-    """pyxllm offline throughput (bf16 default, and w8a8) and batch-1 rates with float and int4
-    weights, on the ``fresh`` prompts (not seen before: no prefix-cache hit)."""
+    """pyxllm offline throughput (no flags: the GGUF's weights as stored, ``--dtype auto``; and
+    w8a8) and batch-1 rates with no flags and with ``--quantization int4``, on the ``fresh``
+    prompts (not seen before: no prefix-cache hit)."""
     from pyxllm import LLM, SamplingParams
     from pyxllm.benchmarks.latency import _timed_request
 
@@ -169,7 +170,7 @@ def pyxllm_figures(prompts, output_len: int, fresh) -> dict:
     )
     gc.collect()
     for name, engine in (
-        ("float", llm.llm_engine),
+        ("defaults", llm.llm_engine),
         (
             "int4",
             LLM(
@@ -497,14 +498,17 @@ def offline_rows(results: dict) -> list[str]:
         "llama.cpp sequential": lc.get("output_tok_s"),
     }
     lines = ratio_lines(
-        f"Offline throughput ({ours['dtype']})", ours["output_tok_s"], offline_peers, "output tok/s"
+        f"Offline throughput (no flags, {ours['dtype']})",
+        ours["output_tok_s"],
+        offline_peers,
+        "output tok/s",
     )
     lines += ratio_lines(
         "Offline throughput (w8a8)", ours["w8a8_output_tok_s"], offline_peers, "output tok/s"
     )
-    for kind in ("int4", "float"):
+    for kind, label in (("defaults", "no flags"), ("int4", "--quantization int4")):
         lines += ratio_lines(
-            f"Batch-1 decode ({kind} weights)",
+            f"Batch-1 decode ({label})",
             ours[f"{kind}_decode_tok_s"],
             {
                 "llama.cpp Q4_1": lc.get("decode_tok_s"),
@@ -513,7 +517,7 @@ def offline_rows(results: dict) -> list[str]:
             "tok/s",
         )
         lines += ratio_lines(
-            f"Batch-1 prefill ({kind} weights)",
+            f"Batch-1 prefill ({label})",
             ours[f"{kind}_prefill_tok_s"],
             {"llama.cpp Q4_1": lc.get("prefill_tok_s")},
             "tok/s",
