@@ -185,11 +185,12 @@ inline void load_scales(const BFloat16* pairs, FloatV& scale, FloatV& low) {
   std::memcpy(&low, &z, sizeof z);
 }
 
-// The scales alone of kLanes consecutive output features (a layer whose lows are a fixed multiple
-// of its scales keeps only the scales, see ScaleLayout).
-inline void load_scale(const float* scales, FloatV& scale) { std::memcpy(&scale, scales, sizeof scale); }
+// kLanes consecutive numbers as floats, converted exactly: the scales alone of kLanes output
+// features (a layer whose lows are a fixed multiple of its scales keeps only the scales, see
+// ScaleLayout), or kLanes activations.
+inline void load_floats(const float* scales, FloatV& scale) { std::memcpy(&scale, scales, sizeof scale); }
 
-inline void load_scale(const Half* scales, FloatV& scale) {
+inline void load_floats(const Half* scales, FloatV& scale) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   scale = (FloatV)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
 #elif defined(__F16C__)
@@ -199,7 +200,7 @@ inline void load_scale(const Half* scales, FloatV& scale) {
 #endif
 }
 
-inline void load_scale(const BFloat16* scales, FloatV& scale) {
+inline void load_floats(const BFloat16* scales, FloatV& scale) {
   typedef uint16_t HalfV __attribute__((vector_size(kLanes * 2)));
   HalfV h;
   std::memcpy(&h, scales, sizeof h);
@@ -219,7 +220,7 @@ struct ScaleLayout {
   template <typename F, typename S>
   void load(const S* p, FloatV& scale, FloatV& low) const {
     if (scales_only) {
-      load_scale(p, scale);
+      load_floats(p, scale);
       low = scale * F::kLowPerScale;
     } else {
       load_scales(p, scale, low);
@@ -238,22 +239,6 @@ inline FloatV rint_lanes(FloatV v) {
   for (int i = 0; i < kLanes; ++i) v[i] = std::rint(v[i]);
   return v;
 #endif
-}
-
-// kLanes activations of x as floats (bfloat16 widened exactly).
-inline FloatV load_floats(const float* x) {
-  FloatV v;
-  std::memcpy(&v, x, sizeof v);
-  return v;
-}
-inline FloatV load_floats(const BFloat16* x) {
-  typedef uint16_t HalfV __attribute__((vector_size(kLanes * 2)));
-  HalfV h;
-  std::memcpy(&h, x, sizeof h);
-  const IntV bits = __builtin_convertvector(h, IntV) << 16;
-  FloatV v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
 }
 
 // The activations of `rows` rows quantized per group, in two int8 parts: x / xs ~= q1 + q2 / 254
@@ -275,7 +260,7 @@ void quantize_groups(int8_t* xq, float* xs, float* xsum, const T* x, int64_t row
         const T* src = x + r * k + g * kGroup;
         FloatV b[kVecs], amax_v{};
         for (int v = 0; v < kVecs; ++v) {
-          b[v] = load_floats(src + v * kLanes);
+          load_floats(src + v * kLanes, b[v]);
           const IntV bits = (IntV)b[v] & 0x7FFFFFFF;  // |x|
           const FloatV mag = (FloatV)bits;
           amax_v = mag > amax_v ? mag : amax_v;
