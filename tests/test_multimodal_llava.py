@@ -166,6 +166,29 @@ def test_chunked_prefill_cuts_through_the_image(llava, images, expected):
     assert llm.llm_engine.executor.driver.encoder_cache.num_encoded == 2
 
 
+def test_the_encoder_budget_puts_a_second_image_in_the_next_step(llava, images, expected):
+    """A step's encoder budget (the placeholder tokens of the images begun in it) set to one
+    image: two prompts with different images arrive together, and the second one's chunk ends
+    before its image, which is encoded in the next step; the tokens are unchanged."""
+    llm = LLM(
+        str(llava[0]), max_model_len=256, kv_cache_memory=64 * BLOCK_GIB, enable_prefix_cache=False
+    )
+    llm.llm_engine.scheduler.encoder_budget = NUM_IMAGE_TOKENS
+    encoder = llm.llm_engine.executor.driver.encoder_cache
+    batches, encode = [], encoder._encode
+    encoder._encode = lambda features: (batches.append(len(features)), encode(features))
+    outs = llm.chat([image_chat(images[0]), image_chat(images[1])], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:2]
+    assert batches == [1, 1]
+    # with the step's token budget (the default), both images are encoded in the first step
+    llm.llm_engine.scheduler.encoder_budget = llm.llm_engine.scheduler.max_tokens
+    batches.clear()
+    encoder.entries.clear()
+    outs = llm.chat([image_chat(images[0]), image_chat(images[1])], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:2]
+    assert batches == [2]
+
+
 def test_preemption_recomputes_the_image(llava, images, expected):
     # 6 blocks: three prompts of 2-3 blocks each cannot all run, so some are recomputed
     llm = LLM(

@@ -9,6 +9,13 @@ blocks run out, the most recently admitted running request is preempted: its blo
 and it waits to be recomputed, keeping the tokens it generated. A waiting request (new or
 preempted) starts after its prefix-cache hit (see ``KVCacheManager.get_computed_blocks``).
 
+Images (vision-language models): a step also has an encoder budget, as vLLM v1's scheduler
+(``max_num_encoder_input_tokens``, by default the step's token budget): the placeholder tokens
+of the images whose runs begin in the step's chunks, each distinct image counted once. A chunk
+that would pass it ends just before the image that does (the request goes on next step), so
+one step never encodes more images than that; the first image of a step always fits, so an
+image larger than the budget still runs.
+
 Speculative decoding: a decoding request with draft tokens (``Request.spec_token_ids``) computes
 its last token and the drafts in one step (vLLM v1's way): ``1 + k`` query tokens, KV slots for
 all of them. The executor returns the tokens the target model accepted plus its own next one;
@@ -43,6 +50,7 @@ class Scheduler:
         self.max_seqs = config.max_seqs_per_batch
         self.max_loras = config.max_loras
         self.max_tokens = config.token_budget(max_model_len)
+        self.encoder_budget = self.max_tokens  # placeholder tokens of images begun per step
         self.chunked_prefill = config.enable_chunked_prefill
         self.kv = kv_cache_manager
         self.waiting: deque[Request] = deque()
@@ -77,6 +85,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step. Every returned sequence has its KV slots allocated."""
         budget, scheduled, preempted = self.max_tokens, [], False
+        encoder = _EncoderBudget(self.encoder_budget)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -84,6 +93,11 @@ class Scheduler:
             drafts = len(request.spec_token_ids) if num_new == 1 else 0
             num_new = min(num_new + drafts, budget)
             drafts = min(drafts, num_new - 1)
+            if request.mm_features:
+                num_new = encoder.fit(request, request.num_computed_tokens, num_new)
+                if num_new == 0:  # its next image waits for the next step
+                    i += 1
+                    continue
             while not self.kv.allocate_slots(request, num_new, num_draft_tokens=drafts):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -110,6 +124,11 @@ class Scheduler:
             if num_new > budget and not self.chunked_prefill:
                 break
             num_new = min(num_new, budget)
+            if request.mm_features:
+                fitted = encoder.fit(request, num_cached, num_new)
+                if fitted < num_new and (fitted == 0 or not self.chunked_prefill):
+                    break  # its image waits for the next step, and the queue behind it
+                num_new = fitted
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
@@ -181,3 +200,27 @@ class Scheduler:
                 self.kv.trim(request, request.num_tokens)
         self._scheduled = []
         return new_tokens
+
+
+class _EncoderBudget:
+    """One step's encoder budget (see the module docstring): placeholder tokens of the images
+    whose runs begin in the step's chunks, each distinct image (content hash) counted once."""
+
+    def __init__(self, tokens: int) -> None:
+        self.left = tokens
+        self.images: set[str] = set()
+
+    def fit(self, request: Request, start: int, num_new: int) -> int:
+        """How many of the ``num_new`` tokens from ``start`` ``request`` computes this step: up
+        to the first image beginning in them that passes the budget (all when none does),
+        its images counted."""
+        for feature in request.mm_features:
+            offset = feature.mm_position.offset
+            if not start <= offset < start + num_new or feature.identifier in self.images:
+                continue
+            cost = feature.mm_position.length
+            if cost > self.left and self.images:
+                return offset - start
+            self.images.add(feature.identifier)
+            self.left -= cost
+        return num_new
