@@ -189,6 +189,26 @@ def test_the_encoder_budget_puts_a_second_image_in_the_next_step(llava, images, 
     assert batches == [2]
 
 
+def test_two_tensor_parallel_ranks_give_transformers_tokens(llava, images, expected):
+    """``--tensor-parallel-size 2``: the vision tower and projector on every rank, the
+    language model split; the step plan carries each image's pixels to rank 1 until it is
+    cached, then its hash alone (the second call: the same images, no prefix cache)."""
+    llm = LLM(
+        str(llava[0]),
+        max_model_len=256,
+        kv_cache_memory=64 * BLOCK_GIB,
+        tensor_parallel_size=2,
+        enable_prefix_cache=False,
+    )
+    try:
+        for _ in range(2):
+            outs = llm.chat([image_chat(images[0]), image_chat(images[1])], GREEDY)
+            assert [o.outputs[0].token_ids for o in outs] == expected[:2]
+        assert llm.llm_engine.executor.driver.encoder_cache.num_encoded == 2
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_preemption_recomputes_the_image(llava, images, expected):
     # 6 blocks: three prompts of 2-3 blocks each cannot all run, so some are recomputed
     llm = LLM(

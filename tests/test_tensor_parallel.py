@@ -32,11 +32,12 @@ from pyxllm.distributed.control import encode
 from pyxllm.distributed.parallel_state import tp_state
 from pyxllm.executor.messages import StopMessage, from_wire, to_wire
 from pyxllm.executor.multiproc import MultiprocExecutor
-from pyxllm.executor.plan_codec import PlanDecoder, PlanEncoder
+from pyxllm.executor.plan_codec import PlanDecoder, PlanEncoder, tensor_from_wire
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 from pyxllm.executor.uniproc import UniprocExecutor
 from pyxllm.models.registry import resolve_model_class
 from pyxllm.models.weight_loading import load_weights
+from pyxllm.multimodal_inputs import MultiModalFeatureSpec, PlaceholderRange
 from pyxllm.sampling_params import StructuredOutputsParams
 from pyxllm.weights import (
     LazyWeight,
@@ -304,6 +305,41 @@ def test_plan_codec_sends_deltas_and_round_trips():
     assert from_wire(json.loads(encode(to_wire(StopMessage())))) == StopMessage()
     with pytest.raises(ValueError, match="not a worker message"):
         from_wire(["run", "os.system"])
+
+
+def test_plan_codec_sends_an_image_once_its_rank_0_cache_lacks_it():
+    """A vision-language model's images cross with their encoder inputs (tensors of any wire
+    dtype, bit for bit) while rank 0's encoder cache lacks them, and by hash alone after."""
+
+    class Cache:
+        def __init__(self):
+            self.entries = {}
+
+    pixels = torch.randn(1, 3, 8, 8)
+    image = MultiModalFeatureSpec(
+        "image",
+        "abc",
+        PlaceholderRange(2, 4),
+        {"pixel_values": pixels, "mask": torch.tensor([[True, False]]), "h": pixels.bfloat16()},
+    )
+    cache = Cache()
+    encoder, decoder = PlanEncoder(cache), PlanDecoder()
+    seq = _seq("a", list(range(8)), 0, [1])
+    seq.mm_features = [image]
+    wire = encode(to_wire(encoder.encode(SchedulerOutput([seq]))))
+    [got] = decoder.decode(from_wire(json.loads(wire))).sequences
+    [sent] = got.mm_features
+    assert (sent.identifier, sent.modality, sent.mm_position) == ("abc", "image", image.mm_position)
+    assert sent.data.keys() == image.data.keys()
+    assert all(torch.equal(sent.data[k], image.data[k]) for k in image.data)
+    assert all(sent.data[k].dtype == image.data[k].dtype for k in image.data)
+    cache.entries = {"abc": None}  # rank 0 encoded it: the next chunk names it only
+    seq = _seq("a", [8, 9], 8, [1])
+    seq.mm_features = [image]
+    [got] = decoder.decode(encoder.encode(SchedulerOutput([seq]))).sequences
+    assert got.mm_features[0].identifier == "abc" and got.mm_features[0].data == {}
+    with pytest.raises(ValueError, match="dtype"):
+        tensor_from_wire(["complex64", [1], ""])
 
 
 class _TwoNodes:

@@ -225,11 +225,6 @@ class ModelExecutor:
             else None
         )
         self._mm_step: MultiModalEmbeddings | None = None
-        if self.encoder_cache is not None and get_tp_size() > 1:
-            raise ValueError(
-                "--tensor-parallel-size: vision-language models run on one rank for now (the "
-                "step plan sent to the workers carries no images)"
-            )
         runner_kind = "eager" if config.enable_lora else config.graph_backend
         self.runner = build_runner(
             resolve_runner(runner_kind, self.model, platform),

@@ -166,7 +166,7 @@ class MultiprocExecutor(Executor):
                 raise WorkerDiedError(self.failure) from e
             self.shutdown()
             raise
-        self.encoder = PlanEncoder()
+        self.encoder = PlanEncoder(self.driver.encoder_cache)
         logger.info("tensor parallel: %d ranks at %s (%s)", self.world_size, master, self.placed)
 
     def _start_workers(self, config: EngineConfig, platform) -> tuple[str, int, int]:

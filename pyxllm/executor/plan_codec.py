@@ -8,7 +8,7 @@ Both ends keep the state of the previous
 step's sequences, keyed by a small integer handle that rank 0 gives each request:
 
 ``StepMessage([(handle, token_ids, num_computed, sample, keep, new_blocks, num_prompt_logprobs,
-num_draft_tokens), ...])`` (:mod:`~pyxllm.executor.messages`)
+num_draft_tokens, images), ...])`` (:mod:`~pyxllm.executor.messages`)
 
 - ``num_computed`` is ``-1`` when it equals the last step's ``num_computed + len(token_ids)``
   (always, for a sequence that keeps running), else the value (a new or recomputed sequence);
@@ -17,22 +17,89 @@ num_draft_tokens), ...])`` (:mod:`~pyxllm.executor.messages`)
   table cut after rejected speculative drafts keeps its common prefix);
 - ``num_draft_tokens``: speculative drafts at the end of ``token_ids``, whose positions get
   logits too (every rank computes the same logit rows);
-- a sequence absent from a step is forgotten; if it comes back, it is sent in full.
+- a sequence absent from a step is forgotten; if it comes back, it is sent in full;
+- ``images``: a vision-language model's images whose placeholder runs the step's tokens overlap,
+  ``[identifier, modality, offset, length, data]``, ``data`` the encoder's inputs (each tensor
+  as dtype, shape and base64 bytes) only when rank 0's encoder cache lacks the image: every
+  rank's cache sees the same steps, so it holds what rank 0's holds (see ``encoder_cache.py``).
 
 Sent as JSON (``distributed.control``), a decode step costs each sequence about 30 bytes.
 """
 
 from __future__ import annotations
 
+import base64
 import itertools
+from collections.abc import Container
 from dataclasses import dataclass
+
+import torch
 
 from pyxllm.executor.messages import StepMessage
 from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
+from pyxllm.multimodal_inputs import MultiModalFeatureSpec, PlaceholderRange
 
 # (handle, token_ids, num_computed or -1, sample, keep, new_blocks, number of prompt logprob
-# targets, number of draft tokens)
-EncodedSequence = tuple[int, list[int], int, bool, int, list[int], int, int]
+# targets, number of draft tokens, images)
+EncodedSequence = tuple[int, list[int], int, bool, int, list[int], int, int, list[list]]
+# the dtypes an image's encoder inputs may have on the wire
+_WIRE_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
+}
+
+
+def tensor_to_wire(tensor: torch.Tensor) -> list:
+    """``[dtype name, shape, base64 of its bytes]``: a CPU tensor in JSON.
+
+    Raises:
+        ValueError: a dtype outside :data:`_WIRE_DTYPES`.
+    """
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in _WIRE_DTYPES:
+        raise ValueError(f"cannot send a {name} tensor to the TP workers")
+    data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return [name, list(tensor.shape), base64.b64encode(data).decode("ascii")]
+
+
+def tensor_from_wire(value: list) -> torch.Tensor:
+    """The tensor :func:`tensor_to_wire` wrote.
+
+    Raises:
+        ValueError: an unknown dtype, or bytes that do not fill the shape.
+    """
+    name, shape, data = value
+    if name not in _WIRE_DTYPES:
+        raise ValueError(f"not a tensor dtype of the step plan: {name!r}")
+    raw = torch.frombuffer(bytearray(base64.b64decode(data)), dtype=torch.uint8)
+    return raw.view(_WIRE_DTYPES[name]).reshape(shape)
+
+
+def _images_to_wire(features: list[MultiModalFeatureSpec], cached: Container[str]) -> list[list]:
+    return [
+        [
+            f.identifier,
+            f.modality,
+            f.mm_position.offset,
+            f.mm_position.length,
+            None
+            if f.identifier in cached
+            else {key: tensor_to_wire(value) for key, value in f.data.items()},
+        ]
+        for f in features
+    ]
+
+
+def _images_from_wire(images: list[list]) -> list[MultiModalFeatureSpec]:
+    return [
+        MultiModalFeatureSpec(
+            modality=modality,
+            identifier=identifier,
+            mm_position=PlaceholderRange(offset, length),
+            data={key: tensor_from_wire(v) for key, v in (data or {}).items()},
+        )
+        for identifier, modality, offset, length, data in images
+    ]
 
 
 @dataclass(slots=True)
@@ -43,11 +110,17 @@ class _Known:
 
 
 class PlanEncoder:
-    """Rank 0's side: turns each ``SchedulerOutput`` into the message for the workers."""
+    """Rank 0's side: turns each ``SchedulerOutput`` into the message for the workers.
 
-    def __init__(self) -> None:
+    Args:
+        encoder_cache: rank 0's encoder cache (its ``entries`` keyed by image hash), whose
+            images are sent without their data; ``None`` for a model without images.
+    """
+
+    def __init__(self, encoder_cache=None) -> None:
         self._known: dict[str, _Known] = {}
         self._handles = itertools.count()
+        self._encoder_cache = encoder_cache
 
     def encode(self, plan: SchedulerOutput) -> StepMessage:
         """The message of ``plan`` for the workers (see the module docstring)."""
@@ -79,6 +152,9 @@ class PlanEncoder:
                     table[keep:],
                     num_targets,
                     s.num_draft_tokens,
+                    _images_to_wire(s.mm_features, self._encoder_cache.entries)
+                    if s.mm_features
+                    else [],
                 )
             )
             known[s.request_id] = _Known(
@@ -106,7 +182,9 @@ class PlanDecoder:
         """The plan ``message`` encodes (see the class docstring)."""
         known, out = {}, []
         for entry in message.sequences:
-            handle, token_ids, computed, sample, keep, new_blocks, num_targets, drafts = entry
+            handle, token_ids, computed, sample, keep, new_blocks, num_targets, drafts, images = (
+                entry
+            )
             prev = self._known.get(handle)
             if prev is None and (computed < 0 or keep):
                 raise ValueError(
@@ -125,6 +203,7 @@ class PlanDecoder:
                     sampling_params=None,
                     prompt_logprob_targets=[0] * num_targets or None,
                     num_draft_tokens=drafts,
+                    mm_features=_images_from_wire(images),
                 )
             )
             known[handle] = _Known(handle, table, computed + len(token_ids))
