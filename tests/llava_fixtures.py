@@ -4,6 +4,8 @@ multimodal tests, and the images and reference helpers they share."""
 from __future__ import annotations
 
 import base64
+import copy
+import functools
 import io
 from pathlib import Path
 
@@ -22,6 +24,35 @@ CHAT_TEMPLATE = (
 )
 
 
+def tiny_vision_language_parts(
+    tokenizer,
+    added_tokens,
+    chat_template: str,
+    vision_config_class,
+    image_size: int,
+    patch_size: int,
+):
+    """``(tokenizer, vision_config, text_config)`` of the tiny vision-language models: a copy
+    of ``tokenizer`` with ``added_tokens`` (special) and ``chat_template``, a vision tower of
+    ``vision_config_class`` (2 layers, width 32, ``image_size`` pixels in ``patch_size``
+    patches) and :func:`model_fixtures.tiny_config`'s Llama over that tokenizer's vocabulary,
+    512 positions."""
+    from model_fixtures import tiny_config
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_tokens(list(added_tokens), special_tokens=True)
+    tok.chat_template = chat_template
+    vision = vision_config_class(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch_size,
+    )
+    return tok, vision, tiny_config("llama", vocab_size=len(tok), max_position_embeddings=512)
+
+
 def build_llava(directory: Path, tokenizer, seed: int = 0):
     """Save a tiny random ``LlavaForConditionalGeneration`` (float32; Llama of 2 layers, width
     64; CLIP of 2 layers, width 32, ``vision_feature_layer`` -2, ``default`` strategy), a copy
@@ -30,40 +61,16 @@ def build_llava(directory: Path, tokenizer, seed: int = 0):
 
     Returns ``(directory, hf_model, processor)``.
     """
-    import copy
-
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
     )
 
-    tok = copy.deepcopy(tokenizer)
-    tok.add_tokens([IMAGE_TOKEN], special_tokens=True)
-    tok.chat_template = CHAT_TEMPLATE
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH_SIZE,
-    )
-    text = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        max_position_embeddings=256,
-        initializer_range=0.25,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
+    tok, vision, text = tiny_vision_language_parts(
+        tokenizer, [IMAGE_TOKEN], CHAT_TEMPLATE, CLIPVisionConfig, IMAGE_SIZE, PATCH_SIZE
     )
     config = LlavaConfig(
         vision_config=vision,
@@ -72,12 +79,6 @@ def build_llava(directory: Path, tokenizer, seed: int = 0):
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
     )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).eval()
-    # a larger projector spread makes image features move the tokens
-    with torch.no_grad():
-        for p in model.model.multi_modal_projector.parameters():
-            p.normal_(0, 0.5)
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     )
@@ -90,6 +91,24 @@ def build_llava(directory: Path, tokenizer, seed: int = 0):
         num_additional_image_tokens=1,
         chat_template=CHAT_TEMPLATE,
     )
+    build = functools.partial(LlavaForConditionalGeneration, config)
+    return save_tiny_vision_language(
+        directory, build, "model.multi_modal_projector", processor, seed
+    )
+
+
+def save_tiny_vision_language(directory: Path, build, projector: str, processor, seed: int = 0):
+    """Build the model (``build``: its class bound to its config) from ``seed``, widen the
+    spread of its ``projector`` submodule's weights (so that image features move the tokens),
+    and save it (float32) and ``processor`` into ``directory``.
+
+    Returns ``(directory, hf_model, processor)``.
+    """
+    torch.manual_seed(seed)
+    model = build().eval()
+    with torch.no_grad():
+        for p in model.get_submodule(projector).parameters():
+            p.normal_(0, 0.5)
     model.config.dtype = torch.float32
     model.save_pretrained(directory)
     processor.save_pretrained(directory)

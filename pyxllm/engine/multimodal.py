@@ -2,14 +2,15 @@
 
 vLLM's multimodal processing is the model: each image of a request is preprocessed once, in the
 front door (:class:`~pyxllm.engine.input_processor.InputProcessor`), by transformers' image
-processor saved with the checkpoint (``AutoImageProcessor``: ``CLIPImageProcessor`` for LLaVA;
-without torchvision transformers falls back to its PIL implementation). The prompt's image
-token (``<image>``, the config's ``image_token_id``) is expanded to one placeholder token per
-feature vector the model's encoder makes of the image (as ``LlavaProcessor`` expands the text),
-and the request carries a :class:`~pyxllm.multimodal_inputs.MultiModalFeatureSpec` per image:
-its placeholder run, its ``pixel_values`` and a hash of them. The executor runs the encoder
-once per image (:mod:`pyxllm.executor.encoder_cache`), and the hash enters the prefix-cache
-hash of every block the run touches (:meth:`pyxllm.engine.request.Request.block_extra_keys`).
+processor saved with the checkpoint (``AutoImageProcessor``; without torchvision transformers
+falls back to its PIL implementation). The prompt's image token (``<image>``, the config's
+``image_token_id``) is replaced by what the model family's processor writes for the image
+(:meth:`MultiModalProcessor.expand`; LLaVA: one placeholder token per feature vector of the
+image), and the request carries a
+:class:`~pyxllm.multimodal_inputs.MultiModalFeatureSpec` per placeholder run: where it is, its
+``pixel_values`` and a hash of them. The executor runs the encoder once per run's pixels
+(:mod:`pyxllm.executor.encoder_cache`), and the hash enters the prefix-cache hash of every
+block the run touches (:meth:`pyxllm.engine.request.Request.block_extra_keys`).
 """
 
 from __future__ import annotations
@@ -86,16 +87,18 @@ def image_hash(pixel_values) -> str:
 
 
 class MultiModalProcessor:
-    """A vision-language model's image front door.
+    """A vision-language model's image front door: the parts every family shares.
+
+    A family (a subclass, picked by :meth:`load` from the config's ``model_type``) says what
+    one image becomes, :meth:`expand`: the token ids that replace its image token and the
+    encoder inputs behind each placeholder run in them. This class checks the counts, walks
+    the prompt and makes the :class:`~pyxllm.multimodal_inputs.MultiModalFeatureSpec` of each
+    run, keyed by the hash of its ``pixel_values``.
 
     Args:
-        image_processor: transformers' image processor (``images=[PIL] -> pixel_values [1, 3,
-            H, W]``).
-        image_token_id: the prompt's image token (one per image before expansion, each
-            placeholder after).
-        patch_size: the vision tower's patch side in pixels.
-        extra_tokens: features per image beyond one per patch (1 for LLaVA's ``full``
-            strategy, which keeps the CLS position; 0 for ``default``).
+        image_processor: transformers' image processor saved with the checkpoint.
+        image_token_id: the prompt's image token (one per image before expansion; every
+            placeholder token after).
         limits: the most items of each modality one prompt may hold.
         image_token: the image token's text (what a chat's string content gets per image).
         media: where image URLs may be read from (the server's media flags)
@@ -105,15 +108,12 @@ class MultiModalProcessor:
         self,
         image_processor,
         image_token_id: int,
-        patch_size: int,
-        extra_tokens: int,
         limits: Mapping[str, int],
         image_token: str,
         media: MediaPolicy = DEFAULT_MEDIA,
     ) -> None:
         self.image_processor = image_processor
         self.image_token_id, self.image_token = image_token_id, image_token
-        self.patch_size, self.extra_tokens = patch_size, extra_tokens
         self.limits = dict(limits)
         self.media = media
 
@@ -126,8 +126,9 @@ class MultiModalProcessor:
         limits: Mapping[str, int],
         media: MediaPolicy = DEFAULT_MEDIA,
     ) -> MultiModalProcessor | None:
-        """The processor of a LLaVA-style checkpoint directory (a config with ``vision_config``
-        and ``image_token_id``), ``None`` for a text-only model.
+        """The processor of a vision-language checkpoint directory (a config with
+        ``vision_config`` and ``image_token_id``), of its family's class (LLaVA's);
+        ``None`` for a text-only model.
 
         Raises:
             ValueError: no image processor config in ``path`` (naming it).
@@ -145,42 +146,48 @@ class MultiModalProcessor:
                 f"{path}: no image processor (preprocessor_config.json or processor_config.json) "
                 f"for this vision-language model ({exc})"
             ) from exc
-        full = getattr(model_config, "vision_feature_select_strategy", "default") == "full"
         token = tokenizer.convert_ids_to_tokens([token_id])[0]
-        return cls(
-            image_processor,
-            token_id,
-            vision.patch_size,
-            int(full),
-            limits,
-            token,
-            media,
-        )
+        processor = LlavaMultiModalProcessor(image_processor, token_id, limits, token, media)
+        processor.configure(path, model_config, tokenizer)
+        return processor
 
-    def num_features(self, pixel_values) -> int:
-        """Feature vectors (placeholder tokens) the encoder makes of one image ``[1, 3, H,
-        W]``: one per ``patch_size`` square, plus :attr:`extra_tokens`."""
-        height, width = pixel_values.shape[-2:]
-        return (height // self.patch_size) * (width // self.patch_size) + self.extra_tokens
+    def configure(self, path, model_config, tokenizer) -> None:
+        """Read what the family needs from the checkpoint directory ``path``, its config and
+        tokenizer (a hook; nothing here).
 
-    def preprocess(self, image, param: str):
-        """``pixel_values float32 [1, 3, H, W]`` of one PIL image.
+        Raises:
+            ValueError: ``path`` lacks a file the family needs (naming it).
+        """
+
+    def preprocess(self, param: str, **inputs):
+        """The image processor's output for ``inputs`` (``images=...`` and its options), as
+        torch tensors.
 
         Raises:
             InvalidRequestError: the processor refuses the image (naming ``param``).
         """
         try:
-            return self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+            return self.image_processor(**inputs, return_tensors="pt")
         except Exception as exc:  # noqa: BLE001 - any failure is the image's: a 400
             raise InvalidRequestError(
                 f"{param}: the image could not be processed ({type(exc).__name__}: {exc})", param
             ) from exc
 
+    def expand(self, image, param: str) -> tuple[list[int], list[tuple[int, int, Any]]]:
+        """What one PIL image becomes: the token ids that replace its image token, and for
+        each placeholder run in them ``(offset in those ids, length, pixel_values [1, 3, H,
+        W])``, the encoder making ``length`` feature rows of those pixels. The family's hook.
+
+        Raises:
+            InvalidRequestError: the image processor refuses the image (naming ``param``).
+        """
+        raise NotImplementedError
+
     def process(
         self, token_ids: list[int], images: Sequence[Any], param: str
     ) -> tuple[list[int], tuple[MultiModalFeatureSpec, ...]]:
-        """``token_ids`` with each image token expanded to its image's placeholder run, and the
-        images' feature specs in prompt order.
+        """``token_ids`` with each image token replaced by its image's :meth:`expand`, and
+        the placeholder runs' feature specs in prompt order.
 
         Raises:
             InvalidRequestError: more images than ``--limit-mm-per-prompt`` allows, or a count
@@ -209,15 +216,37 @@ class MultiModalProcessor:
             if token != self.image_token_id:
                 out.append(token)
                 continue
-            pixel_values = self.preprocess(next(pending), param)
-            length = self.num_features(pixel_values)
-            features.append(
-                MultiModalFeatureSpec(
-                    "image",
-                    image_hash(pixel_values),
-                    PlaceholderRange(len(out), length),
-                    {"pixel_values": pixel_values},
+            ids, runs = self.expand(next(pending), param)
+            for offset, length, pixel_values in runs:
+                features.append(
+                    MultiModalFeatureSpec(
+                        "image",
+                        image_hash(pixel_values),
+                        PlaceholderRange(len(out) + offset, length),
+                        {"pixel_values": pixel_values},
+                    )
                 )
-            )
-            out.extend([self.image_token_id] * length)
+            out.extend(ids)
         return out, tuple(features)
+
+
+class LlavaMultiModalProcessor(MultiModalProcessor):
+    """LLaVA's images (``LlavaProcessor``'s expansion): one ``pixel_values [1, 3, H, W]`` per
+    image, its image token repeated once per feature, one per ``patch_size`` square plus
+    ``extra_tokens`` (1 for the ``full`` strategy, which keeps the CLS position; 0 for
+    ``default``)."""
+
+    patch_size = 14
+    extra_tokens = 0
+
+    def configure(self, path, model_config, tokenizer) -> None:
+        """The tower's patch size and the feature strategy from ``model_config``."""
+        self.patch_size = model_config.vision_config.patch_size
+        full = getattr(model_config, "vision_feature_select_strategy", "default") == "full"
+        self.extra_tokens = int(full)
+
+    def expand(self, image, param: str) -> tuple[list[int], list[tuple[int, int, Any]]]:
+        pixel_values = self.preprocess(param, images=[image])["pixel_values"]
+        height, width = pixel_values.shape[-2:]
+        length = (height // self.patch_size) * (width // self.patch_size) + self.extra_tokens
+        return [self.image_token_id] * length, [(0, length, pixel_values)]

@@ -32,8 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pyxllm.layers.forward_context import current_forward_context
-from pyxllm.models.llama import LlamaForCausalLM
+from pyxllm.models.vision_language import LlamaVisionLanguageModel
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -55,40 +54,24 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(image_features)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
-    """LLaVA for the paged executor.
-
-    ``forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden]``: the token
-    embeddings, with the rows the forward context's ``multimodal`` names replaced by its
-    encoder outputs, through the Llama decoder. ``embed_multimodal(pixel_values [N, 3, H, W])
-    -> [N * features, hidden]``; ``compute_logits`` as Llama's.
+class LlavaForConditionalGeneration(LlamaVisionLanguageModel):
+    """LLaVA for the paged executor: ``embed_multimodal(pixel_values [N, 3, H, W]) -> [N *
+    features, hidden]``, the rest as :class:`LlamaVisionLanguageModel`.
 
     Raises:
-        ValueError: a ``text_config`` that is not a Llama-style decoder (see
-            :class:`LlamaForCausalLM`).
+        ValueError: a ``text_config`` that is not a Llama-style decoder.
     """
-
-    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
-    lm_head_name = "language_model.lm_head.weight"
 
     def __init__(self, config) -> None:
         from transformers import CLIPVisionModel
 
-        super().__init__()
-        self.config = config
-        self.image_token_id = config.image_token_id
+        super().__init__(config)
         self.feature_layer = config.vision_feature_layer
         self.select_strategy = config.vision_feature_select_strategy
         dtype = torch.get_default_dtype()
         self.vision_tower = CLIPVisionModel(config.vision_config).to(dtype=dtype).eval()
         self.multi_modal_projector = LlavaMultiModalProjector(config)
-        self.language_model = LlamaForCausalLM(config.text_config)
         self._tower_level = "vision_model." if hasattr(self.vision_tower, "vision_model") else ""
-
-    @property
-    def tied_lm_head(self) -> bool:
-        """Whether the language model's LM head is its embedding (no tensor of its own)."""
-        return bool(getattr(self.config.text_config, "tie_word_embeddings", False))
 
     def rename_checkpoint_tensor(self, name: str) -> str | None:
         """A checkpoint tensor's name in this module (see the module docstring for the
@@ -119,15 +102,3 @@ class LlavaForConditionalGeneration(nn.Module):
             picked = [h[:, 1:] for h in picked]
         features = self.multi_modal_projector(torch.cat(picked, dim=-1))
         return features.reshape(-1, features.shape[-1])
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        ctx = current_forward_context()
-        mm = None if ctx is None else ctx.multimodal
-        if mm is None:
-            return self.language_model(input_ids, positions)
-        embeds = self.language_model.model.embed_input_ids(input_ids)
-        embeds = embeds.index_copy(0, mm.indices, mm.embeds.to(embeds.dtype))
-        return self.language_model.model(None, positions, inputs_embeds=embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
