@@ -6,7 +6,7 @@ processor saved with the checkpoint (``AutoImageProcessor``; without torchvision
 falls back to its PIL implementation). The prompt's image token (``<image>``, the config's
 ``image_token_id``) is replaced by what the model family's processor writes for the image
 (:meth:`MultiModalProcessor.expand`; LLaVA: one placeholder token per feature vector of the
-image), and the request carries a
+image; Idefics3: one run per crop, with its row and column tags), and the request carries a
 :class:`~pyxllm.multimodal_inputs.MultiModalFeatureSpec` per placeholder run: where it is, its
 ``pixel_values`` and a hash of them. The executor runs the encoder once per run's pixels
 (:mod:`pyxllm.executor.encoder_cache`), and the hash enters the prefix-cache hash of every
@@ -127,8 +127,8 @@ class MultiModalProcessor:
         media: MediaPolicy = DEFAULT_MEDIA,
     ) -> MultiModalProcessor | None:
         """The processor of a vision-language checkpoint directory (a config with
-        ``vision_config`` and ``image_token_id``), of its family's class (LLaVA's);
-        ``None`` for a text-only model.
+        ``vision_config`` and ``image_token_id``), of its family's class (Idefics3's for
+        ``model_type`` ``idefics3``, else LLaVA's); ``None`` for a text-only model.
 
         Raises:
             ValueError: no image processor config in ``path`` (naming it).
@@ -147,7 +147,12 @@ class MultiModalProcessor:
                 f"for this vision-language model ({exc})"
             ) from exc
         token = tokenizer.convert_ids_to_tokens([token_id])[0]
-        processor = LlavaMultiModalProcessor(image_processor, token_id, limits, token, media)
+        family = (
+            Idefics3MultiModalProcessor
+            if model_config.model_type == "idefics3"
+            else LlavaMultiModalProcessor
+        )
+        processor = family(image_processor, token_id, limits, token, media)
         processor.configure(path, model_config, tokenizer)
         return processor
 
@@ -250,3 +255,63 @@ class LlavaMultiModalProcessor(MultiModalProcessor):
         height, width = pixel_values.shape[-2:]
         length = (height // self.patch_size) * (width // self.patch_size) + self.extra_tokens
         return [self.image_token_id] * length, [(0, length, pixel_values)]
+
+
+class Idefics3MultiModalProcessor(MultiModalProcessor):
+    """Idefics3's (SmolVLM's) images, split and expanded by transformers' own
+    ``Idefics3Processor`` and image processor.
+
+    The image processor cuts an image into ``rows x cols`` crops of the tower's size and adds
+    the whole image shrunk to one crop (none cut when the image fits in one); the processor's
+    ``replace_image_token`` writes the text that replaces the image token (``<fake_token_
+    around_image><row_r_col_c>`` and ``image_seq_len`` image tokens per crop, a newline per
+    row, then ``<global-img>`` and the global crop's tokens). Each crop is encoded on its own
+    (as transformers' vision model does), so each run of image tokens is one placeholder run
+    whose ``pixel_values [1, 3, S, S]`` are that crop's, hashed on their own.
+    """
+
+    hf_processor: Any = None
+    tokenizer: Any = None
+    expansions: dict[tuple[int, int], list[int]]  # token ids by (rows, cols)
+
+    def configure(self, path, model_config, tokenizer) -> None:
+        """transformers' ``Idefics3Processor`` saved in ``path`` (its ``image_seq_len``) and
+        the tokenizer that writes the expansion's ids.
+
+        Raises:
+            ValueError: ``path`` holds no processor config (naming it).
+        """
+        from transformers import AutoProcessor
+
+        try:
+            self.hf_processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: no Idefics3 processor config ({exc})") from exc
+        self.tokenizer = tokenizer
+        self.expansions = {}
+
+    def expand(self, image, param: str) -> tuple[list[int], list[tuple[int, int, Any]]]:
+        out = self.preprocess(param, images=[[image]], return_row_col_info=True)
+        crops = out["pixel_values"][0]  # [crops, 3, S, S]: one image, never padded
+        layout = (int(out["rows"][0][0]), int(out["cols"][0][0]))
+        ids = self.expansions.get(layout)
+        if ids is None:
+            text = self.hf_processor.replace_image_token(out, 0)
+            ids = self.expansions[layout] = self.tokenizer.encode(text, add_special_tokens=False)
+        starts = [
+            i
+            for i, t in enumerate(ids)
+            if t == self.image_token_id and (i == 0 or ids[i - 1] != self.image_token_id)
+        ]
+        if len(starts) != crops.shape[0]:
+            raise ValueError(
+                f"{param}: the processor wrote {len(starts)} image token runs for "
+                f"{crops.shape[0]} crops (a tokenizer without the Idefics3 image tokens?)"
+            )
+        runs = []
+        for crop, start in zip(crops, starts):
+            end = start
+            while end < len(ids) and ids[end] == self.image_token_id:
+                end += 1
+            runs.append((start, end - start, crop[None]))
+        return list(ids), runs

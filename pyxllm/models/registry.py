@@ -36,6 +36,10 @@ MODEL_REGISTRY: dict[str, RegisteredModel] = {
     "LlavaForConditionalGeneration": RegisteredModel(
         "pyxllm.models.llava", "LlavaForConditionalGeneration"
     ),
+    # SmolVLM: transformers' vision tower and connector, our Llama
+    "Idefics3ForConditionalGeneration": RegisteredModel(
+        "pyxllm.models.idefics3", "Idefics3ForConditionalGeneration"
+    ),
     # encoders for the embed task (sentence-transformers' all-MiniLM-L6-v2)
     "BertModel": RegisteredModel("pyxllm.models.bert", "BertModel"),
     # cross-encoders and classifiers for the score and classify tasks
@@ -47,7 +51,9 @@ MODEL_REGISTRY: dict[str, RegisteredModel] = {
 POOLING_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification"})
 # models that read images beside text: their prompts carry multimodal items (see
 # pyxllm.multimodal_inputs); transformers' backend runs none of them
-MULTIMODAL_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
+MULTIMODAL_ARCHITECTURES = frozenset(
+    {"LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration"}
+)
 # encoders with a sequence-classification head: --task score (one label: a cross-encoder) or
 # --task classify
 CLASSIFIER_ARCHITECTURES = frozenset({"BertForSequenceClassification"})

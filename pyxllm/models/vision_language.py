@@ -2,7 +2,7 @@
 token embeddings at an image's placeholder positions are replaced by the image's encoder
 outputs.
 
-A family (:mod:`pyxllm.models.llava`) subclasses
+A family (:mod:`pyxllm.models.llava`, :mod:`pyxllm.models.idefics3`) subclasses
 :class:`LlamaVisionLanguageModel` and adds its encoder, ``embed_multimodal(pixel_values [N,
 3, H, W]) -> [N * F, hidden]``, and ``rename_checkpoint_tensor`` for its checkpoint's names.
 The executor runs the encoder once per image (:mod:`pyxllm.executor.encoder_cache`) and hands

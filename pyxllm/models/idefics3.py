@@ -1,0 +1,79 @@
+"""Idefics3 (``Idefics3ForConditionalGeneration``: SmolVLM, Idefics3-8B): a SigLIP-style
+vision tower, a pixel-shuffle connector and a Llama language model.
+
+The language model is pyxllm's own :class:`~pyxllm.models.llama.LlamaForCausalLM` (through
+:class:`~pyxllm.models.vision_language.LlamaVisionLanguageModel`). The vision tower
+(``Idefics3VisionTransformer``) and the connector (``Idefics3Connector``: the pixel shuffle,
+which folds each ``scale_factor x scale_factor`` square of patch features into one vector,
+then a linear projection to the language model's width) are transformers' own modules, built
+from the checkpoint's config and loaded with its tensors: they run once per image crop, never
+in a decode step, and transformers' copy is the reference the tests compare with (the same
+reasoning as LLaVA's CLIP tower, see :mod:`pyxllm.models.llava`).
+
+Flow (transformers' ``Idefics3Model.get_image_features``): each crop ``[3, S, S]`` of an image
+(:class:`~pyxllm.engine.multimodal.Idefics3MultiModalProcessor` cuts them with transformers'
+image processor) through the tower's last hidden state, post-layernormed, and the connector:
+``(S / patch)^2 / scale_factor^2`` features per crop (``image_seq_len``, 64 for SmolVLM).
+Crops are never padded here (an image processed alone gives crops of the tower's full size),
+so the patch attention mask is all ones, as transformers makes it for unpadded crops.
+
+Checkpoint names (transformers 4.4x and 5 alike): ``model.vision_model.*``,
+``model.connector.*``, ``model.text_model.*`` and ``lm_head.weight``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pyxllm.models.vision_language import LlamaVisionLanguageModel
+
+_RENAMES = (
+    ("model.text_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.vision_model.", "vision_model."),
+    ("model.connector.", "connector."),
+)
+
+
+class Idefics3ForConditionalGeneration(LlamaVisionLanguageModel):
+    """Idefics3 for the paged executor: ``embed_multimodal(pixel_values [N, 3, S, S]) -> [N *
+    image_seq_len, hidden]`` (``N`` crops), the rest as :class:`LlamaVisionLanguageModel`.
+
+    A config that ties the word embeddings at its top level (transformers ties Idefics3's LM
+    head to the text model's embedding from it) ties the Llama's too.
+
+    Raises:
+        ValueError: a ``text_config`` that is not a Llama-style decoder.
+    """
+
+    def __init__(self, config) -> None:
+        from transformers.models.idefics3.modeling_idefics3 import (
+            Idefics3Connector,
+            Idefics3VisionTransformer,
+        )
+
+        if getattr(config, "tie_word_embeddings", False):
+            config.text_config.tie_word_embeddings = True
+        super().__init__(config)
+        dtype = torch.get_default_dtype()
+        self.vision_model = Idefics3VisionTransformer(config.vision_config).to(dtype=dtype).eval()
+        self.connector = Idefics3Connector(config).to(dtype=dtype)
+
+    def rename_checkpoint_tensor(self, name: str) -> str | None:
+        """A checkpoint tensor's name in this module (see the module docstring); ``None`` for
+        a tied LM head."""
+        for old, new in _RENAMES:
+            if name.startswith(old):
+                name = new + name.removeprefix(old)
+                break
+        if name == self.lm_head_name and self.tied_lm_head:
+            return None
+        return name
+
+    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Connector outputs of ``N`` crops ``[N, 3, S, S]`` -> ``[N * image_seq_len,
+        hidden]`` in the model's dtype, crops in order."""
+        weight = self.connector.modality_projection.proj.weight
+        hidden = self.vision_model(pixel_values.to(weight)).last_hidden_state
+        features = self.connector(hidden)
+        return features.reshape(-1, features.shape[-1])
