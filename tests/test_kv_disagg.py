@@ -5,8 +5,9 @@ real ``pyxllm serve`` subprocesses:
   by the other (``cached_tokens``, and the replica's ``/metrics``);
 - prefill/decode disaggregation: a prefill instance and a decode instance on one directory
   behind ``pyxllm disagg-proxy`` answer completions and chats, streamed or not, with the
-  offline engine's greedy tokens; the decode instance reads each prompt's full blocks and
-  computes the partial last one; with the prefill instance killed, the decode instance
+  offline engine's greedy tokens, and so do the Responses and Anthropic Messages APIs through
+  the ``openai`` and ``anthropic`` SDKs; the decode instance reads each prompt's full blocks
+  and computes the partial last one; with the prefill instance killed, the decode instance
   computes the prompt itself and the answer is the same.
 """
 
@@ -15,7 +16,9 @@ from __future__ import annotations
 import json
 import signal
 
+import anthropic
 import httpx
+import openai
 import pytest
 from model_fixtures import build_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
@@ -159,7 +162,87 @@ def test_prefill_and_decode_instances_answer_as_one_engine(disaggregated, offlin
 
     reference = offline.chat(chat["messages"], SamplingParams(temperature=0, max_tokens=6))
     assert chat_streamed == chat_plain == reference[0].outputs[0].text
-    assert httpx.get(proxy.url_for("stats")).json() == {"requests": 7, "prefill_failures": 0}
+    stats = httpx.get(proxy.url_for("stats")).json()
+    assert stats == {"requests": 7, "prefill_failures": 0, "prefill_skipped": 0}
+
+
+def test_the_responses_and_messages_apis_go_through_both_instances(disaggregated, offline):
+    """Through the real SDKs: a Responses API request and an Anthropic Messages request read
+    their prompt's full blocks written by the prefill instance and answer the colocated
+    engine's greedy text, streamed or not; a continued response (``previous_response_id``)
+    skips the prefill step; errors come back with their status, in their API's shape."""
+    from pyxllm import SamplingParams
+
+    proxy, _, decode = disaggregated
+    before = httpx.get(proxy.url_for("stats")).json()
+    gpt = openai.OpenAI(base_url=proxy.base_url, api_key="EMPTY", max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(
+        base_url=proxy.url_for(""), api_key="EMPTY", max_retries=0, timeout=120
+    )
+    model = gpt.models.list().data[0].id  # the decode instance's, through the proxy
+    fruits = "Name three fruits. " * 8
+    animals = [{"role": "user", "content": "Name three animals. " * 8}]
+    ask = {"model": model, "input": fruits, "max_output_tokens": 6, "temperature": 0}
+    message = {"model": model, "max_tokens": 6, "messages": animals}
+    message["extra_body"] = {"temperature": 0}
+
+    def continued(text):
+        return [{"role": "user", "content": fruits}, {"role": "assistant", "content": text}]
+
+    def hits() -> tuple[float, float]:
+        """The decode instance's prefix-cache hits: those read from the directory, all."""
+        names = ("vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
+        return tuple(metric(decode, name)[None] for name in names)
+
+    # each prompt new to both instances but for the chat template's first block(s): the decode
+    # instance reads the rest of its full blocks from the directory
+    start = hits()
+    response = gpt.responses.create(**ask)
+    prompt = response.usage.input_tokens
+    cached = response.usage.input_tokens_details.cached_tokens
+    assert cached == (prompt - 1) // BLOCK * BLOCK > 0
+    (tier, every), start = [b - a for a, b in zip(start, hits())], hits()
+    assert 0 < tier and every == cached
+    answer = claude.messages.create(**message)
+    prompt = answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+    assert answer.usage.cache_read_input_tokens == (prompt - 1) // BLOCK * BLOCK > 0
+    tier, every = [b - a for a, b in zip(start, hits())]
+    assert 0 < tier and every == answer.usage.cache_read_input_tokens
+    assert claude.messages.count_tokens(model=model, messages=animals).input_tokens == prompt
+
+    def stream_response():
+        with gpt.responses.stream(**ask) as events:  # the SDK checks the events' order
+            return list(events)[-1].response.output_text  # response.incomplete: max tokens
+
+    def stream_message():
+        with claude.messages.stream(**message) as events:
+            return events.get_final_message().content[0].text
+
+    follow_up = {**ask, "input": "And three more.", "previous_response_id": response.id}
+    streamed, message_streamed, second = run_together(
+        stream_response, stream_message, lambda: gpt.responses.create(**follow_up)
+    )
+    greedy6 = SamplingParams(temperature=0, max_tokens=6)
+    conversations = [[{"role": "user", "content": fruits}], animals]
+    conversations.append(
+        [*continued(response.output_text), {"role": "user", "content": "And three more."}]
+    )
+    expected = [output.outputs[0].text for output in offline.chat(conversations, greedy6)]
+    assert streamed == response.output_text == expected[0]
+    assert message_streamed == answer.content[0].text == expected[1]
+    assert second.output_text == expected[2]
+    assert gpt.responses.retrieve(response.id).output_text == response.output_text
+
+    # a bad value: the decode instance's error, its status and shape kept, streamed or not
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(**{**message, "max_tokens": 0}, stream=True)
+    assert refused.value.body["error"]["message"].startswith("max_tokens")
+    with pytest.raises(openai.BadRequestError) as refused:
+        gpt.responses.create(**{**ask, "temperature": -1})
+    assert refused.value.body["param"] == "temperature"
+    stats = httpx.get(proxy.url_for("stats")).json()
+    assert stats["requests"] - before["requests"] == 7
+    assert stats["prefill_skipped"] - before["prefill_skipped"] == 1
 
 
 def test_a_bad_body_is_a_400_naming_it(disaggregated):
@@ -167,6 +250,10 @@ def test_a_bad_body_is_a_400_naming_it(disaggregated):
     response = httpx.post(proxy.url_for("v1", "completions"), content=b"[1, 2")
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "body"
+    response = httpx.post(proxy.url_for("v1", "messages"), content=b"[1, 2")
+    assert response.status_code == 400
+    assert response.json()["type"] == "error"  # Anthropic's shape on Anthropic's route
+    assert response.json()["error"]["message"].startswith("body:")
 
 
 def test_without_its_prefill_instance_the_decode_instance_computes_the_prompt(
@@ -174,11 +261,12 @@ def test_without_its_prefill_instance_the_decode_instance_computes_the_prompt(
 ):
     """Comes last: it kills the prefill instance."""
     proxy, prefill, decode = disaggregated
+    failures = httpx.get(proxy.url_for("stats")).json()["prefill_failures"]
     prefill.proc.send_signal(signal.SIGKILL)
     prefill.proc.wait(timeout=10)
     prompt = [t + 3 for t in PROMPT]
     answer = complete(proxy, prompt)
     assert answer["choices"][0]["text"] == greedy(offline, [prompt])[0]
     assert cached_tokens(answer) == 0
-    assert httpx.get(proxy.url_for("stats")).json()["prefill_failures"] == 1
+    assert httpx.get(proxy.url_for("stats")).json()["prefill_failures"] == failures + 1
     assert httpx.get(proxy.url_for("health")).status_code == 503

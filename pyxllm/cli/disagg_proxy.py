@@ -15,10 +15,11 @@ def add_parser(commands, formatter) -> argparse.ArgumentParser:
         help="route requests through a prefill server, then a decode server",
         allow_abbrev=False,
         formatter_class=formatter,
-        description="Serve the OpenAI completion and chat routes by sending each request's "
-        "prefill to a prefill server (pyxllm serve --kv-role prefill) and the request to a "
-        "decode server (--kv-role decode) on the same --kv-offload-dir, streaming the decode "
-        "server's answer back (docs/serving.md, Prefill/decode disaggregation).",
+        description="Serve the completion, chat, Responses and Anthropic Messages routes by "
+        "sending each request's prefill to a prefill server (pyxllm serve --kv-role prefill) "
+        "and the request to a decode server (--kv-role decode) on the same --kv-offload-dir, "
+        "streaming the decode server's answer back (docs/serving.md, Prefill/decode "
+        "disaggregation).",
     )
     proxy.add_argument(
         "--prefill",
