@@ -500,6 +500,22 @@ class EngineConfig:
         group=CACHE_FLAGS,
         choices=("both", "prefill", "decode"),
     )
+    kv_transfer_push: tuple[str, ...] = flag(
+        (),
+        help="also send each prompt's full KV blocks over TCP to this decode instance's "
+        "--kv-transfer-listen, for instances that do not share --kv-offload-dir; answers wait "
+        "for them (several: list them) (see docs/serving.md, Prefill/decode disaggregation)",
+        group=CACHE_FLAGS,
+        metavar="HOST:PORT",
+    )
+    kv_transfer_listen: str | None = flag(
+        None,
+        help="receive the KV blocks a prefill instance's --kv-transfer-push sends into "
+        "--kv-offload-dir, listening on this address (no authentication: a private interface) "
+        "(default: off)",
+        group=CACHE_FLAGS,
+        metavar="HOST:PORT",
+    )
     enable_lora: bool = flag(
         False,
         help="serve LoRA adapters (PEFT directories) on the model: requests name one as their "
@@ -673,12 +689,26 @@ class EngineConfig:
     def _check_kv_offload(self) -> None:
         if self.kv_offload_max_gib <= 0:
             raise ValueError(f"--kv-offload-max-gib: must be > 0, got {self.kv_offload_max_gib}")
+        push = self.kv_transfer_push  # a tuple, as the flags give a list
+        self.kv_transfer_push = (push,) if isinstance(push, str) else tuple(push)
+        for address in (*self.kv_transfer_push, self.kv_transfer_listen):
+            host, sep, port = (address or "h:1").rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                flag = "listen" if address == self.kv_transfer_listen else "push"
+                raise ValueError(f"--kv-transfer-{flag} {address!r}: must be HOST:PORT")
+        if self.kv_transfer_push and self.kv_role == "decode":
+            raise ValueError("--kv-transfer-push: not with --kv-role decode (it writes nothing)")
         if self.kv_offload_dir is None:
-            if self.kv_role != "both":
-                raise ValueError(
-                    f"--kv-role {self.kv_role}: needs --kv-offload-dir (the directory the "
-                    "instances share)"
-                )
+            for flag, given in (
+                ("--kv-role " + self.kv_role, self.kv_role != "both"),
+                ("--kv-transfer-push", bool(self.kv_transfer_push)),
+                ("--kv-transfer-listen", self.kv_transfer_listen is not None),
+            ):
+                if given:
+                    raise ValueError(
+                        f"{flag}: needs --kv-offload-dir (the directory the instances share, "
+                        "or each instance's own)"
+                    )
             return
         for name, given in (
             ("tensor_parallel_size", self.world_size > 1),

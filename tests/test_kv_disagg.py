@@ -13,8 +13,12 @@ real ``pyxllm serve`` subprocesses:
 
 from __future__ import annotations
 
+import hashlib
+import http.client
 import json
+import re
 import signal
+import socket
 
 import anthropic
 import httpx
@@ -270,3 +274,81 @@ def test_without_its_prefill_instance_the_decode_instance_computes_the_prompt(
     assert cached_tokens(answer) == 0
     assert httpx.get(proxy.url_for("stats")).json()["prefill_failures"] == failures + 1
     assert httpx.get(proxy.url_for("health")).status_code == 503
+
+
+def test_kv_moves_over_tcp_between_instances_without_a_shared_directory(
+    model_dir, tmp_path, offline
+):
+    """``--kv-transfer-push`` and ``--kv-transfer-listen``: a prefill engine and a decode
+    engine (in this process) on directories of their own; the prefill engine pushes its
+    prompt's full blocks, which the decode engine reads as tier hits, answering the colocated
+    greedy tokens; a foreign or torn push is refused; with the listener closed the prefill
+    engine still answers and the decode engine computes the prompt itself."""
+    from pyxllm import LLM, SamplingParams
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    common = {"model": model_dir, "max_model_len": 256, "kv_cache_memory": 0.05}
+    decode_dir, prefill_dir = tmp_path / "decode", tmp_path / "prefill"
+    decode = LLM(
+        **common, kv_offload_dir=str(decode_dir), kv_role="decode", kv_transfer_listen=address
+    )
+    prefill = LLM(
+        **common, kv_offload_dir=str(prefill_dir), kv_role="prefill", kv_transfer_push=(address,)
+    )
+    one, six = (SamplingParams(temperature=0, max_tokens=n) for n in (1, 6))
+    try:
+        listener = decode.llm_engine.kv_connector.listener
+        transfer = prefill.llm_engine.kv_connector.transfer
+        prompt = {"prompt_token_ids": [t + 4 for t in PROMPT]}
+        prefill.generate([prompt], one)
+        assert (transfer.pushed, listener.received) == (6, 6)
+        [answer] = decode.generate([prompt], six)
+        assert answer.outputs[0].text == greedy(offline, [prompt["prompt_token_ids"]])[0]
+        assert answer.num_cached_tokens == 6 * BLOCK
+        assert len(list(decode_dir.glob("*/*/*.kv"))) == 6
+        assert len(list(prefill_dir.glob("*/*/*.kv"))) == 6
+
+        def put(digest: str, body: bytes, checksum: str) -> int:
+            connection = http.client.HTTPConnection(*address.split(":"), timeout=10)
+            headers = {"X-Content-SHA256": checksum}
+            connection.request("PUT", f"/kv/{digest}/{'ab' * 32}", body=body, headers=headers)
+            status = connection.getresponse().status
+            connection.close()
+            return status
+
+        payload, digest = bytes(listener.tier.block_bytes), listener.tier.root.name
+        sha = hashlib.sha256(payload).hexdigest()
+        assert put("0" * len(digest), payload, sha) == 409  # another model's blocks
+        assert put(digest, payload[:-1], hashlib.sha256(payload[:-1]).hexdigest()) == 400
+        assert put(digest, payload, "0" * 64) == 400
+        assert (listener.refused, listener.received) == (3, 6)
+        assert len(list(decode_dir.glob("*/*/*.kv"))) == 6
+
+        listener.close()
+        again = {"prompt_token_ids": [t + 5 for t in PROMPT]}
+        prefill.generate([again], one)
+        assert transfer.failed == 1
+        [answer] = decode.generate([again], six)
+        assert answer.outputs[0].text == greedy(offline, [again["prompt_token_ids"]])[0]
+        assert answer.num_cached_tokens == 0
+    finally:
+        prefill.llm_engine.shutdown()
+        decode.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"kv_transfer_push": ("127.0.0.1:9000",)}, "--kv-transfer-push: needs --kv-offload-dir"),
+        ({"kv_transfer_listen": "9000"}, "--kv-transfer-listen '9000': must be HOST:PORT"),
+        ({"kv_transfer_push": ("h:70000",)}, "--kv-transfer-push 'h:70000': must be HOST:PORT"),
+        ({"kv_offload_dir": "d", "kv_role": "decode", "kv_transfer_push": ("h:1",)}, "not with"),
+    ],
+)
+def test_the_transfer_flags_are_checked(fields, message):
+    from pyxllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(model="m", **fields)

@@ -71,6 +71,8 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(
             "--enable-lora: not with --data-parallel-size > 1 (one engine serves adapters)"
         )
+    if args.kv_transfer_listen is not None and args.data_parallel_size > 1:
+        parser.error("--kv-transfer-listen: not with --data-parallel-size > 1 (one port each)")
     names = [m["name"] for m in lora_modules]
     if len(set(names)) != len(names):
         parser.error(f"--lora-modules: names must differ, got {', '.join(names)}")

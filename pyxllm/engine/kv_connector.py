@@ -23,6 +23,12 @@ while the engine runs on. A prefill instance waits for its step's writes before 
 leave (the decode instance reads them next), and any engine waits for them when it has nothing
 left to run, so what it answered is on disk when it is idle or shut down.
 
+Between engines that do not share a directory, ``--kv-transfer-push`` on the prefill instance
+and ``--kv-transfer-listen`` on the decode instance (:mod:`pyxllm.engine.kv_transfer`) move the
+same blocks over TCP: the writer thread also pushes each block of a prompt to the decode
+instance, which writes it into its own directory; the prefill instance's answer waits for
+those pushes as it waits for its writes.
+
 Tokens count as vLLM's connector counts them: a request's first lookup adds its tokens to
 ``num_queries``; the tokens its blocks from the tier cover add to ``num_hits``.
 """
@@ -41,6 +47,7 @@ from pyxllm.config import EngineConfig
 from pyxllm.engine.block_pool import KVBlock
 from pyxllm.engine.kv_cache_manager import KVCacheManager, TierLoad
 from pyxllm.engine.kv_offload import DiskKVTier
+from pyxllm.engine.kv_transfer import KVTransferClient, KVTransferServer
 from pyxllm.engine.request import Request
 from pyxllm.engine.scheduler import Scheduler
 
@@ -59,14 +66,26 @@ class KVTierConnector:
         kv: the engine's block manager.
         driver: the executor driver holding the cache (``read_kv_block`` / ``write_kv_block``).
         role: a :data:`KV_ROLES` key.
+        transfer: the pusher to decode instances (``--kv-transfer-push``), or ``None``.
+        listener: the decode instance's listener (``--kv-transfer-listen``), or ``None``; the
+            connector closes both.
 
     Attributes:
         num_queries / num_hits: tokens looked up in the tier (each request once) and tokens
             read back from it.
     """
 
-    def __init__(self, tier: DiskKVTier, kv: KVCacheManager, driver, role: str = "both") -> None:
+    def __init__(
+        self,
+        tier: DiskKVTier,
+        kv: KVCacheManager,
+        driver,
+        role: str = "both",
+        transfer: KVTransferClient | None = None,
+        listener: KVTransferServer | None = None,
+    ) -> None:
         self.tier, self.kv, self.driver, self.role = tier, kv, driver, role
+        self.transfer, self.listener = transfer, listener
         self.loads, self.saves = KV_ROLES[role]
         self.num_queries = self.num_hits = 0
         self._queried: weakref.WeakSet[Request] = weakref.WeakSet()
@@ -125,7 +144,13 @@ class KVTierConnector:
             config.kv_offload_max_gib,
             config.kv_role,
         )
-        return cls(tier, kv, driver, config.kv_role)
+        transfer = listener = None
+        if config.kv_transfer_push:
+            transfer = KVTransferClient(config.kv_transfer_push, tier.root.name)
+        if config.kv_transfer_listen is not None:
+            listener = KVTransferServer(tier, config.kv_transfer_listen)
+            logger.info("KV transfer: receiving blocks on port %d", listener.port)
+        return cls(tier, kv, driver, config.kv_role, transfer, listener)
 
     def load(self, scheduler: Scheduler) -> None:
         """Before scheduling: end the reads that are done (their requests back into
@@ -199,24 +224,29 @@ class KVTierConnector:
             self.flush()
 
     def _save_blocks(self, blocks: Iterable[KVBlock]) -> None:
-        """Queue a write of each of ``blocks`` (computed, cached) that the tier lacks, its
-        bytes copied now."""
+        """Queue a write of each of ``blocks`` (computed, cached) that the tier lacks, or that
+        a ``--kv-transfer-push`` peer lacks, its bytes copied now."""
         read = self.driver.read_kv_block
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is None or block_hash in self._writing:
                 continue
-            if self.tier.contains(block_hash):
+            local = not self.tier.contains(block_hash)
+            if not local and (self.transfer is None or not self.transfer.wants(block_hash)):
                 continue
             with self._lock:
                 self._writing.add(block_hash)
-            future = self._writer.submit(self._write, block_hash, read(block.block_id))
+            future = self._writer.submit(self._write, block_hash, read(block.block_id), local)
             self._pending.append(future)
 
-    def _write(self, block_hash: bytes, payload: bytes) -> None:
-        """The writer thread's job: one block to the tier."""
+    def _write(self, block_hash: bytes, payload: bytes, local: bool = True) -> None:
+        """The writer thread's job: one block to the tier (when ``local``) and to the
+        transfer's peers."""
         try:
-            self.tier.save(block_hash, payload)
+            if local:
+                self.tier.save(block_hash, payload)
+            if self.transfer is not None:
+                self.transfer.push(block_hash, payload)
         finally:
             with self._lock:
                 self._writing.discard(block_hash)
@@ -233,6 +263,10 @@ class KVTierConnector:
         self.flush()
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=False, cancel_futures=True)
+        if self.transfer is not None:
+            self.transfer.close()
+        if self.listener is not None:
+            self.listener.close()
 
     def stats(self) -> dict[str, int]:
         """The counters under ``/debug/stats``' names."""
