@@ -45,14 +45,15 @@ MAX_REMEMBERED = 1 << 16
 _PATH = re.compile(r"^/kv/([0-9a-f]+)/([0-9a-f]+)$")
 
 
-def parse_address(address: str, flag: str) -> tuple[str, int]:
+def parse_address(address: str, flag: str, lowest_port: int = 1) -> tuple[str, int]:
     """``HOST:PORT`` as ``(host, port)``.
 
     Raises:
-        ValueError: not ``HOST:PORT`` with a port in 1..65535 (the message names ``flag``).
+        ValueError: not ``HOST:PORT`` with a port in ``lowest_port``..65535 (the message names
+            ``flag``).
     """
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not lowest_port <= int(port) < 65536:
         raise ValueError(f"{flag} {address!r}: must be HOST:PORT")
     return host.strip("[]"), int(port)
 
@@ -94,7 +95,9 @@ class KVTransferServer:
             def log_message(self, *args) -> None:  # one line a block is too many
                 pass
 
-        self._http = ThreadingHTTPServer(parse_address(address, "--kv-transfer-listen"), Handler)
+        self._http = ThreadingHTTPServer(
+            parse_address(address, "--kv-transfer-listen", lowest_port=0), Handler
+        )
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
         self._thread = threading.Thread(
