@@ -78,16 +78,21 @@ class KVTransferServer:
         self.tier = tier
         self.received = self.refused = 0
         self.closed = False
+        self._lock = threading.Lock()  # one write at a time (pushes from several instances)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
             def do_PUT(self) -> None:  # noqa: N802 (http.server's name)
-                length = int(self.headers.get("Content-Length") or 0)
-                payload = self.rfile.read(length)
-                status = server.receive(self.path, payload, self.headers.get("X-Content-SHA256"))
-                self.close_connection = server.closed
+                length = self.headers.get("Content-Length", "")
+                if length != str(tier.block_bytes):  # not a block: its body is not read
+                    status, self.close_connection = server.refuse(400), True
+                else:
+                    payload = self.rfile.read(tier.block_bytes)
+                    checksum = self.headers.get("X-Content-SHA256")
+                    status = server.receive(self.path, payload, checksum)
+                    self.close_connection = server.closed
                 self.send_response(status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -121,10 +126,16 @@ class KVTransferServer:
         ):
             status = 400
         else:
-            self.tier.save(bytes.fromhex(block_hash), payload)
-            self.received += 1
+            with self._lock:
+                self.tier.save(bytes.fromhex(block_hash), payload)
+                self.received += 1
             return 204
-        self.refused += 1
+        return self.refuse(status)
+
+    def refuse(self, status: int) -> int:
+        """Count and log a refused push; returns ``status``."""
+        with self._lock:
+            self.refused += 1
         logger.warning("KV transfer: refused a block (HTTP %d)", status)
         return status
 
