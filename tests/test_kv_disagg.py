@@ -260,6 +260,63 @@ def test_a_bad_body_is_a_400_naming_it(disaggregated):
     assert response.json()["error"]["message"].startswith("body:")
 
 
+def test_the_proxy_cuts_each_api_to_one_token_and_follows_stored_responses():
+    """In this process, the instances mocked: the prefill request of a Responses request asks
+    for one ``max_output_tokens``, unstored, unstreamed; of a Messages request one
+    ``max_tokens``; a continued response skips the prefill step and goes, as its retrieval and
+    deletion do, to the decode instance that stores it, not the next in turn."""
+    from fastapi.testclient import TestClient
+
+    from pyxllm.entrypoints.disagg_proxy import DisaggProxy, build_proxy_app
+
+    sent = []
+
+    def instance(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        sent.append((request.method, str(request.url), body))
+        status, body = 200, {"host": request.url.host}
+        if request.url.path == "/v1/responses/resp_1":  # stored on d2 only
+            status = 200 if request.url.host == "d2" else 404
+        # a stream, as an instance's answer is
+        return httpx.Response(status, stream=httpx.ByteStream(json.dumps(body).encode()))
+
+    proxy = DisaggProxy(["http://p:1"], ["http://d1:1", "http://d2:1"], timeout=5)
+    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(instance))
+    client = TestClient(build_proxy_app(proxy))
+    ask = {"input": "hi", "max_output_tokens": 9, "stream": True, "include": ["x"], "top_p": 0.5}
+    assert client.post("/v1/responses", json=ask).status_code == 200
+    cut = {"input": "hi", "max_output_tokens": 1, "top_p": 0.5, "store": False}
+    assert sent == [
+        ("POST", "http://p:1/v1/responses", cut),
+        ("POST", "http://d1:1/v1/responses", ask),
+    ]
+    message = {"model": "m", "max_tokens": 9, "messages": [], "system": "s", "stream": True}
+    sent.clear()
+    client.post("/v1/messages", json=message)
+    cut = {"model": "m", "max_tokens": 1, "messages": [], "system": "s"}
+    assert [(url, body) for _, url, body in sent] == [
+        ("http://p:1/v1/messages", cut),
+        ("http://d2:1/v1/messages", message),
+    ]
+    sent.clear()
+    answer = client.post("/v1/responses", json={"input": "more", "previous_response_id": "resp_1"})
+    assert answer.json() == {"host": "d2"}  # d1's turn, but d2 stores resp_1
+    assert [url for _, url, _ in sent] == [
+        "http://d1:1/v1/responses/resp_1",
+        "http://d2:1/v1/responses/resp_1",
+        "http://d2:1/v1/responses",
+    ]
+    sent.clear()
+    assert client.get("/v1/responses/resp_1").status_code == 200
+    assert client.delete("/v1/responses/resp_1").status_code == 200
+    assert sent[-1][:2] == ("DELETE", "http://d2:1/v1/responses/resp_1")
+    assert client.get("/stats").json() == {
+        "requests": 3,
+        "prefill_failures": 0,
+        "prefill_skipped": 1,
+    }
+
+
 def test_without_its_prefill_instance_the_decode_instance_computes_the_prompt(
     disaggregated, offline
 ):
