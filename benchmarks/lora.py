@@ -7,9 +7,8 @@ clients send random 100-token prompts, ``--output-len`` new tokens each with ``i
 
 - ``adapters``: 8 clients, the requests naming the four adapters in turn (every step mixes
   them);
-- ``base, same server``: 8 clients on the base model, on that server (``--enable-lora`` runs
-  the eager runner);
-- ``base, default server``: 8 clients on ``pyxllm serve`` with no flags (the graph runner);
+- ``base, same server``: 8 clients on the base model, on that server;
+- ``base, default server``: 8 clients on ``pyxllm serve`` without ``--enable-lora``;
 - ``llama-server --lora``: 8 clients on llama.cpp's server with adapter ``a`` (converted to
   llama.cpp's LoRA GGUF here, see :func:`to_llama_cpp_lora`) applied to every request; skipped
   with a message when its binary is not built (``benchmarks/build_llama_server.sh``).
@@ -23,6 +22,8 @@ thread, the prefix cache off) generates for 8 prompts on the base model, then on
 adapters in turn, ``--reps`` times after a warm-up pair, and prints the median process CPU
 seconds of each and their ratio. On a machine others share, CPU time moves far less than wall
 time with what else runs (a busy core stretches a step's wall time, not its instructions).
+``--graph-backend`` (``auto``: the graph runner on the CPU) picks the runner of the pyxllm
+engines in both modes.
 
 Run from the repository root::
 
@@ -134,7 +135,7 @@ def to_llama_cpp_lora(peft_dir: Path, path: Path) -> Path:
     return path
 
 
-def in_process(tokenizer, output_len: int, rank: int, reps: int) -> None:
+def in_process(tokenizer, output_len: int, rank: int, reps: int, graph_backend: str) -> None:
     """``--in-process`` (see the module docstring): prints the median CPU seconds of the base
     and the adapters' generations and the base's share of the adapters' (the throughput ratio
     when the CPU is the bottleneck)."""
@@ -158,6 +159,7 @@ def in_process(tokenizer, output_len: int, rank: int, reps: int) -> None:
             enable_lora=True,
             max_loras=len(NAMES),
             enable_prefix_cache=False,
+            graph_backend=graph_backend,
         )
         requests = [LoRARequest(name, i + 1, str(paths[name])) for i, name in enumerate(NAMES)]
         mixed = [requests[i % len(requests)] for i in range(CLIENTS)]
@@ -170,7 +172,8 @@ def in_process(tokenizer, output_len: int, rank: int, reps: int) -> None:
     base, adapters = (statistics.median(cpu[label]) for label in ("base", "adapters"))
     log("lora in-process:", json.dumps(cpu))
     print(
-        f"4 LoRA adapters (rank {rank}), {CLIENTS} prompts x {output_len} tokens, CPU seconds "
+        f"4 LoRA adapters (rank {rank}), {CLIENTS} prompts x {output_len} tokens, runner "
+        f"{llm.llm_engine.executor.driver.runner.name}, CPU seconds "
         f"(median of {reps}): base {base:.2f}, adapters {adapters:.2f} -> base/adapters = "
         f"{base / adapters:.2f}x"
     )
@@ -193,10 +196,13 @@ def main() -> None:
         help="measure CPU time in this process instead of serving (see the docstring)",
     )
     parser.add_argument("--reps", type=int, default=3, help="--in-process repetitions")
+    parser.add_argument(
+        "--graph-backend", default="auto", help="the pyxllm engines' runner (auto, eager, graph)"
+    )
     args = parser.parse_args()
     tokenizer = load_tokenizer(None)
     if args.in_process:
-        in_process(tokenizer, args.output_len, args.rank, args.reps)
+        in_process(tokenizer, args.output_len, args.rank, args.reps, args.graph_backend)
         return
     prompts = make_prompts(tokenizer, CLIENTS * args.requests_per_client, 100, "random", seed=7)
     warmup = make_prompts(tokenizer, 2, 32, "random", seed=8)
@@ -204,13 +210,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         paths = build_adapters(Path(tmp), args.rank)
         modules = ",".join(f"{name}={path}" for name, path in paths.items())
-        lora_cmd = pyxllm_serve_cmd(18951, *SIZING, "--enable-lora", "--lora-modules", modules)
+        runner = ("--graph-backend", args.graph_backend)
+        lora_cmd = pyxllm_serve_cmd(
+            18951, *SIZING, *runner, "--enable-lora", "--lora-modules", modules
+        )
         loads = {
             "adapters": (prompts, args.output_len, CLIENTS, list(NAMES)),
             "base, same server": (prompts, args.output_len, CLIENTS),
         }
         results.update(measure_server("lora", lora_cmd, 18951, args.threads, loads, warmup))
-        default_cmd = pyxllm_serve_cmd(18952, *SIZING)
+        default_cmd = pyxllm_serve_cmd(18952, *SIZING, *runner)
         plain = {"base, default server": (prompts, args.output_len, CLIENTS)}
         results.update(measure_server("default", default_cmd, 18952, args.threads, plain, warmup))
         binaries = find_binaries(args.llama_server_dir, ("llama-server",), "llama-server --lora")

@@ -520,8 +520,8 @@ class EngineConfig:
         False,
         help="serve LoRA adapters (PEFT directories) on the model: requests name one as their "
         "`model` (--lora-modules, POST /v1/load_lora_adapter) or pass a LoRARequest to LLM; "
-        "requests on different adapters and on the base model share every step; eager runner "
-        "only, one rank, no speculative decoding (see docs/lora.md)",
+        "requests on different adapters and on the base model share every step; eager or graph "
+        "runner, one rank, no speculative decoding (see docs/lora.md)",
         group=LORA_FLAGS,
     )
     max_loras: int = flag(
@@ -735,15 +735,15 @@ class EngineConfig:
         for name, given in (
             ("tensor_parallel_size", self.world_size > 1),
             ("speculative_config", self.speculative_config is not None),
-            ("graph_backend", self.graph_backend not in ("auto", "eager")),
+            ("graph_backend", self.graph_backend == "compile"),
             ("task", self.task not in ("auto", "generate")),
             ("model_impl", self.model_impl == "transformers"),
         ):
             if given:
                 raise ValueError(
                     f"--{name.replace('_', '-')}: not with --enable-lora (adapters run on "
-                    "pyxllm's own model code, eagerly, on one rank, without speculative "
-                    "decoding, for generation)"
+                    "pyxllm's own model code, on the eager or the graph runner, on one rank, "
+                    "without speculative decoding, for generation)"
                 )
 
     @property

@@ -200,9 +200,44 @@ def test_adapters_that_cannot_be_served_are_refused_by_name(models, llm, tmp_pat
     assert llm.generate(["hi"], GREEDY)[0].outputs[0].token_ids
 
 
+def test_the_graph_runner_replays_any_mix_of_adapters_with_the_eager_bits(models, llm):
+    """``graph_backend="graph"``: one trace per batch size serves every decode step, whatever
+    adapters its rows use (three adapters and the base model, ``max_loras=2``, so the sets of
+    adapters change between steps); each request's tokens and log-probabilities are the eager
+    runner's bit for bit, and so the merged model's."""
+    base_dir, base, adapters = models
+    graph = LLM(
+        model=str(base_dir),
+        enable_lora=True,
+        max_loras=2,
+        graph_backend="graph",
+        max_seqs_per_batch=4,
+        **KWARGS,
+    )
+    runner = graph.llm_engine.executor.driver.runner
+    assert runner.name == "graph"
+    names = [None, "attn", "mlp", "all"]
+    requests = [
+        (PROMPTS[i % len(PROMPTS)], None if name is None else _request(models, name, i))
+        for i, name in enumerate(names)
+    ]
+    prompts = [{"prompt_token_ids": p} for p, _ in requests]
+    loras = [r for _, r in requests]
+    replayed = graph.generate(prompts, GREEDY, lora_request=loras)
+    eager = llm.generate(prompts, GREEDY, lora_request=loras)
+    assert [_tokens_and_logprobs(o) for o in replayed] == [_tokens_and_logprobs(o) for o in eager]
+    for (prompt, request), output in zip(requests, replayed):
+        reference = base if request is None else adapters[request.lora_name][1]
+        assert output.outputs[0].token_ids == _hf_greedy(reference, prompt), request
+    # the decode steps replayed: three rows on two adapters and the base model, then the third
+    # adapter alone
+    assert sum(runner.replays.values()) >= NEW_TOKENS
+    assert runner.replays[4] and runner.replays[1]
+
+
 def test_lora_flags_are_checked():
     with pytest.raises(ValueError, match="--graph-backend: not with --enable-lora"):
-        LLM(enable_lora=True, graph_backend="graph")
+        LLM(enable_lora=True, graph_backend="compile")
     with pytest.raises(ValueError, match="--max-cpu-loras"):
         LLM(enable_lora=True, max_loras=4, max_cpu_loras=2)
     with pytest.raises(ValueError, match="--enable-lora"):

@@ -24,7 +24,7 @@ from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.kv_cache import KVCacheSpec, allocate_kv_caches
 from pyxllm.executor.logits_processors import compute_logprobs
 from pyxllm.executor.pooling import pool_sequences
-from pyxllm.executor.runners import build_runner, resolve_runner
+from pyxllm.executor.runners import build_runner, lora_runner, resolve_runner
 from pyxllm.executor.sampler import Sampler, SamplingMetadata
 from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.executor.spec_decode import GeneratorRewind, accept_drafts, expand_for_verification
@@ -209,10 +209,14 @@ class ModelExecutor:
             or getattr(_text_config(model_config), "max_position_embeddings", None)
             or 2048
         )
-        # a trace would record a step's adapters as constants: LoRA runs eagerly
         self.lora = (
             LoRAManager(
-                self.model, config.max_lora_rank, config.lora_slots, self.device, self.dtype
+                self.model,
+                config.max_lora_rank,
+                config.lora_slots,
+                self.device,
+                self.dtype,
+                config.max_loras,
             )
             if config.enable_lora
             else None
@@ -225,9 +229,11 @@ class ModelExecutor:
             else None
         )
         self._mm_step: MultiModalEmbeddings | None = None
-        runner_kind = "eager" if config.enable_lora else config.graph_backend
+        runner_kind = resolve_runner(config.graph_backend, self.model, platform)
+        if self.lora is not None:
+            runner_kind = lora_runner(runner_kind, config.graph_backend, platform)
         self.runner = build_runner(
-            resolve_runner(runner_kind, self.model, platform),
+            runner_kind,
             self.model,
             platform,
             self.attn_backend,
@@ -237,6 +243,7 @@ class ModelExecutor:
             block_size=config.block_size,
             max_query_len=1
             + (config.speculative.num_speculative_tokens if config.speculative else 0),
+            lora=self.lora,
         )
         self.sampler = Sampler(config.seed, self.device)
         self.draft = self._load_draft(config, model_config)
@@ -359,6 +366,8 @@ class ModelExecutor:
             self._lora_step = self.lora.step(
                 [s.lora_request for s in plan.sequences], batch.query_lens
             )
+            if hasattr(self.runner, "lora_step"):  # the graph runner's replays take it
+                self.runner.lora_step = self._lora_step
         if self.encoder_cache is not None:  # the encoder step: each new image once
             self._mm_step = self.encoder_cache.step_embeddings(plan, batch.query_start_list)
         if self.thread_tuner is None:

@@ -13,6 +13,15 @@ row's delta has the same bits whichever rows share its step. The adapters' weigh
 bfloat16 when the model runs in bfloat16 (half the bytes a decode step reads), else in float32;
 the base weights may be quantized (``--quantization``, a GGUF file's blocks).
 
+Under the graph runner (``GraphRunner``, TorchScript traces on the CPU) a decode step's
+adapters are inputs of the trace, as vLLM makes them inputs of its CUDA graphs: the trace takes
+``max_loras`` adapter slots per layer (each slot an adapter's ``a``, ``b`` and ``segments``, or
+empty tensors) and the row -> slot map, and a replay passes the step's (:meth:`LoRAManager.
+graph_inputs`). The kernel reads no shape that the trace could have recorded, so the adapters'
+own tensors are passed as they are (no copy into fixed-size slot buffers, which a device graph,
+with its recorded addresses, would need): one trace per batch size serves any mix of adapters
+and the base model, with the bits of the eager runner.
+
 Adapters are loaded once (:meth:`LoRAManager.add`, validated then) and kept up to
 ``--max-cpu-loras``, the least recently used one dropped for a new one (and read again from its
 directory when a request needs it later); the scheduler lets at most ``--max-loras`` distinct
@@ -123,6 +132,11 @@ class LoRAManager:
         device: where the adapters' weights go.
         dtype: the model's activations' dtype; the adapters' weights are kept in bfloat16 when
             it is bfloat16, else in float32.
+        max_loras: most distinct adapters in one step (``--max-loras``): the slots of the graph
+            runner's traces.
+
+    Attributes:
+        paths: the module paths of the wrapped layers, in the model's order.
     """
 
     def __init__(
@@ -132,15 +146,20 @@ class LoRAManager:
         max_cpu_loras: int,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        max_loras: int = 1,
     ) -> None:
         self.model, self.max_rank, self.max_cpu_loras = model, max_rank, max_cpu_loras
+        self.max_loras = max_loras
         self.device = device
         self.weight_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
         # the last step's adapters (ids in order) and its layers' lists (LoRAStep.layers)
         self._layers_key: tuple[int, ...] | None = None
         self._layers: dict = {}
-        wrapped = 0
+        self.paths: list[str] = []
+        # the graph runner's inputs of the last step's adapters (see graph_inputs)
+        self._inputs_key: tuple[int, ...] | None = None
+        self._inputs: list[torch.Tensor] = []
         for path, module in model.named_modules():
             if (
                 getattr(module, "quantizable", False)
@@ -148,10 +167,10 @@ class LoRAManager:
                 and not hasattr(module, "compute_logits")
             ):
                 module.quant_method = LoRALinearMethod(module.quant_method, path)
-                wrapped += 1
+                self.paths.append(path)
         logger.info(
             "LoRA: %d linear layers take adapters (rank <= %d, %d kept loaded)",
-            wrapped,
+            len(self.paths),
             max_rank,
             max_cpu_loras,
         )
@@ -176,6 +195,7 @@ class LoRAManager:
         adapter = load_adapter(request, self.model, self.max_rank, self.weight_dtype, self.device)
         self.adapters[request.lora_int_id] = adapter
         self._layers_key = None
+        self._inputs_key = None
         logger.info(
             "LoRA adapter %r loaded from %s: rank %d, %d layers, %.1f MiB",
             request.lora_name,
@@ -190,6 +210,7 @@ class LoRAManager:
     def remove(self, lora_int_id: int) -> bool:
         """Drop an adapter; ``False`` when it was not loaded."""
         self._layers_key = None
+        self._inputs_key = None
         return self.adapters.pop(lora_int_id, None) is not None
 
     def _evict(self, keep: set[int]) -> None:
@@ -200,6 +221,7 @@ class LoRAManager:
             if lora_id not in keep:
                 del self.adapters[lora_id]
                 self._layers_key = None
+                self._inputs_key = None
 
     def step(self, requests: list[LoRARequest | None], query_lens: list[int]) -> LoRAStep | None:
         """The step's :class:`LoRAStep` for sequences with adapters ``requests`` (``None``:
@@ -233,3 +255,50 @@ class LoRAManager:
             ),
             self._layers,
         )
+
+    def graph_inputs(self, step: LoRAStep | None) -> list[torch.Tensor]:
+        """The adapter slots of ``step`` as the graph runner's trace takes them: for each layer
+        of :attr:`paths`, ``max_loras`` ``a``, then as many ``b``, then as many ``segments``
+        (slot ``g`` the step's ``g``-th adapter, the ``row_adapter`` value of its rows; an empty
+        tensor where there is none or it does not adapt the layer, which the kernel skips).
+        ``step=None`` (no adapter in the step) gives all slots empty.
+
+        Raises:
+            ValueError: a step of more than ``max_loras`` adapters (the scheduler admits no
+                such step).
+        """
+        adapters = [] if step is None else step.adapters
+        if len(adapters) > self.max_loras:
+            raise ValueError(
+                f"LoRA: a step of {len(adapters)} adapters, above --max-loras {self.max_loras}"
+            )
+        key = tuple(adapter.request.lora_int_id for adapter in adapters)
+        if key == self._inputs_key:
+            return self._inputs
+        empty_a = torch.empty(0, 0, dtype=self.weight_dtype, device=self.device)
+        empty_b = torch.empty(0, dtype=self.weight_dtype, device=self.device)
+        empty_seg = torch.empty(0, 5, dtype=torch.long, device=self.device)
+        inputs: list[torch.Tensor] = []
+        for path in self.paths:
+            found = [adapter.layers.get(path) for adapter in adapters]
+            found += [None] * (self.max_loras - len(found))
+            inputs += [empty_a if w is None else w.a for w in found]
+            inputs += [empty_b if w is None else w.b for w in found]
+            inputs += [empty_seg if w is None else w.segments for w in found]
+        self._inputs_key, self._inputs = key, inputs
+        return inputs
+
+    def graph_step(self, row_adapter: torch.Tensor, inputs) -> LoRAStep:
+        """The :class:`LoRAStep` a traced decode step runs with: ``row_adapter`` (the step's
+        rows' slots, -1 for the base model and the padding) and ``inputs`` laid out as
+        :meth:`graph_inputs` makes them (the trace's own inputs, so a replay reads the step's
+        adapters, never the ones it was traced with). Every layer calls the kernel, whatever
+        the slots hold."""
+        n, width = self.max_loras, 3 * self.max_loras
+        layers = {
+            path: tuple(
+                list(inputs[i * width + part * n : i * width + (part + 1) * n]) for part in range(3)
+            )
+            for i, path in enumerate(self.paths)
+        }
+        return LoRAStep([], row_adapter, layers)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 
+from pyxllm import kernels
 from pyxllm.distributed.parallel_state import get_tp_size
 from pyxllm.executor.runners.base import Runner
 from pyxllm.executor.runners.compiled import CompileRunner
@@ -32,6 +33,7 @@ __all__ = [
     "build_runner",
     "capture_sizes",
     "graph_capture_for",
+    "lora_runner",
     "resolve_runner",
 ]
 
@@ -74,6 +76,37 @@ def resolve_runner(kind: str, model, platform) -> str:
     return choice
 
 
+def lora_runner(kind: str, requested: str, platform) -> str:
+    """The runner that serves LoRA adapters in place of ``kind`` (what ``--graph-backend
+    requested`` resolved to): ``graph`` where its captures take the adapters as inputs
+    (TorchScript traces, with the fused CPU ``lora_delta``, which reads its segments in C++),
+    else ``eager``, as is ``compile`` (its guards would specialize on a step's adapters).
+
+    Raises:
+        ValueError: ``--graph-backend graph`` asked for by name where it cannot take adapters.
+    """
+    if kind == "eager":
+        return kind
+    why = None
+    if kind == "compile":
+        why = "torch.compile would specialize on a step's adapters"
+    elif not isinstance(platform.graph_capture, TorchScriptTraces):
+        why = "device graphs replay the adapter buffers they recorded"
+    elif kernels.ops.lora_delta is kernels.native.lora_delta:
+        why = (
+            "the pure-PyTorch lora_delta reads its segments in Python, which a trace would "
+            "record as constants (the fused CPU kernels are not loaded)"
+        )
+    if why is None:
+        return kind
+    if requested == kind:
+        raise ValueError(
+            f"--graph-backend {kind}: not with --enable-lora here: {why}; use --graph-backend eager"
+        )
+    logger.info("--enable-lora: runner eager, not %s (%s)", kind, why)
+    return "eager"
+
+
 def graph_capture_for(platform) -> DeviceGraphCapture | TraceCapture:
     """What records the graph runner's decode steps on ``platform`` (its ``graph_capture``).
 
@@ -101,10 +134,12 @@ def build_runner(
     max_model_len: int = 1,
     block_size: int = 16,
     max_query_len: int = 1,
+    lora=None,
 ) -> Runner:
     """The runner of ``kind`` (``eager``, ``compile`` or ``graph``; aliases are normalized by
     ``EngineConfig``) for ``model`` on ``platform``; ``graph`` captures its buckets here and
-    replays queries of up to ``max_query_len`` tokens (see :class:`GraphRunner`).
+    replays queries of up to ``max_query_len`` tokens (see :class:`GraphRunner`), with the
+    LoRA adapters of ``lora`` (a ``LoRAManager``) as inputs of its captures.
 
     Raises:
         ValueError: ``kind`` is not among ``platform.runners`` (never replaced by another).
@@ -123,4 +158,5 @@ def build_runner(
         block_size,
         graph_capture_for(platform),
         max_query_len,
+        lora,
     )

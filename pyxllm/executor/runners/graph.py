@@ -18,6 +18,11 @@ step's K/V into the cache before it attends, so row ``j`` sees the drafts before
 after: the causal attention of a ``1 + k``-token query, computed by the decode kernel that
 decoding without speculation uses (vLLM's FlashInfer and TRT-LLM paths treat short speculative
 queries as decodes the same way).
+
+LoRA adapters (``--enable-lora``) replay too: each captured step takes the rows' adapter slots
+and the slots' weights as inputs (see ``pyxllm.lora.manager``), as vLLM's CUDA graphs take
+its LoRA slots' buffers, so one capture per bucket serves any mix of adapters and the base
+model.
 """
 
 from __future__ import annotations
@@ -47,16 +52,21 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 # A capture turns ``fn(*args)`` (the decode step over the static buffers and the KV caches, all
-# in ``args``) into a replay: a function of no arguments that reruns it on the same tensors.
+# in ``args``) into a replay: ``replay(args)`` reruns it. A capture whose ``takes_inputs`` is
+# true runs it on the tensors it is given (tensors of other shapes may stand where the step only
+# passes them to a kernel: the LoRA adapters' slots); a device graph reruns it on the tensors it
+# recorded, whatever it is given.
 StepFn = Callable[..., torch.Tensor]
-Replay = Callable[[], torch.Tensor]
+Replay = Callable[[tuple[torch.Tensor, ...]], torch.Tensor]
 
 
 class EagerCapture:
     """The stand-in: "capturing" keeps the function, and a replay runs it again eagerly."""
 
+    takes_inputs = True
+
     def capture(self, fn: StepFn, args: tuple[torch.Tensor, ...]) -> Replay:
-        return lambda: fn(*args)
+        return lambda step_args: fn(*step_args)
 
 
 class TraceCapture:
@@ -76,6 +86,8 @@ class TraceCapture:
     to move to once it can replay a paged-attention step as cheaply.
     """
 
+    takes_inputs = True
+
     def capture(self, fn: StepFn, args: tuple[torch.Tensor, ...]) -> Replay:
         fn(*args)  # warm-up: lazy initialisation must not be recorded
         with (
@@ -89,7 +101,7 @@ class TraceCapture:
         # slot -1, nothing is written to the caches)
         for _ in range(2):
             traced(*args)
-        return lambda: traced(*args)
+        return lambda step_args: traced(*step_args)
 
 
 class DeviceGraphCapture:
@@ -103,6 +115,8 @@ class DeviceGraphCapture:
     Untested here (no accelerator on the development machines); ``pyxllm check-device`` checks
     graph tokens against eager ones on a card.
     """
+
+    takes_inputs = False  # a replay reads the buffers it recorded
 
     def __init__(self, device_module: ModuleType, graph_class: str, warmup: int = 2) -> None:
         self.device_module, self.graph_class, self.warmup = (
@@ -123,7 +137,7 @@ class DeviceGraphCapture:
             out = fn(*args)
         self.device_module.synchronize()
 
-        def replay() -> torch.Tensor:
+        def replay(step_args: tuple[torch.Tensor, ...]) -> torch.Tensor:
             graph.replay()
             return out
 
@@ -145,9 +159,18 @@ class GraphRunner(Runner):
         max_query_len: the longest query of a sequence that replays (as that many decode rows;
             ``1 + num_speculative_tokens`` with speculative decoding, else 1); it is a bucket
             too.
+        lora: the ``LoRAManager`` of ``--enable-lora``: every captured step then takes the row ->
+            adapter map and the adapters' slots (``LoRAManager.graph_inputs``) as inputs too,
+            and a replay passes the step's (set by the executor in :attr:`lora_step`); needs a
+            capture that ``takes_inputs``.
 
     Attributes:
         sizes: the buckets, ascending; replays: bucket -> how many steps replayed in it.
+        lora_step: the next step's ``LoRAStep`` (``None``: no row uses an adapter).
+
+    Raises:
+        ValueError: a model with layers that run Python on the data; ``lora`` with a capture
+            that does not take inputs.
     """
 
     name = "graph"
@@ -162,6 +185,7 @@ class GraphRunner(Runner):
         block_size: int,
         capture,
         max_query_len: int = 1,
+        lora=None,
     ) -> None:
         uncapturable = sorted(
             {type(m).__name__ for m in model.modules() if not getattr(m, "capturable", True)}
@@ -171,8 +195,14 @@ class GraphRunner(Runner):
                 f"--graph-backend graph cannot capture {type(model).__name__}: its "
                 f"{', '.join(uncapturable)} runs Python on the data; use --graph-backend eager"
             )
+        if lora is not None and not capture.takes_inputs:
+            raise ValueError(
+                f"--enable-lora: the graph runner's {type(capture).__name__} replays the "
+                "adapters it recorded; use --graph-backend eager"
+            )
         super().__init__(model)
         self.attn_backend, self.kv_caches = attn_backend, kv_caches
+        self.lora, self.lora_step = lora, None
         self.max_query_len = max_query_len
         # and a bucket of exactly one sequence verifying its drafts (padding it to the next
         # power of two would add rows to every matmul of the step)
@@ -185,6 +215,8 @@ class GraphRunner(Runner):
         self.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(size, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(size, max_blocks, dtype=torch.long, device=device)
+        self.row_adapter = torch.full((size,), -1, dtype=torch.long, device=device)
+        self._static_args: dict[int, tuple[torch.Tensor, ...]] = {}
         with torch.inference_mode():
             self.graphs = {
                 s: capture.capture(self._decode_step, self._step_args(s))
@@ -194,24 +226,35 @@ class GraphRunner(Runner):
 
     def _step_args(self, size: int) -> tuple[torch.Tensor, ...]:
         """The inputs of a ``size``-row decode step: views of the static buffers' first ``size``
-        rows, then every layer's ``k_cache, v_cache``."""
-        return (
-            self.input_ids[:size],
-            self.positions[:size],
-            self.slot_mapping[:size],
-            self.block_tables[:size],
-            self.seq_lens[:size],
-            *itertools.chain.from_iterable(self.kv_caches),
-        )
+        rows, then every layer's ``k_cache, v_cache``; with LoRA, then the rows' adapter slots
+        and the adapters of :attr:`lora_step` (``LoRAManager.graph_inputs``)."""
+        args = self._static_args.get(size)
+        if args is None:
+            args = self._static_args[size] = (
+                self.input_ids[:size],
+                self.positions[:size],
+                self.slot_mapping[:size],
+                self.block_tables[:size],
+                self.seq_lens[:size],
+                *itertools.chain.from_iterable(self.kv_caches),
+            )
+        if self.lora is None:
+            return args
+        return (*args, self.row_adapter[:size], *self.lora.graph_inputs(self.lora_step))
 
     def _decode_step(
-        self, input_ids, positions, slot_mapping, block_tables, seq_lens, *caches
+        self, input_ids, positions, slot_mapping, block_tables, seq_lens, *rest
     ) -> torch.Tensor:
         """The model forward of one decode step over :meth:`_step_args`."""
         step = self.attn_backend.build_decode(
             slot_mapping, block_tables, seq_lens, self.max_seq_len
         )
-        with set_forward_context(ForwardContext(step, list(zip(caches[0::2], caches[1::2])))):
+        caches = rest[: 2 * len(self.kv_caches)]
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.graph_step(rest[len(caches)], rest[len(caches) + 1 :])
+        context = ForwardContext(step, list(zip(caches[0::2], caches[1::2])), lora=lora)
+        with set_forward_context(context):
             return self.model(input_ids, positions)
 
     def bucket_for(self, batch) -> int | None:
@@ -247,6 +290,12 @@ class GraphRunner(Runner):
         self.seq_lens[n:size].fill_(1)
         self.block_tables[:size].zero_()
         self.block_tables[:n, :width].copy_(tables)
+        if self.lora is not None:
+            if self.lora_step is None:
+                self.row_adapter[:size].fill_(-1)
+            else:
+                self.row_adapter[:n].copy_(self.lora_step.row_adapter)
+                self.row_adapter[n:size].fill_(-1)
 
     @torch.inference_mode()
     def execute(self, batch, make_context) -> torch.Tensor:
@@ -257,7 +306,7 @@ class GraphRunner(Runner):
             return super().execute(batch, make_context)
         self.pad_inputs(batch, size)
         self.replays[size] += 1
-        return self.graphs[size]()[: len(batch.input_ids)]
+        return self.graphs[size](self._step_args(size))[: len(batch.input_ids)]
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
