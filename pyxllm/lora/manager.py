@@ -50,7 +50,7 @@ class LoRAStep:
     """One step's adapters and the rows (flattened tokens) each applies to.
 
     Attributes:
-        adapters: the adapters of the step.
+        adapters: the adapters of the step (empty in a traced step, whose ``layers`` are given).
         row_adapter: ``int64 [T]``, each row's position in ``adapters`` (-1: the base model).
         layers: ``{layer path: (a, b, segments)}``, the lists ``lora_delta`` takes for the
             layer (one entry per adapter, empty tensors for an adapter that does not adapt it),
