@@ -212,6 +212,29 @@ def test_outputs_cross_as_deltas_and_are_rebuilt_whole():
     assert sink._sent == {}  # a finished request is forgotten
 
 
+def test_a_pooled_output_crosses_whole_less_its_prompt():
+    from types import SimpleNamespace
+
+    import torch
+
+    from pyxllm import SamplingParams
+    from pyxllm.engine.data_parallel.replica import _ChannelSink
+    from pyxllm.engine.data_parallel.replica_client import InFlightRequest
+    from pyxllm.engine.input_processor import EngineRequest
+    from pyxllm.outputs import PoolingOutput, PoolingRequestOutput
+
+    messages = []
+    engine = SimpleNamespace(requests={}, parents={})
+    sink = _ChannelSink(SimpleNamespace(send=messages.append), engine)
+    request = EngineRequest("e", [101, 7, 102], "a text", SamplingParams(max_tokens=1), 0.0)
+    whole = PoolingRequestOutput("e", "a text", [101, 7, 102], PoolingOutput(torch.ones(4)))
+    sink.deliver([whole])
+    [sent] = messages[-1].outputs
+    assert (sent.prompt, sent.prompt_token_ids) == (None, [])
+    assert sent.outputs is whole.outputs and sink._sent == {}
+    assert InFlightRequest(request, 1, stream=None).merge(sent) == whole
+
+
 def test_replica_channels_probe_a_silent_peer_and_still_carry_messages():
     """Both ends of a replica connection have TCP keepalive and a user timeout, so a replica
     whose node vanishes (no FIN, no RST) ends its channel instead of hanging it; messages still

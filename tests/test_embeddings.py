@@ -179,6 +179,33 @@ def test_rerank_orders_documents_by_similarity(server, reference):
     assert [r["index"] for r in everything["results"]] == want
 
 
+def test_data_parallel_replicas_embed_score_and_rerank(reference):
+    """``--task embed --data-parallel-size 2``: the API server splits a batched input's texts
+    (one engine request each) between the replicas (least loaded: no prefix cache), and the
+    vectors, scores and rerank order are still transformers'."""
+    args = ["--task", "embed", "--data-parallel-size", "2", "--disable-log-stats"]
+    with RemoteServer(args, startup_timeout=240) as remote:
+        texts = [*TEXTS, "Vectors of text live in one space.", "Dogs bark at night."]
+        expected = reference(texts)
+        client = remote.openai_client()
+        batched = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+        assert [d.index for d in batched.data] == list(range(len(texts)))
+        for data, want in zip(batched.data, expected):
+            assert cosine(data.embedding, want) >= MIN_COSINE
+        num_tokens = sum(len(reference.tokenizer(t)["input_ids"]) for t in texts)
+        assert batched.usage.prompt_tokens == num_tokens
+        stats = httpx.get(remote.url_for("debug", "stats"), timeout=10).json()
+        assert [r["routed_requests"] > 0 for r in stats["replicas"]] == [True, True]
+        body = {"text_1": texts[0], "text_2": texts[1:]}
+        scored = httpx.post(remote.url_for("v1/score"), json=body, timeout=60).json()
+        for data, vector in zip(scored["data"], expected[1:]):
+            assert math.isclose(data["score"], float(expected[0] @ vector), abs_tol=1e-5)
+        want = sorted(range(1, len(texts)), key=lambda i: -float(expected[0] @ expected[i]))
+        body = {"query": texts[0], "documents": texts[1:]}
+        ranked = httpx.post(remote.url_for("v1/rerank"), json=body, timeout=60).json()
+        assert [r["index"] + 1 for r in ranked["results"]] == want
+
+
 def test_pooling_is_the_embedding_vllm_encode_gives(client, server):
     """vLLM's ``/pooling`` (``LLM.encode``) on an embedding model: the model's pooled output,
     normalized as its modules say: the vector ``/v1/embeddings`` answers by default."""

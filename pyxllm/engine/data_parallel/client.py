@@ -97,6 +97,8 @@ class DataParallelEngine(EngineClient):
         input_processor, tokenizer, model_name, served_model_names, max_model_len: the front
             door, as :class:`AsyncEngine`'s (the KV-cache check uses the smallest replica's).
         max_num_seqs: the most requests one replica runs at once (``--max-seqs-per-batch``).
+        task: what the replicas make (``--task``, ``auto`` resolved for the model): ``generate``,
+            or a pooling task whose requests each end with one pooled output.
         data_parallel_size: the number of replicas (dead ones included).
         replicas: the :class:`ReplicaClient` of each.
         router: the :class:`.Router` choosing replicas.
@@ -125,14 +127,17 @@ class DataParallelEngine(EngineClient):
         self._closing = False
         # the replicas load the model while this process loads the tokenizer
         front, self.replicas = self._start(config, size, stats_interval)
-        self.task = front.config.task  # generate: _start refuses embed
+        self.task = front.config.task  # --task auto resolved, as each replica resolves it
         self.lora_requests = {}  # --enable-lora is refused with replicas
         self.tokenizer, self.max_model_len = front.tokenizer, front.max_model_len
         self.served_model_names, self.model_name = front.served_model_names, front.model_name
         num_blocks = min(replica.ready.num_kv_blocks for replica in self.replicas)
-        self.structured_outputs = front.structured_output_manager()
+        # a pooling model has no grammar to follow (as LLMEngine's front door)
+        self.structured_outputs = (
+            None if self.task in POOLING_TASKS else front.structured_output_manager()
+        )
         self.input_processor = front.input_processor(num_blocks, self.structured_outputs)
-        if routing == "cache_aware" and not config.enable_prefix_cache:
+        if routing == "cache_aware" and not front.config.enable_prefix_cache:
             logger.info("--dp-routing cache_aware without a prefix cache: least_loaded instead")
             routing = "least_loaded"
         self.router = Router(size, routing, config.block_size, num_blocks)
@@ -173,10 +178,6 @@ class DataParallelEngine(EngineClient):
                 )
                 handles.append(self.launcher.launch(spec))
             front = EngineFrontend.load(config)
-            if front.config.task in POOLING_TASKS:
-                raise ValueError(
-                    f"--data-parallel-size: not with --task {front.config.task} (one engine pools)"
-                )
             replicas = self._accept(listener, handles)
             self._wait_ready(replicas)
         except BaseException:
@@ -466,7 +467,8 @@ class DataParallelEngine(EngineClient):
         for replica in self.replicas:
             replica.handle.stop(STOP_WAIT_S)
             replica.channel.close()
-        self.structured_outputs.shutdown()
+        if self.structured_outputs is not None:
+            self.structured_outputs.shutdown()
 
 
 def _ranges(cpus: tuple[int, ...]) -> str:

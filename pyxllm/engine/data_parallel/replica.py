@@ -43,7 +43,7 @@ from pyxllm.engine.data_parallel.wire import (
     connect,
 )
 from pyxllm.engine.errors import ConstraintFailedError, InvalidRequestError
-from pyxllm.outputs import RequestOutput
+from pyxllm.outputs import PoolingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -113,16 +113,21 @@ class _ChannelSink:
         except OSError:  # the server is gone; the main loop sees it and exits
             pass
 
-    def deliver(self, outputs: list[RequestOutput]) -> None:
+    def deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
         """Send what a step added to each output."""
         self._send(OutputsMessage([self._delta(output) for output in outputs]))
         live = self.engine.requests.keys() | self.engine.parents.keys()
         if len(self._sent) > 2 * len(live) + PRUNE_SLACK:  # forget the aborted ones
             self._sent = {rid: sent for rid, sent in self._sent.items() if rid in live}
 
-    def _delta(self, output: RequestOutput) -> RequestOutput:
+    def _delta(
+        self, output: RequestOutput | PoolingRequestOutput
+    ) -> RequestOutput | PoolingRequestOutput:
         """``output`` without what was sent before: its prompt (the server has it), the text,
-        tokens and logprobs of earlier steps, the prompt logprobs after the first time."""
+        tokens and logprobs of earlier steps, the prompt logprobs after the first time. A
+        pooling request's one output goes whole, less its prompt."""
+        if isinstance(output, PoolingRequestOutput):
+            return dataclasses.replace(output, prompt=None, prompt_token_ids=[])
         sent = self._sent.setdefault(output.request_id, {})
         completions = []
         for completion in output.outputs:

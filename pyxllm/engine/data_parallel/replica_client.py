@@ -4,6 +4,7 @@ output rebuilt from the deltas the replica streams); :mod:`.client` drives both.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from concurrent.futures import Future
@@ -15,7 +16,7 @@ from pyxllm.engine.data_parallel.launcher import ReplicaHandle
 from pyxllm.engine.data_parallel.wire import Channel, ReadyMessage, ScrapeMessage, ScrapeReply
 from pyxllm.engine.errors import EngineDeadError
 from pyxllm.engine.input_processor import EngineRequest
-from pyxllm.outputs import CompletionOutput, RequestOutput
+from pyxllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 
 
 class ReplicaClient:
@@ -113,10 +114,17 @@ class InFlightRequest:
         """What the request counts in its replica's load: its samples."""
         return self.request.sampling_params.n
 
-    def merge(self, delta: RequestOutput) -> RequestOutput:
+    def merge(
+        self, delta: RequestOutput | PoolingRequestOutput
+    ) -> RequestOutput | PoolingRequestOutput:
         """The whole output a replica's delta (see :class:`~.wire.OutputsMessage`) stands
         for: each completion's earlier text, tokens and logprobs with the new ones appended,
-        the prompt and the first output's prompt logprobs put back."""
+        the prompt and the first output's prompt logprobs put back (a pooling request's one
+        output: its prompt put back)."""
+        if isinstance(delta, PoolingRequestOutput):
+            return dataclasses.replace(
+                delta, prompt=self.request.prompt, prompt_token_ids=self.request.prompt_token_ids
+            )
         merged = []
         for new in delta.outputs:
             old = self.completions.get(new.index)

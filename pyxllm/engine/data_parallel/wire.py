@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 
 from pyxllm.engine.input_processor import EngineRequest
-from pyxllm.outputs import RequestOutput
+from pyxllm.outputs import PoolingRequestOutput, RequestOutput
 
 # --- API server -> replica ------------------------------------------------------------------
 
@@ -92,9 +92,11 @@ class OutputsMessage:
     """One engine step's outputs as deltas: each output's completions hold only the text,
     token ids and logprobs added since the request's previous output (the whole of them in
     its first); the prompt text and ids are left out (the server has them), and so are the
-    prompt logprobs after the first output. The server appends them up again."""
+    prompt logprobs after the first output. The server appends them up again. A pooling
+    request's one output (``PoolingRequestOutput``, its pooled vector) comes whole, less its
+    prompt."""
 
-    outputs: list[RequestOutput]
+    outputs: list[RequestOutput | PoolingRequestOutput]
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,7 +96,6 @@ from pyxllm.entrypoints.openai.serving_tokenization import (
 from pyxllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pyxllm.entrypoints.openai.tool_parsers.auto import AUTO, NONE
 from pyxllm.entrypoints.openai.web_ui import install_web_ui
-from pyxllm.pooling_params import POOLING_TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -546,8 +545,6 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
         # the template is known before the model loads: a promise of "auto" no parser can
         # keep fails now, not after the load (the tokenizer's own template is checked later)
         choose_auto_tool_parser(options, load_chat_template(config.chat_template))
-    if config.task in POOLING_TASKS and options.data_parallel_size > 1:
-        raise ValueError(f"--data-parallel-size: not with --task {config.task} (one engine pools)")
     ensure_logging()
     sock = bind_socket(options.host, options.port)
     warning = exposure_warning(options.host, options.api_keys)
