@@ -159,3 +159,27 @@ def test_rms_norm_equals_transformers_and_fuses_the_residual():
         normed, new_residual = ours(x, residual)
         assert torch.equal(new_residual, x + residual)
         torch.testing.assert_close(normed, theirs(x + residual), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_encoder_attention_is_each_sequences_own_softmax(dtype, atol):
+    """Encoder attention pads sequences to a multiple of 16 and runs each padded length in one
+    call: every sequence still gets softmax(q k^T * scale) v over its own tokens only, and the
+    same bits alone as beside neighbours."""
+    import torch.nn.functional as F
+
+    from pyxllm.attention.encoder import EncoderAttentionStep
+
+    torch.manual_seed(0)
+    lens = [5, 16, 17, 3, 40, 12]
+    q, k, v = (torch.randn(sum(lens), 4, 8, dtype=dtype) for _ in range(3))
+    out = EncoderAttentionStep(lens).forward(q, k, v, None, None, 0.3)
+    start = 0
+    for length in lens:
+        rows = slice(start, start + length)
+        qs, ks, vs = (t[rows].transpose(0, 1).double() for t in (q, k, v))
+        want = F.softmax(qs @ ks.transpose(1, 2) * 0.3, dim=-1) @ vs
+        torch.testing.assert_close(out[rows].double(), want.transpose(0, 1), atol=atol, rtol=0)
+        alone = EncoderAttentionStep([length]).forward(q[rows], k[rows], v[rows], None, None, 0.3)
+        assert torch.equal(alone, out[rows])
+        start += length

@@ -107,7 +107,7 @@ class PoolingExecutor:
             ValueError: a sequence that is not a whole prompt (see :func:`pool_sequences`).
         """
         batch = InputBatch.build(plan, self.config.block_size, self.device)
-        context = ForwardContext(EncoderAttentionStep(batch.query_lens), [])
+        context = ForwardContext(EncoderAttentionStep(batch.query_lens, self.device), [])
         types = token_type_ids(plan, batch.query_lens, batch.input_ids.numel(), self.device)
         with set_forward_context(context):
             hidden_states = self.model(batch.input_ids, batch.positions, types)
