@@ -141,3 +141,21 @@ def test_results_do_not_depend_on_the_thread_count(quantization, restore_threads
         )
     assert runs[0] == runs[1]
     assert all(len(r) == 24 for r in runs[0])
+
+
+def test_embed_steps_are_tuned_by_their_token_count(monkeypatch, restore_threads):
+    """The encoder's steps (``--task embed``) are timed too, each keyed by its token count
+    rounded up to a power of two (every one is a prefill of its own length); the vectors do not
+    depend on the thread count."""
+    texts = ["The cat sits on the mat.", "Embeddings map text to vectors.", "Dogs bark."]
+    monkeypatch.delenv(ENV, raising=False)
+    torch.set_num_threads(2)
+    llm = LLM(task="embed")
+    tuner = llm.llm_engine.executor.thread_tuner
+    assert isinstance(tuner, ThreadTuner)
+    two = llm.embed(texts)
+    tokens = sum(len(llm.llm_engine.tokenizer.encode(t)) for t in texts)
+    assert set(tuner.samples) == {(2, 1 << (tokens - 1).bit_length())}
+    tuner.current = 1
+    for a, b in zip(two, llm.embed(texts)):
+        assert torch.equal(a.outputs.data, b.outputs.data)

@@ -24,6 +24,7 @@ from pyxllm.executor.input_batch import InputBatch
 from pyxllm.executor.model_executor import StepResult, resolve_dtype
 from pyxllm.executor.pooling import pool_sequences, token_type_ids
 from pyxllm.executor.scheduler_output import SchedulerOutput
+from pyxllm.executor.thread_tuner import make_thread_tuner
 from pyxllm.layers.forward_context import ForwardContext, set_forward_context
 from pyxllm.layers.pooler import ClassifierPooler, Pooler, classifier_activation
 from pyxllm.models.build_context import build_model
@@ -86,6 +87,8 @@ class PoolingExecutor:
         self.num_kv_blocks = config.max_seqs_per_batch * -(-max_len // config.block_size)
         self.failure: str | None = None
         self.driver = self
+        # the CPU's thread count per step, measured (see thread_tuner.py); None elsewhere
+        self.thread_tuner = make_thread_tuner(platform, 1)
         logger.info(
             "%s model %s, device %s, dtype %s, %s, %d dimensions",
             config.task,
@@ -107,6 +110,15 @@ class PoolingExecutor:
             ValueError: a sequence that is not a whole prompt (see :func:`pool_sequences`).
         """
         batch = InputBatch.build(plan, self.config.block_size, self.device)
+        if self.thread_tuner is None:
+            return self._run(plan, batch)
+        # steps are timed by their token count rounded up to a power of two (within 2x of
+        # each other), since every embed step is a prefill of its own length
+        with self.thread_tuner.step(1 << (batch.input_ids.numel() - 1).bit_length()):
+            return self._run(plan, batch)
+
+    def _run(self, plan: SchedulerOutput, batch: InputBatch) -> StepResult:
+        """The encoder's forward over ``batch`` (``plan``'s inputs), then pooling."""
         context = ForwardContext(EncoderAttentionStep(batch.query_lens, self.device), [])
         types = token_type_ids(plan, batch.query_lens, batch.input_ids.numel(), self.device)
         with set_forward_context(context):

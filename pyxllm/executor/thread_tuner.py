@@ -16,7 +16,9 @@ the configured threads, alternating) and moves there when their median time beat
 count's recent median by ``margin``; a probe that confirms the current count doubles the
 interval (up to ``max_interval``), so a steady machine pays for probing less and less (a probe
 at the slower count costs its few steps). Prefill steps run at the current count untimed: their
-length varies too much to compare.
+length varies too much to compare. An encoder's steps (the pooling tasks, which are all
+prefills) are timed by their token count rounded up to a power of two instead
+(``PoolingExecutor``): on two busy cores one thread made small embed steps 3-7x faster.
 """
 
 from __future__ import annotations
