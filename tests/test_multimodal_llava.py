@@ -151,16 +151,21 @@ def test_prefix_cache_hits_the_same_image_and_misses_another(llava, images, expe
     assert encoder.num_encoded == 2  # the first image was encoded once
 
 
-def test_chunked_prefill_cuts_through_the_image(llava, images, expected):
-    # 5 tokens a step: the 16-token image run spans four steps, its rows sliced each time
-    llm = LLM(
+def engine_without_prefix_cache(llava, **kwargs) -> LLM:
+    """A new engine on the tiny LLaVA, the prefix cache off (every image encoded), ``kwargs``
+    added."""
+    return LLM(
         str(llava[0]),
         max_model_len=256,
         kv_cache_memory=64 * BLOCK_GIB,
-        max_tokens_per_batch=5,
-        enable_chunked_prefill=True,
         enable_prefix_cache=False,
+        **kwargs,
     )
+
+
+def test_chunked_prefill_cuts_through_the_image(llava, images, expected):
+    # 5 tokens a step: the 16-token image run spans four steps, its rows sliced each time
+    llm = engine_without_prefix_cache(llava, max_tokens_per_batch=5, enable_chunked_prefill=True)
     outs = llm.chat([image_chat(images[0]), image_chat(images[1])], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected[:2]
     assert llm.llm_engine.executor.driver.encoder_cache.num_encoded == 2
@@ -170,9 +175,7 @@ def test_the_encoder_budget_puts_a_second_image_in_the_next_step(llava, images, 
     """A step's encoder budget (the placeholder tokens of the images begun in it) set to one
     image: two prompts with different images arrive together, and the second one's chunk ends
     before its image, which is encoded in the next step; the tokens are unchanged."""
-    llm = LLM(
-        str(llava[0]), max_model_len=256, kv_cache_memory=64 * BLOCK_GIB, enable_prefix_cache=False
-    )
+    llm = engine_without_prefix_cache(llava)
     llm.llm_engine.scheduler.encoder_budget = NUM_IMAGE_TOKENS
     encoder = llm.llm_engine.executor.driver.encoder_cache
     batches, encode = [], encoder._encode
@@ -193,13 +196,7 @@ def test_two_tensor_parallel_ranks_give_transformers_tokens(llava, images, expec
     """``--tensor-parallel-size 2``: the vision tower and projector on every rank, the
     language model split; the step plan carries each image's pixels to rank 1 until it is
     cached, then its hash alone (the second call: the same images, no prefix cache)."""
-    llm = LLM(
-        str(llava[0]),
-        max_model_len=256,
-        kv_cache_memory=64 * BLOCK_GIB,
-        tensor_parallel_size=2,
-        enable_prefix_cache=False,
-    )
+    llm = engine_without_prefix_cache(llava, tensor_parallel_size=2)
     try:
         for _ in range(2):
             outs = llm.chat([image_chat(images[0]), image_chat(images[1])], GREEDY)
