@@ -18,6 +18,7 @@ from pyxllm.executor.runners import (
     EagerCapture,
     EagerRunner,
     GraphRunner,
+    TraceCapture,
     build_runner,
     capture_sizes,
 )
@@ -344,3 +345,23 @@ def test_compile_gives_eager_tokens_on_smollm2(eager_tokens):
     assert tokens == eager_tokens
     # single-token steps reuse the same graph (the token dimension is unbacked-dynamic)
     assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids == eager_tokens[0]
+
+
+def test_a_trace_is_taken_on_one_thread_and_replays_on_the_callers():
+    """Captures run on one torch thread (OpenMP regions on cores another process keeps busy
+    stalled start-up ~10x); the count is restored, and a replay gives the traced results."""
+    seen = []
+
+    def step(x):
+        seen.append(torch.get_num_threads())
+        return x * 2 + 1
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        replay = TraceCapture().capture(step, (torch.ones(3),))
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+        assert torch.equal(replay((torch.arange(3.0),)), torch.tensor([1.0, 3.0, 5.0]))
+    finally:
+        torch.set_num_threads(before)

@@ -27,9 +27,10 @@ model.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
@@ -89,19 +90,35 @@ class TraceCapture:
     takes_inputs = True
 
     def capture(self, fn: StepFn, args: tuple[torch.Tensor, ...]) -> Replay:
-        fn(*args)  # warm-up: lazy initialisation must not be recorded
-        with (
-            warnings.catch_warnings()
-        ):  # TracerWarnings about Python values: the step has none that vary
-            warnings.simplefilter("ignore")
-            traced = torch.jit.trace(fn, args, check_trace=False)
-        # TorchScript's profiling executor runs a graph unoptimized while it profiles it (the
-        # first two calls: ~150-250 ms each for SmolLM2, against ~35 after), so those calls are
-        # made here, at start-up, not by the first requests (the static buffers hold padding:
-        # slot -1, nothing is written to the caches)
-        for _ in range(2):
-            traced(*args)
+        with _one_thread():
+            fn(*args)  # warm-up: lazy initialisation must not be recorded
+            with (
+                warnings.catch_warnings()
+            ):  # TracerWarnings about Python values: the step has none that vary
+                warnings.simplefilter("ignore")
+                traced = torch.jit.trace(fn, args, check_trace=False)
+            # TorchScript's profiling executor runs a graph unoptimized while it profiles it
+            # (the first two calls: ~150-250 ms each for SmolLM2, against ~35 after), so those
+            # calls are made here, at start-up, not by the first requests (the static buffers
+            # hold padding: slot -1, nothing is written to the caches)
+            for _ in range(2):
+                traced(*args)
         return lambda step_args: traced(*step_args)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run the body on one torch thread, then restore the count. A capture is mostly
+    TorchScript's own work on one thread and steps of a few rows; on threads that share their
+    cores with another process its OpenMP regions stall (the 8 captures of SmolLM2's start-up:
+    ~60 s on 2 threads with the cores busy, 6.5 s on one). A replay runs on the caller's
+    threads: a trace records ops, not thread counts."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class DeviceGraphCapture:
