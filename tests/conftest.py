@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -18,6 +19,17 @@ os.environ.setdefault("PYXLLM_DEFAULT_QUANTIZATION", "none")
 # and ``--graph-backend auto`` runs the graph runner on the CPU, whose captures add ~5 s to each
 # engine's start: the suite's engines run eager unless a test asks (test_runners.py tests both)
 os.environ.setdefault("PYXLLM_DEFAULT_GRAPH_BACKEND", "eager")
+
+
+def pytest_sessionfinish(session):
+    """Delete the reference model :func:`hf_gguf_model` saved for this run's xdist workers
+    (~0.5 GB) once they are done: in the controller, whose temporary directory holds theirs."""
+    if (
+        "PYTEST_XDIST_WORKER" in os.environ
+        or session.config.pluginmanager.get_plugin("dsession") is None
+    ):
+        return
+    (session.config._tmp_path_factory.getbasetemp() / "hf_gguf_model.pt").unlink(missing_ok=True)
 
 
 def pytest_configure(config):
@@ -55,13 +67,37 @@ def hf_gguf_tokenizer(default_gguf_path):
 
 
 @pytest.fixture(scope="session")
-def hf_gguf_model(default_gguf_path):
-    """transformers' float32 model dequantized from the default GGUF: the parity reference."""
-    from transformers import AutoModelForCausalLM
+def hf_gguf_model(default_gguf_path, tmp_path_factory):
+    """transformers' float32 model dequantized from the default GGUF: the parity reference.
 
-    model = AutoModelForCausalLM.from_pretrained(
-        default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32
-    )
+    transformers' GGUF loading spends ~30 s of a core in the ``gguf`` package's metadata reader
+    (it reads the file twice, walking the 49k-token vocabulary each time). Under pytest-xdist
+    the first worker to need the model loads it so and saves its config and dequantized
+    weights in the run's shared temporary directory; another worker builds the same model from
+    them (``from_config`` and a strict ``load_state_dict``: the same tensors, bit for bit)."""
+    from filelock import FileLock
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def from_gguf():
+        return AutoModelForCausalLM.from_pretrained(
+            default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32
+        )
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return from_gguf().eval()
+    saved = tmp_path_factory.getbasetemp().parent / "hf_gguf_model.pt"  # this run's, shared
+    with FileLock(f"{saved}.lock"):
+        if not saved.is_file():
+            model = from_gguf()
+            config = model.config.to_json_string()  # JSON: its enums as plain strings
+            name = model.config.name_or_path
+            torch.save({"config": config, "name": name, "state": model.state_dict()}, saved)
+            return model.eval()
+    loaded = torch.load(saved, weights_only=True)
+    config = AutoConfig.for_model(**json.loads(loaded["config"]))
+    config.name_or_path = loaded["name"]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded["state"], strict=True)
     return model.eval()
 
 
