@@ -33,9 +33,12 @@ serve: $(STAMP)
 # tests start inherit OMP_NUM_THREADS=1. TEST_WORKERS=0 runs it in this process, serially.
 # The chat page's browser tests (tests/test_web_ui.py) need Debian's chromium and
 # chromium-driver (.ci/run installs them); without them they are skipped, saying so.
+# --no-loadscope-reorder: the modules go out in tests/conftest.py's order, slowest first (not
+# pytest-xdist's, most tests first, which left minute-long modules of few tests to the end).
 TEST_WORKERS ?= 2
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder $(ARGS)
 
 # ruff's linter and formatter check (configuration in pyproject.toml; also a pre-commit hook)
 lint: $(STAMP)

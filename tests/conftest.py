@@ -21,6 +21,40 @@ os.environ.setdefault("PYXLLM_DEFAULT_QUANTIZATION", "none")
 os.environ.setdefault("PYXLLM_DEFAULT_GRAPH_BACKEND", "eager")
 
 
+# Seconds each of the slowest modules takes in `make test` (two workers, the `--durations` of
+# its runs, rounded): `pytest_collection_modifyitems` runs them first, so that pytest-xdist's
+# `--dist loadfile` hands the short modules out last and its two workers finish together,
+# instead of one running a minute-long module alone at the end. Only the order depends on
+# these numbers; a module not listed runs after them, as pytest-xdist orders it.
+SLOW_MODULES = {
+    "test_cpu_fused_kernels.py": 100,
+    "test_speculative.py": 75,
+    "test_ray_executor.py": 75,
+    "test_parity.py": 65,
+    "test_kv_disagg.py": 60,
+    "test_tool_calls.py": 55,
+    "test_multimodal_llava.py": 50,
+    "test_data_parallel.py": 40,
+    "test_run_batch.py": 30,
+    "test_kv_cache_int8.py": 30,
+    "test_batch_invariance.py": 25,
+    "test_runners.py": 25,
+    "test_harmony.py": 25,
+    "test_metrics_server.py": 25,
+    "test_tensor_parallel.py": 25,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the modules slowest first (:data:`SLOW_MODULES`), then by their number of tests,
+    most first (as pytest-xdist's ``--loadscope-reorder`` does; the Makefile turns that off so
+    that this order stands), keeping each module's tests in their own order."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+    items.sort(key=lambda item: (-SLOW_MODULES.get(item.path.name, 0), -counts[item.path.name]))
+
+
 def pytest_sessionfinish(session):
     """Delete the reference model :func:`hf_gguf_model` saved for this run's xdist workers
     (~0.5 GB) once they are done: in the controller, whose temporary directory holds theirs."""
