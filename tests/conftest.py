@@ -42,6 +42,15 @@ SLOW_MODULES = {
     "test_harmony.py": 25,
     "test_metrics_server.py": 25,
     "test_tensor_parallel.py": 25,
+    "test_hostile_requests.py": 70,
+    "test_structured_outputs.py": 60,
+    "test_chat_cli.py": 50,
+    "test_tool_choice_auto.py": 45,
+    "test_scheduling_equivalence.py": 35,
+    "test_responses_api.py": 30,
+    "test_openai_api.py": 30,
+    "test_embeddings.py": 30,
+    "test_multimodal_idefics3.py": 20,
 }
 
 
