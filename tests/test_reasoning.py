@@ -19,7 +19,11 @@ from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.input_processor import InputProcessor
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser, reasoning_parser_names
+from pyxllm.entrypoints.openai.reasoning import (
+    get_reasoning_parser,
+    reasoning_parser_names,
+    resolve_reasoning_parser,
+)
 from pyxllm.entrypoints.openai.reasoning.think_tags import ThinkTagReasoningParser, partial_tag_len
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -221,7 +225,7 @@ def test_registry_and_flag(capsys):
     assert get_reasoning_parser("qwen3") is ThinkTagReasoningParser
     assert get_reasoning_parser("deepseek_r1") is ThinkTagReasoningParser
     with pytest.raises(
-        ValueError, match="known parsers: deepseek_r1, gpt_oss, openai_gptoss, qwen3"
+        ValueError, match="known parsers: deepseek_r1, gpt_oss, granite, openai_gptoss, qwen3"
     ):
         get_reasoning_parser("nope")
     args, _ = parse_args(["serve", "--reasoning_parser", "qwen3"])
@@ -232,6 +236,49 @@ def test_registry_and_flag(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--reasoning-parser" in err and "'qwen3'" in err and "'deepseek_r1'" in err
+
+
+GRANITE_CASES = [
+    ("Here is my thought process:\nplan\nHere is my response:\nanswer", "\nplan\n", "\nanswer"),
+    ("Here's my thought process: a Here's my response: b", " a ", " b"),
+    ("  Here is my thought process: cut off", " cut off", None),  # max_tokens
+    ("The answer is 4.", None, "The answer is 4."),  # no thinking at all
+    ("Here is my answer.", None, "Here is my answer."),  # diverges from the phrase
+    ("Here is my thought process:x Here is my respo", "x Here is my respo", None),
+    ("Here is my thought process:Here is my response:", None, None),
+    ("Here", None, "Here"),  # the final text releases a would-be phrase
+    ("", None, None),
+]
+
+
+@pytest.mark.parametrize("text,reasoning,content", GRANITE_CASES)
+def test_granite_phrases_split_whole_and_streamed_alike(text, reasoning, content):
+    """Granite 3.2's phrases: the whole text, and its deltas split anywhere (one character at
+    a time, in two pieces at every point), give the same fields."""
+    parser = get_reasoning_parser("granite")(TextTokenizer())
+    assert parser.extract_reasoning(text) == (reasoning, content)
+    for pieces in [list(text), [text, ""], *([text[:i], text[i:]] for i in range(len(text)))]:
+        r, c = stream(parser, pieces)
+        assert ("".join(r), "".join(c)) == (reasoning or "", content or ""), pieces
+
+
+def test_granite_counts_the_tokens_up_to_its_response_phrase():
+    parser = get_reasoning_parser("granite")(TextTokenizer())
+    text = "Here is my thought process: ab Here is my response: cd"
+    assert parser.count_reasoning_tokens(list(text)) == len(text) - len(" cd")
+    assert parser.count_reasoning_tokens(list("no thinking")) == 0
+    assert parser.count_reasoning_tokens(list("Here is my thought process: ab")) == 30
+
+
+def test_auto_takes_the_parser_the_chat_template_names(capsys):
+    assert resolve_reasoning_parser("auto", "{{ '<think>' }}") == "qwen3"
+    assert resolve_reasoning_parser("auto", "<|start|>{{ '<|channel|>analysis' }}") == "gpt_oss"
+    granite = "Write your thoughts after 'Here is my thought process:' ..."
+    assert resolve_reasoning_parser("auto", granite) == "granite"
+    assert resolve_reasoning_parser("auto", "{{ messages }}") is None
+    assert resolve_reasoning_parser("auto", None) is None
+    assert resolve_reasoning_parser("qwen3", granite) == "qwen3"
+    assert parse_args(["serve", "--reasoning-parser", "auto"])[0].reasoning_parser == "auto"
 
 
 # --- through the server ---------------------------------------------------------------------
@@ -291,7 +338,7 @@ def server(thinking_checkpoint):
         "--model",
         str(thinking_checkpoint.dir),
         "--reasoning-parser",
-        "qwen3",
+        "auto",  # the <think> tags of the chat template: qwen3's parser (the log says so)
         "--max-model-len",
         "128",
         "--kv-cache-memory",
@@ -347,6 +394,10 @@ def streamed(chunks) -> tuple[str, str, str]:
             content += delta.get("content") or ""
             finish = choice["finish_reason"] or finish
     return reasoning, content, finish
+
+
+def test_server_auto_chose_the_think_tag_parser(server):
+    assert "--reasoning-parser auto: qwen3" in server.output()
 
 
 def test_server_thinking_closed(server, thinking_checkpoint):

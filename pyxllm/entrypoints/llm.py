@@ -15,7 +15,11 @@ from pyxllm.engine.input_processor import ChatPrompt, Prompt, TextPrompt, Tokens
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.entrypoints.chat_media import chat_images
-from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
+from pyxllm.entrypoints.openai.reasoning import (
+    check_reasoning_parser,
+    get_reasoning_parser,
+    resolve_reasoning_parser,
+)
 from pyxllm.entrypoints.score_utils import (
     check_cross_encoder,
     cosine_scores,
@@ -67,10 +71,15 @@ class LLM:
     def __init__(
         self, model: str | None = None, reasoning_parser: str | None = None, **kwargs: Any
     ) -> None:
-        parser_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        check_reasoning_parser(reasoning_parser)  # an unknown name fails before loading
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
-        self._reasoning = parser_cls(self.llm_engine.tokenizer) if parser_cls else None
+        self._reasoning = None
+        if reasoning_parser:
+            tokenizer = self.llm_engine.tokenizer
+            template = getattr(tokenizer.hf, "chat_template", None)
+            name = resolve_reasoning_parser(reasoning_parser, template)
+            self._reasoning = get_reasoning_parser(name)(tokenizer) if name else None
 
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer

@@ -79,7 +79,7 @@ from pyxllm.entrypoints.openai.protocol_embeddings import (
     ScoreRequest,
 )
 from pyxllm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
+from pyxllm.entrypoints.openai.reasoning import check_reasoning_parser
 from pyxllm.entrypoints.openai.security import install_security
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat, choose_auto_tool_parser
@@ -536,7 +536,7 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
     """
     options = options or ServerOptions()
     if options.reasoning_parser:
-        get_reasoning_parser(options.reasoning_parser)
+        check_reasoning_parser(options.reasoning_parser)
     elif options.reasoning_budget is not None:
         raise ValueError("--reasoning-budget: needs --reasoning-parser")
     if options.tool_call_parser not in (None, AUTO, NONE):

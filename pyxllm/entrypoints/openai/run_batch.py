@@ -41,7 +41,7 @@ import httpx
 from pyxllm.config import EngineConfig
 from pyxllm.engine.async_engine import AsyncEngine
 from pyxllm.entrypoints.openai.api_server import build_app, ensure_logging
-from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
+from pyxllm.entrypoints.openai.reasoning import check_reasoning_parser
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pyxllm.entrypoints.openai.tool_parsers.auto import AUTO, NONE
@@ -273,8 +273,7 @@ def server_options(args) -> ServerOptions:
     Raises:
         ValueError: an unknown reasoning or tool-call parser name.
     """
-    if args.reasoning_parser:
-        get_reasoning_parser(args.reasoning_parser)
+    check_reasoning_parser(args.reasoning_parser)
     if args.tool_call_parser not in (None, AUTO, NONE):
         get_tool_parser(args.tool_call_parser)
     return from_namespace(

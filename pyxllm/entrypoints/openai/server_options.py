@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pyxllm.engine.data_parallel.router import ROUTING_POLICIES
-from pyxllm.entrypoints.openai.reasoning import reasoning_parser_names
+from pyxllm.entrypoints.openai.reasoning import reasoning_parser_choices
 from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
 from pyxllm.entrypoints.openai.tool_parsers.auto import AUTO, NONE
 from pyxllm.flag_fields import Flag, flag, nested
@@ -147,10 +147,12 @@ class ServerOptions:
     )
     reasoning_parser: str | None = flag(
         None,
-        choices=reasoning_parser_names,
+        choices=reasoning_parser_choices,
         group=RESPONSE_FLAGS,
         help="split chat output into message.reasoning_content (the thinking) and content: "
-        "qwen3 or deepseek_r1 (<think> tags), openai_gptoss or gpt_oss (gpt-oss's harmony)",
+        "qwen3 or deepseek_r1 (<think> tags), openai_gptoss or gpt_oss (gpt-oss's harmony), "
+        "granite (Granite 3.2's thought-process phrases), auto (the one the chat template's "
+        "markers name, else none)",
     )
     reasoning_budget: int | None = flag(
         None,

@@ -26,7 +26,11 @@ from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
 )
-from pyxllm.entrypoints.openai.reasoning import ReasoningParser, get_reasoning_parser
+from pyxllm.entrypoints.openai.reasoning import (
+    ReasoningParser,
+    get_reasoning_parser,
+    resolve_reasoning_parser,
+)
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
 from pyxllm.entrypoints.openai.tool_parsers import (
@@ -91,11 +95,14 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, engine: EngineClient, options: ServerOptions | None = None):
         super().__init__(engine, options)
-        reasoning_parser = self.options.reasoning_parser
+        template = getattr(engine.tokenizer.hf, "chat_template", None)
+        reasoning_parser = resolve_reasoning_parser(self.options.reasoning_parser, template)
+        if self.options.reasoning_parser == "auto":
+            chosen = reasoning_parser or "none (the chat template has no reasoning markers)"
+            logger.info("--reasoning-parser auto: %s", chosen)
         self.reasoning_parser: ReasoningParser | None = None
         if reasoning_parser:
             self.reasoning_parser = get_reasoning_parser(reasoning_parser)(engine.tokenizer)
-        template = getattr(engine.tokenizer.hf, "chat_template", None)
         self.template_renders_tools = template_renders_tools(template)
         self.tool_parser_choice = choose_auto_tool_parser(self.options, template)
         name = self.tool_parser_choice.name

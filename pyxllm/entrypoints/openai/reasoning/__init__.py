@@ -1,7 +1,8 @@
 """Reasoning parsers: split a chat completion's text into ``reasoning_content`` and ``content``.
 
-``pyxllm serve --reasoning-parser NAME`` picks one by name; the registry (a
-:class:`~..registry.LazyRegistry`) imports a parser only when it is chosen.
+``pyxllm serve --reasoning-parser NAME`` picks one by name, or ``auto`` by the chat template's
+markers; the registry (a :class:`~..registry.LazyRegistry`) imports a parser only when it is
+chosen.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ __all__ = [
     "ReasoningDelta",
     "ReasoningParser",
     "ReasoningSpans",
+    "check_reasoning_parser",
     "get_reasoning_parser",
+    "reasoning_parser_choices",
     "reasoning_parser_names",
+    "resolve_reasoning_parser",
 ]
 
 # DeepSeek-R1 uses the same <think>...</think> convention as Qwen3; gpt-oss's harmony
@@ -33,13 +37,48 @@ REASONING_PARSERS = LazyRegistry(
             "pyxllm.entrypoints.openai.reasoning.think_tags",
             "ThinkTagReasoningParser",
         ),
+        "granite": ("pyxllm.entrypoints.openai.reasoning.granite", "GraniteReasoningParser"),
     },
 )
+# --reasoning-parser auto: the parser the chat template's markers name
+AUTO = "auto"
 
 
 def reasoning_parser_names() -> list[str]:
     """The registered parser names, sorted."""
     return REASONING_PARSERS.names()
+
+
+def reasoning_parser_choices() -> list[str]:
+    """What ``--reasoning-parser`` takes: ``auto`` and the registered names."""
+    return [AUTO, *reasoning_parser_names()]
+
+
+def choose_reasoning_parser(chat_template: str | None) -> str | None:
+    """The parser a chat template's own markers call for: gpt-oss's harmony channels
+    (``<|channel|>``), ``<think>`` tags (Qwen3, DeepSeek-R1), Granite's "thought process"
+    phrases; ``None`` when it has none of them."""
+    template = chat_template or ""
+    if "<|channel|>" in template:
+        return "gpt_oss"
+    if "<think>" in template or "</think>" in template:
+        return "qwen3"
+    if "thought process" in template:
+        return "granite"
+    return None
+
+
+def resolve_reasoning_parser(name: str | None, chat_template: str | None) -> str | None:
+    """The parser ``--reasoning-parser name`` gives a model with ``chat_template``: ``auto``
+    chooses (:func:`choose_reasoning_parser`), anything else is itself."""
+    return choose_reasoning_parser(chat_template) if name == AUTO else name
+
+
+def check_reasoning_parser(name: str | None) -> None:
+    """Fail early on a ``--reasoning-parser`` that is neither ``None``, ``auto`` nor registered
+    (ValueError listing the known ones)."""
+    if name not in (None, AUTO):
+        get_reasoning_parser(name)
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
