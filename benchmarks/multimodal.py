@@ -167,7 +167,8 @@ def main() -> None:
     print(f"transformers: {theirs}", flush=True)
     print(
         f"time to first token, one image + ~64 text tokens: pyxllm {ours['ttft_s']:.2f} s, "
-        f"transformers {theirs['ttft_s']:.2f} s ({theirs['ttft_s'] / ours['ttft_s']:.2f}x faster)"
+        f"transformers {theirs['ttft_s']:.2f} s (pyxllm {theirs['ttft_s'] / ours['ttft_s']:.2f}x "
+        "as fast)"
     )
     print(
         f"eight image prompts at once, {args.output_len} new tokens each: pyxllm "
