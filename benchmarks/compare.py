@@ -361,8 +361,8 @@ def main() -> None:
         and "llamacpp" not in skipped
     ):
         log(
-            "llama-cpp-python is not installed (pip install 'pyxllm[llamacpp]', a source build of "
-            "minutes): skipped"
+            "llama-cpp-python is not installed (.venv/bin/pip install 'pyxllm[llamacpp]', "
+            "a source build of minutes): skipped"
         )
     if not llamacpp:
         sections.discard("llamacpp")

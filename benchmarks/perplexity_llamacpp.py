@@ -11,8 +11,8 @@ PPL = exp(mean NLL) with llama.cpp's uncertainty (:class:`pyxllm.benchmarks.ppl_
 It also reports whether llama.cpp's own tokenizer (``common_tokenize(text, add_special=true)``)
 gives the same tokens for the text.
 
-Needs llama-cpp-python (``pip install 'pyxllm[llamacpp]'``). Run it in a process of its own:
-llama.cpp's OpenMP runtime competes with torch's. From the repository root::
+Needs llama-cpp-python (``.venv/bin/pip install 'pyxllm[llamacpp]'``). Run it in a process of
+its own: llama.cpp's OpenMP runtime competes with torch's. From the repository root::
 
     OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python benchmarks/perplexity_llamacpp.py \\
         --chunks 20 --threads 1

@@ -397,7 +397,8 @@ class EngineConfig:
         "mp",
         help="who starts the tensor-parallel ranks: mp, processes "
         "(spawned on this host, or one per node started by hand with --nnodes), or ray, actors "
-        "placed on a Ray cluster (pip install 'pyxllm[ray]'; see docs/parallelism.md, Ray)",
+        "placed on a Ray cluster (.venv/bin/pip install 'pyxllm[ray]'; see docs/parallelism.md, "
+        "Ray)",
         group=PARALLEL_FLAGS,
         choices=DISTRIBUTED_EXECUTOR_BACKENDS,
     )

@@ -76,8 +76,10 @@ def test_without_ray_the_flag_names_the_install_command(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as if not installed
     with pytest.raises(SystemExit):
         parse_args(["serve", "--tp", "3", "--distributed-executor-backend", "ray"])
-    assert "pip install 'pyxllm[ray]'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"Ray is not installed here; pip install 'pyxllm\[ray\]'"):
+    assert ".venv/bin/pip install 'pyxllm[ray]'" in capsys.readouterr().err
+    with pytest.raises(
+        ValueError, match=r"Ray is not installed here; .venv/bin/pip install 'pyxllm\[ray\]'"
+    ):
         LLM(tensor_parallel_size=3, distributed_executor_backend="ray")
 
 

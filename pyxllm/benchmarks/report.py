@@ -1,7 +1,7 @@
 """Reporting benchmark results: a text table, a JSON file and a PNG plot (matplotlib).
 
-matplotlib is the optional extra ``bench`` (``pip install pyxllm[bench]``); without it the plot
-is skipped with a message and everything else is still written.
+matplotlib is the optional extra ``bench`` (``.venv/bin/pip install 'pyxllm[bench]'``); without
+it the plot is skipped with a message and everything else is still written.
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ def plot_png(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # after use("Agg"): no display needed
     except ImportError:
-        print("matplotlib is not installed (pip install 'pyxllm[bench]'); no plot written")
+        print(
+            "matplotlib is not installed (.venv/bin/pip install 'pyxllm[bench]'); no plot written"
+        )
         return None
     ok = [r for r in records if r.success]
     series = {

@@ -7,8 +7,8 @@ bundle 0 on this process's node, which computes rank 0) and starts one actor per
 (:mod:`pyxllm.executor.ray_executor`) and the data-parallel replicas' engine actors (a placement
 group each, see the engine's ``data_parallel.ray_launcher``) use the same calls.
 
-Ray is an optional dependency (``pip install 'pyxllm[ray]'``): it is imported only here, and
-only when the Ray backend is chosen (:func:`import_ray`).
+Ray is an optional dependency (``.venv/bin/pip install 'pyxllm[ray]'``): it is imported only
+here, and only when the Ray backend is chosen (:func:`import_ray`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pyxllm.distributed.errors import DistributedError
 
 logger = logging.getLogger(__name__)
 
-RAY_INSTALL = "pip install 'pyxllm[ray]'"
+RAY_INSTALL = ".venv/bin/pip install 'pyxllm[ray]'"
 # Ray's placement strategies (ray.util.placement_group), PACK first: pyxllm's default
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 # the label every Ray node carries with its id: pins a bundle to one node
