@@ -1,5 +1,5 @@
-"""The per-request access log (``pyxllm.entrypoints.openai.access_log``) on the app itself:
-answers of the outer middleware are logged, ``--disable-uvicorn-access-log`` logs none."""
+"""The per-request access log (``pyxllm.entrypoints.openai.middleware.access_log``) on the app
+itself: answers of the outer middleware are logged, ``--disable-uvicorn-access-log`` logs none."""
 
 from __future__ import annotations
 

@@ -24,11 +24,11 @@ from pyxllm.entrypoints.anthropic.messages_input import chat_messages, chat_requ
 from pyxllm.entrypoints.anthropic.messages_output import content_blocks
 from pyxllm.entrypoints.anthropic.messages_stream import MessagesEvents
 from pyxllm.entrypoints.anthropic.protocol import CountTokensRequest, ToolChoiceParam, ToolParam
-from pyxllm.entrypoints.openai.chat_choices import chat_message
+from pyxllm.entrypoints.openai.chat.choices import chat_message
+from pyxllm.entrypoints.openai.chat.reasoning.think_tags import ThinkTagReasoningParser
+from pyxllm.entrypoints.openai.chat.serving import PreparedChat
+from pyxllm.entrypoints.openai.chat.tools import ToolPlan
 from pyxllm.entrypoints.openai.errors import OpenAIError, error_response
-from pyxllm.entrypoints.openai.reasoning.think_tags import ThinkTagReasoningParser
-from pyxllm.entrypoints.openai.serving_chat import PreparedChat
-from pyxllm.entrypoints.openai.tools import ToolPlan
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.sampling_params import SamplingParams
 from tests.test_reasoning import TextTokenizer

@@ -386,3 +386,24 @@ def test_the_server_uses_the_engine_only_through_engine_client():
             cls.__name__,
             members - _provided_members(cls),
         )
+
+
+# entrypoints/openai/ is grouped by endpoint. The Responses API (and Anthropic's Messages, beside
+# openai/) are served by translating into chat, so they may import chat; no endpoint package
+# imports another otherwise, nor the app that assembles them (api_server).
+ENDPOINT_PACKAGES = ("chat", "completions", "responses", "pooling", "tokenization", "middleware")
+ENDPOINT_MAY_IMPORT = {"responses": {"chat", "middleware"}}
+
+
+def test_openai_endpoint_packages_import_only_the_shared_modules():
+    openai_root = ROOT / "entrypoints" / "openai"
+    prefix = re.compile(r"pyxllm\.entrypoints\.openai\.(\w+)")
+    violations = []
+    for package in ENDPOINT_PACKAGES:
+        allowed = ENDPOINT_MAY_IMPORT.get(package, set()) | {package}
+        for path in (openai_root / package).rglob("*.py"):
+            for name in prefix.findall(path.read_text()):
+                forbidden = name in ENDPOINT_PACKAGES and name not in allowed
+                if forbidden or name == "api_server":
+                    violations.append(f"{path.relative_to(ROOT)} imports openai.{name}")
+    assert not violations, "\n".join(violations)

@@ -13,15 +13,15 @@ import pytest
 
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.tokenizer import Tokenizer
-from pyxllm.entrypoints.openai.harmony import parse_messages
-from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
-from pyxllm.entrypoints.openai.reasoning.gpt_oss import GptOssReasoningParser
-from pyxllm.entrypoints.openai.tool_parsers import (
+from pyxllm.entrypoints.openai.chat.harmony import parse_messages
+from pyxllm.entrypoints.openai.chat.reasoning import get_reasoning_parser
+from pyxllm.entrypoints.openai.chat.reasoning.gpt_oss import GptOssReasoningParser
+from pyxllm.entrypoints.openai.chat.tool_parsers import (
     ToolCallStream,
     get_tool_parser,
     split_tool_calls,
 )
-from pyxllm.entrypoints.openai.tool_parsers.gpt_oss import OpenAIToolParser
+from pyxllm.entrypoints.openai.chat.tool_parsers.gpt_oss import OpenAIToolParser
 from tests.test_reasoning import TextTokenizer, stream
 from tests.test_tool_calls import TOOLS, assemble, streamed
 from tests.test_tool_choice_auto import GPT_OSS_STYLE, SERVER_ARGS, chat

@@ -21,10 +21,10 @@ from fastapi import APIRouter, FastAPI
 
 from pyxllm import LLM, SamplingParams
 from pyxllm.engine.tokenizer import Tokenizer
+from pyxllm.entrypoints.openai.chat.serving import OpenAIServingChat
 from pyxllm.entrypoints.openai.errors import OpenAIRoute, install_exception_handlers
 from pyxllm.entrypoints.openai.protocol import MAX_JSON_DEPTH, ChatCompletionRequest
 from pyxllm.entrypoints.openai.server_options import ServerOptions
-from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from tests.test_reasoning import fake_engine
 from tests.utils import RemoteServer, free_port
 

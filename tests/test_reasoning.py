@@ -18,15 +18,18 @@ from pyxllm.cli.main import parse_args
 from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.input_processor import InputProcessor
 from pyxllm.engine.tokenizer import Tokenizer
-from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pyxllm.entrypoints.openai.reasoning import (
+from pyxllm.entrypoints.openai.chat.reasoning import (
     get_reasoning_parser,
     reasoning_parser_names,
     resolve_reasoning_parser,
 )
-from pyxllm.entrypoints.openai.reasoning.think_tags import ThinkTagReasoningParser, partial_tag_len
+from pyxllm.entrypoints.openai.chat.reasoning.think_tags import (
+    ThinkTagReasoningParser,
+    partial_tag_len,
+)
+from pyxllm.entrypoints.openai.chat.serving import OpenAIServingChat
+from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pyxllm.entrypoints.openai.server_options import ServerOptions
-from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.sampling_params import SamplingParams
 from tests.utils import RemoteServer
 

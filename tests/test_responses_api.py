@@ -17,11 +17,11 @@ import pytest
 from pydantic import TypeAdapter
 
 from pyxllm.engine.input_processor import EngineRequest
+from pyxllm.entrypoints.openai.chat.serving import PreparedChat
+from pyxllm.entrypoints.openai.chat.tools import ToolPlan
 from pyxllm.entrypoints.openai.errors import OpenAIError
-from pyxllm.entrypoints.openai.responses_run import ResponseRun, ResponsesEvents
-from pyxllm.entrypoints.openai.serving_chat import PreparedChat
-from pyxllm.entrypoints.openai.serving_responses import ResponseStore
-from pyxllm.entrypoints.openai.tools import ToolPlan
+from pyxllm.entrypoints.openai.responses.run import ResponseRun, ResponsesEvents
+from pyxllm.entrypoints.openai.responses.serving import ResponseStore
 from pyxllm.outputs import CompletionOutput, RequestOutput
 from pyxllm.sampling_params import SamplingParams
 from tests.utils import RemoteServer, run_together, tool_calling_server_args

@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 
 from pyxllm.cli.main import parse_args
 from pyxllm.entrypoints.openai.api_server import exposure_warning
-from pyxllm.entrypoints.openai.security import install_security
+from pyxllm.entrypoints.openai.middleware.security import install_security
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from tests.utils import RemoteServer
 

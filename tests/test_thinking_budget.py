@@ -21,17 +21,17 @@ from pyxllm.entrypoints.anthropic.messages_input import chat_request as anthropi
 from pyxllm.entrypoints.anthropic.messages_input import check_supported as anthropic_check
 from pyxllm.entrypoints.anthropic.protocol import MessagesRequest
 from pyxllm.entrypoints.llm import LLM
+from pyxllm.entrypoints.openai.chat.reasoning import get_reasoning_parser
+from pyxllm.entrypoints.openai.chat.serving import OpenAIServingChat
 from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pyxllm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pyxllm.entrypoints.openai.reasoning import get_reasoning_parser
-from pyxllm.entrypoints.openai.responses_input import (
+from pyxllm.entrypoints.openai.responses.input_items import (
     REASONING_EFFORT_BUDGETS,
     chat_request,
     check_supported,
 )
+from pyxllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from pyxllm.entrypoints.openai.server_options import ServerOptions
-from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.executor.logits_processors import unpack_bitmask
 from pyxllm.sampling_params import SamplingParams
 

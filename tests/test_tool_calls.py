@@ -12,25 +12,31 @@ import httpx
 import jsonschema
 import pytest
 
-from pyxllm.entrypoints.openai.errors import OpenAIError
-from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionToolParam
-from pyxllm.entrypoints.openai.tool_parsers import (
+from pyxllm.entrypoints.openai.chat.tool_parsers import (
     ToolCallStream,
     get_tool_parser,
     split_tool_calls,
     tool_parser_names,
 )
-from pyxllm.entrypoints.openai.tool_parsers.constrained import NamedCallParser, RequiredCallsParser
-from pyxllm.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
-from pyxllm.entrypoints.openai.tool_parsers.gpt_oss import OpenAIToolParser
-from pyxllm.entrypoints.openai.tool_parsers.granite import GraniteToolParser
-from pyxllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
-from pyxllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
-from pyxllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
-from pyxllm.entrypoints.openai.tool_parsers.phi4_mini import Phi4MiniToolParser
-from pyxllm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
-from pyxllm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser, typed_value
-from pyxllm.entrypoints.openai.tools import plan_tools
+from pyxllm.entrypoints.openai.chat.tool_parsers.constrained import (
+    NamedCallParser,
+    RequiredCallsParser,
+)
+from pyxllm.entrypoints.openai.chat.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from pyxllm.entrypoints.openai.chat.tool_parsers.gpt_oss import OpenAIToolParser
+from pyxllm.entrypoints.openai.chat.tool_parsers.granite import GraniteToolParser
+from pyxllm.entrypoints.openai.chat.tool_parsers.hermes import HermesToolParser
+from pyxllm.entrypoints.openai.chat.tool_parsers.llama3_json import Llama3JsonToolParser
+from pyxllm.entrypoints.openai.chat.tool_parsers.mistral import MistralToolParser
+from pyxllm.entrypoints.openai.chat.tool_parsers.phi4_mini import Phi4MiniToolParser
+from pyxllm.entrypoints.openai.chat.tool_parsers.pythonic import PythonicToolParser
+from pyxllm.entrypoints.openai.chat.tool_parsers.qwen3_coder import (
+    Qwen3CoderToolParser,
+    typed_value,
+)
+from pyxllm.entrypoints.openai.chat.tools import plan_tools
+from pyxllm.entrypoints.openai.errors import OpenAIError
+from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionToolParam
 from tests.utils import RemoteServer, run_together, tool_calling_server_args
 
 WEATHER = {

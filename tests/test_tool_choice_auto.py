@@ -15,10 +15,10 @@ import openai
 import pytest
 
 from pyxllm.cli.main import parse_args
+from pyxllm.entrypoints.openai.chat.tool_parsers import tool_parser_names
+from pyxllm.entrypoints.openai.chat.tool_parsers.auto import choose_tool_parser, resolve_tool_parser
+from pyxllm.entrypoints.openai.chat.tools import template_messages
 from pyxllm.entrypoints.openai.protocol import ChatCompletionToolParam
-from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
-from pyxllm.entrypoints.openai.tool_parsers.auto import choose_tool_parser, resolve_tool_parser
-from pyxllm.entrypoints.openai.tools import template_messages
 from tests.test_tool_calls import TOOLS, assemble
 from tests.utils import RemoteServer, run_together
 
@@ -425,8 +425,8 @@ def test_enable_auto_tool_choice_is_checked_on_the_template_it_will_serve():
     """The check the server runs before the model loads (and again on the tokenizer's own
     template once loaded): a template no parser reads fails only with the flag, a template a
     parser reads passes with it, and a parser named by hand passes whatever the template."""
+    from pyxllm.entrypoints.openai.chat.serving import choose_auto_tool_parser
     from pyxllm.entrypoints.openai.server_options import ServerOptions
-    from pyxllm.entrypoints.openai.serving_chat import choose_auto_tool_parser
 
     promised = ServerOptions(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="--enable-auto-tool-choice: no tool-call parser"):

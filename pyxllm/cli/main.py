@@ -23,7 +23,7 @@ from pyxllm.cli.engine_args import config_from_args, engine_flags_help
 from pyxllm.config import EngineConfig
 from pyxllm.distributed.errors import DistributedError
 from pyxllm.entrypoints.flags import HelpFormatter
-from pyxllm.entrypoints.openai.tool_parsers.auto import NONE
+from pyxllm.entrypoints.openai.chat.tool_parsers.auto import NONE
 
 # the subcommands, in --help's order
 COMMANDS = {

@@ -1,6 +1,6 @@
 """``pyxllm serve``'s security flags checked together, before the model loads: the API keys
 (the flags, else ``$PYXLLM_API_KEY``) and the TLS files (see
-:mod:`pyxllm.entrypoints.openai.security`)."""
+:mod:`pyxllm.entrypoints.openai.middleware.security`)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from pyxllm.engine.input_processor import ChatPrompt, Prompt, TextPrompt, Tokens
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.entrypoints.chat_media import chat_images
-from pyxllm.entrypoints.openai.reasoning import (
+from pyxllm.entrypoints.openai.chat.reasoning import (
     check_reasoning_parser,
     get_reasoning_parser,
     resolve_reasoning_parser,

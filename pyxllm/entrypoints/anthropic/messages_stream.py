@@ -1,4 +1,5 @@
-"""A streamed Messages answer: chat's deltas (:meth:`~.chat_choices.ChatEvents.advance`:
+"""A streamed Messages answer: chat's deltas
+(:meth:`~pyxllm.entrypoints.openai.chat.choices.ChatEvents.advance`:
 reasoning split off, tool calls found) as Anthropic's events.
 
 ``message_start``; per content block ``content_block_start``, its deltas (``thinking_delta``,
@@ -33,10 +34,10 @@ from pyxllm.entrypoints.anthropic.protocol import (
     ThinkingBlock,
     ToolUseBlock,
 )
-from pyxllm.entrypoints.openai.chat_choices import ChatEvents
+from pyxllm.entrypoints.openai.chat.choices import ChatEvents
+from pyxllm.entrypoints.openai.chat.serving import PreparedChat
 from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.protocol import UsageInfo
-from pyxllm.entrypoints.openai.serving_chat import PreparedChat
 from pyxllm.outputs import CompletionOutput, RequestOutput
 
 # What a request the engine stopped before its end says (its outputs ended unfinished).

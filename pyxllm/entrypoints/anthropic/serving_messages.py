@@ -27,10 +27,10 @@ from pyxllm.entrypoints.anthropic.protocol import (
     MessagesRequest,
     TokensCount,
 )
+from pyxllm.entrypoints.openai.chat.serving import OpenAIServingChat
+from pyxllm.entrypoints.openai.chat.tools import plan_tools
 from pyxllm.entrypoints.openai.errors import OpenAIError, renamed_fields
-from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pyxllm.entrypoints.openai.serving_engine import ClientDisconnected
-from pyxllm.entrypoints.openai.tools import plan_tools
 
 _RENAMES = (
     (re.compile(r"\btools\[(\d+)\]\.function\.parameters\b"), r"tools[\1].input_schema"),

@@ -5,17 +5,17 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/resp
 (with ``GET`` and ``DELETE /v1/responses/{id}``), Anthropic's ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (see :mod:`pyxllm.entrypoints.anthropic`), and with
 a pooling task (``--task embed``, ``score``, ``classify``) instead of those
-``POST /v1/embeddings`` (see :mod:`.serving_embedding`), vLLM's ``POST /v1/score`` and
-``POST /v1/rerank`` (also ``/score``, ``/rerank``, ``/v2/rerank``; see :mod:`.serving_score`),
-``POST /classify`` and ``POST /pooling`` (see :mod:`.serving_pooling`),
+``POST /v1/embeddings`` (see :mod:`.pooling.embedding`), vLLM's ``POST /v1/score`` and
+``POST /v1/rerank`` (also ``/score``, ``/rerank``, ``/v2/rerank``; see :mod:`.pooling.score`),
+``POST /classify`` and ``POST /pooling`` (see :mod:`.pooling.serving`),
 ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health`` (200, with a JSON body while data-parallel replicas
 are missing, or 503 when the engine loop died),
 ``GET /debug/stats`` (``engine.stats()``: running/waiting requests, KV blocks in use),
 ``GET /metrics`` (Prometheus text format, see :mod:`pyxllm.engine.metrics`), ``GET /version``,
-and vLLM's ``POST /tokenize`` and ``POST /detokenize`` (see :mod:`.serving_tokenization`);
+and vLLM's ``POST /tokenize`` and ``POST /detokenize`` (see :mod:`.tokenization.serving`);
 ``GET /`` is the chat page unless ``--disable-web-ui`` or a pooling task (see :mod:`.web_ui`).
-Who may call them (``--api-key``, CORS) is :mod:`.security`'s; TLS is uvicorn's.
+Who may call them (``--api-key``, CORS) is :mod:`.middleware.security`'s; TLS is uvicorn's.
 
 With ``--data-parallel-size N`` the engine is N replica processes behind a router
 (:mod:`pyxllm.engine.data_parallel`); the routes are the same.
@@ -56,14 +56,28 @@ from pyxllm.engine.data_parallel.client import DataParallelEngine
 from pyxllm.engine.protocol import EngineClient
 from pyxllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pyxllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
-from pyxllm.entrypoints.openai.access_log import AccessLog
+from pyxllm.entrypoints.openai.chat.reasoning import check_reasoning_parser
+from pyxllm.entrypoints.openai.chat.serving import OpenAIServingChat, choose_auto_tool_parser
+from pyxllm.entrypoints.openai.chat.tool_parsers import get_tool_parser
+from pyxllm.entrypoints.openai.chat.tool_parsers.auto import AUTO, NONE
+from pyxllm.entrypoints.openai.completions.serving import OpenAIServingCompletion
 from pyxllm.entrypoints.openai.errors import (
     OpenAIError,
     OpenAIRoute,
     error_response,
     install_exception_handlers,
 )
-from pyxllm.entrypoints.openai.limits import AdmissionControl, BodySizeLimit
+from pyxllm.entrypoints.openai.middleware.access_log import AccessLog
+from pyxllm.entrypoints.openai.middleware.limits import AdmissionControl, BodySizeLimit
+from pyxllm.entrypoints.openai.middleware.security import install_security
+from pyxllm.entrypoints.openai.pooling.protocol import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
+from pyxllm.entrypoints.openai.pooling.serving import OpenAIServingPooling
 from pyxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,30 +85,16 @@ from pyxllm.entrypoints.openai.protocol import (
     ModelList,
     RequestModel,
 )
-from pyxllm.entrypoints.openai.protocol_embeddings import (
-    ClassificationRequest,
-    EmbeddingRequest,
-    PoolingRequest,
-    RerankRequest,
-    ScoreRequest,
-)
-from pyxllm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pyxllm.entrypoints.openai.reasoning import check_reasoning_parser
-from pyxllm.entrypoints.openai.security import install_security
+from pyxllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from pyxllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 from pyxllm.entrypoints.openai.server_options import ServerOptions
-from pyxllm.entrypoints.openai.serving_chat import OpenAIServingChat, choose_auto_tool_parser
-from pyxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pyxllm.entrypoints.openai.serving_lora import load_lora, runtime_updating_allowed
 from pyxllm.entrypoints.openai.serving_lora import router as lora_router
-from pyxllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
-from pyxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
-from pyxllm.entrypoints.openai.serving_tokenization import (
+from pyxllm.entrypoints.openai.tokenization.serving import (
     DetokenizeRequest,
     OpenAIServingTokenization,
     TokenizeRequest,
 )
-from pyxllm.entrypoints.openai.tool_parsers import get_tool_parser
-from pyxllm.entrypoints.openai.tool_parsers.auto import AUTO, NONE
 from pyxllm.entrypoints.openai.web_ui import install_web_ui
 
 logger = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ def _check_generates(raw_request: Request) -> None:
 
 @router.post("/v1/embeddings")
 async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
-    """OpenAI embeddings (with ``--task embed``; see :mod:`.serving_embedding`)."""
+    """OpenAI embeddings (with ``--task embed``; see :mod:`.pooling.embedding`)."""
     _check_fields(request, raw_request)
     handler: OpenAIServingPooling = raw_request.app.state.openai_serving_embedding
     return await handler.create_embedding(request, raw_request)
@@ -235,7 +235,7 @@ async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> R
 @router.post("/score")
 async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
     """vLLM's scores: cosine similarities of embeddings, or a cross-encoder's (see
-    :mod:`.serving_score`)."""
+    :mod:`.pooling.score`)."""
     _check_fields(request, raw_request)
     handler: OpenAIServingPooling = raw_request.app.state.openai_serving_embedding
     return await handler.create_score(request, raw_request)
@@ -253,7 +253,7 @@ async def create_rerank(request: RerankRequest, raw_request: Request) -> Respons
 
 @router.post("/classify")
 async def create_classify(request: ClassificationRequest, raw_request: Request) -> Response:
-    """vLLM's classification: class probabilities (see :mod:`.serving_pooling`)."""
+    """vLLM's classification: class probabilities (see :mod:`.pooling.serving`)."""
     _check_fields(request, raw_request)
     handler: OpenAIServingPooling = raw_request.app.state.openai_serving_embedding
     return await handler.create_classify(request, raw_request)
@@ -261,7 +261,7 @@ async def create_classify(request: ClassificationRequest, raw_request: Request) 
 
 @router.post("/pooling")
 async def create_pooling(request: PoolingRequest, raw_request: Request) -> Response:
-    """vLLM's pooling: the model's pooled output (see :mod:`.serving_pooling`)."""
+    """vLLM's pooling: the model's pooled output (see :mod:`.pooling.serving`)."""
     _check_fields(request, raw_request)
     handler: OpenAIServingPooling = raw_request.app.state.openai_serving_embedding
     return await handler.create_pooling(request, raw_request)
@@ -287,7 +287,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
 
 @router.post("/v1/responses")
 async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
-    """OpenAI's Responses API, streamed (SSE events) or not (see :mod:`.serving_responses`)."""
+    """OpenAI's Responses API, streamed (SSE events) or not (see :mod:`.responses.serving`)."""
     _check_fields(request, raw_request)
     _check_generates(raw_request)
     handler: OpenAIServingResponses = raw_request.app.state.openai_serving_responses

@@ -41,10 +41,10 @@ import httpx
 from pyxllm.config import EngineConfig
 from pyxllm.engine.async_engine import AsyncEngine
 from pyxllm.entrypoints.openai.api_server import build_app, ensure_logging
-from pyxllm.entrypoints.openai.reasoning import check_reasoning_parser
+from pyxllm.entrypoints.openai.chat.reasoning import check_reasoning_parser
+from pyxllm.entrypoints.openai.chat.tool_parsers import get_tool_parser
+from pyxllm.entrypoints.openai.chat.tool_parsers.auto import AUTO, NONE
 from pyxllm.entrypoints.openai.server_options import ServerOptions
-from pyxllm.entrypoints.openai.tool_parsers import get_tool_parser
-from pyxllm.entrypoints.openai.tool_parsers.auto import AUTO, NONE
 from pyxllm.flag_fields import from_namespace
 
 logger = logging.getLogger(__name__)

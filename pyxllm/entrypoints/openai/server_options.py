@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pyxllm.engine.data_parallel.router import ROUTING_POLICIES
-from pyxllm.entrypoints.openai.reasoning import reasoning_parser_choices
-from pyxllm.entrypoints.openai.tool_parsers import tool_parser_names
-from pyxllm.entrypoints.openai.tool_parsers.auto import AUTO, NONE
+from pyxllm.entrypoints.openai.chat.reasoning import reasoning_parser_choices
+from pyxllm.entrypoints.openai.chat.tool_parsers import tool_parser_names
+from pyxllm.entrypoints.openai.chat.tool_parsers.auto import AUTO, NONE
 from pyxllm.flag_fields import Flag, flag, nested
 from pyxllm.flag_types import (
     api_keys,
@@ -87,7 +87,7 @@ class ServerOptions:
             then fails at start-up when there is no parser, instead of refusing ``auto``.
         tool_call_parser: the parser of the model's own calls for ``tool_choice: "auto"``: a
             registered name, ``"auto"`` (chosen from the chat template, see
-            :mod:`.tool_parsers.auto`), or ``"none"``/``None``, which refuse ``auto``.
+            :mod:`.chat.tool_parsers.auto`), or ``"none"``/``None``, which refuse ``auto``.
         ignore_unknown_fields: whether a request field pyxllm does not know is logged and
             ignored (vLLM's behaviour) rather than refused with a 400 naming it (OpenAI's).
         enable_prompt_tokens_details: whether ``usage`` carries ``prompt_tokens_details``
@@ -97,7 +97,7 @@ class ServerOptions:
         enable_tokenizer_info_endpoint: whether ``GET /tokenizer_info`` answers (vLLM's flag;
             off by default: it shows the chat template).
         api_keys: the accepted ``Authorization: Bearer`` keys; empty: no key needed. Left out
-            of ``repr`` so they never reach a log (see :mod:`.security`).
+            of ``repr`` so they never reach a log (see :mod:`.middleware.security`).
         protect_metrics: whether ``/metrics`` needs a key too (``/health`` never does).
         ssl_keyfile, ssl_certfile: the server's TLS key and certificate (PEM); with a
             certificate the server speaks HTTPS only.
@@ -113,11 +113,11 @@ class ServerOptions:
         shutdown_timeout: seconds SIGTERM waits for running requests before aborting them.
         stats_interval: seconds between the engine's stats lines in the log
             (:mod:`pyxllm.engine.stat_logger`); ``None`` logs none (``--disable-log-stats``).
-        access_log: whether each HTTP request gets a log line (:mod:`.access_log`;
+        access_log: whether each HTTP request gets a log line (:mod:`.middleware.access_log`;
             ``--disable-uvicorn-access-log``).
         log_level: uvicorn's log level (``--uvicorn-log-level``; its own access log is off).
         enable_log_requests: whether each request gets a log line when it arrives and one when
-            it finishes (:mod:`.request_logger`).
+            it finishes (:mod:`.middleware.request_logger`).
         max_log_len: the most characters (and token ids) of a prompt those lines show;
             ``None``: all.
         data_parallel_size: engine replicas behind this server (``--data-parallel-size``; 1:

@@ -20,8 +20,8 @@ from pyxllm.engine.input_processor import ChatPrompt, EngineRequest, TextPrompt,
 from pyxllm.engine.protocol import EngineClient
 from pyxllm.entrypoints.openai.beam_search import check_beam_search_fields, new_beam_search
 from pyxllm.entrypoints.openai.errors import OpenAIError, error_body, param_from_message
+from pyxllm.entrypoints.openai.middleware.request_logger import RequestLogger, RequestWatch
 from pyxllm.entrypoints.openai.protocol import PromptTokenUsageInfo, SamplingFields, UsageInfo
-from pyxllm.entrypoints.openai.request_logger import RequestLogger, RequestWatch
 from pyxllm.entrypoints.openai.server_options import ServerOptions
 from pyxllm.entrypoints.openai.structured_outputs import requested_constraint
 from pyxllm.lora_request import LoRARequest

@@ -1,0 +1,1 @@
+"""Completions (``/v1/completions``)."""

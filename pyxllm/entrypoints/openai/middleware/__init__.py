@@ -1,0 +1,1 @@
+"""What wraps every route: access log, request log, API keys and CORS, size limits."""

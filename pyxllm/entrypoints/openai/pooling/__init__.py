@@ -1,0 +1,1 @@
+"""Pooling endpoints: embeddings (``/v1/embeddings``), score and rerank, ``/pooling``."""
