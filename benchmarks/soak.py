@@ -1,6 +1,7 @@
 """Soak ``pyxllm serve`` with hostile clients for longer than the test suite allows.
 
-For ``--minutes`` the mix of ``tests/test_fuzz.py`` and ``tests/test_load.py`` runs at once:
+For ``--minutes`` the mix of ``tests/entrypoints/openai/test_fuzz.py`` and
+``tests/entrypoints/openai/test_load.py`` runs at once:
 
 - fuzz: rounds of the seeded corpus of :mod:`tests.fuzz_requests` (a new seed each round, the
   fixed cases every fifth), ``--fuzz-concurrency`` at a time, then ``n`` far above its bound;

@@ -14,7 +14,7 @@ import torch
 os.environ.setdefault("PYXLLM_CPU_DEFAULT_DTYPE", "float32")
 # Likewise ``--quantization auto`` keeps a GGUF file's weights as stored (int4/int8 groups, within
 # ~1e-3 of the dequantized logits): the suite runs the default model dequantized, as transformers
-# does; tests/test_gguf_stored.py tests the default itself.
+# does; tests/weights/test_gguf_stored.py tests the default itself.
 os.environ.setdefault("PYXLLM_DEFAULT_QUANTIZATION", "none")
 # and ``--graph-backend auto`` runs the graph runner on the CPU, whose captures add ~5 s to each
 # engine's start: the suite's engines run eager unless a test asks (test_runners.py tests both)

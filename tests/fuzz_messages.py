@@ -1,4 +1,4 @@
-"""Anthropic's Messages API's share of the fuzz (``tests/test_fuzz.py``): random
+"""Anthropic's Messages API's share of the fuzz (``tests/entrypoints/openai/test_fuzz.py``): random
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` bodies, valid and faulty, streamed
 and not, and the routes' wrong methods.
 

@@ -1,4 +1,5 @@
-"""Hostile clients for ``tests/test_fuzz.py``, ``tests/test_load.py`` and ``benchmarks/soak.py``.
+"""Hostile clients for ``tests/entrypoints/openai/test_fuzz.py``,
+``tests/entrypoints/openai/test_load.py`` and ``benchmarks/soak.py``.
 
 - :func:`generate_cases`: a seeded corpus of HTTP requests over every route and field of the
   server (valid ones and faulty ones: wrong types, out-of-range and extreme numbers, invalid

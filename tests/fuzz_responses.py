@@ -1,7 +1,7 @@
-"""The Responses API's share of the fuzz (``tests/test_fuzz.py``): random ``POST /v1/responses``
-bodies, valid and faulty, streamed and not, ``GET`` / ``DELETE /v1/responses/{id}`` of ids that
-were never stored, and (:func:`check_stored_round_trip`) responses created, retrieved and
-deleted in turn.
+"""The Responses API's share of the fuzz (``tests/entrypoints/openai/test_fuzz.py``): random
+``POST /v1/responses`` bodies, valid and faulty, streamed and not, ``GET`` / ``DELETE
+/v1/responses/{id}`` of ids that were never stored, and (:func:`check_stored_round_trip`)
+responses created, retrieved and deleted in turn.
 
 Cases are :class:`tests.fuzz_requests.Case` with ``kind="responses"``;
 :func:`check_responses_200` judges a 200 (strict JSON, ``object: "response"``, a final status,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from llava_fixtures import save_tiny_vision_language, tiny_vision_language_parts
+from tests.llava_fixtures import save_tiny_vision_language, tiny_vision_language_parts
 
 IMAGE_TOKEN = "<image>"
 # crops of 32 pixels in 8-pixel patches (16 per crop), pixel-shuffled by 2: 4 features a crop;

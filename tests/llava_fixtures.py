@@ -37,7 +37,7 @@ def tiny_vision_language_parts(
     ``vision_config_class`` (2 layers, width 32, ``image_size`` pixels in ``patch_size``
     patches) and :func:`model_fixtures.tiny_config`'s Llama over that tokenizer's vocabulary,
     512 positions."""
-    from model_fixtures import tiny_config
+    from tests.model_fixtures import tiny_config
 
     tok = copy.deepcopy(tokenizer)
     tok.add_tokens(list(added_tokens), special_tokens=True)

@@ -4,7 +4,7 @@
 the ``serve`` parser (:func:`markdown_tables`): one table per argument group, one row per flag
 (its dashed name and its other spellings but the ``_`` ones and ``--no-`` ones, which
 docs/cli.md states as rules), the default (the help's trailing ``(default: ...)``, else the
-parser's default) and the help text. ``tests/test_cli_args.py`` checks that docs/cli.md holds
+parser's default) and the help text. ``tests/cli/test_cli_args.py`` checks that docs/cli.md holds
 exactly these tables; after changing a flag, rewrite them with::
 
     .venv/bin/python -m pyxllm.cli.flag_tables docs/cli.md

@@ -8,7 +8,7 @@ own to ~3 %), while one thread on the free core kept ~70 % (``benchmarks/busy_co
 OpenMP's passive wait policy does not help (it halves the quiet rate). Which count is fastest
 depends on what else runs, so the tuner measures it while serving: a
 step's results do not depend on the thread count (the kernels split work by rows, heads or
-output features, never a sum; tests/test_thread_tuner.py), so only speed changes.
+output features, never a sum; tests/executor/test_thread_tuner.py), so only speed changes.
 
 How: decode-only steps are timed per batch size. Every ``interval`` such steps the tuner runs
 ``probe_steps`` steps at a neighbouring count (half or double the current one, within 1 ..

@@ -4,7 +4,7 @@
 - int4: ``torch._convert_weight_to_int4pack_for_cpu(q int32 [N, K], inner_k_tiles)`` packs two
   4-bit values per byte (``[N, K/2]`` uint8; ``N`` must be a multiple of 16), and
   ``torch._weight_int4pack_mm_for_cpu(A [M, K], packed, group_size, scales_and_zeros [K/G, N, 2])``
-  computes ``A @ ((q - 8) * scale + zero).T`` (checked in tests/test_quantization.py).
+  computes ``A @ ((q - 8) * scale + zero).T`` (checked in tests/layers/test_quantization.py).
 
 Both take 2-D activations in float32, bfloat16 or float16, with scales in the same dtype; on a
 CPU with AVX-512 (bf16) they are several times faster than a bfloat16 ``F.linear`` at small

@@ -8,7 +8,7 @@ Formats (chosen so the CPU kernels of ATen take them as they are, see ``kernels.
   zero[g, n]`` with ``q`` in ``0..15`` and ``g = k // group_size``; ``scales_and_zeros`` is
   ``[K / group_size, N, 2]`` (scale, zero), in the activations' dtype. This is the layout and
   formula of ``torch._weight_int4pack_mm_for_cpu`` (checked against it in
-  tests/test_quantization.py).
+  tests/layers/test_quantization.py).
   The reference keeps ``q`` unpacked, one ``uint8`` per weight; a platform packs ``q`` and the
   scales its own way (``pack_int4_weight``), and only its own ``int4_linear`` reads the packed
   form.

@@ -9,8 +9,8 @@ zero``, ``kernels.ops.int4_linear``), Q8_0, the 5-bit types, IQ4_NL and IQ4_XS t
 groups of 16 (the CPU's pack holds int8 values that all lie in -32..31, every type here but
 Q8_0 and the IQ4s, in 6 bits). They quantize the
 activations per group of 32 to ~15 bits (see ``csrc/group_linear.cpp``), so logits stay within
-~1e-3 of the dequantized model's in float32 (tests/test_gguf_stored.py) with an eighth (int4) or
-a quarter (int8) of float32's bytes to read per token.
+~1e-3 of the dequantized model's in float32 (tests/weights/test_gguf_stored.py) with an eighth
+(int4) or a quarter (int8) of float32's bytes to read per token.
 
 How it is wired: before loading, :func:`collect_stored_weights` gives each quantizable layer's
 weight (the linears, the LM head, the token embedding) a :class:`StoredRows`; the layers' weight

@@ -12,8 +12,8 @@ the dequantizing reference elsewhere), so layers hold no device branch.
   ``0..15``, so ``W ~= d * q + min``. The kernel's form is ``(q - 8) * scale + zero``, hence
   ``scale = d`` and ``zero = min + 8 d``. Weights dequantized from a GGUF Q4_1 file have exactly
   one ``q = 0`` and one ``q = 15`` per block (unless the block is constant), so this recovers the
-  file's ``q``, ``d`` and ``m`` without loss (checked in tests/test_quantization.py); only the
-  scale and zero are stored in the compute dtype (bfloat16 rounds them to 8 significant bits).
+  file's ``q``, ``d`` and ``m`` without loss (checked in tests/layers/test_quantization.py); only
+  the scale and zero are stored in the compute dtype (bfloat16 rounds them to 8 significant bits).
 """
 
 from __future__ import annotations

@@ -1,0 +1,411 @@
+"""The disk KV tier (``--kv-offload-dir``) across processes, on a tiny random Llama served by
+real ``pyxllm serve`` subprocesses:
+
+- two data-parallel replicas on one directory: a prompt computed on one replica is read back
+  by the other (``cached_tokens``, and the replica's ``/metrics``);
+- prefill/decode disaggregation: a prefill instance and a decode instance on one directory
+  behind ``pyxllm disagg-proxy`` answer completions and chats, streamed or not, with the
+  offline engine's greedy tokens, and so do the Responses and Anthropic Messages APIs through
+  the ``openai`` and ``anthropic`` SDKs; the decode instance reads each prompt's full blocks
+  and computes the partial last one; with the prefill instance killed, the decode instance
+  computes the prompt itself and the answer is the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import re
+import signal
+import socket
+
+import anthropic
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.model_fixtures import build_checkpoint
+from tests.utils import RemoteServer, run_together
+
+BLOCK = 16
+ENGINE_ARGS = ["--max-model-len", "256", "--kv-cache-memory", "0.05", "--disable-log-stats"]
+ENGINE_ARGS += ["--disable-web-ui", "--enable-prompt-tokens-details"]
+# 103 tokens: 6 full blocks of 16 and a partial one of 7
+PROMPT = [(i * 37) % 40000 + 100 for i in range(103)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, hf_gguf_tokenizer):
+    """A tiny random Llama checkpoint (2 layers, hidden size 64)."""
+    directory, _ = build_checkpoint("llama", tmp_path_factory.mktemp("llama"), hf_gguf_tokenizer)
+    return str(directory)
+
+
+def complete(server: RemoteServer, prompt, max_tokens: int = 6, **fields) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields}
+    response = httpx.post(server.url_for("v1", "completions"), json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def cached_tokens(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def metric(server: RemoteServer, name: str, **labels: str) -> dict[str | None, float]:
+    """``/metrics``' sample ``name`` (with these ``labels``) by its ``replica`` label (``None``
+    for a server without replicas, or the replicas' total)."""
+    text = httpx.get(server.url_for("metrics"), timeout=10).text
+    return {
+        sample.labels.get("replica"): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    }
+
+
+def test_data_parallel_replicas_share_the_directory(model_dir, tmp_path):
+    args = [model_dir, *ENGINE_ARGS, "--kv-offload-dir", str(tmp_path)]
+    args += ["--data-parallel-size", "2", "--dp-routing", "round_robin"]
+    with RemoteServer(args, startup_timeout=240) as server:
+        first = complete(server, PROMPT)  # replica 0 computes it and writes its blocks
+        second = complete(server, PROMPT)  # replica 1 has never seen it
+        assert cached_tokens(first) == 0
+        assert cached_tokens(second) == 6 * BLOCK
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        hits = metric(server, "vllm:external_prefix_cache_hits_total")
+        assert (hits["0"], hits["1"], hits[None]) == (0, 6 * BLOCK, 6 * BLOCK)
+        written = metric(server, "pyxllm:kv_offload_blocks_total", transfer_type="CPU_to_DISK")
+        assert (written["0"], written["1"]) == (6, 0)
+    assert len(list(tmp_path.glob("*/*/*.kv"))) == 6
+
+
+class ProxyServer(RemoteServer):
+    """``python -m pyxllm disagg-proxy --port <free port> *args`` in a subprocess."""
+
+    def __init__(self, args: list[str]):
+        super().__init__(args, startup_timeout=60)
+        self.args[3] = "disagg-proxy"
+
+
+@pytest.fixture(scope="module")
+def disaggregated(model_dir, tmp_path_factory):
+    """``(proxy, prefill instance, decode instance)`` on one directory."""
+    shared = str(tmp_path_factory.mktemp("kv"))
+    args = [model_dir, *ENGINE_ARGS, "--kv-offload-dir", shared, "--kv-role"]
+    prefill, decode = RemoteServer([*args, "prefill"]), RemoteServer([*args, "decode"])
+    try:
+        run_together(prefill.__enter__, decode.__enter__)  # both start at once
+        urls = ["--prefill", prefill.url_for(""), "--decode", decode.url_for("")]
+        with ProxyServer(urls) as proxy:
+            yield proxy, prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    """One engine in this process, configured as the instances are: the colocated reference."""
+    from pyxllm import LLM
+
+    llm = LLM(model=model_dir, max_model_len=256, kv_cache_memory=0.05)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def greedy(llm, prompts: list, max_tokens: int = 6) -> list[str]:
+    from pyxllm import SamplingParams
+
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    outputs = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return [output.outputs[0].text for output in outputs]
+
+
+def stream_text(server: RemoteServer, route: str, body: dict) -> str:
+    """The text of a streamed answer, its chunks joined."""
+    text = []
+    with httpx.stream("POST", server.url_for("v1", route), json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                choice = json.loads(line[5:])["choices"][0]
+                text.append(choice["text"] if "text" in choice else choice["delta"].get("content"))
+    return "".join(t or "" for t in text)
+
+
+def test_prefill_and_decode_instances_answer_as_one_engine(disaggregated, offline):
+    proxy, prefill, decode = disaggregated
+    # 103 tokens (6 full blocks and 7 tokens), 96 (6 full blocks), 10 (no full block)
+    prompts = [PROMPT, [t + 1 for t in PROMPT[:96]], PROMPT[50:60]]
+    expected = greedy(offline, prompts)
+    answers = run_together(*[lambda p=p: complete(proxy, p) for p in prompts])
+    assert [a["choices"][0]["text"] for a in answers] == expected
+    # the decode instance read every full block but the one holding the last prompt token
+    assert [cached_tokens(a) for a in answers] == [96, 80, 0]
+    assert metric(decode, "vllm:external_prefix_cache_hits_total")[None] == 96 + 80
+    written = {"transfer_type": "CPU_to_DISK"}
+    assert metric(prefill, "pyxllm:kv_offload_blocks_total", **written)[None] == 6 + 6
+    assert metric(decode, "pyxllm:kv_offload_blocks_total", **written)[None] == 0
+    # streamed, beside the same request unstreamed, and a chat
+    body = {"prompt": [t + 2 for t in PROMPT], "max_tokens": 6, "temperature": 0}
+    chat = {"messages": [{"role": "user", "content": "Name three colours. " * 8}]}
+    chat.update(max_tokens=6, temperature=0)
+    streamed, plain, chat_streamed, chat_plain = run_together(
+        lambda: stream_text(proxy, "completions", {**body, "stream": True}),
+        lambda: complete(proxy, **body)["choices"][0]["text"],
+        lambda: stream_text(proxy, "chat/completions", {**chat, "stream": True}),
+        lambda: httpx.post(
+            proxy.url_for("v1", "chat", "completions"), json=chat, timeout=120
+        ).json()["choices"][0]["message"]["content"],
+    )
+    assert streamed == plain == greedy(offline, [body["prompt"]])[0]
+    from pyxllm import SamplingParams
+
+    reference = offline.chat(chat["messages"], SamplingParams(temperature=0, max_tokens=6))
+    assert chat_streamed == chat_plain == reference[0].outputs[0].text
+    stats = httpx.get(proxy.url_for("stats")).json()
+    assert stats == {"requests": 7, "prefill_failures": 0, "prefill_skipped": 0}
+
+
+def test_the_responses_and_messages_apis_go_through_both_instances(disaggregated, offline):
+    """Through the real SDKs: a Responses API request and an Anthropic Messages request read
+    their prompt's full blocks written by the prefill instance and answer the colocated
+    engine's greedy text, streamed or not; a continued response (``previous_response_id``)
+    skips the prefill step; errors come back with their status, in their API's shape."""
+    from pyxllm import SamplingParams
+
+    proxy, _, decode = disaggregated
+    before = httpx.get(proxy.url_for("stats")).json()
+    gpt = openai.OpenAI(base_url=proxy.base_url, api_key="EMPTY", max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(
+        base_url=proxy.url_for(""), api_key="EMPTY", max_retries=0, timeout=120
+    )
+    model = gpt.models.list().data[0].id  # the decode instance's, through the proxy
+    fruits = "Name three fruits. " * 8
+    animals = [{"role": "user", "content": "Name three animals. " * 8}]
+    ask = {"model": model, "input": fruits, "max_output_tokens": 6, "temperature": 0}
+    message = {"model": model, "max_tokens": 6, "messages": animals}
+    message["extra_body"] = {"temperature": 0}
+
+    def continued(text):
+        return [{"role": "user", "content": fruits}, {"role": "assistant", "content": text}]
+
+    def hits() -> tuple[float, float]:
+        """The decode instance's prefix-cache hits: those read from the directory, all."""
+        names = ("vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
+        return tuple(metric(decode, name)[None] for name in names)
+
+    # each prompt new to both instances but for the chat template's first block(s): the decode
+    # instance reads the rest of its full blocks from the directory
+    start = hits()
+    response = gpt.responses.create(**ask)
+    prompt = response.usage.input_tokens
+    cached = response.usage.input_tokens_details.cached_tokens
+    assert cached == (prompt - 1) // BLOCK * BLOCK > 0
+    (tier, every), start = [b - a for a, b in zip(start, hits())], hits()
+    assert 0 < tier and every == cached
+    answer = claude.messages.create(**message)
+    prompt = answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+    assert answer.usage.cache_read_input_tokens == (prompt - 1) // BLOCK * BLOCK > 0
+    tier, every = [b - a for a, b in zip(start, hits())]
+    assert 0 < tier and every == answer.usage.cache_read_input_tokens
+    assert claude.messages.count_tokens(model=model, messages=animals).input_tokens == prompt
+
+    def stream_response():
+        with gpt.responses.stream(**ask) as events:  # the SDK checks the events' order
+            return list(events)[-1].response.output_text  # response.incomplete: max tokens
+
+    def stream_message():
+        with claude.messages.stream(**message) as events:
+            return events.get_final_message().content[0].text
+
+    follow_up = {**ask, "input": "And three more.", "previous_response_id": response.id}
+    streamed, message_streamed, second = run_together(
+        stream_response, stream_message, lambda: gpt.responses.create(**follow_up)
+    )
+    greedy6 = SamplingParams(temperature=0, max_tokens=6)
+    conversations = [[{"role": "user", "content": fruits}], animals]
+    conversations.append(
+        [*continued(response.output_text), {"role": "user", "content": "And three more."}]
+    )
+    expected = [output.outputs[0].text for output in offline.chat(conversations, greedy6)]
+    assert streamed == response.output_text == expected[0]
+    assert message_streamed == answer.content[0].text == expected[1]
+    assert second.output_text == expected[2]
+    assert gpt.responses.retrieve(response.id).output_text == response.output_text
+
+    # a bad value: the decode instance's error, its status and shape kept, streamed or not
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(**{**message, "max_tokens": 0}, stream=True)
+    assert refused.value.body["error"]["message"].startswith("max_tokens")
+    with pytest.raises(openai.BadRequestError) as refused:
+        gpt.responses.create(**{**ask, "temperature": -1})
+    assert refused.value.body["param"] == "temperature"
+    stats = httpx.get(proxy.url_for("stats")).json()
+    assert stats["requests"] - before["requests"] == 7
+    assert stats["prefill_skipped"] - before["prefill_skipped"] == 1
+
+
+def test_a_bad_body_is_a_400_naming_it(disaggregated):
+    proxy, _, _ = disaggregated
+    response = httpx.post(proxy.url_for("v1", "completions"), content=b"[1, 2")
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "body"
+    response = httpx.post(proxy.url_for("v1", "messages"), content=b"[1, 2")
+    assert response.status_code == 400
+    assert response.json()["type"] == "error"  # Anthropic's shape on Anthropic's route
+    assert response.json()["error"]["message"].startswith("body:")
+
+
+def test_the_proxy_cuts_each_api_to_one_token_and_follows_stored_responses():
+    """In this process, the instances mocked: the prefill request of a Responses request asks
+    for one ``max_output_tokens``, unstored, unstreamed; of a Messages request one
+    ``max_tokens``; a continued response skips the prefill step and goes, as its retrieval and
+    deletion do, to the decode instance that stores it, not the next in turn."""
+    from fastapi.testclient import TestClient
+
+    from pyxllm.entrypoints.disagg_proxy import DisaggProxy, build_proxy_app
+
+    sent = []
+
+    def instance(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        sent.append((request.method, str(request.url), body))
+        status, body = 200, {"host": request.url.host}
+        if request.url.path == "/v1/responses/resp_1":  # stored on d2 only
+            status = 200 if request.url.host == "d2" else 404
+        # a stream, as an instance's answer is
+        return httpx.Response(status, stream=httpx.ByteStream(json.dumps(body).encode()))
+
+    proxy = DisaggProxy(["http://p:1"], ["http://d1:1", "http://d2:1"], timeout=5)
+    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(instance))
+    client = TestClient(build_proxy_app(proxy))
+    ask = {"input": "hi", "max_output_tokens": 9, "stream": True, "include": ["x"], "top_p": 0.5}
+    assert client.post("/v1/responses", json=ask).status_code == 200
+    cut = {"input": "hi", "max_output_tokens": 1, "top_p": 0.5, "store": False}
+    assert sent == [
+        ("POST", "http://p:1/v1/responses", cut),
+        ("POST", "http://d1:1/v1/responses", ask),
+    ]
+    message = {"model": "m", "max_tokens": 9, "messages": [], "system": "s", "stream": True}
+    sent.clear()
+    client.post("/v1/messages", json=message)
+    cut = {"model": "m", "max_tokens": 1, "messages": [], "system": "s"}
+    assert [(url, body) for _, url, body in sent] == [
+        ("http://p:1/v1/messages", cut),
+        ("http://d2:1/v1/messages", message),
+    ]
+    sent.clear()
+    answer = client.post("/v1/responses", json={"input": "more", "previous_response_id": "resp_1"})
+    assert answer.json() == {"host": "d2"}  # d1's turn, but d2 stores resp_1
+    assert [url for _, url, _ in sent] == [
+        "http://d1:1/v1/responses/resp_1",
+        "http://d2:1/v1/responses/resp_1",
+        "http://d2:1/v1/responses",
+    ]
+    sent.clear()
+    assert client.get("/v1/responses/resp_1").status_code == 200
+    assert client.delete("/v1/responses/resp_1").status_code == 200
+    assert sent[-1][:2] == ("DELETE", "http://d2:1/v1/responses/resp_1")
+    assert client.get("/stats").json() == {
+        "requests": 3,
+        "prefill_failures": 0,
+        "prefill_skipped": 1,
+    }
+
+
+def test_without_its_prefill_instance_the_decode_instance_computes_the_prompt(
+    disaggregated, offline
+):
+    """Comes last: it kills the prefill instance."""
+    proxy, prefill, decode = disaggregated
+    failures = httpx.get(proxy.url_for("stats")).json()["prefill_failures"]
+    prefill.proc.send_signal(signal.SIGKILL)
+    prefill.proc.wait(timeout=10)
+    prompt = [t + 3 for t in PROMPT]
+    answer = complete(proxy, prompt)
+    assert answer["choices"][0]["text"] == greedy(offline, [prompt])[0]
+    assert cached_tokens(answer) == 0
+    assert httpx.get(proxy.url_for("stats")).json()["prefill_failures"] == failures + 1
+    assert httpx.get(proxy.url_for("health")).status_code == 503
+
+
+def test_kv_moves_over_tcp_between_instances_without_a_shared_directory(
+    model_dir, tmp_path, offline
+):
+    """``--kv-transfer-push`` and ``--kv-transfer-listen``: a prefill engine and a decode
+    engine (in this process) on directories of their own; the prefill engine pushes its
+    prompt's full blocks, which the decode engine reads as tier hits, answering the colocated
+    greedy tokens; a foreign or torn push is refused; with the listener closed the prefill
+    engine still answers and the decode engine computes the prompt itself."""
+    from pyxllm import LLM, SamplingParams
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    common = {"model": model_dir, "max_model_len": 256, "kv_cache_memory": 0.05}
+    decode_dir, prefill_dir = tmp_path / "decode", tmp_path / "prefill"
+    decode = LLM(
+        **common, kv_offload_dir=str(decode_dir), kv_role="decode", kv_transfer_listen=address
+    )
+    prefill = LLM(
+        **common, kv_offload_dir=str(prefill_dir), kv_role="prefill", kv_transfer_push=(address,)
+    )
+    one, six = (SamplingParams(temperature=0, max_tokens=n) for n in (1, 6))
+    try:
+        listener = decode.llm_engine.kv_connector.listener
+        transfer = prefill.llm_engine.kv_connector.transfer
+        prompt = {"prompt_token_ids": [t + 4 for t in PROMPT]}
+        prefill.generate([prompt], one)
+        assert (transfer.pushed, listener.received) == (6, 6)
+        [answer] = decode.generate([prompt], six)
+        assert answer.outputs[0].text == greedy(offline, [prompt["prompt_token_ids"]])[0]
+        assert answer.num_cached_tokens == 6 * BLOCK
+        assert len(list(decode_dir.glob("*/*/*.kv"))) == 6
+        assert len(list(prefill_dir.glob("*/*/*.kv"))) == 6
+
+        def put(digest: str, body: bytes, checksum: str) -> int:
+            connection = http.client.HTTPConnection(*address.split(":"), timeout=10)
+            headers = {"X-Content-SHA256": checksum}
+            connection.request("PUT", f"/kv/{digest}/{'ab' * 32}", body=body, headers=headers)
+            status = connection.getresponse().status
+            connection.close()
+            return status
+
+        payload, digest = bytes(listener.tier.block_bytes), listener.tier.root.name
+        sha = hashlib.sha256(payload).hexdigest()
+        assert put("0" * len(digest), payload, sha) == 409  # another model's blocks
+        assert put(digest, payload[:-1], hashlib.sha256(payload[:-1]).hexdigest()) == 400
+        assert put(digest, payload, "0" * 64) == 400
+        assert (listener.refused, listener.received) == (3, 6)
+        assert len(list(decode_dir.glob("*/*/*.kv"))) == 6
+
+        listener.close()
+        again = {"prompt_token_ids": [t + 5 for t in PROMPT]}
+        prefill.generate([again], one)
+        assert transfer.failed == 1
+        [answer] = decode.generate([again], six)
+        assert answer.outputs[0].text == greedy(offline, [again["prompt_token_ids"]])[0]
+        assert answer.num_cached_tokens == 0
+    finally:
+        prefill.llm_engine.shutdown()
+        decode.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"kv_transfer_push": ("127.0.0.1:9000",)}, "--kv-transfer-push: needs --kv-offload-dir"),
+        ({"kv_transfer_listen": "9000"}, "--kv-transfer-listen '9000': must be HOST:PORT"),
+        ({"kv_transfer_push": ("h:70000",)}, "--kv-transfer-push 'h:70000': must be HOST:PORT"),
+        ({"kv_offload_dir": "d", "kv_role": "decode", "kv_transfer_push": ("h:1",)}, "not with"),
+    ],
+)
+def test_the_transfer_flags_are_checked(fields, message):
+    from pyxllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(model="m", **fields)

@@ -1,0 +1,127 @@
+"""Idefics3 (SmolVLM) end to end on a tiny random checkpoint: each image split into crops by
+transformers' processor, greedy tokens equal to transformers' float32 ``generate``, with the
+prefix cache and chunked prefill on, batched with text-only requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyxllm import LLM, SamplingParams
+from tests.idefics3_fixtures import IMAGE_SEQ_LEN, IMAGE_TOKEN, build_idefics3
+from tests.llava_fixtures import data_url, make_image, reference_tokens
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_TOKENS = 6
+QUESTION = "What is in the picture?"
+# what SmolVLM's chat template renders for one image then QUESTION
+CHAT_TEXT = f"<|im_start|>User:{IMAGE_TOKEN}{QUESTION}<end_of_utterance>\nAssistant:"
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+# the KV bytes of one 16-token block of the tiny model: 2 (K, V) x 2 layers x 16 x 2 heads x 16
+BLOCK_GIB = 2 * 2 * 16 * 2 * 16 * 4 / 2**30
+# tokens a step: prompts of ~50 tokens are prefilled in chunks that end inside image runs
+STEP_TOKENS = 7
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory, hf_gguf_tokenizer):
+    """``(directory, hf_model, processor)`` of the tiny Idefics3."""
+    return build_idefics3(tmp_path_factory.mktemp("idefics3"), hf_gguf_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def llm(idefics3):
+    """One engine for the module: prefix cache on, chunked prefill in steps of STEP_TOKENS."""
+    return LLM(
+        str(idefics3[0]),
+        max_model_len=512,
+        kv_cache_memory=96 * BLOCK_GIB,
+        max_tokens_per_batch=STEP_TOKENS,
+        enable_chunked_prefill=True,
+    )
+
+
+def image_chat(image) -> list[dict]:
+    part = {"type": "image_url", "image_url": {"url": data_url(image)}}
+    return [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]
+
+
+def expect(idefics3, text: str, images) -> list[int]:
+    return reference_tokens(idefics3[1], idefics3[2], text, images, MAX_TOKENS)
+
+
+def test_chat_with_an_image_equals_transformers(llm, idefics3):
+    processor = idefics3[2]
+    # 2 x 2 crops and the global image; a wide image: 1 x 2 crops and the global one
+    square, wide = make_image(0), make_image(1, (200, 50))
+    for image, crops in ((square, 5), (wide, 3)):
+        out = llm.chat(image_chat(image), GREEDY)[0]
+        assert out.outputs[0].token_ids == expect(idefics3, CHAT_TEXT, [image])
+        # the prompt is transformers' expansion: row/column tags, one run per crop
+        want = processor(images=[image], text=CHAT_TEXT, return_tensors="pt")["input_ids"]
+        assert out.prompt_token_ids == want[0].tolist()
+        assert out.prompt_token_ids.count(processor.image_token_id) == crops * IMAGE_SEQ_LEN
+    # the image moves the tokens (else these tests prove nothing)
+    assert expect(idefics3, CHAT_TEXT, [square]) != expect(idefics3, CHAT_TEXT, [wide])
+
+
+def test_two_images_in_one_prompt(llm, idefics3):
+    images = [make_image(2, (48, 64)), make_image(3)]
+    text = f"<|im_start|>User:{IMAGE_TOKEN}{IMAGE_TOKEN}Which differ?<end_of_utterance>\nAssistant:"
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)[0]
+    assert out.outputs[0].token_ids == expect(idefics3, text, images)
+
+
+def test_batched_with_text_requests(llm, idefics3):
+    texts = [
+        "<|im_start|>User: Tell me a story.<end_of_utterance>\nAssistant:",
+        "<|im_start|>User: Count to five.<end_of_utterance>\nAssistant:",
+    ]
+    images = [make_image(4), make_image(5, (64, 40))]
+    cases = [(texts[0], []), (CHAT_TEXT, images[:1]), (texts[1], []), (CHAT_TEXT, images[1:])]
+    requests = [
+        {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
+        for text, imgs in cases
+    ]
+    outs = llm.generate(requests, GREEDY)
+    want = [expect(idefics3, text, imgs) for text, imgs in cases]
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_prefix_cache_hits_the_same_image_and_misses_another(llm, idefics3):
+    encoder = llm.llm_engine.executor.driver.encoder_cache
+    images = [make_image(6), make_image(7)]  # not used by the other tests
+    encoded = encoder.num_encoded
+    first = llm.chat(image_chat(images[0]), GREEDY)[0]
+    again = llm.chat(image_chat(images[0]), GREEDY)[0]
+    other = llm.chat(image_chat(images[1]), GREEDY)[0]
+    want = [expect(idefics3, CHAT_TEXT, [img]) for img in images]
+    assert [o.outputs[0].token_ids for o in (first, again, other)] == [want[0], want[0], want[1]]
+    assert first.num_cached_tokens == 0
+    # the same image and text: every full block but the last token's is a hit
+    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 16 * 16 > 0
+    # the same tokens with another image: the first block holds its crops' runs, so no hit
+    assert other.prompt_token_ids == first.prompt_token_ids
+    assert other.num_cached_tokens == 0
+    assert encoder.num_encoded - encoded == 2 * 5  # 5 crops an image, the first encoded once
+
+
+def test_chunked_prefill_cuts_through_the_image(llm, idefics3, monkeypatch):
+    encoder = llm.llm_engine.executor.driver.encoder_cache
+    cuts = []  # the parts of placeholder runs each step fed, shorter than the run
+
+    def recording(plan, query_start_list):
+        for seq in plan.sequences:
+            start = seq.num_computed_tokens
+            for f in seq.mm_features:
+                part = f.overlap(start, start + len(seq.token_ids))
+                if part is not None and part[1] - part[0] < f.mm_position.length:
+                    cuts.append(part)
+        return step_embeddings(plan, query_start_list)
+
+    step_embeddings = encoder.step_embeddings
+    monkeypatch.setattr(encoder, "step_embeddings", recording)
+    image = make_image(8, (60, 60))
+    out = llm.chat(image_chat(image), GREEDY)[0]
+    assert out.outputs[0].token_ids == expect(idefics3, CHAT_TEXT, [image])
+    assert cuts  # some step ended inside a crop's run, its rows sliced
