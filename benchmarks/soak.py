@@ -3,7 +3,7 @@
 For ``--minutes`` the mix of ``tests/entrypoints/openai/test_fuzz.py`` and
 ``tests/entrypoints/openai/test_load.py`` runs at once:
 
-- fuzz: rounds of the seeded corpus of :mod:`tests.fuzz_requests` (a new seed each round, the
+- fuzz: rounds of the seeded corpus of :mod:`tests.fuzz` (a new seed each round, the
   fixed cases every fifth), ``--fuzz-concurrency`` at a time, then ``n`` far above its bound;
 - load: bursts of ``--streams`` streaming clients (temperature 0), a third hanging up after 1-3
   chunks, each kept stream compared with the same request answered alone beforehand;
@@ -44,13 +44,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fuzz_requests import (  # noqa: E402 - after the repository root is importable
-    CHAT_PATH,
-    COMPLETIONS_PATH,
+from tests.fuzz.cases import CHAT_PATH, COMPLETIONS_PATH, bound_cases, generate_cases  # noqa: E402 - after the repository root is importable
+from tests.fuzz.clients import (  # noqa: E402 - after the repository root is importable
     Result,
-    bound_cases,
     compute_references,
-    generate_cases,
     idle_sockets,
     is_idle,
     run_cases,
@@ -74,7 +71,7 @@ PROMPT_S = 5.0  # a normal request next to a broken client: answered within this
 
 
 def classify(problem: str) -> str:
-    """The kind of a problem :func:`tests.fuzz_requests.check_case` (or a worker) reported."""
+    """The kind of a problem :func:`tests.fuzz.checks.check_case` (or a worker) reported."""
     rules = [
         ("no answer: ReadTimeout", "timeout"),
         ("no answer: PoolTimeout", "timeout"),

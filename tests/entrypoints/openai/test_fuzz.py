@@ -1,9 +1,9 @@
 """A seeded fuzz of ``pyxllm serve``: 1,000 generated requests over every route and field, 200
-more to the Responses API (:mod:`tests.fuzz_responses`), 100 to Anthropic's Messages API and its
-token count (:mod:`tests.fuzz_messages`), then ``n`` far above its bound, and stored responses
+more to the Responses API (:mod:`tests.fuzz.responses`), 100 to Anthropic's Messages API and its
+token count (:mod:`tests.fuzz.messages`), then ``n`` far above its bound, and stored responses
 created, retrieved, chained on and deleted, asserting that the server never fails.
 
-The corpus (:mod:`tests.fuzz_requests`, which says which fault must get which answer) holds
+The corpus (:mod:`tests.fuzz`, which says which fault must get which answer) holds
 valid requests in random combinations (``n`` with ``stream``, ``logprobs`` with ``echo``, stop
 lists, ``logit_bias``, seeds, structured outputs and tools) and faulty ones: wrong types,
 out-of-range and extreme numbers (``1e308``, ``-0``, ``2**64``, 5000-digit integers, NaN),
@@ -45,21 +45,18 @@ import time
 import httpx
 import pytest
 
-from tests.fuzz_messages import MESSAGES_PATH, check_messages_200, messages_case, messages_cases
-from tests.fuzz_requests import (
-    bad,
-    bound_cases,
-    check_case,
+from tests.fuzz.cases import bad, bound_cases, generate_cases, select_cases
+from tests.fuzz.checks import check_case
+from tests.fuzz.clients import (
     compute_references,
-    generate_cases,
     is_idle,
     run_cases,
-    select_cases,
     server_tracebacks,
     summarize,
     wait_idle,
 )
-from tests.fuzz_responses import check_stored_round_trip, responses_cases
+from tests.fuzz.messages import MESSAGES_PATH, check_messages_200, messages_case, messages_cases
+from tests.fuzz.responses import check_stored_round_trip, responses_cases
 from tests.model_fixtures import build_hf_model, tiny_config
 from tests.utils import RemoteServer
 

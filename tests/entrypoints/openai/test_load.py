@@ -23,9 +23,8 @@ import time
 import httpx
 import pytest
 
-from tests.fuzz_requests import (
-    CHAT_PATH,
-    COMPLETIONS_PATH,
+from tests.fuzz.cases import CHAT_PATH, COMPLETIONS_PATH
+from tests.fuzz.clients import (
     idle_sockets,
     is_idle,
     server_rss_mb,

@@ -2,9 +2,9 @@
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` bodies, valid and faulty, streamed
 and not, and the routes' wrong methods.
 
-Cases are :class:`tests.fuzz_requests.Case` with ``kind="messages"``: every 4xx of theirs must
+Cases are :class:`tests.fuzz.cases.Case` with ``kind="messages"``: every 4xx of theirs must
 be in Anthropic's error shape, its message naming the field the corpus expects
-(:func:`tests.fuzz_requests.check_anthropic_error_body`); :func:`check_messages_200` judges a
+(:func:`tests.fuzz.checks.check_anthropic_error_body`); :func:`check_messages_200` judges a
 200 (strict JSON, a ``message`` of the assistant with content blocks of known types, a known
 ``stop_reason`` and integer ``usage``; a stream of named SSE events from ``message_start`` to
 ``message_stop`` with well-nested content blocks and no ``error`` event; a token count's
@@ -20,7 +20,7 @@ import random
 
 import httpx
 
-from tests.fuzz_requests import (
+from tests.fuzz.cases import (
     DEEP,
     JSON_HEADERS,
     OK,
@@ -31,11 +31,10 @@ from tests.fuzz_requests import (
     any_error,
     bad,
     encode_body,
-    named_events,
     nested,
     ok_or_bad,
-    strict_json,
 )
+from tests.fuzz.checks import named_events, strict_json
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"

@@ -1,53 +1,17 @@
-"""Hostile clients for ``tests/entrypoints/openai/test_fuzz.py``,
-``tests/entrypoints/openai/test_load.py`` and ``benchmarks/soak.py``.
-
-- :func:`generate_cases`: a seeded corpus of HTTP requests over every route and field of the
-  server (valid ones and faulty ones: wrong types, out-of-range and extreme numbers, invalid
-  Unicode, empty and huge strings, deep nesting, wrong content types, invalid JSON, limits,
-  combinations, streamed and not), each with what a correct server must answer
-  (:class:`Expect`). Requests are cheap: ``max_tokens`` 1-4, ``n`` at most 3, short prompts
-  (except the few ``n`` far above any bound, in :func:`bound_cases`).
-- :func:`run_cases` sends them concurrently and :func:`check_case` judges each answer: no 5xx,
-  no dropped connection, the status expected, every 4xx in OpenAI's error shape naming the
-  expected ``param`` (a ``kind="messages"`` case's in Anthropic's shape, its message naming the
-  field: :func:`check_anthropic_error_body`, :func:`message_names`), well-formed JSON and SSE
-  without NaN or Infinity.
-- :func:`stream_client` and the raw-socket slow and broken clients (:func:`trickled_body`,
-  :func:`short_body_then_close`, :func:`idle_sockets`, :func:`unread_stream`) of the load test.
-
-Which fault must name which ``param`` (:class:`Expect`, prefix match: ``messages`` matches
-``messages[0].content``, ``response_format`` matches ``response_format.json_schema.schema``):
-
-- a wrong type, an out-of-range value, an unsupported value, too many or too long items of
-  one field (``stop``, ``messages``, ``logit_bias``, ``prompt`` lists), nesting too deep
-  under one field, a lone surrogate written as a JSON escape (``"\\udfff"``) in one field:
-  that top-level field (an unknown field's own name, e.g. ``metadata``);
-- a top-level field the server does not know (:data:`UNKNOWN_FIELDS`): a 400 naming it, or the
-  field of the case's other fault, whichever is checked first;
-- two output constraints: either of them; a tool fault: ``tools`` or ``tool_choice``;
-- what fails as the body is parsed, before any field is known: raw invalid UTF-8 bytes in a
-  string, ``NaN``/``Infinity`` literals (not JSON), a 5000-digit integer, nesting beyond what
-  Python's parser takes: a 400 (413) naming the field or no ``param``;
-- invalid JSON, a body that is not an object, a wrong content type, unknown routes, wrong
-  methods, a body over the size limit: any ``param``;
-- values a server may serve or refuse (``seed`` in [2**63, 2**64), ``repetition_penalty``
-  1e-45, huge schemas, "3" for an int...): a 200, or a 400 naming the field.
-"""
+"""The fuzz corpus: what each case expects (:class:`Expect`), request bodies with raw JSON
+(:class:`Raw`), and the seeded generators (:func:`generate_cases`, :func:`bound_cases`) over
+the data of ``corpus.json``; the rules of which fault names which ``param`` are in
+:mod:`tests.fuzz`."""
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
 import math
 import random
-import re
-import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-
-import httpx
+from pathlib import Path
 
 # SmolLM2's vocabulary has 49152 tokens; ids 0-16 are special tokens.
 VOCAB_SIZE = 49152
@@ -229,309 +193,87 @@ class Case:
 
 # --- generating the corpus -------------------------------------------------------------------
 
-PROMPTS = [
-    "Hi",
-    "The capital of France is",
-    "def add(a, b):",
-    "1, 2, 3,",
-    "Once upon a time",
-    "Bonjour 😀",
-    "日本語のテキスト",
-    "Ünïcödé “quotes” — dash",
-    "a\u0000b",
-    "   ",
-    "\n\n",
-    "e\u0301\u200b\u202e\ufeff\uffff\U0010ffff",
-]
-WORDS = ["Hello", "What is 2+2?", "Say yes.", "Name a color.", "Tell me a joke.", "¿Qué tal?"]
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
-VALID_CONSTRAINTS = [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "text"}),
-    (
-        "response_format",
-        {
-            "type": "json_schema",
-            "json_schema": {
-                "name": "answer",
-                "schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
-            },
-        },
-    ),
-    ("structured_outputs", {"choice": ["yes", "no"]}),
-    ("structured_outputs", {"regex": "[a-z]{1,3}"}),
-    ("structured_outputs", {"json": {"type": "integer"}}),
-    ("structured_outputs", {"json": '{"type": "boolean"}'}),
-    ("structured_outputs", {"grammar": 'root ::= "a" | "b"'}),
-    ("structured_outputs", {"json_object": True}),
-    ("guided_choice", ["red", "green"]),
-    ("guided_regex", "[0-9]+"),
-    ("guided_json", {"type": "string", "maxLength": 3}),
-]
-INVALID_CONSTRAINTS = [
-    ("response_format", {"type": "xml"}),
-    ("response_format", {"type": "json_schema"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
-    ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}),
-    ("response_format", {"type": "json_schema", "json_schema": {"schema": "nope"}}),
-    ("structured_outputs", {}),
-    ("structured_outputs", {"regex": "("}),
-    ("structured_outputs", {"regex": "[a-"}),
-    ("structured_outputs", {"grammar": "this is not a grammar ::="}),
-    ("structured_outputs", {"choice": []}),
-    ("structured_outputs", {"choice": "yes"}),
-    ("structured_outputs", {"json": "{not json"}),
-    ("structured_outputs", {"json": {"type": "nonsense"}}),
-    ("structured_outputs", {"regex": "a", "choice": ["a"]}),
-    ("structured_outputs", {"backend": "outlines", "regex": "a"}),
-    ("guided_json", {"type": "nonsense"}),
-    ("guided_json", 5),
-    ("guided_regex", "["),
-    ("guided_choice", []),
-    ("guided_grammar", "::= ::="),
-]
-UNUSUAL_UNICODE = ["\ud83d\ude00 paired", "a\u0000b", "\uffff\U0010ffff", "e\u0301", "\u202e\u200b"]
-# Schemas, regexes and grammars that are valid but huge or odd: a 200 or a 400 naming the field
-# (never a 5xx or a hang).
-EXTREME_CONSTRAINTS = [
-    ("guided_json", {"type": "string", "minLength": 1000000}),
-    ("guided_json", {"type": "string", "maxLength": 2**64}),
-    ("guided_json", {"type": "array", "minItems": 10**9}),
-    ("guided_json", {"type": "integer", "minimum": 1e308}),
-    ("guided_json", {"type": "number", "multipleOf": 1e-300}),
-    ("guided_json", {"type": "string", "pattern": "(a+)+$"}),
-    ("guided_json", {"$ref": "#/$defs/x", "$defs": {"x": {"$ref": "#/$defs/x"}}}),
-    ("guided_json", {"enum": list(range(3000))}),
-    ("guided_json", {"type": "object", "additionalProperties": {"type": "object"}}),
-    ("guided_json", {"allOf": [{"type": "string"}, {"type": "integer"}]}),
-    ("guided_json", {"not": {}}),
-    ("guided_json", False),
-    ("guided_json", True),
-    ("guided_json", {}),
-    ("guided_regex", "a{100000}"),
-    ("guided_regex", "(a|b){10000}"),
-    ("guided_regex", "\\p{L}+"),
-    ("guided_regex", "(?i)abc"),
-    ("guided_regex", ""),
-    ("guided_regex", "[^\\x00-\\x{10FFFF}]"),
-    ("guided_regex", "\\b\\B"),
-    ("guided_choice", [""]),
-    ("guided_choice", ["a"] * 2000),
-    ("guided_choice", ["x" * 20000]),
-    ("guided_grammar", "start: /a{10000}/"),
-    ("guided_grammar", 'root ::= "a" root'),
-    ("guided_grammar", "root ::= root"),
-]
-# (field, value, expect) of values in a type pydantic's lax mode may convert.
-_LAX_COMMON = [
-    ("max_tokens", 2.0, OK),
-    ("max_tokens", "3", ok_or_bad("max_tokens")),
-    ("n", 1.0, OK),
-    ("n", "2", ok_or_bad("n")),
-    ("seed", 5.0, OK),
-    ("seed", "7", ok_or_bad("seed")),
-    ("temperature", "0.5", ok_or_bad("temperature")),
-    ("temperature", True, ok_or_bad("temperature")),
-    ("top_k", True, ok_or_bad("top_k")),
-    ("stream", "true", ok_or_bad("stream")),
-    ("stream", 0, ok_or_bad("stream")),
-    ("ignore_eos", "false", ok_or_bad("ignore_eos")),
-    ("stop", ("a", "b"), OK),
-]
-LAX_VALUES = {
-    "chat": _LAX_COMMON + [("logprobs", "true", ok_or_bad("logprobs"))],
-    "completion": _LAX_COMMON + [("echo", 1, ok_or_bad("echo")), ("logprobs", 1.0, OK)],
-}
+CORPUS_FILE = Path(__file__).with_name("corpus.json")
+
+
+def _expand(value):
+    """A value of :data:`CORPUS_FILE` with its markers replaced: ``{"$raw": text, "times": k}``
+    a :class:`Raw` (text repeated k times, sent as is), ``{"$string_of": s, "times": k,
+    "prefix": p}`` and ``{"$list_of": v, "times": k}`` repetitions, ``{"$range": k}`` the list
+    0..k-1."""
+    if isinstance(value, list):
+        return [_expand(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "$raw" in value:
+        return Raw(value["$raw"] * value.get("times", 1))
+    if "$string_of" in value:
+        return value.get("prefix", "") + value["$string_of"] * value["times"]
+    if "$list_of" in value:
+        return [value["$list_of"]] * value["times"]
+    if "$range" in value:
+        return list(range(value["$range"]))
+    return {k: _expand(v) for k, v in value.items()}
+
+
+_CORPUS = _expand(json.loads(CORPUS_FILE.read_text()))
+PROMPTS: list[str] = _CORPUS["prompts"]
+WORDS: list[str] = _CORPUS["words"]
+TOOL: dict = _CORPUS["tool"]
+# (field, value) pairs: constraints a server compiles; ones it refuses with a 400 naming the
+# field; valid but huge or odd ones (a 200 or a 400 naming the field, never a 5xx or a hang)
+VALID_CONSTRAINTS: list[tuple[str, object]] = [tuple(x) for x in _CORPUS["valid_constraints"]]
+INVALID_CONSTRAINTS: list[tuple[str, object]] = [tuple(x) for x in _CORPUS["invalid_constraints"]]
+EXTREME_CONSTRAINTS: list[tuple[str, object]] = [tuple(x) for x in _CORPUS["extreme_constraints"]]
+UNUSUAL_UNICODE: list[str] = _CORPUS["unusual_unicode"]
 # chat_template_kwargs that clash with apply_chat_template's own arguments: a 200 or a 400
 # naming chat_template_kwargs (the fault is there, not in messages).
-TEMPLATE_KWARGS = [
-    {"messages": "x"},
-    {"conversation": []},
-    {"tokenize": False},
-    {"return_dict": True},
-    {"return_tensors": "pt"},
-    {"tools": "x"},
-    {"documents": "x"},
-    {"continue_final_message": True},
-    {"return_assistant_tokens_mask": True},
-    {"truncation": True, "max_length": 1},
-    {"padding": "max_length", "max_length": 600},
-    {"self": 1},
-    {"add_generation_prompt": "x"},
-]
-SURROGATES = ["\udfff", "\ud800", "x\udc00y", "\ud800\ud800", "abc\ud83d", "\udbff!"]
-INVALID_UTF8 = [
-    b"\xff",
-    b"\xfe\xff",
-    b"\xc0\xaf",
-    b"\x80",
-    b"\xed\xa0\x80",
-    b"\xed\xbf\xbf",
-    b"\xf4\x90\x80\x80",
-    b"\xe2\x82",
-    b"\xf8\x88\x80\x80\x80",
-]
-WRONG = {
-    "int": ["many", [], {}, 1.5, "1.5", "", [1]],
-    "float": ["hot", [], {}, "", "1,5", [0.5]],
-    "bool": ["sometimes", 2, [], {}, 0.5, "2"],
-    "str": [5, [], {}, True, 1.5],
-}
-COMMON_TYPES = {
-    "n": "int",
-    "max_tokens": "int",
-    "temperature": "float",
-    "top_p": "float",
-    "top_k": "int",
-    "min_p": "float",
-    "seed": "int",
-    "presence_penalty": "float",
-    "frequency_penalty": "float",
-    "repetition_penalty": "float",
-    "min_tokens": "int",
-    "stream": "bool",
-    "ignore_eos": "bool",
-    "skip_special_tokens": "bool",
-    "include_stop_str_in_output": "bool",
-    "user": "str",
-    "model": "str",
-    "best_of": "int",
-    "use_beam_search": "bool",
-    "length_penalty": "float",
-    "prompt_logprobs": "int",
-    "guided_regex": "str",
-    "guided_grammar": "str",
-    "guided_decoding_backend": "str",
-}
-CHAT_TYPES = {
-    **COMMON_TYPES,
-    "max_completion_tokens": "int",
-    "logprobs": "bool",
-    "top_logprobs": "int",
-    "parallel_tool_calls": "bool",
-    "add_generation_prompt": "bool",
-}
-COMPLETION_TYPES = {**COMMON_TYPES, "echo": "bool", "logprobs": "int", "suffix": "str"}
-# Other fields' wrong values (each a 400 naming the field).
-WRONG_SHAPES = {
-    "stop": [7, {"a": 1}, [1], [[]], [None]],
-    "stop_token_ids": ["x", [1.5], ["a"], {}, 3],
-    "logit_bias": [[1], "x", 5, {"1": "x"}, {"1": None}, {"1": [1]}],
-    "stream_options": ["x", 5, [], {"include_usage": "maybe"}],
-    "response_format": ["json", 5, [], {}, {"type": 5}],
-    "structured_outputs": ["x", [], 5],
-    "guided_choice": ["x", [1], {}],
-    "chat_template_kwargs": ["x", [], 5],
-}
+TEMPLATE_KWARGS: list[dict] = _CORPUS["template_kwargs"]
+SURROGATES: list[str] = _CORPUS["surrogates"]
+INVALID_UTF8: list[bytes] = [bytes.fromhex(h) for h in _CORPUS["invalid_utf8_hex"]]
+# Wrong values per declared type, the declared types of each endpoint's fields, and other
+# fields' wrong values (each a 400 naming the field).
+WRONG: dict[str, list] = _CORPUS["wrong_values_by_type"]
+COMMON_TYPES: dict[str, str] = _CORPUS["common_types"]
+CHAT_TYPES = {**COMMON_TYPES, **_CORPUS["chat_types"]}
+COMPLETION_TYPES = {**COMMON_TYPES, **_CORPUS["completion_types"]}
+WRONG_SHAPES: dict[str, list] = _CORPUS["wrong_shapes"]
 # Fields a beam search (use_beam_search) is refused with (beside the constraint fields), and
 # the beam width, n.
-BEAM_SEARCH_CONFLICTS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "stop",
-    "stop_token_ids",
-    "min_tokens",
-    "tools",
-    "thinking_token_budget",
-    "logprobs",
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "json_schema",
-    "grammar",
-    "n",
-)
+BEAM_SEARCH_CONFLICTS: tuple[str, ...] = tuple(_CORPUS["beam_search_conflicts"])
+
+
+def _expectation(kind: str, name: str) -> Expect:
+    """The :class:`Expect` a corpus row names by ``kind`` for the field ``name``."""
+    if kind == "ok":
+        return OK
+    if kind == "bad":
+        return bad(name)
+    if kind == "bad_or_null":
+        return bad(name, null_ok=True)
+    if kind == "ok_or_bad":
+        return ok_or_bad(name)
+    if kind == "ok_or_bad_beam_search":
+        return ok_or_bad(name, *BEAM_SEARCH_CONFLICTS)
+    raise ValueError(f"{CORPUS_FILE.name}: unknown expectation {kind!r} for {name}")
+
+
+def _faults(rows: list) -> list[tuple[str, object, Expect]]:
+    """``(field, value, expect)`` of each value of rows ``[field, expectation, [values...]]``."""
+    return [(name, v, _expectation(kind, name)) for name, kind, values in rows for v in values]
+
+
+# (field, value, expect) of values in a type pydantic's lax mode may convert.
+_LAX = _CORPUS["lax_values"]
+_LAX_COMMON = [(f, v, _expectation(kind, f)) for f, v, kind in _LAX["common"]]
+LAX_VALUES = {
+    kind: _LAX_COMMON + [(f, v, _expectation(e, f)) for f, v, e in _LAX[kind]]
+    for kind in ("chat", "completion")
+}
 # (field, value, expect) of numbers out of range or extreme, for chat and completions.
-INF, NAN = float("inf"), float("nan")
-
-
-def _number_faults() -> list[tuple[str, object, Expect]]:
-    faults: list[tuple[str, object, Expect]] = []
-
-    def add(name, values, expect):
-        faults.extend((name, v, expect) for v in values)
-
-    add("n", [0, -1, Raw("-0"), 1e308, -(2**64), Raw("9" * 5000)], bad("n", null_ok=True))
-    add("max_tokens", [0, -1, Raw("-0"), 2**64, 10**12, 2**31, 1e308], bad("max_tokens"))
-    add("temperature", [-1, -1e-300, INF, -INF, NAN, Raw("1e400")], bad("temperature"))
-    add(
-        "temperature",
-        [1e308, 1e-308, 5e-324, Raw("-0.0"), 1e6 + 1, 100.0],
-        ok_or_bad("temperature"),
-    )
-    add("top_p", [0, Raw("-0.0"), 1.0000001, 1.5, 1e308, NAN, -INF, -1e-308], bad("top_p"))
-    add("top_k", [-2, -(2**63), -(10**30)], bad("top_k"))
-    add("top_k", [2**64, 2**31, 10**30, VOCAB_SIZE + 1], ok_or_bad("top_k"))
-    add("min_p", [-0.1, 1.1, 1e308, NAN, INF], bad("min_p"))
-    add("min_p", [1.0, 5e-324, Raw("-0.0")], OK)
-    for name in ("presence_penalty", "frequency_penalty"):
-        add(name, [2.0001, -2.5, 1e308, -1e308, NAN, INF], bad(name))
-        add(name, [-2, 2, Raw("-0.0"), 5e-324], OK)
-    add("repetition_penalty", [0, -1, Raw("-0.0"), NAN, INF], bad("repetition_penalty"))
-    add(
-        "repetition_penalty",
-        [1e-45, 5e-324, 1e-320, 1e300, 1e308, 1e-7],
-        ok_or_bad("repetition_penalty"),
-    )
-    add("seed", [2**64, 2**64 + 1, 10**30, 2**128, 1e308], bad("seed"))
-    add("seed", [2**63, 2**64 - 1, -1, -(2**63), -(2**63) - 1, -(10**30)], ok_or_bad("seed"))
-    add("min_tokens", [-1, 2**64, 50], bad("min_tokens"))
-    add("best_of", [5, 0, 2**64], bad("best_of"))
-    add("prompt_logprobs", [0, 1, 2**64], bad("prompt_logprobs"))
-    add("use_beam_search", [True], ok_or_bad("use_beam_search", *BEAM_SEARCH_CONFLICTS))
-    add("length_penalty", [2.0, -1.0, NAN, INF], bad("length_penalty"))  # without beam search
-    add("guided_decoding_backend", ["xgrammar", "outlines"], bad("guided_decoding_backend"))
-    add("guided_whitespace_pattern", [" *"], bad("guided_whitespace_pattern"))
-    add(
-        "logit_bias",
-        [
-            {"1": 101},
-            {"1": -100.5},
-            {"1": 1e308},
-            {"1": NAN},
-            {"1": INF},
-            {"abc": 1},
-            {"1.5": 1},
-            {"": 1},
-        ],
-        bad("logit_bias"),
-    )
-    add(
-        "logit_bias",
-        [{"-1": 1}, {str(OUT_OF_VOCAB): 1}, {str(2**64): 1}, {" 12": 1}],
-        ok_or_bad("logit_bias"),
-    )
-    add("stop_token_ids", [[-1], [2**64], [OUT_OF_VOCAB]], ok_or_bad("stop_token_ids"))
-    return faults
-
-
-NUMBER_FAULTS = _number_faults()
-CHAT_NUMBER_FAULTS = [
-    ("max_completion_tokens", v, bad("max_completion_tokens")) for v in (0, -1, 2**64)
-] + [("top_logprobs", v, bad("top_logprobs")) for v in (-1, 21, 2**64)]
-COMPLETION_NUMBER_FAULTS = [("logprobs", v, bad("logprobs")) for v in (-1, 21, 2**64)] + [
-    ("suffix", "x", bad("suffix"))
-]
+NUMBER_FAULTS = _faults(_CORPUS["number_faults"])
+CHAT_NUMBER_FAULTS = _faults(_CORPUS["chat_number_faults"])
+COMPLETION_NUMBER_FAULTS = _faults(_CORPUS["completion_number_faults"])
 
 
 def _prompt(rng: random.Random) -> str:
@@ -1107,21 +849,9 @@ def _encoding_fault(rng: random.Random, draft: _Draft) -> None:
 
 # --- other routes ---------------------------------------------------------------------------
 
-GET_ROUTES = ["/health", "/debug/stats", "/metrics", "/version", "/v1/models"]
+GET_ROUTES: list[str] = _CORPUS["get_routes"]
 POST_ROUTES = [CHAT_PATH, COMPLETIONS_PATH, "/tokenize", "/detokenize"]
-UNKNOWN_ROUTES = [
-    "/v1/nothing-here",
-    "/v2/chat/completions",
-    "/v1/chat/completions/extra",
-    "/v1/chat",
-    "/admin",
-    "/%FF%FE",
-    "/v1/models-x",
-    "/v1/completions.json",
-    "/" + "a" * 2000,
-    "/debug/stats/more",
-    "/healthz",
-]
+UNKNOWN_ROUTES: list[str] = _CORPUS["unknown_routes"]
 
 
 def _tokenize_case(rng: random.Random, model: str) -> _Draft:
@@ -1625,678 +1355,3 @@ def select_cases(cases: list[Case], spec: str | None) -> list[Case]:
         return cases
     wanted = {int(x) for x in spec.replace(" ", "").split(",") if x}
     return [c for c in cases if c.id in wanted]
-
-
-# --- judging answers ---------------------------------------------------------------------------
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
-def named_events(text: str) -> tuple[list[tuple[str, object]], list[str]]:
-    """The ``(name, data)`` of each event of a stream of named server-sent events (blocks of
-    ``event: NAME`` and ``data: JSON``, the data strict JSON), and the problems of the blocks
-    that are not such events (the Responses and Messages streams' shape)."""
-    problems, events = [], []
-    for block in text.split("\n\n"):
-        if not block:
-            continue
-        lines = block.split("\n")
-        if (
-            len(lines) != 2
-            or not lines[0].startswith("event: ")
-            or not lines[1].startswith("data: ")
-        ):
-            problems.append(f"stream block {block[:200]!r}")
-            continue
-        try:
-            data = strict_json(lines[1][len("data: ") :])
-        except ValueError as exc:
-            problems.append(f"event data is not strict JSON ({exc}): {lines[1][:200]!r}")
-            continue
-        events.append((lines[0][len("event: ") :], data))
-    return events, problems
-
-
-def strict_json(text: str | bytes):
-    """``json.loads`` refusing NaN, Infinity and -Infinity."""
-    return json.loads(text, parse_constant=_reject_constant)
-
-
-def param_matches(param: str | None, expected: frozenset[str]) -> bool:
-    """``param`` is one of ``expected``, or a path inside one (``messages[0].content``)."""
-    if not isinstance(param, str):
-        return False
-    return any(param == p or param.startswith((p + ".", p + "[")) for p in expected)
-
-
-def check_error_body(status: int, body: bytes) -> tuple[list[str], dict | None]:
-    """Problems of a 4xx body (OpenAI's error shape), and its ``error`` object."""
-    try:
-        error = strict_json(body)["error"]
-    except (ValueError, KeyError, TypeError) as exc:
-        return [f"{status} without OpenAI's error body ({exc}): {body[:300]!r}"], None
-    problems = []
-    if not isinstance(error, dict) or not {"message", "type", "param", "code"} <= set(error):
-        return [f"{status} error body lacks message/type/param/code: {body[:300]!r}"], None
-    if error["code"] != status:
-        problems.append(f"error code {error['code']!r} is not the status {status}")
-    if not isinstance(error["message"], str) or not error["message"]:
-        problems.append("error message is empty")
-    if not isinstance(error["type"], str) or not error["type"]:
-        problems.append("error type is empty")
-    if error["param"] is not None and not isinstance(error["param"], str):
-        problems.append(f"error param {error['param']!r} is not a string")
-    return problems, error
-
-
-# Anthropic's error type of each status (another 4xx: ``invalid_request_error``).
-ANTHROPIC_ERROR_TYPES = {
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-}
-_FIELD_PATH = re.compile(r"[A-Za-z_]\w*(?:\[\d+\]|\.\w+)*")
-
-
-def check_anthropic_error_body(status: int, body: bytes) -> tuple[list[str], dict | None]:
-    """Problems of a 4xx body of Anthropic's routes (``{"type": "error", "error": {"type",
-    "message"}}``, the type Anthropic's for the status), and its ``error`` object."""
-    try:
-        data = strict_json(body)
-        error = data["error"]
-    except (ValueError, KeyError, TypeError) as exc:
-        return [f"{status} without Anthropic's error body ({exc}): {body[:300]!r}"], None
-    if (
-        data.get("type") != "error"
-        or not isinstance(error, dict)
-        or set(error)
-        != {
-            "type",
-            "message",
-        }
-    ):
-        return [f"{status} is not in Anthropic's error shape: {body[:300]!r}"], None
-    problems = []
-    want = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error")
-    if error["type"] != want:
-        problems.append(f"error type {error['type']!r} of a {status}, not {want!r}")
-    if not isinstance(error["message"], str) or not error["message"]:
-        problems.append("error message is empty")
-    return problems, error
-
-
-def message_names(message: str, expected: frozenset[str]) -> bool | None:
-    """Whether an Anthropic error ``message`` names one of the ``expected`` fields: its
-    leading ``field: problem`` path (prefix match, as :func:`param_matches`), else a mention of
-    the field as a word; ``None`` when it names no field at all."""
-    head, sep, _ = message.partition(": ")
-    if sep and _FIELD_PATH.fullmatch(head):
-        return param_matches(head, expected)
-    if any(re.search(rf"(?<![\w.\[]){re.escape(p)}(?![\w])", message) for p in expected):
-        return True
-    return None
-
-
-def _check_logprob(value, where: str, nullable: bool = False) -> list[str]:
-    if value is None and nullable:
-        return []
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return [f"{where}: logprob {value!r} is not a finite number"]
-    if value > 1e-6:
-        return [f"{where}: logprob {value!r} > 0"]
-    return []
-
-
-def _check_chat_logprobs(logprobs, where: str) -> list[str]:
-    problems = []
-    if logprobs is None:
-        return problems
-    for j, entry in enumerate(logprobs.get("content") or []):
-        problems += _check_logprob(entry.get("logprob"), f"{where}.content[{j}]")
-        for k, top in enumerate(entry.get("top_logprobs") or []):
-            problems += _check_logprob(top.get("logprob"), f"{where}.content[{j}].top[{k}]")
-    return problems
-
-
-def _check_completion_logprobs(logprobs, where: str, first_nullable: bool) -> list[str]:
-    problems = []
-    if logprobs is None:
-        return problems
-    for j, value in enumerate(logprobs.get("token_logprobs") or []):
-        problems += _check_logprob(value, f"{where}.token_logprobs[{j}]", first_nullable and j == 0)
-    for j, top in enumerate(logprobs.get("top_logprobs") or []):
-        if top is None and first_nullable and j == 0:
-            continue
-        if not isinstance(top, dict):
-            problems.append(f"{where}.top_logprobs[{j}] is {top!r}")
-            continue
-        for token, value in top.items():
-            problems += _check_logprob(value, f"{where}.top_logprobs[{j}][{token!r}]")
-    return problems
-
-
-def choice_text(kind: str, choice: dict) -> str:
-    """A non-streamed choice's text."""
-    if kind == "chat":
-        return choice["message"].get("content") or ""
-    return choice["text"]
-
-
-def check_generation(case: Case, body: bytes) -> tuple[list[str], list[str]]:
-    """Problems of a non-streamed 200 of chat or completions, and each choice's text."""
-    try:
-        data = strict_json(body)
-    except ValueError as exc:
-        return [f"200 body is not strict JSON ({exc}): {body[:300]!r}"], []
-    problems: list[str] = []
-    want = "chat.completion" if case.kind == "chat" else "text_completion"
-    if data.get("object") != want:
-        problems.append(f"object is {data.get('object')!r}, not {want}")
-    choices = data.get("choices")
-    if not isinstance(choices, list) or len(choices) != case.n:
-        return problems + [f"{len(choices or [])} choices, not n={case.n}"], []
-    if sorted(c.get("index") for c in choices) != list(range(case.n)):
-        problems.append(f"choice indices {[c.get('index') for c in choices]}")
-    texts = [""] * case.n
-    for choice in sorted(choices, key=lambda c: c.get("index", 0)):
-        i = choice.get("index", 0)
-        if not choice.get("finish_reason"):
-            problems.append(f"choice {i} has no finish_reason")
-        try:
-            texts[i] = choice_text(case.kind, choice)
-        except (KeyError, TypeError, AttributeError):
-            problems.append(f"choice {i} has no text: {choice!r:.200}")
-        if case.kind == "chat":
-            problems += _check_chat_logprobs(choice.get("logprobs"), f"choices[{i}].logprobs")
-        else:
-            problems += _check_completion_logprobs(
-                choice.get("logprobs"), f"choices[{i}].logprobs", case.echo
-            )
-    usage = data.get("usage") or {}
-    if not all(isinstance(usage.get(k), int) for k in ("prompt_tokens", "completion_tokens")):
-        problems.append(f"usage is {usage!r}")
-    return problems, texts
-
-
-def parse_sse(body: bytes) -> tuple[list[str], list[str]]:
-    """``(problems, data payloads)`` of an SSE body; it must end with ``data: [DONE]``."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return [f"stream is not UTF-8: {exc}"], []
-    problems, payloads = [], []
-    for line in text.split("\n"):
-        if line.startswith("data: "):
-            payloads.append(line[len("data: ") :])
-        elif line and not line.startswith(":"):
-            problems.append(f"unexpected stream line {line[:200]!r}")
-    if not payloads or payloads[-1] != "[DONE]" or not text.endswith("data: [DONE]\n\n"):
-        problems.append(f"stream does not end with data: [DONE]: ...{text[-300:]!r}")
-    if payloads.count("[DONE]") > 1:
-        problems.append("stream has several [DONE]")
-    return problems, payloads
-
-
-def check_stream(case: Case, body: bytes) -> tuple[list[str], list[str]]:
-    """Problems of a streamed 200 of chat or completions, and each choice's text."""
-    problems, payloads = parse_sse(body)
-    want = "chat.completion.chunk" if case.kind == "chat" else "text_completion"
-    texts = [""] * case.n
-    finished = [0] * case.n
-    first_seen = [False] * case.n
-    chunks = []
-    for payload in payloads:
-        if payload == "[DONE]":
-            continue
-        try:
-            chunk = strict_json(payload)
-        except ValueError as exc:
-            problems.append(f"stream chunk is not strict JSON ({exc}): {payload[:300]!r}")
-            continue
-        chunks.append(chunk)
-        if "error" in chunk:
-            problems.append(f"stream carries an error event: {payload[:400]}")
-            continue
-        if chunk.get("object") != want:
-            problems.append(f"chunk object {chunk.get('object')!r}, not {want}")
-        for choice in chunk.get("choices") or []:
-            i = choice.get("index")
-            if not isinstance(i, int) or not 0 <= i < case.n:
-                problems.append(f"chunk choice index {i!r} with n={case.n}")
-                continue
-            if choice.get("finish_reason"):
-                finished[i] += 1
-            elif finished[i]:
-                problems.append(f"choice {i} continues after its finish_reason")
-            if case.kind == "chat":
-                delta = choice.get("delta") or {}
-                texts[i] += delta.get("content") or ""
-                problems += _check_chat_logprobs(choice.get("logprobs"), f"chunk choice {i}")
-            else:
-                texts[i] += choice.get("text") or ""
-                problems += _check_completion_logprobs(
-                    choice.get("logprobs"), f"chunk choice {i}", case.echo and not first_seen[i]
-                )
-            first_seen[i] = True
-    if any(count != 1 for count in finished):
-        problems.append(f"finish_reason counts per choice {finished} (each must be 1)")
-    if case.include_usage:
-        last = chunks[-1] if chunks else {}
-        if not last.get("usage") or last.get("choices"):
-            problems.append(f"include_usage: last chunk {json.dumps(last)[:200]} has no usage")
-    return problems, texts
-
-
-def check_other_200(case: Case, headers: httpx.Headers, body: bytes) -> list[str]:
-    """Problems of a 200 of the other routes."""
-    if case.kind in ("health",) or case.method == "HEAD":
-        return []
-    if case.kind == "metrics":
-        return [] if b"# HELP" in body or b"# TYPE" in body else [f"metrics: {body[:200]!r}"]
-    try:
-        data = strict_json(body)
-    except ValueError as exc:
-        return [f"200 body is not strict JSON ({exc}): {body[:300]!r}"]
-    if case.kind == "tokenize":
-        ok = isinstance(data.get("tokens"), list) and data.get("count") == len(data["tokens"])
-        return [] if ok else [f"tokenize answer {data!r:.300}"]
-    if case.kind == "detokenize":
-        return [] if isinstance(data.get("prompt"), str) else [f"detokenize answer {data!r:.300}"]
-    if case.kind == "stats":
-        return [] if "num_running" in data else [f"stats answer {data!r:.300}"]
-    return []
-
-
-def check_case(
-    case: Case,
-    status: int | None,
-    headers: httpx.Headers | None,
-    body: bytes,
-    transport_error: str | None,
-    references: dict[bytes, str] | None = None,
-) -> list[str]:
-    """Everything wrong with the answer to ``case`` (empty: correct)."""
-    if transport_error is not None:
-        return [f"no answer: {transport_error}"]
-    assert status is not None and headers is not None
-    if status >= 500:
-        return [f"answered {status}: {body[:600]!r}"]
-    if case.method == "HEAD":  # no body to judge
-        allowed = (status == 200 and case.expect.ok) or status in case.expect.errors
-        return [] if allowed else [f"answered {status}, expected {case.expect.describe()}"]
-    problems: list[str] = []
-    if status == 200:
-        if not case.expect.ok:
-            problems.append(f"answered 200, expected {case.expect.describe()}: {body[:300]!r}")
-        if case.kind in ("chat", "completion"):
-            streamed = headers.get("content-type", "").startswith("text/event-stream")
-            if streamed != case.stream:
-                problems.append(f"answered with content-type {headers.get('content-type')!r}")
-            if streamed:
-                found, texts = check_stream(case, body)
-            else:
-                found, texts = check_generation(case, body)
-            problems += found
-            if case.reference is not None and references is not None and texts:
-                want = references.get(case.reference)
-                if want is not None and texts[0] != want:
-                    problems.append(f"text {texts[0]!r} is not the greedy reference {want!r}")
-        elif case.kind == "responses":
-            from tests.fuzz_responses import check_responses_200  # it builds on this module
-
-            problems += check_responses_200(case, headers, body)
-        elif case.kind == "messages":
-            from tests.fuzz_messages import check_messages_200  # it builds on this module
-
-            problems += check_messages_200(case, headers, body)
-        else:
-            problems += check_other_200(case, headers, body)
-        return problems
-    if 400 <= status < 500 and case.kind == "messages":
-        found, error = check_anthropic_error_body(status, body)
-        problems += found
-        if status not in case.expect.errors:
-            problems.append(f"answered {status}, expected {case.expect.describe()}: {body[:300]!r}")
-        elif error is not None and case.expect.params is not None:
-            named = message_names(error["message"], case.expect.params)
-            if not (named is None and case.expect.null_param_ok) and not named:
-                names = "/".join(sorted(case.expect.params))
-                problems.append(f"{status} message names no {names}: {error['message'][:200]!r}")
-        return problems
-    if 400 <= status < 500:
-        found, error = check_error_body(status, body)
-        problems += found
-        if status not in case.expect.errors:
-            problems.append(f"answered {status}, expected {case.expect.describe()}: {body[:300]!r}")
-        elif error is not None and case.expect.params is not None:
-            param = error.get("param")
-            if not (param is None and case.expect.null_param_ok) and not param_matches(
-                param, case.expect.params
-            ):
-                problems.append(
-                    f"{status} names param {param!r}, expected {case.expect.describe()}: "
-                    f"{error.get('message', '')[:200]!r}"
-                )
-        return problems
-    return [f"answered {status}, expected {case.expect.describe()}: {body[:300]!r}"]
-
-
-# --- sending ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Result:
-    """What the server answered a case, and what is wrong with it."""
-
-    case: Case
-    status: int | None
-    problems: list[str]
-    seconds: float
-    excerpt: bytes = b""
-
-
-async def _chunks(body: bytes, size: int = 1 << 20):
-    for start in range(0, len(body), size):
-        yield body[start : start + size]
-
-
-async def send_case(
-    client: httpx.AsyncClient, case: Case, timeout: float = 60.0
-) -> tuple[int | None, httpx.Headers | None, bytes, str | None]:
-    """``(status, headers, body, transport error)`` of one case."""
-    content = _chunks(case.body) if case.chunked and case.body else case.body
-    try:
-        request = client.build_request(
-            case.method, case.path, content=content, headers=case.headers, timeout=timeout
-        )
-        response = await client.send(request, stream=True)
-        try:
-            body = await response.aread()
-        finally:
-            await response.aclose()
-        return response.status_code, response.headers, body, None
-    except httpx.HTTPError as exc:
-        return None, None, b"", f"{type(exc).__name__}: {exc}"
-    except Exception as exc:  # noqa: BLE001 - a case the client cannot send: the corpus's bug
-        return None, None, b"", f"the client could not send it: {type(exc).__name__}: {exc}"
-
-
-async def run_cases(
-    base_url: str,
-    cases: list[Case],
-    concurrency: int = 12,
-    timeout: float = 60.0,
-    references: dict[bytes, str] | None = None,
-    deadline: float | None = None,
-    on_result: Callable[[Result], None] | None = None,
-    skip_reason: str = "the time budget ran out",
-) -> list[Result]:
-    """Send ``cases`` ``concurrency`` at a time over keep-alive connections and judge each
-    answer; cases not started by ``deadline`` (``time.monotonic()``) are skipped."""
-    results: list[Result] = []
-    queue: asyncio.Queue[Case] = asyncio.Queue()
-    for case in cases:
-        queue.put_nowait(case)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        while not queue.empty():
-            case = queue.get_nowait()
-            if deadline is not None and time.monotonic() > deadline:
-                results.append(Result(case, None, [f"not sent: {skip_reason}"], 0.0))
-                continue
-            start = time.monotonic()
-            status, headers, body, error = await send_case(client, case, timeout)
-            problems = check_case(case, status, headers, body, error, references)
-            result = Result(case, status, problems, time.monotonic() - start, body[:300])
-            results.append(result)
-            if on_result is not None:
-                on_result(result)
-
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    return results
-
-
-async def compute_references(base_url: str, cases: list[Case]) -> dict[bytes, str]:
-    """The greedy text of each distinct reference body of ``cases``, one request at a time."""
-    references: dict[bytes, str] = {}
-    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-        for case in cases:
-            if case.reference is None or case.reference in references:
-                continue
-            response = await client.post(case.path, content=case.reference, headers=JSON_HEADERS)
-            response.raise_for_status()
-            references[case.reference] = choice_text(case.kind, response.json()["choices"][0])
-    return references
-
-
-def summarize(results: list[Result], seed: int, base_url: str, limit: int = 40) -> str:
-    """The failures of ``results``, one paragraph each (its case, its repro and the problems),
-    grouped by label and first problem, most frequent first."""
-    failed = [r for r in results if r.problems]
-    groups: dict[tuple[str, str], list[Result]] = {}
-    for result in failed:
-        first = result.problems[0]
-        key = (result.case.label.split(":")[0], first[:60])
-        groups.setdefault(key, []).append(result)
-    lines = [
-        f"{len(failed)} of {len(results)} requests failed (seed {seed}; rerun with "
-        f"PYXLLM_FUZZ_SEED={seed}, only some with PYXLLM_FUZZ_CASES=<ids>), "
-        f"{len(groups)} kinds:"
-    ]
-    for (_, _), members in sorted(groups.items(), key=lambda kv: -len(kv[1]))[:limit]:
-        result = members[0]
-        ids = ",".join(str(r.case.id) for r in members[:20])
-        lines.append(f"\n* {len(members)}x, ids {ids}: {result.case.describe(400)}")
-        lines.append(f"  expected {result.case.expect.describe()}; got {result.status}")
-        for problem in result.problems[:3]:
-            lines.append(f"  - {problem[:700]}")
-        lines.append(f"  repro: {result.case.repro(base_url)[:1500]}")
-    return "\n".join(lines)
-
-
-# --- load: many streaming clients ----------------------------------------------------------------
-
-
-@dataclass
-class StreamOutcome:
-    """One streaming client: its request, the text it read, whether it hung up early."""
-
-    kind: str
-    body: dict
-    text: str = ""
-    chunks: int = 0
-    hung_up: bool = False
-    problems: list[str] = field(default_factory=list)
-    status: int | None = None
-
-
-async def stream_client(
-    client: httpx.AsyncClient, kind: str, body: dict, hang_up_after: int | None
-) -> StreamOutcome:
-    """Stream ``body`` to its end, or hang up after ``hang_up_after`` content chunks."""
-    outcome = StreamOutcome(kind, body)
-    path = CHAT_PATH if kind == "chat" else COMPLETIONS_PATH
-    try:
-        async with client.stream("POST", path, json={**body, "stream": True}) as response:
-            outcome.status = response.status_code
-            if response.status_code != 200:
-                outcome.problems.append(
-                    f"status {response.status_code}: {await response.aread()!r:.300}"
-                )
-                return outcome
-            raw = b""
-            async for line in response.aiter_lines():
-                raw += line.encode() + b"\n"
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = strict_json(line[len("data: ") :])
-                if "error" in chunk:
-                    outcome.problems.append(f"error event {line[:300]}")
-                for choice in chunk.get("choices") or []:
-                    delta = choice.get("delta", {}).get("content") if kind == "chat" else None
-                    outcome.text += (delta if kind == "chat" else choice.get("text")) or ""
-                outcome.chunks += 1
-                if hang_up_after is not None and outcome.chunks >= hang_up_after:
-                    outcome.hung_up = True
-                    return outcome  # leaving the block closes the connection
-            if not raw.rstrip().endswith(b"data: [DONE]"):
-                outcome.problems.append(f"stream did not end with [DONE]: {raw[-200:]!r}")
-    except (httpx.HTTPError, ValueError) as exc:
-        outcome.problems.append(f"{type(exc).__name__}: {exc}")
-    return outcome
-
-
-# --- slow and broken clients (raw sockets) -------------------------------------------------------
-
-
-def _request_head(path: str, length: int | None, host: str, extra: str = "") -> bytes:
-    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-    if length is not None:
-        head += f"Content-Length: {length}\r\n"
-    return (head + extra + "\r\n").encode()
-
-
-async def _read_status(reader: asyncio.StreamReader, timeout: float) -> int | None:
-    """The status of the response on ``reader``, ``None`` if the server closed without one."""
-    line = await asyncio.wait_for(reader.readline(), timeout)
-    if not line:
-        return None
-    parts = line.split()
-    return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
-
-
-async def trickled_body(
-    host: str, port: int, body: bytes, step: int = 3, interval: float = 0.2
-) -> tuple[int | None, bytes]:
-    """Send a request whose body comes ``step`` bytes every ``interval`` seconds; return the
-    status and the response's first bytes."""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(_request_head(COMPLETIONS_PATH, len(body), f"{host}:{port}"))
-        await writer.drain()
-        for start in range(0, len(body), step):
-            writer.write(body[start : start + step])
-            await writer.drain()
-            await asyncio.sleep(interval)
-        status = await _read_status(reader, 60)
-        rest = await asyncio.wait_for(reader.read(2000), 60)
-        return status, rest
-    finally:
-        writer.close()
-
-
-async def short_body_then_close(host: str, port: int, declared: int, sent: bytes) -> None:
-    """Declare ``declared`` body bytes, send ``sent`` (fewer), then close the socket."""
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(_request_head(COMPLETIONS_PATH, declared, f"{host}:{port}") + sent)
-    await writer.drain()
-    await asyncio.sleep(0.2)
-    writer.close()
-
-
-async def short_body_then_half_close(
-    host: str, port: int, declared: int, sent: bytes, timeout: float = 10.0
-) -> int | None:
-    """Declare ``declared`` body bytes, send ``sent``, shut the write side and wait for an
-    answer: its status, ``None`` when the server just closes, -1 when it does neither within
-    ``timeout`` seconds."""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(_request_head(COMPLETIONS_PATH, declared, f"{host}:{port}") + sent)
-        await writer.drain()
-        writer.write_eof()
-        try:
-            return await _read_status(reader, timeout)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            return None
-        except asyncio.TimeoutError:
-            return -1  # neither an answer nor a close
-    finally:
-        writer.close()
-
-
-def idle_sockets(host: str, port: int, count: int, partial: bool) -> list[socket.socket]:
-    """``count`` open connections that send nothing (or, with ``partial``, half a request
-    head)."""
-    sockets = []
-    for _ in range(count):
-        sock = socket.create_connection((host, port), timeout=10)
-        if partial:
-            sock.sendall(f"POST {COMPLETIONS_PATH} HTTP/1.1\r\nHost: {host}\r\n".encode())
-        sockets.append(sock)
-    return sockets
-
-
-def unread_stream(host: str, port: int, body: dict) -> socket.socket:
-    """Open a streaming request and never read it (a small receive buffer, so that the server's
-    writes soon block); the caller closes the socket."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(10)
-    sock.connect((host, port))
-    data = json.dumps({**body, "stream": True}).encode()
-    sock.sendall(_request_head(COMPLETIONS_PATH, len(data), f"{host}:{port}") + data)
-    return sock
-
-
-def server_rss_mb(pid: int) -> float:
-    """The resident memory of process ``pid``, in MiB (``VmRSS`` of ``/proc/<pid>/status``)."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
-
-
-def wait_idle(base_url: str, timeout: float = 15.0) -> dict:
-    """Poll ``/debug/stats`` until nothing runs or waits and no KV block is used (aborts settle
-    asynchronously); return the last stats (the caller asserts on them)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            stats = httpx.get(base_url + "/debug/stats", timeout=5).json()
-        except httpx.HTTPError as exc:
-            stats = {"error": repr(exc)}
-        if is_idle(stats) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
-
-
-def is_idle(stats: dict) -> bool:
-    """Nothing running or waiting, no KV block used."""
-    return (
-        stats.get("num_running") == 0
-        and stats.get("num_waiting") == 0
-        and stats.get("num_kv_blocks_used") == 0
-    )
-
-
-def server_tracebacks(log: str, limit: int = 8) -> list[str]:
-    """The distinct tracebacks (by their last pyxllm frame and exception type) in a server's
-    output, the last ``limit``, each cut to pyxllm's own frames and the exception."""
-    blocks: dict[str, str] = {}
-    lines = log.splitlines()
-    i = 0
-    while i < len(lines):
-        if not lines[i].startswith("Traceback (most recent call last)"):
-            i += 1
-            continue
-        j = i + 1
-        frames = []
-        while j < len(lines) and (lines[j].startswith((" ", "\t")) or not lines[j].strip()):
-            if "/pyxllm/" in lines[j] and lines[j].lstrip().startswith("File "):
-                code = lines[j + 1].strip() if j + 1 < len(lines) else ""
-                frames.append(f"{lines[j].strip()}: {code}")
-            j += 1
-        exception = lines[j] if j < len(lines) else "?"
-        key = f"{frames[-1] if frames else ''} {exception.split(':')[0]}"
-        blocks.pop(key, None)
-        blocks[key] = "\n".join([*frames[-6:], exception[:500]])
-        i = j + 1
-    return list(blocks.values())[-limit:]

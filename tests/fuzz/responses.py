@@ -3,11 +3,11 @@
 /v1/responses/{id}`` of ids that were never stored, and (:func:`check_stored_round_trip`)
 responses created, retrieved and deleted in turn.
 
-Cases are :class:`tests.fuzz_requests.Case` with ``kind="responses"``;
+Cases are :class:`tests.fuzz.cases.Case` with ``kind="responses"``;
 :func:`check_responses_200` judges a 200 (strict JSON, ``object: "response"``, a final status,
 well-formed output items and usage; a stream of named SSE events with rising sequence numbers
 from ``response.created`` to ``response.completed`` or ``response.incomplete``, no error event).
-What each fault must name follows the corpus's rules (see :mod:`tests.fuzz_requests`).
+What each fault must name follows the corpus's rules (see :mod:`tests.fuzz`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import random
 
 import httpx
 
-from tests.fuzz_requests import (
+from tests.fuzz.cases import (
     DEEP,
     JSON_HEADERS,
     OK,
@@ -28,12 +28,11 @@ from tests.fuzz_requests import (
     any_error,
     bad,
     encode_body,
-    named_events,
     nested,
     ok_or_bad,
-    strict_json,
 )
-from tests.fuzz_requests import TOOL as CHAT_TOOL
+from tests.fuzz.cases import TOOL as CHAT_TOOL
+from tests.fuzz.checks import named_events, strict_json
 
 RESPONSES_PATH = "/v1/responses"
 FINAL_STATUSES = ("completed", "incomplete")
