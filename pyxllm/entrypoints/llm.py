@@ -15,6 +15,7 @@ from pyxllm.engine.input_processor import ChatPrompt, Prompt, TextPrompt, Tokens
 from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.entrypoints.chat_media import chat_images
+from pyxllm.entrypoints.log_setup import ensure_logging
 from pyxllm.entrypoints.openai.chat.reasoning import (
     check_reasoning_parser,
     get_reasoning_parser,
@@ -72,6 +73,7 @@ class LLM:
         self, model: str | None = None, reasoning_parser: str | None = None, **kwargs: Any
     ) -> None:
         check_reasoning_parser(reasoning_parser)  # an unknown name fails before loading
+        ensure_logging()  # the loading lines, as vLLM's LLM prints them
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
         self._reasoning = None

@@ -56,6 +56,7 @@ from pyxllm.engine.data_parallel.client import DataParallelEngine
 from pyxllm.engine.protocol import EngineClient
 from pyxllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pyxllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
+from pyxllm.entrypoints.log_setup import ensure_logging
 from pyxllm.entrypoints.openai.chat.reasoning import check_reasoning_parser
 from pyxllm.entrypoints.openai.chat.serving import OpenAIServingChat, choose_auto_tool_parser
 from pyxllm.entrypoints.openai.chat.tool_parsers import get_tool_parser
@@ -466,16 +467,6 @@ def _signals_handled_by_uvicorn():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def ensure_logging() -> None:
-    """Show pyxllm's INFO lines when nobody configured logging."""
-    root, ours = logging.getLogger(), logging.getLogger("pyxllm")
-    if not root.handlers and not ours.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
-        ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

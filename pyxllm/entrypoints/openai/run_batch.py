@@ -40,7 +40,8 @@ import httpx
 
 from pyxllm.config import EngineConfig
 from pyxllm.engine.async_engine import AsyncEngine
-from pyxllm.entrypoints.openai.api_server import build_app, ensure_logging
+from pyxllm.entrypoints.log_setup import ensure_logging
+from pyxllm.entrypoints.openai.api_server import build_app
 from pyxllm.entrypoints.openai.chat.reasoning import check_reasoning_parser
 from pyxllm.entrypoints.openai.chat.tool_parsers import get_tool_parser
 from pyxllm.entrypoints.openai.chat.tool_parsers.auto import AUTO, NONE
