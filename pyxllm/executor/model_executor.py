@@ -28,7 +28,7 @@ from pyxllm.executor.runners import build_runner, lora_runner, resolve_runner
 from pyxllm.executor.sampler import Sampler, SamplingMetadata
 from pyxllm.executor.scheduler_output import SchedulerOutput
 from pyxllm.executor.spec_decode import GeneratorRewind, accept_drafts, expand_for_verification
-from pyxllm.executor.thread_tuner import make_thread_tuner
+from pyxllm.executor.thread_tuner import make_thread_tuner, one_thread
 from pyxllm.layers.forward_context import ForwardContext, MultiModalEmbeddings
 from pyxllm.layers.pooler import Pooler
 from pyxllm.layers.quantization import (
@@ -184,8 +184,9 @@ class ModelExecutor:
             )
         self.quantization = resolve_quantization(config.quantization, source.kind)
         prepare_model(self.model, self.quantization)
-        load_weights(self.model, weights)
-        quantize_model(self.model, self.quantization, batch_invariant=config.batch_invariant)
+        with one_thread():  # numpy decoding and packing: see one_thread
+            load_weights(self.model, weights)
+            quantize_model(self.model, self.quantization, batch_invariant=config.batch_invariant)
 
         cache_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self.kv_spec = KVCacheSpec.from_model(self.model, config.block_size, cache_dtype)

@@ -140,3 +140,17 @@ def make_thread_tuner(platform, tp_world_size: int) -> ThreadTuner | None:
         return None
     threads = torch.get_num_threads()
     return ThreadTuner(threads) if threads > 1 else None
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the body on one torch thread, then restore the count: for start-up work that is
+    mostly single-threaded Python, numpy or short OpenMP regions (loading and packing weights,
+    graph captures). On threads that share their cores with another process such regions stall
+    (see the module docstring); on a quiet machine they are a small part of that work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pyxllm import LLM, SamplingParams
+from pyxllm.executor import model_executor
 from pyxllm.executor.runners import DEFAULT_ENV, resolve_runner
 from pyxllm.executor.thread_tuner import ENV, ThreadTuner, make_thread_tuner
 from pyxllm.platforms import cpu
@@ -118,9 +119,20 @@ def test_graph_backend_auto_is_the_graph_runner_on_the_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("quantization", ["gguf", "none"])
-def test_results_do_not_depend_on_the_thread_count(quantization, restore_threads):
+def test_results_do_not_depend_on_the_thread_count(quantization, restore_threads, monkeypatch):
     """The tuner's premise: a 130-token prefill (BLAS GEMMs) and 24 decode steps of 3
-    sequences give the same tokens and logprobs, bit for bit, at 1 and 2 threads."""
+    sequences give the same tokens and logprobs, bit for bit, at 1 and 2 threads. The weights
+    load and pack on one thread (``one_thread``: its OpenMP regions stall on busy cores), and
+    the count is restored after."""
+    loading_threads = []
+    load = model_executor.load_weights
+
+    def load_weights(*args):
+        loading_threads.append(torch.get_num_threads())
+        return load(*args)
+
+    monkeypatch.setattr(model_executor, "load_weights", load_weights)
+    torch.set_num_threads(2)
     llm = LLM(
         quantization=quantization,
         dtype="float32",
@@ -128,6 +140,7 @@ def test_results_do_not_depend_on_the_thread_count(quantization, restore_threads
         kv_cache_memory=0.05,
         enable_prefix_cache=False,
     )
+    assert loading_threads == [1] and torch.get_num_threads() == 2
     prompts = ["Repeat: " + "the cat sat on the warm mat by the door " * 12, "Hello", "1, 2, 3"]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True)
     runs = []

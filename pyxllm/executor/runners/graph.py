@@ -27,10 +27,9 @@ model.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -39,6 +38,7 @@ from torch import nn
 from pyxllm.attention.abstract import AttentionBackend
 from pyxllm.executor.input_batch import segment_ids
 from pyxllm.executor.runners.base import Runner
+from pyxllm.executor.thread_tuner import one_thread
 from pyxllm.layers.forward_context import ForwardContext, set_forward_context
 
 
@@ -90,7 +90,10 @@ class TraceCapture:
     takes_inputs = True
 
     def capture(self, fn: StepFn, args: tuple[torch.Tensor, ...]) -> Replay:
-        with _one_thread():
+        # one thread: a capture is mostly TorchScript's own work and steps of a few rows (the
+        # 8 captures of SmolLM2's start-up: ~60 s on 2 threads with the cores busy, 6.5 s on
+        # one); a replay runs on the caller's threads (a trace records ops, not thread counts)
+        with one_thread():
             fn(*args)  # warm-up: lazy initialisation must not be recorded
             with (
                 warnings.catch_warnings()
@@ -104,21 +107,6 @@ class TraceCapture:
             for _ in range(2):
                 traced(*args)
         return lambda step_args: traced(*step_args)
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run the body on one torch thread, then restore the count. A capture is mostly
-    TorchScript's own work on one thread and steps of a few rows; on threads that share their
-    cores with another process its OpenMP regions stall (the 8 captures of SmolLM2's start-up:
-    ~60 s on 2 threads with the cores busy, 6.5 s on one). A replay runs on the caller's
-    threads: a trace records ops, not thread counts."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 class DeviceGraphCapture:
