@@ -220,8 +220,13 @@ def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """``[..., 16]`` bytes -> ``[..., 32]`` values: low nibbles first, then high nibbles."""
-    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+    """``[..., 16]`` bytes -> ``[..., 32]`` values: low nibbles first, then high nibbles
+    (written in place: ~1.4x faster than concatenating the two halves, most of a Q4_0 file's
+    load)."""
+    out = np.empty((*qs.shape[:-1], 32), np.uint8)
+    np.bitwise_and(qs, 15, out=out[..., :16])
+    np.right_shift(qs, 4, out=out[..., 16:])
+    return out
 
 
 def _two_bits(qs: np.ndarray) -> np.ndarray:
