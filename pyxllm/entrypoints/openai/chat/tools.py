@@ -195,7 +195,7 @@ def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": function}
 
 
-def _as_text(message: dict[str, Any], calls: list[dict[str, Any]]) -> str:
+def _as_text(message: dict[str, Any], calls: list[dict[str, Any]]) -> str | list:
     content = message.get("content") or ""
     if message["role"] == "tool":
         return f"<tool_response>\n{content}\n</tool_response>"
@@ -204,4 +204,6 @@ def _as_text(message: dict[str, Any], calls: list[dict[str, Any]]) -> str:
         arguments = _with_object_arguments(call)["function"]["arguments"]
         body = json.dumps({"name": call["function"]["name"], "arguments": arguments})
         blocks.append(f"{START}\n{body}\n{END}")
+    if isinstance(content, list):  # content parts, for a template that loops over them
+        return [*content, *({"type": "text", "text": b} for b in blocks)]
     return "\n".join(filter(None, [content, *blocks]))
