@@ -12,7 +12,7 @@ from pyxllm.engine.detokenizer import IncrementalDetokenizer
 from pyxllm.engine.structured_output import GrammarMatcher
 from pyxllm.engine.thinking_budget import ThinkingBudget
 from pyxllm.lora_request import LoRARequest
-from pyxllm.multimodal_inputs import MultiModalFeatureSpec
+from pyxllm.multimodal_inputs import MultiModalFeatureSpec, mrope_positions
 from pyxllm.outputs import PromptLogprobs, SampleLogprobs
 from pyxllm.pooling_params import PoolingParams
 from pyxllm.sampling_params import FULL_VOCAB_LOGPROBS, SamplingParams
@@ -216,6 +216,15 @@ class Request:
     def mm_features_in(self, start: int, end: int) -> list[MultiModalFeatureSpec]:
         """Its images whose placeholder runs overlap the tokens ``[start, end)``."""
         return [f for f in self.mm_features if f.overlap(start, end) is not None]
+
+    def mrope_positions_in(self, start: int, end: int) -> torch.Tensor | None:
+        """The mRoPE positions ``int64 [3, end - start]`` of its tokens ``[start, end)`` (see
+        :func:`~pyxllm.multimodal_inputs.mrope_positions`); ``None`` when none of its images
+        has an mRoPE grid (text, or a model with 1-D positions: the step's positions are the
+        tokens' indices)."""
+        if not any(f.mrope_grid is not None for f in self.mm_features):
+            return None
+        return mrope_positions(self.mm_features, start, end)
 
     @property
     def max_tokens(self) -> int:

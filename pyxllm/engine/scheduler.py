@@ -177,6 +177,9 @@ class Scheduler:
             mm_features=request.mm_features_in(start, start + num_real)
             if request.mm_features
             else [],
+            mrope_positions=request.mrope_positions_in(start, start + num_new)
+            if request.mm_features
+            else None,
         )
 
     def update_from_output(

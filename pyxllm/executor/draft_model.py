@@ -92,6 +92,7 @@ class DraftModel:
                 s,
                 token_ids=s.token_ids[: len(s.token_ids) - s.num_draft_tokens],
                 num_draft_tokens=0,
+                mrope_positions=None,  # the draft is a text model: 1-D positions
             )
             for s in plan.sequences
         ]
@@ -109,6 +110,7 @@ class DraftModel:
                     num_computed_tokens=s.num_computed_tokens + j,
                     num_draft_tokens=0,
                     sample=True,
+                    mrope_positions=None,
                 )
                 for s, d in active
             ]

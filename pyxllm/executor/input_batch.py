@@ -37,6 +37,10 @@ class InputBatch:
         query_lens, seq_lens_list, query_start_list: the same as Python lists, for backends.
         num_draft_tokens: ``[B]`` the speculative drafts each sequence verifies (its last
             ``num_draft_tokens`` tokens; 0 for a prefill chunk or a plain decode).
+        mrope_positions: ``[3, T]`` int64, the rotary positions of an mRoPE model's step
+            where some sequence has them (``ScheduledSequence.mrope_positions``; the others'
+            tokens get their position thrice), else ``None``: the model reads ``positions``.
+            ``positions`` still places the tokens in the KV cache.
     """
 
     input_ids: torch.Tensor
@@ -50,6 +54,7 @@ class InputBatch:
     seq_lens_list: list[int]
     query_start_list: list[int]
     num_draft_tokens: list[int]
+    mrope_positions: torch.Tensor | None = None
 
     @classmethod
     def build(cls, plan: SchedulerOutput, block_size: int, device: torch.device) -> InputBatch:
@@ -77,6 +82,12 @@ class InputBatch:
             if s.sample
             for j in range(starts[i + 1] - 1 - s.num_draft_tokens, starts[i + 1])
         ]
+        mrope = None
+        if any(s.mrope_positions is not None for s in seqs):
+            mrope = positions.expand(3, -1).clone()
+            for i, s in enumerate(seqs):
+                if s.mrope_positions is not None:
+                    mrope[:, starts[i] : starts[i + 1]] = s.mrope_positions
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return cls(
             input_ids=to(
@@ -94,6 +105,7 @@ class InputBatch:
             seq_lens_list=seq_lens,
             query_start_list=starts,
             num_draft_tokens=[s.num_draft_tokens for s in seqs],
+            mrope_positions=None if mrope is None else to(mrope),
         )
 
     @property

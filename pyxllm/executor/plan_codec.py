@@ -8,7 +8,7 @@ Both ends keep the state of the previous
 step's sequences, keyed by a small integer handle that rank 0 gives each request:
 
 ``StepMessage([(handle, token_ids, num_computed, sample, keep, new_blocks, num_prompt_logprobs,
-num_draft_tokens, images), ...])`` (:mod:`~pyxllm.executor.messages`)
+num_draft_tokens, images[, mrope_positions]), ...])`` (:mod:`~pyxllm.executor.messages`)
 
 - ``num_computed`` is ``-1`` when it equals the last step's ``num_computed + len(token_ids)``
   (always, for a sequence that keeps running), else the value (a new or recomputed sequence);
@@ -21,7 +21,9 @@ num_draft_tokens, images), ...])`` (:mod:`~pyxllm.executor.messages`)
 - ``images``: a vision-language model's images whose placeholder runs the step's tokens overlap,
   ``[identifier, modality, offset, length, data]``, ``data`` the encoder's inputs (each tensor
   as dtype, shape and base64 bytes) only when rank 0's encoder cache lacks the image: every
-  rank's cache sees the same steps, so it holds what rank 0's holds (see ``encoder_cache.py``).
+  rank's cache sees the same steps, so it holds what rank 0's holds (see ``encoder_cache.py``);
+- ``mrope_positions``: an mRoPE model's ``[3, len(token_ids)]`` positions as three lists,
+  absent for 1-D positions (so a text model's decode costs no more).
 
 Sent as JSON (``distributed.control``), a decode step costs each sequence about 30 bytes.
 """
@@ -40,8 +42,8 @@ from pyxllm.executor.scheduler_output import ScheduledSequence, SchedulerOutput
 from pyxllm.multimodal_inputs import MultiModalFeatureSpec, PlaceholderRange
 
 # (handle, token_ids, num_computed or -1, sample, keep, new_blocks, number of prompt logprob
-# targets, number of draft tokens, images)
-EncodedSequence = tuple[int, list[int], int, bool, int, list[int], int, int, list[list]]
+# targets, number of draft tokens, images[, mRoPE positions])
+EncodedSequence = tuple  # the fields above, the last one only where the sequence has them
 # the dtypes an image's encoder inputs may have on the wire
 _WIRE_DTYPES = {
     str(d).removeprefix("torch."): d
@@ -142,21 +144,22 @@ class PlanEncoder:
                 else s.num_computed_tokens
             )
             num_targets = len(s.prompt_logprob_targets or ())
-            seqs.append(
-                (
-                    handle,
-                    list(s.token_ids),
-                    computed,
-                    s.sample,
-                    keep,
-                    table[keep:],
-                    num_targets,
-                    s.num_draft_tokens,
-                    _images_to_wire(s.mm_features, self._encoder_cache.entries)
-                    if s.mm_features
-                    else [],
-                )
+            entry = (
+                handle,
+                list(s.token_ids),
+                computed,
+                s.sample,
+                keep,
+                table[keep:],
+                num_targets,
+                s.num_draft_tokens,
+                _images_to_wire(s.mm_features, self._encoder_cache.entries)
+                if s.mm_features
+                else [],
             )
+            if s.mrope_positions is not None:
+                entry += (s.mrope_positions.tolist(),)
+            seqs.append(entry)
             known[s.request_id] = _Known(
                 handle, list(table), s.num_computed_tokens + len(s.token_ids)
             )
@@ -182,9 +185,18 @@ class PlanDecoder:
         """The plan ``message`` encodes (see the class docstring)."""
         known, out = {}, []
         for entry in message.sequences:
-            handle, token_ids, computed, sample, keep, new_blocks, num_targets, drafts, images = (
-                entry
-            )
+            (
+                handle,
+                token_ids,
+                computed,
+                sample,
+                keep,
+                new_blocks,
+                num_targets,
+                drafts,
+                images,
+                *mrope,
+            ) = entry
             prev = self._known.get(handle)
             if prev is None and (computed < 0 or keep):
                 raise ValueError(
@@ -204,6 +216,7 @@ class PlanDecoder:
                     prompt_logprob_targets=[0] * num_targets or None,
                     num_draft_tokens=drafts,
                     mm_features=_images_from_wire(images),
+                    mrope_positions=torch.tensor(mrope[0], dtype=torch.long) if mrope else None,
                 )
             )
             known[handle] = _Known(handle, table, computed + len(token_ids))

@@ -50,6 +50,10 @@ class ScheduledSequence:
         mm_features: the request's images whose placeholder runs overlap this step's tokens
             (the executor encodes those it has not cached and slices each run to the step's
             part); empty for a decode or text.
+        mrope_positions: ``int64 [3, len(token_ids)]``, the tokens' mRoPE positions
+            (``(temporal, height, width)``, see
+            :func:`~pyxllm.multimodal_inputs.mrope_positions`) for a request with images on
+            an mRoPE grid (Qwen2-VL), decodes included; ``None``: the tokens' indices.
     """
 
     request_id: str
@@ -69,6 +73,7 @@ class ScheduledSequence:
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
+    mrope_positions: torch.Tensor | None = None
 
     @property
     def draft_token_ids(self) -> list[int]:

@@ -165,3 +165,64 @@ class RotaryEmbedding(nn.Module):
                 positions, self.cos_sin_cache, q.dtype
             )
         return kernels.ops.apply_rotary_emb(q, k, *cos_sin)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL; vLLM's ``MRotaryEmbedding``, transformers'
+    ``Qwen2_5_VLRotaryEmbedding``): the ``head_dim // 2`` frequencies are cut into sections of
+    ``mrope_section`` sizes (e.g. ``[16, 24, 24]`` of 64), and section ``j`` rotates by
+    component ``j % 3`` of the token's ``(temporal, height, width)`` position.
+
+    ``positions`` is ``int64 [3, T]`` (see :func:`pyxllm.multimodal_inputs.mrope_positions`) or
+    ``[T]``: a step without image tokens, each token's three components equal, where every
+    section reads the same position and this is plain RoPE.
+
+    Raises:
+        ValueError: ``mrope_section`` does not add up to ``head_dim // 2``, or what
+            :class:`RotaryEmbedding` raises.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        mrope_section: list[int],
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(head_dim, max_position, base, scaling)
+        if sum(mrope_section) != head_dim // 2:
+            raise ValueError(
+                f"mrope_section {list(mrope_section)} adds up to {sum(mrope_section)}; the rotary "
+                f"width {head_dim} has {head_dim // 2} frequencies"
+            )
+        # which position component (0 temporal, 1 height, 2 width) each frequency reads
+        component = [j % 3 for j, size in enumerate(mrope_section) for _ in range(size)]
+        self.register_buffer("component", torch.tensor(component), persistent=False)
+
+    def _rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super()._rotate(positions, q, k)
+        ctx = None if torch.compiler.is_compiling() else current_forward_context()
+        key = (self._signature, "mrope", q.dtype)
+        cos_sin = None if ctx is None else ctx.step_cache.get(key)
+        if cos_sin is None:
+            cos_sin = self._cos_sin(positions, q.dtype)
+            if ctx is not None:
+                ctx.step_cache[key] = cos_sin
+        return kernels.ops.apply_rotary_emb(q, k, *cos_sin)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``(cos, sin)``, each ``[T, 1, head_dim]`` in ``dtype``, of ``positions [3, T]``:
+        frequency ``i`` at component ``component[i]``'s position, repeated over both halves."""
+        half = self.rotary_dim // 2
+        table = self.cos_sin_cache[positions]  # [3, T, rotary_dim]
+        index = self.component.view(1, 1, half).expand(1, positions.shape[1], half)
+        cos = table[..., :half].gather(0, index)[0]
+        sin = table[..., half:].gather(0, index)[0]
+        return (
+            cos.repeat(1, 2).unsqueeze(1).to(dtype),
+            sin.repeat(1, 2).unsqueeze(1).to(dtype),
+        )

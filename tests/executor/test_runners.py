@@ -136,15 +136,18 @@ def test_capture_sizes():
     assert capture_sizes(1) == [1]
 
 
-def fake_batch(query_lens, seq_len=10, prefill=False):
+def fake_batch(query_lens, seq_len=10, prefill=False, mrope=False):
     """What ``bucket_for`` reads of an ``InputBatch``: each sequence decodes (a token, or a
-    token and its drafts), or with ``prefill`` each multi-token one is a prefill chunk."""
+    token and its drafts), or with ``prefill`` each multi-token one is a prefill chunk; with
+    ``mrope``, the step has mRoPE positions."""
     drafts = [0 if prefill else n - 1 for n in query_lens]
+    total = sum(query_lens)
     return SimpleNamespace(
         query_lens=list(query_lens),
         seq_lens_list=[seq_len] * len(query_lens),
         num_draft_tokens=drafts,
         decodes_only=all(n == 1 + d for n, d in zip(query_lens, drafts)),
+        mrope_positions=torch.zeros(3, total, dtype=torch.long) if mrope else None,
     )
 
 
@@ -170,6 +173,8 @@ def test_bucket_choice(eager_llm):
     assert runner.bucket_for(fake_batch([1] * 65)) is None  # more than the largest bucket
     assert runner.bucket_for(fake_batch([1, 5, 1], prefill=True)) is None  # a prefill chunk
     assert runner.bucket_for(fake_batch([1, 1], seq_len=129)) is None  # longer than captured
+    # an mRoPE model's decodes of image requests: the captures read the tokens' indices
+    assert runner.bucket_for(fake_batch([1, 1], mrope=True)) is None
     runner.max_query_len = 5  # speculative decoding with 4 drafts: a row per token
     assert runner.bucket_for(fake_batch([1, 5, 1])) == 8
     assert runner.bucket_for(fake_batch([5] * 12 + [4])) == 64

@@ -342,6 +342,24 @@ def test_plan_codec_sends_an_image_once_its_rank_0_cache_lacks_it():
         tensor_from_wire(["complex64", [1], ""])
 
 
+def test_plan_codec_carries_mrope_positions():
+    """An mRoPE model's step positions ``[3, n]`` cross as they are (a decode's too); a
+    sequence without them gets none."""
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    chunk = _seq("a", list(range(5)), 0, [1])
+    chunk.mrope_positions = torch.tensor([[0, 1, 2, 2, 2], [0, 1, 2, 2, 3], [0, 1, 2, 3, 2]])
+    text = _seq("b", [7, 8], 0, [2])
+    got = decoder.decode(
+        from_wire(json.loads(encode(to_wire(encoder.encode(SchedulerOutput([chunk, text]))))))
+    )
+    assert torch.equal(got.sequences[0].mrope_positions, chunk.mrope_positions)
+    assert got.sequences[1].mrope_positions is None
+    decode = _seq("a", [9], 5, [1])
+    decode.mrope_positions = torch.tensor([[3], [3], [3]])
+    [got] = decoder.decode(encoder.encode(SchedulerOutput([decode]))).sequences
+    assert torch.equal(got.mrope_positions, decode.mrope_positions)
+
+
 class _TwoNodes:
     """Rank 1 (``pyxllm serve --node-rank 1``: executor only) and rank 0 (the HTTP server)."""
 

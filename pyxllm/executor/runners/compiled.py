@@ -37,5 +37,5 @@ class CompileRunner(Runner):
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.mark_unbacked(input_ids, 0)
-        self.mark_unbacked(positions, 0)
+        self.mark_unbacked(positions, positions.dim() - 1)  # [T], or mRoPE's [3, T]
         return self.compiled(input_ids, positions)

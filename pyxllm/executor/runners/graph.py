@@ -266,10 +266,12 @@ class GraphRunner(Runner):
         """The bucket an ``InputBatch`` replays in (one row per token); ``None`` when it must
         run eagerly (a prefill chunk, even a short one: prefills attend through the prefill
         kernel, as without speculation; a query longer than ``max_query_len``, more tokens than
-        the largest bucket, or a context longer than the captured one)."""
+        the largest bucket, a context longer than the captured one, or mRoPE positions: the
+        captures read the tokens' indices)."""
         n = sum(batch.query_lens)
         if (
             not batch.decodes_only
+            or batch.mrope_positions is not None
             or n > self.sizes[-1]
             or max(batch.query_lens) > self.max_query_len
             or max(batch.seq_lens_list) > self.max_seq_len
