@@ -6,10 +6,12 @@ processor saved with the checkpoint (``AutoImageProcessor``; without torchvision
 falls back to its PIL implementation). The prompt's image token (``<image>``, the config's
 ``image_token_id``) is replaced by what the model family's processor writes for the image
 (:meth:`MultiModalProcessor.expand`; LLaVA: one placeholder token per feature vector of the
-image; Idefics3: one run per crop, with its row and column tags), and the request carries a
-:class:`~pyxllm.multimodal_inputs.MultiModalFeatureSpec` per placeholder run: where it is, its
-``pixel_values`` and a hash of them. The executor runs the encoder once per run's pixels
-(:mod:`pyxllm.executor.encoder_cache`), and the hash enters the prefix-cache hash of every
+image; Idefics3: one run per crop, with its row and column tags; Qwen2-VL: one token per merged
+square of patches, on the image's mRoPE grid), and the request carries a
+:class:`~pyxllm.multimodal_inputs.MultiModalFeatureSpec` per placeholder run: where it is, the
+encoder's inputs (``pixel_values``, Qwen2-VL's ``image_grid_thw`` too) and a hash of them.
+The executor runs the encoder once per run's pixels (:mod:`pyxllm.executor.encoder_cache`),
+and the hash enters the prefix-cache hash of every
 block the run touches (:meth:`pyxllm.engine.request.Request.block_extra_keys`).
 """
 
@@ -77,12 +79,17 @@ def parse_mm_limits(value: str | Mapping[str, int] | None) -> dict[str, int]:
     return limits
 
 
-def image_hash(pixel_values) -> str:
-    """Hex SHA-256 of processed ``pixel_values`` (their shape, dtype and bytes): equal images
-    processed alike share it, any pixel's change moves it."""
-    array = pixel_values.detach().cpu().contiguous().numpy()
-    digest = hashlib.sha256(f"{array.dtype}{array.shape}".encode())
-    digest.update(array.tobytes())
+def image_hash(data) -> str:
+    """Hex SHA-256 of an image's processed encoder inputs: a tensor (``pixel_values``) or a
+    dict of them (``{"pixel_values": ..., "image_grid_thw": ...}``), each tensor's name,
+    shape, dtype and bytes: equal images processed alike share it, any pixel's change (or
+    another grid over the same bytes) moves it."""
+    tensors = data.items() if isinstance(data, Mapping) else [("", data)]
+    digest = hashlib.sha256()
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        array = tensor.detach().cpu().contiguous().numpy()
+        digest.update(f"{name}{array.dtype}{array.shape}".encode())
+        digest.update(array.tobytes())
     return digest.hexdigest()
 
 
@@ -128,7 +135,8 @@ class MultiModalProcessor:
     ) -> MultiModalProcessor | None:
         """The processor of a vision-language checkpoint directory (a config with
         ``vision_config`` and ``image_token_id``), of its family's class (Idefics3's for
-        ``model_type`` ``idefics3``, else LLaVA's); ``None`` for a text-only model.
+        ``model_type`` ``idefics3``, Qwen2-VL's for ``qwen2_vl`` and ``qwen2_5_vl``, else
+        LLaVA's); ``None`` for a text-only model.
 
         Raises:
             ValueError: no image processor config in ``path`` (naming it).
@@ -147,11 +155,7 @@ class MultiModalProcessor:
                 f"for this vision-language model ({exc})"
             ) from exc
         token = tokenizer.convert_ids_to_tokens([token_id])[0]
-        family = (
-            Idefics3MultiModalProcessor
-            if model_config.model_type == "idefics3"
-            else LlavaMultiModalProcessor
-        )
+        family = _FAMILIES.get(model_config.model_type, LlavaMultiModalProcessor)
         processor = family(image_processor, token_id, limits, token, media)
         processor.configure(path, model_config, tokenizer)
         return processor
@@ -178,15 +182,22 @@ class MultiModalProcessor:
                 f"{param}: the image could not be processed ({type(exc).__name__}: {exc})", param
             ) from exc
 
-    def expand(self, image, param: str) -> tuple[list[int], list[tuple[int, int, Any]]]:
+    def expand(self, image, param: str) -> tuple[list[int], list[tuple[int, int, dict]]]:
         """What one PIL image becomes: the token ids that replace its image token, and for
-        each placeholder run in them ``(offset in those ids, length, pixel_values [1, 3, H,
-        W])``, the encoder making ``length`` feature rows of those pixels. The family's hook.
+        each placeholder run in them ``(offset in those ids, length, data)``, ``data`` the
+        encoder's inputs (``{"pixel_values": [1, 3, H, W]}``), of which it makes ``length``
+        feature rows. The family's hook.
 
         Raises:
             InvalidRequestError: the image processor refuses the image (naming ``param``).
         """
         raise NotImplementedError
+
+    def mrope_grid(self, data: Mapping[str, Any]) -> tuple[int, int, int] | None:
+        """The ``(t, h, w)`` mRoPE grid a run with encoder inputs ``data`` fills (see
+        :func:`~pyxllm.multimodal_inputs.mrope_positions`); ``None`` (here) for a model with
+        1-D positions. The family's hook."""
+        return None
 
     def process(
         self, token_ids: list[int], images: Sequence[Any], param: str
@@ -222,13 +233,14 @@ class MultiModalProcessor:
                 out.append(token)
                 continue
             ids, runs = self.expand(next(pending), param)
-            for offset, length, pixel_values in runs:
+            for offset, length, data in runs:
                 features.append(
                     MultiModalFeatureSpec(
                         "image",
-                        image_hash(pixel_values),
+                        image_hash(data),
                         PlaceholderRange(len(out) + offset, length),
-                        {"pixel_values": pixel_values},
+                        data,
+                        self.mrope_grid(data),
                     )
                 )
             out.extend(ids)
@@ -250,11 +262,11 @@ class LlavaMultiModalProcessor(MultiModalProcessor):
         full = getattr(model_config, "vision_feature_select_strategy", "default") == "full"
         self.extra_tokens = int(full)
 
-    def expand(self, image, param: str) -> tuple[list[int], list[tuple[int, int, Any]]]:
+    def expand(self, image, param: str) -> tuple[list[int], list[tuple[int, int, dict]]]:
         pixel_values = self.preprocess(param, images=[image])["pixel_values"]
         height, width = pixel_values.shape[-2:]
         length = (height // self.patch_size) * (width // self.patch_size) + self.extra_tokens
-        return [self.image_token_id] * length, [(0, length, pixel_values)]
+        return [self.image_token_id] * length, [(0, length, {"pixel_values": pixel_values})]
 
 
 class Idefics3MultiModalProcessor(MultiModalProcessor):
@@ -290,7 +302,7 @@ class Idefics3MultiModalProcessor(MultiModalProcessor):
         self.tokenizer = tokenizer
         self.expansions = {}
 
-    def expand(self, image, param: str) -> tuple[list[int], list[tuple[int, int, Any]]]:
+    def expand(self, image, param: str) -> tuple[list[int], list[tuple[int, int, dict]]]:
         out = self.preprocess(param, images=[[image]], return_row_col_info=True)
         crops = out["pixel_values"][0]  # [crops, 3, S, S]: one image, never padded
         layout = (int(out["rows"][0][0]), int(out["cols"][0][0]))
@@ -313,5 +325,41 @@ class Idefics3MultiModalProcessor(MultiModalProcessor):
             end = start
             while end < len(ids) and ids[end] == self.image_token_id:
                 end += 1
-            runs.append((start, end - start, crop[None]))
+            runs.append((start, end - start, {"pixel_values": crop[None]}))
         return list(ids), runs
+
+
+class Qwen2VLMultiModalProcessor(MultiModalProcessor):
+    """Qwen2-VL's and Qwen2.5-VL's images (``Qwen2VLProcessor``'s expansion, whose class needs
+    torchvision for its video half, so the image half is here): transformers' image processor
+    resizes the image to multiples of ``patch_size * merge_size`` pixels a side and cuts it
+    into patches, ``pixel_values [t * h * w, C]`` on the grid ``image_grid_thw [1, 3]``; the
+    image token (``<|image_pad|>``, which the chat template writes between
+    ``<|vision_start|>`` and ``<|vision_end|>``) becomes ``t * h * w / merge_size^2``
+    placeholder tokens, one per merged square, on the mRoPE grid ``(t, h / merge_size, w /
+    merge_size)``."""
+
+    merge_size = 2
+
+    def configure(self, path, model_config, tokenizer) -> None:
+        """The vision tower's ``spatial_merge_size`` from ``model_config``."""
+        self.merge_size = model_config.vision_config.spatial_merge_size
+
+    def expand(self, image, param: str) -> tuple[list[int], list[tuple[int, int, dict]]]:
+        out = self.preprocess(param, images=[image])
+        data = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        t, h, w = self.mrope_grid(data)
+        length = t * h * w
+        return [self.image_token_id] * length, [(0, length, data)]
+
+    def mrope_grid(self, data: Mapping[str, Any]) -> tuple[int, int, int]:
+        t, h, w = (int(n) for n in data["image_grid_thw"][0])
+        return t, h // self.merge_size, w // self.merge_size
+
+
+# the processor of each vision-language model_type but LLaVA's (the default)
+_FAMILIES: dict[str, type[MultiModalProcessor]] = {
+    "idefics3": Idefics3MultiModalProcessor,
+    "qwen2_vl": Qwen2VLMultiModalProcessor,
+    "qwen2_5_vl": Qwen2VLMultiModalProcessor,
+}

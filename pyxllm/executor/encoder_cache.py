@@ -2,7 +2,8 @@
 
 vLLM v1's encoder cache is the model: a step's prefill chunks name the images whose
 placeholder runs they overlap (``ScheduledSequence.mm_features``); images not in the cache
-are encoded together, once (``model.embed_multimodal``), and kept under their content hash,
+are encoded together, once (``model.embed_multimodal``, each of their encoder inputs
+concatenated along dim 0), and kept under their content hash,
 so a later chunk of the same prompt, a prompt recomputed after preemption or another request
 with the same image reads them back. Each chunk takes the rows of its part of the run, which
 replace the placeholder tokens' embeddings in the forward pass
@@ -27,7 +28,9 @@ class EncoderCache:
     """Encoder outputs by image content hash, least recently used dropped first.
 
     Args:
-        model: has ``embed_multimodal(pixel_values [N, 3, H, W]) -> [N * F, hidden]``.
+        model: has ``embed_multimodal(**data) -> [rows, hidden]``, ``data`` the images'
+            encoder inputs (``pixel_values [N, 3, H, W]``; Qwen2-VL's patches and
+            ``image_grid_thw``), the rows each image's placeholder run holds, in order.
         device: where the features are computed and kept.
         max_rows: feature rows kept; the images of the current step stay even past it.
     """
@@ -44,8 +47,11 @@ class EncoderCache:
             ValueError: the encoder made another number of rows than the placeholder runs
                 hold (a processor and model that disagree).
         """
-        pixels = torch.cat([f.data["pixel_values"] for f in features]).to(self.device)
-        out = self.model.embed_multimodal(pixels)
+        inputs = {
+            key: torch.cat([f.data[key] for f in features]).to(self.device)
+            for key in features[0].data
+        }
+        out = self.model.embed_multimodal(**inputs)
         lengths = [f.mm_position.length for f in features]
         if out.shape[0] != sum(lengths):
             raise ValueError(

@@ -40,6 +40,13 @@ MODEL_REGISTRY: dict[str, RegisteredModel] = {
     "Idefics3ForConditionalGeneration": RegisteredModel(
         "pyxllm.models.idefics3", "Idefics3ForConditionalGeneration"
     ),
+    # Qwen2-VL, Qwen2.5-VL: transformers' vision tower, our Qwen2 with mRoPE
+    "Qwen2VLForConditionalGeneration": RegisteredModel(
+        "pyxllm.models.qwen2_vl", "Qwen2VLForConditionalGeneration"
+    ),
+    "Qwen2_5_VLForConditionalGeneration": RegisteredModel(
+        "pyxllm.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"
+    ),
     # encoders for the embed task (sentence-transformers' all-MiniLM-L6-v2)
     "BertModel": RegisteredModel("pyxllm.models.bert", "BertModel"),
     # cross-encoders and classifiers for the score and classify tasks
@@ -52,7 +59,12 @@ POOLING_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification"}
 # models that read images beside text: their prompts carry multimodal items (see
 # pyxllm.multimodal_inputs); transformers' backend runs none of them
 MULTIMODAL_ARCHITECTURES = frozenset(
-    {"LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration"}
+    {
+        "LlavaForConditionalGeneration",
+        "Idefics3ForConditionalGeneration",
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+    }
 )
 # encoders with a sequence-classification head: --task score (one label: a cross-encoder) or
 # --task classify

@@ -2,9 +2,11 @@
 token embeddings at an image's placeholder positions are replaced by the image's encoder
 outputs.
 
-A family (:mod:`pyxllm.models.llava`, :mod:`pyxllm.models.idefics3`) subclasses
-:class:`LlamaVisionLanguageModel` and adds its encoder, ``embed_multimodal(pixel_values [N,
-3, H, W]) -> [N * F, hidden]``, and ``rename_checkpoint_tensor`` for its checkpoint's names.
+A family (:mod:`pyxllm.models.llava`, :mod:`pyxllm.models.idefics3`,
+:mod:`pyxllm.models.qwen2_vl`) subclasses :class:`LlamaVisionLanguageModel` and adds its
+encoder, ``embed_multimodal(**data) -> [rows, hidden]`` (``data``: the images' encoder inputs,
+each key's tensors concatenated along dim 0, e.g. ``pixel_values [N, 3, H, W]``), and
+``rename_checkpoint_tensor`` for its checkpoint's names.
 The executor runs the encoder once per image (:mod:`pyxllm.executor.encoder_cache`) and hands
 the features for the step's placeholder rows to :meth:`LlamaVisionLanguageModel.forward`
 through the forward context (:class:`~pyxllm.layers.forward_context.MultiModalEmbeddings`).
@@ -21,9 +23,11 @@ from pyxllm.models.llama import LlamaForCausalLM
 
 class LlamaVisionLanguageModel(nn.Module):
     """A vision-language model whose language model is :class:`LlamaForCausalLM`, built from
-    ``config.text_config`` as ``language_model``.
+    ``config.text_config`` as ``language_model`` (or the one the family passes, e.g. Qwen2's
+    with mRoPE).
 
-    ``forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden]``: the token
+    ``forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden]``
+    (``positions [3, T]`` for mRoPE): the token
     embeddings, with the rows the forward context's ``multimodal`` names replaced by its
     encoder outputs, through the Llama decoder; ``compute_logits`` as Llama's.
 
@@ -35,11 +39,13 @@ class LlamaVisionLanguageModel(nn.Module):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     lm_head_name = "language_model.lm_head.weight"
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, language_model: LlamaForCausalLM | None = None) -> None:
         super().__init__()
         self.config = config
         self.image_token_id = config.image_token_id
-        self.language_model = LlamaForCausalLM(config.text_config)
+        self.language_model = (
+            LlamaForCausalLM(config.text_config) if language_model is None else language_model
+        )
 
     @property
     def tied_lm_head(self) -> bool:
