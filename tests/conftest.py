@@ -51,6 +51,7 @@ SLOW_MODULES = {
     "test_openai_api.py": 30,
     "test_embeddings.py": 30,
     "test_multimodal_idefics3.py": 20,
+    "test_multimodal_qwen2_vl.py": 20,
 }
 
 
