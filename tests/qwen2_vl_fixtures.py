@@ -1,5 +1,6 @@
-"""Tiny random Qwen2-VL and Qwen2.5-VL checkpoints (transformers' vision tower, a Qwen2 with
-mRoPE), saved with their image processor, and transformers' reference for them.
+"""Tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints (transformers' vision tower, a
+Qwen2 or Qwen3 with mRoPE), saved with their image processor, and transformers' reference for
+them.
 
 transformers' ``Qwen2_5_VLProcessor`` needs torchvision for its video half, so the reference
 expands the image token itself, as that processor does: ``<|image_pad|>`` repeated ``t * h * w
@@ -16,9 +17,9 @@ import torch
 IMAGE_TOKEN = "<|image_pad|>"
 IMAGE = f"<|vision_start|>{IMAGE_TOKEN}<|vision_end|>"
 SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", IMAGE_TOKEN, "<|video_pad|>"]
-# 14-pixel patches merged 2 x 2: images are resized to 28-pixel multiples, 4 to 16 merged tokens
-PATCH_SIZE, MERGE_SIZE = 14, 2
-MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 16
+# 14-pixel patches (Qwen3-VL: 16) merged 2 x 2: images are resized to 28-pixel multiples (32),
+# 4 to 16 merged tokens
+MERGE_SIZE = 2
 # Qwen2-VL's chat template, shortened: it loops over content parts
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -31,12 +32,13 @@ CHAT_TEMPLATE = (
 
 
 def build_qwen2_vl(directory: Path, tokenizer, version: str = "2.5", seed: int = 0):
-    """Save a tiny random ``Qwen2_5_VLForConditionalGeneration`` (``version`` "2.5") or
-    ``Qwen2VLForConditionalGeneration`` ("2") in float32 (Qwen2 of 2 layers, width 64, 4 heads
-    of 16, ``mrope_section`` [2, 3, 3]; a vision tower of 2 blocks, width 32, Qwen2.5-VL's with
-    window attention in block 0), a copy of ``tokenizer`` with the vision tokens and
-    :data:`CHAT_TEMPLATE`, and a ``Qwen2VLImageProcessor`` (4 to 16 merged tokens an image) into
-    ``directory``.
+    """Save a tiny random ``Qwen2_5_VLForConditionalGeneration`` (``version`` "2.5"),
+    ``Qwen2VLForConditionalGeneration`` ("2") or ``Qwen3VLForConditionalGeneration`` ("3") in
+    float32 (a Qwen2, or Qwen3 with q/k norms, of 2 layers, width 64, 4 heads of 16,
+    ``mrope_section`` [2, 3, 3], interleaved for Qwen3-VL; a vision tower of 2 blocks, width 32,
+    Qwen2.5-VL's with window attention in block 0, Qwen3-VL's with a deepstack merger after
+    each block), a copy of ``tokenizer`` with the vision tokens and :data:`CHAT_TEMPLATE`, and a
+    ``Qwen2VLImageProcessor`` (4 to 16 merged tokens an image) into ``directory``.
 
     Returns ``(directory, hf_model, image_processor, tokenizer)``.
     """
@@ -45,6 +47,8 @@ def build_qwen2_vl(directory: Path, tokenizer, version: str = "2.5", seed: int =
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
     )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -67,8 +71,23 @@ def build_qwen2_vl(directory: Path, tokenizer, version: str = "2.5", seed: int =
         bos_token_id=1,
         eos_token_id=2,
     )
-    common = dict(patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2)
-    if version == "2.5":
+    patch = 16 if version == "3" else 14
+    common = dict(patch_size=patch, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2)
+    if version == "3":
+        config_cls, model_cls = Qwen3VLConfig, Qwen3VLForConditionalGeneration
+        text.update(head_dim=16)
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+            **common,
+        )
+    elif version == "2.5":
         config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
         vision = dict(
             depth=2,
@@ -94,16 +113,16 @@ def build_qwen2_vl(directory: Path, tokenizer, version: str = "2.5", seed: int =
     )
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    with torch.no_grad():  # a wide merger, so that image features move the tokens
-        for p in model.model.visual.merger.parameters():
-            p.normal_(0, 0.5)
+    with torch.no_grad():  # wide mergers, so that image features move the tokens
+        visual = model.model.visual
+        for merger in [visual.merger, *getattr(visual, "deepstack_merger_list", [])]:
+            for p in merger.parameters():
+                p.normal_(0, 0.5)
     model.config.dtype = torch.float32
     model.save_pretrained(directory)
+    side = patch * MERGE_SIZE
     image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-        patch_size=PATCH_SIZE,
-        merge_size=MERGE_SIZE,
+        min_pixels=side * side * 4, max_pixels=side * side * 16, patch_size=patch, merge_size=2
     )
     image_processor.save_pretrained(directory)
     tok.save_pretrained(directory)

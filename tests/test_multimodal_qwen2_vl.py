@@ -1,5 +1,5 @@
-"""Qwen2.5-VL and Qwen2-VL end to end on tiny random checkpoints: mRoPE positions equal
-transformers' ``get_rope_index`` for any slice of a prompt, and greedy tokens equal
+"""Qwen2.5-VL, Qwen2-VL and Qwen3-VL end to end on tiny random checkpoints: mRoPE positions
+equal transformers' ``get_rope_index`` for any slice of a prompt, and greedy tokens equal
 transformers' float32 ``generate`` on text+image prompts, with the prefix cache and chunked
 prefill on (hits and chunks that end inside an image), batched with text-only requests."""
 
@@ -18,8 +18,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 MAX_TOKENS = 6
 QUESTION = "What is in the picture?"
-# what the chat template renders for one image then QUESTION
-CHAT_TEXT = f"<|im_start|>user\n{IMAGE}{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+# a question short enough that a prompt with a 16-token image fits in 2 blocks, so that a
+# prefix-cache hit (its first block) ends inside the image
+SHORT = "What?"
+
+
+def chat_text(question: str = QUESTION) -> str:
+    """What the chat template renders for one image then ``question``."""
+    return f"<|im_start|>user\n{IMAGE}{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+CHAT_TEXT = chat_text()
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 # the KV bytes of one 16-token block of the tiny model: 2 (K, V) x 2 layers x 16 x 2 heads x 16
 BLOCK_GIB = 2 * 2 * 16 * 2 * 16 * 4 / 2**30
@@ -45,9 +54,9 @@ def llm(qwen):
     )
 
 
-def image_chat(image) -> list[dict]:
+def image_chat(image, question: str = QUESTION) -> list[dict]:
     part = {"type": "image_url", "image_url": {"url": data_url(image)}}
-    return [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]
+    return [{"role": "user", "content": [part, {"type": "text", "text": question}]}]
 
 
 def test_mrope_positions_equal_transformers_for_every_slice(llm, qwen):
@@ -119,16 +128,17 @@ def test_batched_with_text_requests(llm, qwen):
 
 def test_prefix_cache_hits_the_same_image_and_misses_another(llm, qwen):
     encoder = llm.llm_engine.executor.driver.encoder_cache
-    # 16 tokens each, from the prompt's 5th: the first block's hit ends inside the image
+    # 16 tokens each, from the prompt's 5th: the hit (the first block) ends inside the image
     images = [make_image(6, (112, 112)), make_image(7, (112, 112))]
     encoded = encoder.num_encoded
-    first = llm.chat(image_chat(images[0]), GREEDY)[0]
-    again = llm.chat(image_chat(images[0]), GREEDY)[0]
-    other = llm.chat(image_chat(images[1]), GREEDY)[0]
-    want = [reference_tokens(qwen, CHAT_TEXT, [img], MAX_TOKENS) for img in images]
+    first = llm.chat(image_chat(images[0], SHORT), GREEDY)[0]
+    again = llm.chat(image_chat(images[0], SHORT), GREEDY)[0]
+    other = llm.chat(image_chat(images[1], SHORT), GREEDY)[0]
+    want = [reference_tokens(qwen, chat_text(SHORT), [img], MAX_TOKENS) for img in images]
     assert [o.outputs[0].token_ids for o in (first, again, other)] == [want[0], want[0], want[1]]
     assert first.num_cached_tokens == 0
-    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 16 * 16 > 0
+    image_run = first.prompt_token_ids.index(qwen[1].config.image_token_id)
+    assert image_run < again.num_cached_tokens == 16 < image_run + 16
     # the same tokens with another image: the first block holds its run, so no hit
     assert other.prompt_token_ids == first.prompt_token_ids
     assert other.num_cached_tokens == 0
@@ -188,6 +198,30 @@ def test_qwen2_vl_equals_transformers(tmp_path, hf_gguf_tokenizer):
     outs = llm.chat([image_chat(img) for img in images], GREEDY)
     want = [reference_tokens(qwen2, CHAT_TEXT, [img], MAX_TOKENS) for img in images]
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_qwen3_vl_with_deepstack_equals_transformers(tmp_path, hf_gguf_tokenizer):
+    """Qwen3-VL: interleaved mRoPE and deepstack features added after the first layers, through
+    chunks that cut the images and a prefix-cache hit that ends inside one."""
+    qwen3 = build_qwen2_vl(tmp_path, hf_gguf_tokenizer, version="3")
+    llm = LLM(
+        str(qwen3[0]),
+        max_model_len=256,
+        kv_cache_memory=48 * BLOCK_GIB,
+        max_tokens_per_batch=STEP_TOKENS,
+        enable_chunked_prefill=True,
+    )
+    # 32-pixel squares: grids of 2 x 4, 2 x 2 and 4 x 4 merged tokens
+    images = [make_image(15, (128, 64)), make_image(16, (60, 40)), make_image(17, (128, 128))]
+    outs = llm.chat([image_chat(img) for img in images], GREEDY)
+    want = [reference_tokens(qwen3, CHAT_TEXT, [img], MAX_TOKENS) for img in images]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    first = llm.chat(image_chat(images[2], SHORT), GREEDY)[0]
+    again = llm.chat(image_chat(images[2], SHORT), GREEDY)[0]
+    want = reference_tokens(qwen3, chat_text(SHORT), images[2:], MAX_TOKENS)
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == want
+    image_run = first.prompt_token_ids.index(qwen3[1].config.image_token_id)
+    assert image_run < again.num_cached_tokens == 16 < image_run + 16  # a hit inside the image
 
 
 def test_server_answers_a_base64_image_through_the_openai_sdk(qwen):

@@ -362,4 +362,5 @@ _FAMILIES: dict[str, type[MultiModalProcessor]] = {
     "idefics3": Idefics3MultiModalProcessor,
     "qwen2_vl": Qwen2VLMultiModalProcessor,
     "qwen2_5_vl": Qwen2VLMultiModalProcessor,
+    "qwen3_vl": Qwen2VLMultiModalProcessor,
 }

@@ -171,7 +171,10 @@ class MRotaryEmbedding(RotaryEmbedding):
     """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL; vLLM's ``MRotaryEmbedding``, transformers'
     ``Qwen2_5_VLRotaryEmbedding``): the ``head_dim // 2`` frequencies are cut into sections of
     ``mrope_section`` sizes (e.g. ``[16, 24, 24]`` of 64), and section ``j`` rotates by
-    component ``j % 3`` of the token's ``(temporal, height, width)`` position.
+    component ``j % 3`` of the token's ``(temporal, height, width)`` position. ``interleaved``
+    (Qwen3-VL's ``Qwen3VLTextRotaryEmbedding``): frequency ``i`` reads the height when ``i % 3
+    == 1`` and ``i < 3 * mrope_section[1]``, the width when ``i % 3 == 2`` and ``i < 3 *
+    mrope_section[2]``, else the temporal component.
 
     ``positions`` is ``int64 [3, T]`` (see :func:`pyxllm.multimodal_inputs.mrope_positions`) or
     ``[T]``: a step without image tokens, each token's three components equal, where every
@@ -189,6 +192,7 @@ class MRotaryEmbedding(RotaryEmbedding):
         base: float,
         mrope_section: list[int],
         scaling: dict[str, Any] | None = None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__(head_dim, max_position, base, scaling)
         if sum(mrope_section) != head_dim // 2:
@@ -197,7 +201,12 @@ class MRotaryEmbedding(RotaryEmbedding):
                 f"width {head_dim} has {head_dim // 2} frequencies"
             )
         # which position component (0 temporal, 1 height, 2 width) each frequency reads
-        component = [j % 3 for j, size in enumerate(mrope_section) for _ in range(size)]
+        if interleaved:
+            component = [
+                i % 3 if i % 3 and i < 3 * mrope_section[i % 3] else 0 for i in range(head_dim // 2)
+            ]
+        else:
+            component = [j % 3 for j, size in enumerate(mrope_section) for _ in range(size)]
         self.register_buffer("component", torch.tensor(component), persistent=False)
 
     def _rotate(

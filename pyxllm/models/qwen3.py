@@ -17,11 +17,17 @@ class Qwen3Attention(LlamaAttention):
     """Self-attention with ``q_norm`` and ``k_norm`` over each head before RoPE.
 
     ``forward(positions [T] int64, hidden [T, hidden]) -> [T, hidden]``. The QKV projection has a
-    bias only when ``config.attention_bias`` is set.
+    bias only when ``config.attention_bias`` is set; ``rotary_emb``: a RoPE of the model's own
+    (Qwen3-VL's mRoPE), else the config's.
     """
 
-    def __init__(self, config, layer_idx: int) -> None:
-        super().__init__(config, layer_idx, qkv_bias=getattr(config, "attention_bias", False))
+    def __init__(self, config, layer_idx: int, rotary_emb=None) -> None:
+        super().__init__(
+            config,
+            layer_idx,
+            qkv_bias=getattr(config, "attention_bias", False),
+            rotary_emb=rotary_emb,
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 

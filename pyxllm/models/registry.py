@@ -47,6 +47,10 @@ MODEL_REGISTRY: dict[str, RegisteredModel] = {
     "Qwen2_5_VLForConditionalGeneration": RegisteredModel(
         "pyxllm.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"
     ),
+    # Qwen3-VL (dense): our Qwen3 with interleaved mRoPE, deepstack features
+    "Qwen3VLForConditionalGeneration": RegisteredModel(
+        "pyxllm.models.qwen2_vl", "Qwen3VLForConditionalGeneration"
+    ),
     # encoders for the embed task (sentence-transformers' all-MiniLM-L6-v2)
     "BertModel": RegisteredModel("pyxllm.models.bert", "BertModel"),
     # cross-encoders and classifiers for the score and classify tasks
@@ -64,6 +68,7 @@ MULTIMODAL_ARCHITECTURES = frozenset(
         "Idefics3ForConditionalGeneration",
         "Qwen2VLForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration",
     }
 )
 # encoders with a sequence-classification head: --task score (one label: a cross-encoder) or
