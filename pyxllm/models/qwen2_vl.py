@@ -30,9 +30,10 @@ after the language model's first layers (one merger a layer, transformers'
 is its main feature and its deepstack features side by side, ``[(1 + K) * hidden]``, so the
 encoder cache and chunked prefill slice them together.
 
-Checkpoint names: the Hub's (and transformers 5's ``save_pretrained``'s) ``visual.*``,
-``model.*`` (the language model) and ``lm_head.weight``, and transformers 4.5x's
-``model.visual.*``, ``model.language_model.*``.
+Checkpoint names: Qwen2-VL's and Qwen2.5-VL's on the Hub (and transformers 5's
+``save_pretrained``'s) ``visual.*``, ``model.*`` (the language model) and ``lm_head.weight``;
+Qwen3-VL's (and transformers 4.5x's for all three) ``model.visual.*``,
+``model.language_model.*`` and ``lm_head.weight``.
 """
 
 from __future__ import annotations
