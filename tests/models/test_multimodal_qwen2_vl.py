@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llava_fixtures import data_url, make_image
-from qwen2_vl_fixtures import IMAGE, IMAGE_TOKEN, build_qwen2_vl, reference_inputs, reference_tokens
 
 from pyxllm import LLM, SamplingParams
 from pyxllm.engine.input_processor import TextPrompt
 from pyxllm.multimodal_inputs import mrope_positions
+from tests.llava_fixtures import data_url, make_image
+from tests.qwen2_vl_fixtures import (
+    IMAGE,
+    IMAGE_TOKEN,
+    build_qwen2_vl,
+    reference_inputs,
+    reference_tokens,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
