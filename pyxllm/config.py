@@ -512,8 +512,8 @@ class EngineConfig:
     kv_transfer_listen: str | None = flag(
         None,
         help="receive the KV blocks a prefill instance's --kv-transfer-push sends into "
-        "--kv-offload-dir, listening on this address (no authentication: a private interface) "
-        "(default: off)",
+        "--kv-offload-dir, listening on this address (a private interface; with "
+        "$PYXLLM_KV_TRANSFER_TOKEN, only pushes carrying that secret) (default: off)",
         group=CACHE_FLAGS,
         metavar="HOST:PORT",
     )

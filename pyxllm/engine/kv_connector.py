@@ -47,7 +47,7 @@ from pyxllm.config import EngineConfig
 from pyxllm.engine.block_pool import KVBlock
 from pyxllm.engine.kv_cache_manager import KVCacheManager, TierLoad
 from pyxllm.engine.kv_offload import DiskKVTier
-from pyxllm.engine.kv_transfer import KVTransferClient, KVTransferServer
+from pyxllm.engine.kv_transfer import TOKEN_ENV, KVTransferClient, KVTransferServer
 from pyxllm.engine.request import Request
 from pyxllm.engine.scheduler import Scheduler
 
@@ -145,11 +145,18 @@ class KVTierConnector:
             config.kv_role,
         )
         transfer = listener = None
+        token = os.environ.get(TOKEN_ENV) or None
         if config.kv_transfer_push:
-            transfer = KVTransferClient(config.kv_transfer_push, tier.root.name)
+            transfer = KVTransferClient(config.kv_transfer_push, tier.root.name, token)
         if config.kv_transfer_listen is not None:
-            listener = KVTransferServer(tier, config.kv_transfer_listen)
+            listener = KVTransferServer(tier, config.kv_transfer_listen, token)
             logger.info("KV transfer: receiving blocks on port %d", listener.port)
+            if token is None:
+                logger.warning(
+                    "KV transfer: the listener takes pushes from anyone who reaches it: set "
+                    "the same secret in $%s on both instances",
+                    TOKEN_ENV,
+                )
         return cls(tier, kv, driver, config.kv_role, transfer, listener)
 
     def load(self, scheduler: Scheduler) -> None:

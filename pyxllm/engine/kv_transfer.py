@@ -17,13 +17,21 @@ digest>/<block hash, hex>`` with the block's payload as the body and its SHA-256
 tier digest (another model, dtype, block size or layout: see ``DiskKVTier``), and (``400``) a
 body of the wrong length or checksum, so a foreign or torn transfer is never wrong KV. A push
 that fails (peer down, refused, timed out) is logged and the peer skipped for
-:data:`RETRY_AFTER` seconds; the decode instance then computes those blocks itself. The
-listener has no authentication: bind it to an interface only the instances reach.
+:data:`RETRY_AFTER` seconds; the decode instance then computes those blocks itself.
+
+Authentication: with a shared secret in :data:`TOKEN_ENV` on both instances, each push carries
+``Authorization: Bearer <secret>`` and the listener refuses (``401``, logged, the body never
+stored) a push without it or with another (compared in constant time,
+``hmac.compare_digest``). The secret is an environment variable, not a flag, so that it does
+not show in the process list. Without it the listener takes any push (it warns at start). The
+connection is plain HTTP either way: the secret keeps strangers from writing KV, not from
+reading it on the wire, so keep the link on a private network.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import http.client
 import logging
 import re
@@ -36,6 +44,8 @@ from pyxllm.engine.kv_offload import DiskKVTier
 
 logger = logging.getLogger(__name__)
 
+# the environment variable holding the shared secret of pushes and listeners
+TOKEN_ENV = "PYXLLM_KV_TRANSFER_TOKEN"
 # seconds a peer whose push failed is skipped
 RETRY_AFTER = 5.0
 # seconds a push may take (connect, send, acknowledge)
@@ -65,17 +75,20 @@ class KVTransferServer:
         tier: the instance's own directory tier (its ``root.name`` is the digest pushes must
             carry).
         address: ``HOST:PORT`` to listen on (port 0: any free port, see :attr:`port`).
+        token: the shared secret a push must carry (``None``: any push is taken).
 
     Attributes:
         port: the port it listens on.
-        received / refused: blocks written, pushes refused (wrong digest, length or checksum).
+        received / refused: blocks written, pushes refused (no or a wrong secret, wrong
+            digest, length or checksum).
 
     Raises:
         OSError: the address cannot be bound.
     """
 
-    def __init__(self, tier: DiskKVTier, address: str) -> None:
+    def __init__(self, tier: DiskKVTier, address: str, token: str | None = None) -> None:
         self.tier = tier
+        self._token = None if token is None else token.encode()
         self.received = self.refused = 0
         self.closed = False
         self._lock = threading.Lock()  # one write at a time (pushes from several instances)
@@ -86,7 +99,11 @@ class KVTransferServer:
 
             def do_PUT(self) -> None:  # noqa: N802 (http.server's name)
                 length = self.headers.get("Content-Length", "")
-                if length != str(tier.block_bytes):  # not a block: its body is not read
+                if not server.authorized(self.headers.get("Authorization")):
+                    if length == str(tier.block_bytes):  # drained, so the pusher reads the 401
+                        self.rfile.read(tier.block_bytes)
+                    status, self.close_connection = server.refuse(401, self.client_address), True
+                elif length != str(tier.block_bytes):  # not a block: its body is not read
                     status, self.close_connection = server.refuse(400), True
                 else:
                     payload = self.rfile.read(tier.block_bytes)
@@ -94,6 +111,8 @@ class KVTransferServer:
                     status = server.receive(self.path, payload, checksum)
                     self.close_connection = server.closed
                 self.send_response(status)
+                if status == 401:
+                    self.send_header("WWW-Authenticate", "Bearer")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
@@ -132,11 +151,22 @@ class KVTransferServer:
             return 204
         return self.refuse(status)
 
-    def refuse(self, status: int) -> int:
-        """Count and log a refused push; returns ``status``."""
+    def authorized(self, header: str | None) -> bool:
+        """Whether an ``Authorization`` header value carries the listener's secret (always,
+        when it has none)."""
+        if self._token is None:
+            return True
+        scheme, _, secret = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(secret.encode(), self._token)
+
+    def refuse(self, status: int, client: tuple | None = None) -> int:
+        """Count and log a refused push (from ``client``, an address, when given); returns
+        ``status``."""
         with self._lock:
             self.refused += 1
-        logger.warning("KV transfer: refused a block (HTTP %d)", status)
+        reason = " (no or a wrong secret)" if status == 401 else ""
+        origin = f" from {client[0]}:{client[1]}" if client else ""
+        logger.warning("KV transfer: refused a block%s (HTTP %d%s)", origin, status, reason)
         return status
 
     def close(self) -> None:
@@ -155,6 +185,7 @@ class KVTransferClient:
     Args:
         addresses: the peers, ``HOST:PORT`` each.
         digest: the instance's tier digest (``DiskKVTier.root.name``).
+        token: the shared secret sent with each push (``None``: none).
 
     Attributes:
         pushed / failed: blocks acknowledged by a peer, and pushes that failed (one per peer).
@@ -163,9 +194,12 @@ class KVTransferClient:
         ValueError: an address is not ``HOST:PORT``.
     """
 
-    def __init__(self, addresses: tuple[str, ...] | list[str], digest: str) -> None:
+    def __init__(
+        self, addresses: tuple[str, ...] | list[str], digest: str, token: str | None = None
+    ) -> None:
         self.peers = [parse_address(a, "--kv-transfer-push") for a in addresses]
         self.digest = digest
+        self._auth = {} if token is None else {"Authorization": f"Bearer {token}"}
         self.pushed = self.failed = 0
         self._connections: dict[tuple[str, int], http.client.HTTPConnection] = {}
         self._down_until = {peer: 0.0 for peer in self.peers}
@@ -177,7 +211,7 @@ class KVTransferClient:
 
     def push(self, block_hash: bytes, payload: bytes) -> None:
         """Send one block to every peer that lacks it; failures are logged and counted."""
-        headers = {"X-Content-SHA256": hashlib.sha256(payload).hexdigest()}
+        headers = {"X-Content-SHA256": hashlib.sha256(payload).hexdigest(), **self._auth}
         path = f"/kv/{self.digest}/{block_hash.hex()}"
         for peer in self.peers:
             sent = self._sent[peer]

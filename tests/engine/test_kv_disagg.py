@@ -334,14 +334,18 @@ def test_without_its_prefill_instance_the_decode_instance_computes_the_prompt(
 
 
 def test_kv_moves_over_tcp_between_instances_without_a_shared_directory(
-    model_dir, tmp_path, offline
+    model_dir, tmp_path, offline, monkeypatch
 ):
     """``--kv-transfer-push`` and ``--kv-transfer-listen``: a prefill engine and a decode
-    engine (in this process) on directories of their own; the prefill engine pushes its
-    prompt's full blocks, which the decode engine reads as tier hits, answering the colocated
-    greedy tokens; a foreign or torn push is refused; with the listener closed the prefill
-    engine still answers and the decode engine computes the prompt itself."""
+    engine (in this process) on directories of their own, sharing a secret; the prefill engine
+    pushes its prompt's full blocks, which the decode engine reads as tier hits, answering the
+    colocated greedy tokens; a push without the secret, or a foreign or torn one, is refused;
+    with the listener closed the prefill engine still answers and the decode engine computes
+    the prompt itself."""
     from pyxllm import LLM, SamplingParams
+    from pyxllm.engine.kv_transfer import TOKEN_ENV
+
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -367,9 +371,11 @@ def test_kv_moves_over_tcp_between_instances_without_a_shared_directory(
         assert len(list(decode_dir.glob("*/*/*.kv"))) == 6
         assert len(list(prefill_dir.glob("*/*/*.kv"))) == 6
 
-        def put(digest: str, body: bytes, checksum: str) -> int:
+        def put(digest: str, body: bytes, checksum: str, token: str | None = "s3cret") -> int:
             connection = http.client.HTTPConnection(*address.split(":"), timeout=10)
             headers = {"X-Content-SHA256": checksum}
+            if token is not None:
+                headers["Authorization"] = f"Bearer {token}"
             connection.request("PUT", f"/kv/{digest}/{'ab' * 32}", body=body, headers=headers)
             status = connection.getresponse().status
             connection.close()
@@ -377,10 +383,12 @@ def test_kv_moves_over_tcp_between_instances_without_a_shared_directory(
 
         payload, digest = bytes(listener.tier.block_bytes), listener.tier.root.name
         sha = hashlib.sha256(payload).hexdigest()
+        assert put(digest, payload, sha, token=None) == 401  # no secret
+        assert put(digest, payload, sha, token="s3cre") == 401  # another one
         assert put("0" * len(digest), payload, sha) == 409  # another model's blocks
         assert put(digest, payload[:-1], hashlib.sha256(payload[:-1]).hexdigest()) == 400
         assert put(digest, payload, "0" * 64) == 400
-        assert (listener.refused, listener.received) == (3, 6)
+        assert (listener.refused, listener.received) == (5, 6)
         assert len(list(decode_dir.glob("*/*/*.kv"))) == 6
 
         listener.close()
@@ -393,6 +401,35 @@ def test_kv_moves_over_tcp_between_instances_without_a_shared_directory(
     finally:
         prefill.llm_engine.shutdown()
         decode.llm_engine.shutdown()
+
+
+def test_a_push_without_the_listeners_secret_is_refused_and_not_stored(tmp_path, caplog):
+    """In this process, no model: a listener with a secret takes the block of a pusher that
+    sends it, and refuses (401, logged) and stores nothing of one with another secret or
+    none; a listener without a secret takes any push."""
+    from pyxllm.engine.kv_offload import DiskKVTier
+    from pyxllm.engine.kv_transfer import KVTransferClient, KVTransferServer
+
+    tier = DiskKVTier(str(tmp_path / "decode"), 2**20, "tiny", 64)
+    payload, digest = bytes(range(64)), tier.root.name
+    servers = [KVTransferServer(tier, "127.0.0.1:0", token) for token in ("s3cret", None)]
+    try:
+        address = f"127.0.0.1:{servers[0].port}"
+        for token, block in ((None, b"a"), ("other", b"b"), ("s3cret", b"c")):
+            client = KVTransferClient([address], digest, token)
+            client.push(block * 32, payload)
+            client.close()
+            assert (client.pushed, client.failed) == ((1, 0) if token == "s3cret" else (0, 1))
+        assert (servers[0].refused, servers[0].received) == (2, 1)
+        assert [tier.contains(b * 32) for b in (b"a", b"b", b"c")] == [False, False, True]
+        assert caplog.text.count("HTTP 401 (no or a wrong secret)") == 2
+        client = KVTransferClient([f"127.0.0.1:{servers[1].port}"], digest, "any")
+        client.push(b"d" * 32, payload)
+        client.close()
+        assert client.pushed == 1 and tier.contains(b"d" * 32)
+    finally:
+        for server in servers:
+            server.close()
 
 
 @pytest.mark.parametrize(
