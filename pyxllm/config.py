@@ -504,8 +504,9 @@ class EngineConfig:
     kv_transfer_push: tuple[str, ...] = flag(
         (),
         help="also send each prompt's full KV blocks over TCP to this decode instance's "
-        "--kv-transfer-listen, for instances that do not share --kv-offload-dir; answers wait "
-        "for them (several: list them) (see docs/serving.md, Prefill/decode disaggregation)",
+        "--kv-transfer-listen, for instances that do not share --kv-offload-dir, on a thread "
+        "per peer; answers wait for them, steps do not (several: list them) (see "
+        "docs/serving.md, Prefill/decode disaggregation)",
         group=CACHE_FLAGS,
         metavar="HOST:PORT",
     )

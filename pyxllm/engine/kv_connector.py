@@ -25,9 +25,11 @@ left to run, so what it answered is on disk when it is idle or shut down.
 
 Between engines that do not share a directory, ``--kv-transfer-push`` on the prefill instance
 and ``--kv-transfer-listen`` on the decode instance (:mod:`pyxllm.engine.kv_transfer`) move the
-same blocks over TCP: the writer thread also pushes each block of a prompt to the decode
-instance, which writes it into its own directory; the prefill instance's answer waits for
-those pushes as it waits for its writes.
+same blocks over TCP: after each step, the full blocks of each scheduled request's prompt
+computed so far (or found in a cache) are copied out and queued for the decode instances,
+whose sender threads push them while the engine runs on; a finished request's answer is held
+back (:meth:`KVTierConnector.hold`, at most ``HOLD_S`` seconds) until its blocks were pushed
+or dropped, while later steps run.
 
 Tokens count as vLLM's connector counts them: a request's first lookup adds its tokens to
 ``num_queries``; the tokens its blocks from the tier cover add to ``num_hits``.
@@ -38,16 +40,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
 
 from pyxllm.config import EngineConfig
+from pyxllm.engine import kv_transfer
 from pyxllm.engine.block_pool import KVBlock
 from pyxllm.engine.kv_cache_manager import KVCacheManager, TierLoad
 from pyxllm.engine.kv_offload import DiskKVTier
-from pyxllm.engine.kv_transfer import TOKEN_ENV, KVTransferClient, KVTransferServer
+from pyxllm.engine.kv_transfer import TOKEN_ENV, KVTransferClient, KVTransferServer, PushTicket
 from pyxllm.engine.request import Request
 from pyxllm.engine.scheduler import Scheduler
 
@@ -73,6 +77,8 @@ class KVTierConnector:
     Attributes:
         num_queries / num_hits: tokens looked up in the tier (each request once) and tokens
             read back from it.
+        held: finished outputs waiting for their request's pushes, by request id: ``(output,
+            ticket, deadline)`` (``time.monotonic()`` seconds).
     """
 
     def __init__(
@@ -98,6 +104,10 @@ class KVTierConnector:
         self._pending: list[Future] = []
         self._writing: set[bytes] = set()
         self._lock = threading.Lock()
+        # pushes: each request's prompt blocks queued so far, its ticket, and held answers
+        self._pushed: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+        self._tickets: dict[str, PushTicket] = {}
+        self.held: dict[str, tuple[object, PushTicket, float]] = {}
         if self.saves:
             kv.pool.newly_cached = []  # the pool lists the blocks it registers
 
@@ -213,11 +223,57 @@ class KVTierConnector:
             scheduler.waiting.appendleft(request)
 
     def wait_for_loads(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for a read in flight to end (an engine with nothing
-        else to run does not spin)."""
+        """Wait up to ``timeout`` seconds for a read in flight, or a held answer's pushes, to
+        end (an engine with nothing else to run does not spin)."""
         reads = [read for _, entry in self.loading.items() for read in entry[1]]
         if reads:
             wait_for_futures(reads, timeout, return_when=FIRST_COMPLETED)
+        elif self.held:
+            _, ticket, deadline = next(iter(self.held.values()))
+            ticket.done.wait(max(0.0, min(timeout, deadline - time.monotonic())))
+
+    def push(self, requests: Iterable[Request]) -> None:
+        """After a step (``update_from_output``): queue for the ``--kv-transfer-push`` peers
+        the full prompt blocks of each of ``requests`` (the step's) computed so far and not
+        queued before; returns at once (the sender threads push them)."""
+        if self.transfer is None:
+            return
+        size, read = self.kv.block_size, self.driver.read_kv_block
+        for request in requests:
+            hashes, table = request.block_hashes, self.kv.tables.get(request.request_id)
+            full = min(request.num_computed_tokens, request.num_prompt_tokens) // size
+            end, start = min(full, len(hashes), len(table or ())), self._pushed.get(request, 0)
+            if end <= start:
+                continue
+            self._pushed[request] = end
+            ticket = self._tickets.setdefault(request.request_id, PushTicket())
+            for i in range(start, end):
+                if self.transfer.wants(hashes[i]):
+                    self.transfer.enqueue(hashes[i], read(table[i].block_id), ticket)
+
+    def hold(self, outputs: list) -> list:
+        """A step's outputs to hand out now: ``outputs`` less the finished ones whose
+        request's pushes are still in flight (held in :attr:`held`), then the held ones whose
+        pushes ended or waited ``HOLD_S`` seconds, in the order they were held."""
+        if self.transfer is None:
+            return outputs
+        now, ready = time.monotonic(), []
+        for request_id, (output, ticket, deadline) in list(self.held.items()):
+            if ticket.done.is_set() or now >= deadline:
+                del self.held[request_id]
+                ready.append(output)
+        for output in outputs:
+            ticket = self._tickets.pop(output.request_id, None) if output.finished else None
+            if ticket is None or ticket.done.is_set():
+                ready.append(output)
+            else:
+                self.held[output.request_id] = (output, ticket, now + kv_transfer.HOLD_S)
+        return ready
+
+    def drop(self, request_id: str) -> None:
+        """``request_id`` was aborted: forget its ticket and its held answer."""
+        self._tickets.pop(request_id, None)
+        self.held.pop(request_id, None)
 
     def save(self) -> None:
         """After a step: the blocks the prefix cache registered for it, now computed, to the
@@ -231,29 +287,24 @@ class KVTierConnector:
             self.flush()
 
     def _save_blocks(self, blocks: Iterable[KVBlock]) -> None:
-        """Queue a write of each of ``blocks`` (computed, cached) that the tier lacks, or that
-        a ``--kv-transfer-push`` peer lacks, its bytes copied now."""
+        """Queue a write of each of ``blocks`` (computed, cached) that the tier lacks, its bytes
+        copied now."""
         read = self.driver.read_kv_block
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is None or block_hash in self._writing:
                 continue
-            local = not self.tier.contains(block_hash)
-            if not local and (self.transfer is None or not self.transfer.wants(block_hash)):
+            if self.tier.contains(block_hash):
                 continue
             with self._lock:
                 self._writing.add(block_hash)
-            future = self._writer.submit(self._write, block_hash, read(block.block_id), local)
+            future = self._writer.submit(self._write, block_hash, read(block.block_id))
             self._pending.append(future)
 
-    def _write(self, block_hash: bytes, payload: bytes, local: bool = True) -> None:
-        """The writer thread's job: one block to the tier (when ``local``) and to the
-        transfer's peers."""
+    def _write(self, block_hash: bytes, payload: bytes) -> None:
+        """The writer thread's job: one block to the tier."""
         try:
-            if local:
-                self.tier.save(block_hash, payload)
-            if self.transfer is not None:
-                self.transfer.push(block_hash, payload)
+            self.tier.save(block_hash, payload)
         finally:
             with self._lock:
                 self._writing.discard(block_hash)
@@ -266,8 +317,10 @@ class KVTierConnector:
                 logger.error("KV tier: a write failed", exc_info=future.exception())
 
     def close(self) -> None:
-        """Finish the queued writes and stop the writer thread; idempotent."""
+        """Finish the queued writes, stop the writer thread, drop the pushes still queued and
+        hand out nothing held; idempotent."""
         self.flush()
+        self.held.clear()
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=False, cancel_futures=True)
         if self.transfer is not None:
@@ -286,4 +339,16 @@ class KVTierConnector:
             "kv_tier_blocks_written": tier.blocks_written,
             "kv_tier_bytes_written": tier.bytes_written,
             "kv_tier_rejected": tier.rejected,
+            **{f"kv_transfer_{name}": count for name, count in self.transfer_counts().items()},
         }
+
+    def transfer_counts(self) -> dict[str, int]:
+        """Blocks by outcome over TCP: ``pushed``, ``failed``, ``dropped`` (with
+        ``--kv-transfer-push``), ``received``, ``refused`` (with ``--kv-transfer-listen``)."""
+        counts = {}
+        if self.transfer is not None:
+            for name in ("pushed", "failed", "dropped"):
+                counts[name] = getattr(self.transfer, name)
+        if self.listener is not None:
+            counts.update(received=self.listener.received, refused=self.listener.refused)
+        return counts

@@ -6,10 +6,12 @@ HOST:PORT`` (:class:`KVTransferServer`) and a prefill instance pushes to it with
 ``--kv-transfer-push HOST:PORT`` (:class:`KVTransferClient`): every full block of each prompt
 the prefill instance computes or finds in its caches goes, besides into its own directory, to
 the decode instance, which writes it into its own directory; from there the decode instance
-reads it back as it reads any tier block (:mod:`pyxllm.engine.kv_connector`). The prefill
-instance's answer leaves only once its blocks were pushed and acknowledged, so the decode
-instance finds them when the proxy's decode request arrives (vLLM's P2P, Mooncake and NIXL
-connectors push or pull the same blocks over NCCL or RDMA; this is the plain-socket version).
+reads it back as it reads any tier block (:mod:`pyxllm.engine.kv_connector`). Pushes run on a
+sender thread per peer, so no engine step waits on the network; a request's finished answer
+waits (at most :data:`HOLD_S`) until its blocks were pushed and acknowledged, or dropped, so
+the decode instance finds them when the proxy's decode request arrives (vLLM's P2P, Mooncake
+and NIXL connectors push or pull the same blocks over NCCL or RDMA; this is the plain-socket
+version).
 
 The wire format is HTTP/1.1 on one kept-alive connection per peer: ``PUT /kv/<tier
 digest>/<block hash, hex>`` with the block's payload as the body and its SHA-256 in
@@ -17,7 +19,9 @@ digest>/<block hash, hex>`` with the block's payload as the body and its SHA-256
 tier digest (another model, dtype, block size or layout: see ``DiskKVTier``), and (``400``) a
 body of the wrong length or checksum, so a foreign or torn transfer is never wrong KV. A push
 that fails (peer down, refused, timed out) is logged and the peer skipped for
-:data:`RETRY_AFTER` seconds; the decode instance then computes those blocks itself.
+:data:`RETRY_AFTER` seconds; a block that comes meanwhile, or finds its peer's queue full
+(:data:`MAX_QUEUED_BYTES`: a slow peer), is dropped; the decode instance then computes those
+blocks itself.
 
 Authentication: with a shared secret in :data:`TOKEN_ENV` on both instances, each push carries
 ``Authorization: Bearer <secret>`` and the listener refuses (``401``, logged, the body never
@@ -37,7 +41,7 @@ import logging
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from pyxllm.engine.kv_offload import DiskKVTier
@@ -50,6 +54,10 @@ TOKEN_ENV = "PYXLLM_KV_TRANSFER_TOKEN"
 RETRY_AFTER = 5.0
 # seconds a push may take (connect, send, acknowledge)
 PUSH_TIMEOUT = 30.0
+# bytes of payloads queued for one peer at most (more blocks are dropped)
+MAX_QUEUED_BYTES = 256 * 2**20
+# seconds a prefill instance's finished answer waits, at most, for its blocks' pushes
+HOLD_S = 10.0
 # block hashes remembered as pushed to each peer (the older are pushed again if needed)
 MAX_REMEMBERED = 1 << 16
 _PATH = re.compile(r"^/kv/([0-9a-f]+)/([0-9a-f]+)$")
@@ -178,9 +186,57 @@ class KVTransferServer:
         self._http.server_close()
 
 
+class PushTicket:
+    """What one request's answer waits for: its blocks queued for a peer and not yet
+    acknowledged, refused, failed or dropped. Thread-safe.
+
+    Attributes:
+        done: set while no block of the request is in flight.
+    """
+
+    def __init__(self) -> None:
+        self._left = 0
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        self.done.set()
+
+    def add(self) -> None:
+        """One more block in flight."""
+        with self._lock:
+            self._left += 1
+            self.done.clear()
+
+    def finish(self) -> None:
+        """One block's push ended (whatever its outcome)."""
+        with self._lock:
+            self._left -= 1
+            if self._left <= 0:
+                self.done.set()
+
+
+class _Peer:
+    """One listener a :class:`KVTransferClient` pushes to: its queue, its sender thread's
+    connection, and what it acknowledged."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.address = (host, port)
+        self.connection: http.client.HTTPConnection | None = None
+        self.down_until = 0.0
+        self.sent: OrderedDict[bytes, None] = OrderedDict()
+        self.queue: deque[tuple[bytes, bytes, PushTicket | None]] = deque()
+        self.queued_bytes = 0
+        self.ready = threading.Condition()
+        self.thread: threading.Thread | None = None
+
+
 class KVTransferClient:
-    """A prefill instance's pusher to its peers' :class:`KVTransferServer`. Not thread-safe:
-    one thread (the connector's writer) pushes.
+    """A prefill instance's pusher to its peers' :class:`KVTransferServer`.
+
+    :meth:`enqueue` never blocks: each peer has a queue of at most :data:`MAX_QUEUED_BYTES`
+    of payloads and a sender thread of its own, so a slow or dead peer delays nobody else and
+    no engine step; a block that does not fit the queue, or comes while its peer is skipped
+    after a failure, is dropped (:attr:`dropped`) and the decode instance computes it.
+    :meth:`push` sends at once, on the caller's thread.
 
     Args:
         addresses: the peers, ``HOST:PORT`` each.
@@ -188,7 +244,8 @@ class KVTransferClient:
         token: the shared secret sent with each push (``None``: none).
 
     Attributes:
-        pushed / failed: blocks acknowledged by a peer, and pushes that failed (one per peer).
+        pushed / failed / dropped: blocks acknowledged by a peer, pushes that failed (one per
+            peer), and blocks never sent to a peer (its queue full, or it is skipped).
 
     Raises:
         ValueError: an address is not ``HOST:PORT``.
@@ -197,57 +254,124 @@ class KVTransferClient:
     def __init__(
         self, addresses: tuple[str, ...] | list[str], digest: str, token: str | None = None
     ) -> None:
-        self.peers = [parse_address(a, "--kv-transfer-push") for a in addresses]
+        self.peers = [_Peer(*parse_address(a, "--kv-transfer-push")) for a in addresses]
         self.digest = digest
         self._auth = {} if token is None else {"Authorization": f"Bearer {token}"}
-        self.pushed = self.failed = 0
-        self._connections: dict[tuple[str, int], http.client.HTTPConnection] = {}
-        self._down_until = {peer: 0.0 for peer in self.peers}
-        self._sent = {peer: OrderedDict() for peer in self.peers}
+        self.pushed = self.failed = self.dropped = 0
+        self._counts = threading.Lock()
+        self.closed = False
 
-    def wants(self, block_hash: bytes) -> bool:
-        """Whether a peer has not acknowledged ``block_hash`` yet (as far as it remembers)."""
-        return any(block_hash not in sent for sent in self._sent.values())
+    def wants(self, block_hash: bytes, peers: list[_Peer] | None = None) -> bool:
+        """Whether one of ``peers`` (default: all) has not acknowledged ``block_hash`` yet
+        (as far as it remembers)."""
+        return any(block_hash not in peer.sent for peer in peers or self.peers)
+
+    def enqueue(
+        self,
+        block_hash: bytes,
+        payload: bytes,
+        ticket: PushTicket | None = None,
+        peers: list[_Peer] | None = None,
+    ) -> None:
+        """Queue one block for each of ``peers`` (default: all) that lacks it, ``ticket``
+        counting it until its push ends; returns at once."""
+        for peer in peers or self.peers:
+            if block_hash in peer.sent:
+                continue
+            with peer.ready:
+                skipped = time.monotonic() < peer.down_until
+                if skipped or peer.queued_bytes + len(payload) > MAX_QUEUED_BYTES or self.closed:
+                    self._count("dropped")
+                    continue
+                if peer.thread is None:
+                    peer.thread = threading.Thread(
+                        target=self._send_queued, args=(peer,), name="pyxllm-kv-push", daemon=True
+                    )
+                    peer.thread.start()
+                if ticket is not None:
+                    ticket.add()
+                peer.queue.append((block_hash, payload, ticket))
+                peer.queued_bytes += len(payload)
+                peer.ready.notify()
+
+    def _send_queued(self, peer: _Peer) -> None:
+        """A peer's sender thread: pushes its queue in order until :meth:`close`."""
+        while True:
+            with peer.ready:
+                while not peer.queue and not self.closed:
+                    peer.ready.wait()
+                if self.closed:
+                    if peer.connection is not None:
+                        peer.connection.close()
+                    return
+                block_hash, payload, ticket = peer.queue.popleft()
+            try:
+                if block_hash in peer.sent:
+                    pass
+                elif time.monotonic() < peer.down_until:
+                    self._count("dropped")
+                else:
+                    self._send(peer, block_hash, payload)
+            finally:
+                with peer.ready:
+                    peer.queued_bytes -= len(payload)
+                if ticket is not None:
+                    ticket.finish()
 
     def push(self, block_hash: bytes, payload: bytes) -> None:
-        """Send one block to every peer that lacks it; failures are logged and counted."""
+        """Send one block to every peer that lacks it, now, on this thread; failures are
+        logged and counted."""
+        for peer in self.peers:
+            if block_hash not in peer.sent and time.monotonic() >= peer.down_until:
+                self._send(peer, block_hash, payload)
+
+    def _send(self, peer: _Peer, block_hash: bytes, payload: bytes) -> None:
+        """One block to ``peer`` (its connection opened if needed); a failure skips the peer
+        for :data:`RETRY_AFTER` seconds."""
         headers = {"X-Content-SHA256": hashlib.sha256(payload).hexdigest(), **self._auth}
         path = f"/kv/{self.digest}/{block_hash.hex()}"
-        for peer in self.peers:
-            sent = self._sent[peer]
-            if block_hash in sent or time.monotonic() < self._down_until[peer]:
-                continue
-            connection = self._connections.get(peer)
-            if connection is None:
-                connection = http.client.HTTPConnection(*peer, timeout=PUSH_TIMEOUT)
-                self._connections[peer] = connection
-            try:
-                connection.request("PUT", path, body=payload, headers=headers)
-                response = connection.getresponse()
-                response.read()
-                status = response.status
-            except (OSError, http.client.HTTPException) as exc:
-                connection.close()
-                del self._connections[peer]
-                status = f"{type(exc).__name__}: {exc}"
-            if status == 204:
-                self.pushed += 1
-                sent[block_hash] = None
-                if len(sent) > MAX_REMEMBERED:
-                    sent.popitem(last=False)
-                continue
-            self.failed += 1
-            self._down_until[peer] = time.monotonic() + RETRY_AFTER
-            logger.warning(
-                "KV transfer to %s:%d failed (%s): skipped for %.0f s, the decode instance "
-                "computes what it lacks",
-                *peer,
-                status,
-                RETRY_AFTER,
-            )
+        if peer.connection is None:
+            peer.connection = http.client.HTTPConnection(*peer.address, timeout=PUSH_TIMEOUT)
+        try:
+            peer.connection.request("PUT", path, body=payload, headers=headers)
+            response = peer.connection.getresponse()
+            response.read()
+            status = response.status
+        except (OSError, http.client.HTTPException) as exc:
+            peer.connection.close()
+            peer.connection = None
+            status = f"{type(exc).__name__}: {exc}"
+        if status == 204:
+            self._count("pushed")
+            peer.sent[block_hash] = None
+            if len(peer.sent) > MAX_REMEMBERED:
+                peer.sent.popitem(last=False)
+            return
+        self._count("failed")
+        peer.down_until = time.monotonic() + RETRY_AFTER
+        logger.warning(
+            "KV transfer to %s:%d failed (%s): skipped for %.0f s, the decode instance "
+            "computes what it lacks",
+            *peer.address,
+            status,
+            RETRY_AFTER,
+        )
+
+    def _count(self, name: str) -> None:
+        with self._counts:
+            setattr(self, name, getattr(self, name) + 1)
 
     def close(self) -> None:
-        """Close the connections."""
-        for connection in self._connections.values():
-            connection.close()
-        self._connections.clear()
+        """Stop the sender threads (what is still queued is dropped; a push under way ends
+        within :data:`PUSH_TIMEOUT`) and close the connections; idempotent."""
+        self.closed = True
+        for peer in self.peers:
+            with peer.ready:
+                left, peer.queue, peer.queued_bytes = peer.queue, deque(), 0
+                peer.ready.notify_all()
+            for _, _, ticket in left:
+                self._count("dropped")
+                if ticket is not None:
+                    ticket.finish()
+            if peer.thread is None and peer.connection is not None:
+                peer.connection.close()

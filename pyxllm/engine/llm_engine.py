@@ -298,6 +298,8 @@ class LLMEngine:
             self._parent_of.pop(child_id, None)
             self.abort_request(child_id)
         request = self.requests.pop(request_id, None)
+        if self.kv_connector is not None:
+            self.kv_connector.drop(request_id)
         if request is not None:
             if self.kv_connector is not None:
                 self.kv_connector.cancel(request, self.scheduler)
@@ -313,7 +315,8 @@ class LLMEngine:
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        loading = self.kv_connector is not None and bool(self.kv_connector.loading)
+        connector = self.kv_connector
+        loading = connector is not None and bool(connector.loading or connector.held)
         return bool(self.waiting_for_grammar) or loading or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
@@ -332,7 +335,7 @@ class LLMEngine:
                 wait_for_futures(pending, GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
             elif self.kv_connector is not None:
                 self.kv_connector.wait_for_loads(GRAMMAR_POLL_S)
-            return []
+            return [] if self.kv_connector is None else self.kv_connector.hold([])
         broken = self._constrain(plan)  # (request, exception) of each that failed its step
         result = self.executor.execute(plan)
         if self.kv_connector is not None:
@@ -346,6 +349,9 @@ class LLMEngine:
             if seq.num_draft_tokens:
                 self.metrics.record_spec_decode(seq.num_draft_tokens, len(tokens) - 1)
         new_tokens = self.scheduler.update_from_output(result.sampled_token_ids)
+        if self.kv_connector is not None:
+            live = (self.requests.get(seq.request_id) for seq in plan.sequences)
+            self.kv_connector.push([request for request in live if request is not None])
         self.metrics.record_tokens(new_tokens, now)
         for request, exc in broken:
             if not request.status.finished:  # failed once already
@@ -366,7 +372,9 @@ class LLMEngine:
             self._propose_drafts()
         if self.kv_connector is not None and not self.scheduler.has_unfinished_requests():
             self.kv_connector.flush()  # idle: what it answered is on disk
-        return fold_children(outputs, self.parents, self._parent_of) if self.parents else outputs
+        if self.parents:
+            outputs = fold_children(outputs, self.parents, self._parent_of)
+        return outputs if self.kv_connector is None else self.kv_connector.hold(outputs)
 
     def _finish_pooled(self, plan: SchedulerOutput, pooled: list) -> list[PoolingRequestOutput]:
         """End each embedding request of an embed step with its pooled vector (``pooled[i]``

@@ -20,7 +20,9 @@ up in the tier, each request once, and tokens read back from it: their differenc
 misses) and ``vllm:kv_offload_total_bytes{transfer_type}`` (payload bytes, ``transfer_type``
 ``CPU_to_DISK`` written or ``DISK_to_CPU`` read), with ``pyxllm:kv_offload_blocks
 {transfer_type}`` (the same transfers in blocks) and ``pyxllm:kv_offload_rejected_blocks``
-(files that failed their check: torn, truncated or foreign, read as misses). Counters are
+(files that failed their check: torn, truncated or foreign, read as misses); with KV over TCP
+(``--kv-transfer-push`` or ``--kv-transfer-listen``) ``pyxllm:kv_transfer_blocks{outcome}``
+(``pushed``, ``failed``, ``dropped``; ``received``, ``refused``). Counters are
 exposed with prometheus_client's ``_total`` suffix, as vLLM's are.
 
 The collectors live in a per-engine ``CollectorRegistry`` (``EngineMetrics.registry``), so
@@ -238,6 +240,18 @@ class _TierCollector(Collector):
             metric = CounterMetricFamily(name, doc, labels=["model_name", "transfer_type"])
             for row in transfers:
                 metric.add_metric([self.model_name, row[0]], row[column])
+            yield metric
+        counts = connector.transfer_counts()
+        if counts:
+            metric = CounterMetricFamily(
+                "pyxllm:kv_transfer_blocks",
+                "KV blocks over TCP by outcome: pushed (acknowledged), failed, dropped (never "
+                "sent: a peer's queue full or the peer skipped after a failure), received, "
+                "refused.",
+                labels=["model_name", "outcome"],
+            )
+            for outcome, value in counts.items():
+                metric.add_metric([self.model_name, outcome], value)
             yield metric
 
 

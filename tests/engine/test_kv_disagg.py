@@ -403,6 +403,57 @@ def test_kv_moves_over_tcp_between_instances_without_a_shared_directory(
         decode.llm_engine.shutdown()
 
 
+def test_a_listener_that_never_answers_does_not_stall_the_prefill_instance(
+    model_dir, tmp_path, offline, monkeypatch
+):
+    """A peer that takes the connection but never answers: the prefill engine's steps go on
+    (pushes wait on a sender thread, not the step), its answers leave once held
+    ``HOLD_S``, and the blocks that do not fit the peer's queue are dropped and counted in
+    ``/metrics``; nothing is acknowledged."""
+    import time
+
+    from prometheus_client import generate_latest
+
+    from pyxllm import LLM
+    from pyxllm.engine import kv_transfer
+
+    monkeypatch.setattr(kv_transfer, "PUSH_TIMEOUT", 120.0)
+    monkeypatch.setattr(kv_transfer, "HOLD_S", 0.5)
+    stalled = socket.socket()
+    stalled.bind(("127.0.0.1", 0))
+    stalled.listen(8)  # connections wait in the backlog: never accepted, never answered
+    prefill = LLM(
+        model=model_dir,
+        max_model_len=256,
+        kv_cache_memory=0.05,
+        kv_offload_dir=str(tmp_path),
+        kv_role="prefill",
+        kv_transfer_push=(f"127.0.0.1:{stalled.getsockname()[1]}",),
+    )
+    try:
+        transfer = prefill.llm_engine.kv_connector.transfer
+        block_bytes = prefill.llm_engine.kv_connector.tier.block_bytes
+        monkeypatch.setattr(kv_transfer, "MAX_QUEUED_BYTES", 2 * block_bytes)
+        prompts = [[t + k for t in PROMPT] for k in (6, 7, 8)]  # 6 full blocks each
+        start = time.monotonic()
+        answers = greedy(prefill, prompts, max_tokens=1)
+        assert time.monotonic() - start < 60  # half PUSH_TIMEOUT: no step waited for it
+        assert answers == greedy(offline, prompts, max_tokens=1)
+        # the first block is under way (stuck), the next one queued, the other 16 dropped
+        assert (transfer.pushed, transfer.failed, transfer.dropped) == (0, 0, 16)
+        text = generate_latest(prefill.llm_engine.metrics.registry).decode()
+        samples = {
+            sample.labels["outcome"]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "pyxllm:kv_transfer_blocks_total"
+        }
+        assert samples == {"pushed": 0, "failed": 0, "dropped": 16}
+    finally:
+        prefill.llm_engine.shutdown()
+        stalled.close()
+
+
 def test_a_push_without_the_listeners_secret_is_refused_and_not_stored(tmp_path, caplog):
     """In this process, no model: a listener with a secret takes the block of a pusher that
     sends it, and refuses (401, logged) and stores nothing of one with another secret or
