@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 # Most top logprobs a request may ask for, per token (vLLM's default ``max_logprobs``; OpenAI's
 # ``top_logprobs`` limit).
@@ -143,6 +144,12 @@ class SamplingParams:
       names) are the tags that open and close the reasoning; the OpenAI server fills them
       from ``--reasoning-parser``, ``LLM`` from its ``reasoning_parser``; a budget needs the
       end tag's ids by the time the engine takes the request.
+    - ``extra_args`` (vLLM's field): arguments for parts of the engine beside sampling. Its
+      key ``kv_transfer_params`` (vLLM's name, the request field of the same name) tells a
+      prefill instance with ``--kv-transfer-push`` where the request's decode runs:
+      ``{"remote_host": ..., "remote_port": ...}``, the ``--kv-transfer-listen`` address
+      of that decode instance, which then alone gets the request's KV blocks (see
+      :mod:`pyxllm.engine.kv_connector`); other keys are ignored.
 
     Raises:
         ValueError: a value out of range; the message starts with the field name.
@@ -171,6 +178,7 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     think_start_token_ids: tuple[int, ...] = ()
     think_end_token_ids: tuple[int, ...] = ()
+    extra_args: dict[str, Any] | None = None
     unset_fields: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -252,6 +260,7 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens: {self.min_tokens} is more than max_tokens ({self.max_tokens})"
             )
+        _check_kv_transfer_params((self.extra_args or {}).get("kv_transfer_params"))
         if self.thinking_token_budget is not None:
             if self.thinking_token_budget < 0:
                 raise ValueError(
@@ -354,3 +363,22 @@ def _int_keys(bias: dict | None) -> dict[int, float]:
                 f"logit_bias: the bias of token {key} must be a number, got {value!r}"
             ) from None
     return out
+
+
+def _check_kv_transfer_params(params: Any) -> None:
+    """Raise a ValueError naming ``kv_transfer_params`` unless ``params`` is ``None`` or an
+    object whose ``remote_host`` (if given) is a non-empty string and ``remote_port`` (if
+    given) a port number, the two given together."""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params: must be an object, got {type(params).__name__}")
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if (host is None) != (port is None):
+        raise ValueError("kv_transfer_params: give remote_host and remote_port together")
+    if host is not None and (not isinstance(host, str) or not host):
+        raise ValueError(f"kv_transfer_params: remote_host must be a host name, got {host!r}")
+    if port is not None and (
+        not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536
+    ):
+        raise ValueError(f"kv_transfer_params: remote_port must be a port number, got {port!r}")

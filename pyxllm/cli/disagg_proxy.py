@@ -35,6 +35,15 @@ def add_parser(commands, formatter) -> argparse.ArgumentParser:
         metavar="URL",
         help="a decode server's root, http://host:port (repeat it for several)",
     )
+    proxy.add_argument(
+        "--decode-kv-listen",
+        action="append",
+        metavar="HOST:PORT",
+        help="the --kv-transfer-listen address of each --decode server, in their order, spelled "
+        "as the prefill servers' --kv-transfer-push: each prefill request then names its decode "
+        "server (kv_transfer_params), which alone gets its KV blocks (default: every "
+        "--kv-transfer-push peer gets every block)",
+    )
     proxy.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     proxy.add_argument("--port", type=int, default=8000, help="the port to listen on")
     proxy.add_argument(
@@ -51,6 +60,13 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                 parser.error(f"--{flag} {url!r}: must start with http:// or https://")
     if args.timeout <= 0:
         parser.error(f"--timeout: must be > 0, got {args.timeout}")
+    if args.decode_kv_listen is not None:
+        if len(args.decode_kv_listen) != len(args.decode):
+            parser.error("--decode-kv-listen: give one for each --decode, in their order")
+        for address in args.decode_kv_listen:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                parser.error(f"--decode-kv-listen {address!r}: must be HOST:PORT")
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -58,5 +74,5 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     # here, not at the top: pyxllm --help loads no fastapi
     from pyxllm.entrypoints.disagg_proxy import run_proxy
 
-    run_proxy(args.prefill, args.decode, args.host, args.port, args.timeout)
+    run_proxy(args.prefill, args.decode, args.host, args.port, args.timeout, args.decode_kv_listen)
     return 0

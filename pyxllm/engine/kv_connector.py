@@ -234,8 +234,9 @@ class KVTierConnector:
 
     def push(self, requests: Iterable[Request]) -> None:
         """After a step (``update_from_output``): queue for the ``--kv-transfer-push`` peers
-        the full prompt blocks of each of ``requests`` (the step's) computed so far and not
-        queued before; returns at once (the sender threads push them)."""
+        (the one a request's ``kv_transfer_params`` names, else all) the full prompt blocks of
+        each of ``requests`` (the step's) computed so far and not queued before; returns at
+        once (the sender threads push them)."""
         if self.transfer is None:
             return
         size, read = self.kv.block_size, self.driver.read_kv_block
@@ -247,9 +248,11 @@ class KVTierConnector:
                 continue
             self._pushed[request] = end
             ticket = self._tickets.setdefault(request.request_id, PushTicket())
+            extra = request.sampling_params.extra_args or {}
+            peers = self.transfer.peers_for(extra.get("kv_transfer_params"))
             for i in range(start, end):
-                if self.transfer.wants(hashes[i]):
-                    self.transfer.enqueue(hashes[i], read(table[i].block_id), ticket)
+                if self.transfer.wants(hashes[i], peers):
+                    self.transfer.enqueue(hashes[i], read(table[i].block_id), ticket, peers)
 
     def hold(self, outputs: list) -> list:
         """A step's outputs to hand out now: ``outputs`` less the finished ones whose

@@ -11,7 +11,9 @@ sender thread per peer, so no engine step waits on the network; a request's fini
 waits (at most :data:`HOLD_S`) until its blocks were pushed and acknowledged, or dropped, so
 the decode instance finds them when the proxy's decode request arrives (vLLM's P2P, Mooncake
 and NIXL connectors push or pull the same blocks over NCCL or RDMA; this is the plain-socket
-version).
+version). With several peers, a request whose ``kv_transfer_params`` (vLLM's request field)
+names one of them (``remote_host``, ``remote_port``) pushes to that one only
+(:meth:`KVTransferClient.peers_for`); other requests push to all.
 
 The wire format is HTTP/1.1 on one kept-alive connection per peer: ``PUT /kv/<tier
 digest>/<block hash, hex>`` with the block's payload as the body and its SHA-256 in
@@ -259,7 +261,28 @@ class KVTransferClient:
         self._auth = {} if token is None else {"Authorization": f"Bearer {token}"}
         self.pushed = self.failed = self.dropped = 0
         self._counts = threading.Lock()
+        self._unknown: set[tuple[str, int]] = set()
         self.closed = False
+
+    def peers_for(self, params: dict | None) -> list[_Peer]:
+        """The peers a request's blocks go to: the one its ``kv_transfer_params`` names
+        (``remote_host`` and ``remote_port``, spelled as in ``--kv-transfer-push``), else all;
+        all too, logged once, when it names none of them (a proxy's address that this
+        instance does not push to)."""
+        if not params or params.get("remote_host") is None:
+            return self.peers
+        address = (params["remote_host"].strip("[]"), params["remote_port"])
+        for peer in self.peers:
+            if peer.address == address:
+                return [peer]
+        if address not in self._unknown:
+            self._unknown.add(address)
+            logger.warning(
+                "kv_transfer_params names %s:%s, not one of --kv-transfer-push's peers: "
+                "pushing to all of them",
+                *address,
+            )
+        return self.peers
 
     def wants(self, block_hash: bytes, peers: list[_Peer] | None = None) -> bool:
         """Whether one of ``peers`` (default: all) has not acknowledged ``block_hash`` yet

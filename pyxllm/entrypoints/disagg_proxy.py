@@ -8,7 +8,10 @@ the shared ``DIR`` before that answer returns. The whole request then goes to a 
 (``--kv-offload-dir DIR --kv-role decode``), which reads those blocks back as prefix-cache hits
 instead of computing them, computes the tail of the prompt that does not fill a block, and
 generates; its answer (a stream or one JSON body, an error with its status) is passed back as
-it comes. vLLM's
+it comes. Between hosts the prefill instance pushes the blocks over TCP instead
+(``--kv-transfer-push``); given each decode instance's ``--kv-transfer-listen`` address
+(``--decode-kv-listen``), the proxy picks the decode instance first and names it in the
+prefill request's ``kv_transfer_params``, so only that instance gets the blocks. vLLM's
 disaggregated-prefill proxy and SGLang's PD router work the same way, with KV moved over a
 network connector rather than a directory.
 
@@ -59,6 +62,8 @@ FORWARDED_HEADERS = (
     "anthropic-version",
     "anthropic-beta",
 )
+# the routes whose requests take vLLM's kv_transfer_params field
+KV_PARAMS_ROUTES = ("/v1/completions", "/v1/chat/completions")
 # fields a prefill request drops: another output's settings, never the prompt's
 PREFILL_DROPPED = (
     "stream",
@@ -77,17 +82,26 @@ PREFILL_DROPPED = (
 )
 
 
-def prefill_body(body: dict, path: str = "/v1/completions") -> dict | None:
+def prefill_body(
+    body: dict, path: str = "/v1/completions", decode_kv: tuple[str, int] | None = None
+) -> dict | None:
     """The prefill instance's request for ``body``, a request to ``path`` (a key of
     :data:`ROUTES`): the same prompt and settings that decide its tokens (model, messages or
     input, instructions or system prompt, template arguments, tools, LoRA adapter, cache
     salt), one new token (in that API's field), no stream, no logprobs, and for the Responses
-    API not stored. ``None`` when the request has no prefill step: a Responses request that
-    continues a stored response (``previous_response_id``), which only the decode instance
-    that answered it holds."""
+    API not stored. On the routes of :data:`KV_PARAMS_ROUTES`, with ``decode_kv`` (``(host,
+    port)``: the ``--kv-transfer-listen`` address of the decode instance that will run the
+    request), ``kv_transfer_params`` names it, so the prefill instance pushes the request's
+    KV blocks there only. ``None`` when the request has no prefill step: a Responses request
+    that continues a stored response (``previous_response_id``), which only the decode
+    instance that answered it holds."""
     if path == "/v1/responses" and body.get("previous_response_id") is not None:
         return None
     out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
+    if decode_kv is not None and path in KV_PARAMS_ROUTES:
+        host, port = decode_kv
+        out["kv_transfer_params"] = {"do_remote_decode": True, "remote_host": host}
+        out["kv_transfer_params"]["remote_port"] = port
     out[ROUTES.get(path, "max_tokens")] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
@@ -102,6 +116,12 @@ class DisaggProxy:
     Args:
         prefill_urls / decode_urls: the instances' roots (``http://host:port``), taken in turn.
         timeout: seconds a request to an instance may take.
+        decode_kv: the decode instances' ``--kv-transfer-listen`` addresses (``HOST:PORT``),
+            one for each of ``decode_urls`` in order, or ``None`` (the prefill instances push
+            each block to all their peers, or share a directory).
+
+    Raises:
+        ValueError: no URL of a kind, or not one ``decode_kv`` address per decode URL.
 
     Attributes:
         stats: ``requests`` sent on, ``prefill_failures`` (prefill steps that failed: the
@@ -109,20 +129,35 @@ class DisaggProxy:
             no prefill step, see :func:`prefill_body`).
     """
 
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout: float) -> None:
+    def __init__(
+        self,
+        prefill_urls: list[str],
+        decode_urls: list[str],
+        timeout: float,
+        decode_kv: list[str] | None = None,
+    ) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("--prefill and --decode: give at least one URL each")
+        if decode_kv is not None and len(decode_kv) != len(decode_urls):
+            raise ValueError("--decode-kv-listen: give one for each --decode, in their order")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
         self.decode_urls = [u.rstrip("/") for u in decode_urls]
+        self.decode_kv = {}
+        for url, address in zip(self.decode_urls, decode_kv or ()):
+            host, _, port = address.rpartition(":")
+            self.decode_kv[url] = (host.strip("[]"), int(port))
         self._prefill = itertools.cycle(self.prefill_urls)
         self._decode = itertools.cycle(self.decode_urls)
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
         self.stats = {"requests": 0, "prefill_failures": 0, "prefill_skipped": 0}
 
-    async def prefill(self, path: str, body: dict, headers: dict[str, str]) -> None:
-        """Run ``body``'s prefill on the next prefill instance; a failure is logged and
-        counted, never raised."""
-        request = prefill_body(body, path)
+    async def prefill(
+        self, path: str, body: dict, headers: dict[str, str], decode_url: str | None = None
+    ) -> None:
+        """Run ``body``'s prefill on the next prefill instance, its KV bound for
+        ``decode_url``'s instance when :attr:`decode_kv` knows its address; a failure is
+        logged and counted, never raised."""
+        request = prefill_body(body, path, self.decode_kv.get(decode_url))
         if request is None:
             self.stats["prefill_skipped"] += 1
             return
@@ -169,8 +204,9 @@ class DisaggProxy:
             return _error(path, "the request body must be a JSON object", "body")
         headers = _forwarded(request)
         self.stats["requests"] += 1
-        await self.prefill(path, body, headers)
-        url = await self.decode_url(body, headers) + path
+        decode = await self.decode_url(body, headers)
+        await self.prefill(path, body, headers, decode)
+        url = decode + path
         return await self._send(
             path,
             self.client.build_request("POST", url, json=body, headers=headers),
@@ -276,12 +312,18 @@ def build_proxy_app(proxy: DisaggProxy) -> FastAPI:
 
 
 def run_proxy(
-    prefill_urls: list[str], decode_urls: list[str], host: str, port: int, timeout: float
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    host: str,
+    port: int,
+    timeout: float,
+    decode_kv: list[str] | None = None,
 ) -> None:
-    """Serve the proxy on ``host:port`` until interrupted."""
+    """Serve the proxy on ``host:port`` until interrupted (``decode_kv``: see
+    :class:`DisaggProxy`)."""
     import uvicorn
 
-    app = build_proxy_app(DisaggProxy(prefill_urls, decode_urls, timeout))
+    app = build_proxy_app(DisaggProxy(prefill_urls, decode_urls, timeout, decode_kv))
     print(
         f"pyxllm disagg-proxy on http://{host}:{port}: prefill {', '.join(prefill_urls)}, "
         f"decode {', '.join(decode_urls)}",

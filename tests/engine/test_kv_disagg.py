@@ -250,7 +250,14 @@ def test_the_responses_and_messages_apis_go_through_both_instances(disaggregated
 
 
 def test_a_bad_body_is_a_400_naming_it(disaggregated):
-    proxy, _, _ = disaggregated
+    proxy, prefill, _ = disaggregated
+    for params in ({"remote_host": "h"}, {"remote_host": "h", "remote_port": "80"}, [1]):
+        body = {"prompt": "hi", "max_tokens": 1, "kv_transfer_params": params}
+        response = httpx.post(prefill.url_for("v1", "completions"), json=body, timeout=60)
+        assert response.status_code == 400, params
+        assert response.json()["error"]["param"] == "kv_transfer_params"
+    body["kv_transfer_params"] = {"do_remote_decode": True, "remote_host": "h", "remote_port": 1}
+    assert httpx.post(prefill.url_for("v1", "completions"), json=body).status_code == 200
     response = httpx.post(proxy.url_for("v1", "completions"), content=b"[1, 2")
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "body"
@@ -315,6 +322,47 @@ def test_the_proxy_cuts_each_api_to_one_token_and_follows_stored_responses():
         "prefill_failures": 0,
         "prefill_skipped": 1,
     }
+
+
+def test_the_proxy_names_each_requests_decode_instance_in_its_prefill_request():
+    """In this process, the instances mocked: with ``--decode-kv-listen``, a completion's or
+    chat's prefill request carries ``kv_transfer_params`` naming the listener of the decode
+    instance that then gets the request (instances taking turns); a Messages request (whose
+    API has no such field) and a proxy without the flag send none."""
+    from fastapi.testclient import TestClient
+
+    from pyxllm.entrypoints.disagg_proxy import DisaggProxy, build_proxy_app
+
+    sent = []
+
+    def instance(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url.host, json.loads(request.content)))
+        return httpx.Response(200, stream=httpx.ByteStream(b"{}"))
+
+    def run(decode_kv):
+        proxy = DisaggProxy(["http://p:1"], ["http://d1:1", "http://d2:1"], 5, decode_kv)
+        proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(instance))
+        client = TestClient(build_proxy_app(proxy))
+        sent.clear()
+        client.post("/v1/completions", json={"prompt": "a", "max_tokens": 5})
+        client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 5})
+        client.post("/v1/messages", json={"messages": [], "max_tokens": 5})
+        return [(host, body.get("kv_transfer_params")) for host, body in sent]
+
+    def named(host: str, port: int) -> dict:
+        return {"do_remote_decode": True, "remote_host": host, "remote_port": port}
+
+    assert run(["10.0.0.1:8300", "[::1]:8301"]) == [
+        ("p", named("10.0.0.1", 8300)),
+        ("d1", None),
+        ("p", named("::1", 8301)),
+        ("d2", None),
+        ("p", None),
+        ("d1", None),
+    ]
+    assert [params for _, params in run(None)] == [None] * 6
+    with pytest.raises(ValueError, match="one for each --decode"):
+        DisaggProxy(["http://p:1"], ["http://d1:1", "http://d2:1"], 5, ["h:1"])
 
 
 def test_without_its_prefill_instance_the_decode_instance_computes_the_prompt(
@@ -401,6 +449,65 @@ def test_kv_moves_over_tcp_between_instances_without_a_shared_directory(
     finally:
         prefill.llm_engine.shutdown()
         decode.llm_engine.shutdown()
+
+
+def test_a_request_naming_its_decode_instance_pushes_its_blocks_there_only(
+    model_dir, tmp_path, offline
+):
+    """A prefill engine pushing to two decode engines (in this process): a request whose
+    ``kv_transfer_params`` names one's listener goes there only, and that decode engine reads
+    its blocks while the other computes the prompt, both answering the colocated tokens; a
+    request naming none, or an address the prefill engine does not push to, goes to both."""
+    from pyxllm import LLM, SamplingParams
+
+    addresses = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            addresses.append(f"127.0.0.1:{probe.getsockname()[1]}")
+    common = {"model": model_dir, "max_model_len": 256, "kv_cache_memory": 0.05}
+    decodes = [
+        LLM(
+            **common,
+            kv_offload_dir=str(tmp_path / f"decode{i}"),
+            kv_role="decode",
+            kv_transfer_listen=address,
+        )
+        for i, address in enumerate(addresses)
+    ]
+    prefill = LLM(
+        **common,
+        kv_offload_dir=str(tmp_path / "prefill"),
+        kv_role="prefill",
+        kv_transfer_push=tuple(addresses),
+    )
+    try:
+        listeners = [decode.llm_engine.kv_connector.listener for decode in decodes]
+
+        def prefill_to(prompt: list[int], params: dict | None) -> list[int]:
+            """Prefill ``prompt`` with ``kv_transfer_params``; the blocks each decode engine
+            received since."""
+            before = [listener.received for listener in listeners]
+            extra = None if params is None else {"kv_transfer_params": params}
+            one = SamplingParams(temperature=0, max_tokens=1, extra_args=extra)
+            prefill.generate([{"prompt_token_ids": prompt}], one)
+            return [listener.received - b for listener, b in zip(listeners, before)]
+
+        host, port = addresses[1].split(":")
+        prompt = [t + 9 for t in PROMPT]
+        to_second = {"do_remote_decode": True, "remote_host": host, "remote_port": int(port)}
+        assert prefill_to(prompt, to_second) == [0, 6]
+        six = SamplingParams(temperature=0, max_tokens=6)
+        expected = greedy(offline, [prompt])[0]
+        answers = [decode.generate([{"prompt_token_ids": prompt}], six)[0] for decode in decodes]
+        assert [a.outputs[0].text for a in answers] == [expected, expected]
+        assert [a.num_cached_tokens for a in answers] == [0, 6 * BLOCK]
+        assert prefill_to([t + 10 for t in PROMPT], None) == [6, 6]
+        elsewhere = {"remote_host": "127.0.0.2", "remote_port": 1}
+        assert prefill_to([t + 11 for t in PROMPT], elsewhere) == [6, 6]
+    finally:
+        for llm in (prefill, *decodes):
+            llm.llm_engine.shutdown()
 
 
 def test_a_listener_that_never_answers_does_not_stall_the_prefill_instance(

@@ -325,6 +325,8 @@ class SamplingFields(RequestModel):
     # vLLM's beam search: ``n`` beams, all returned as choices (see openai/beam_search.py)
     use_beam_search: bool | None = None
     length_penalty: float | None = None
+    # vLLM's prefill/decode field: where this request's decode runs (SamplingParams.extra_args)
+    kv_transfer_params: dict[str, Any] | None = None
     # Declared so that a request using them is refused with a 400 naming the field
     # (``OpenAIServing.check_unsupported``) instead of being answered as if they were absent.
     best_of: int | None = None

@@ -318,6 +318,8 @@ class OpenAIServing:
         fields = {name: value for name, value in fields.items() if value is not None}
         fields.update(n=1 if request.n is None else request.n, max_tokens=max_tokens, **extra)
         fields["structured_outputs"] = requested_constraint(request)
+        if request.kv_transfer_params is not None:
+            fields["extra_args"] = {"kv_transfer_params": request.kv_transfer_params}
         check_beam_search_fields(request, fields)
         return fields
 
