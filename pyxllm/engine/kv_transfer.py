@@ -371,6 +371,8 @@ class KVTransferClient:
                 peer.sent.popitem(last=False)
             return
         self._count("failed")
+        if status == 401:
+            status = f"401: not the listener's secret; set the same ${TOKEN_ENV} on both"
         peer.down_until = time.monotonic() + RETRY_AFTER
         logger.warning(
             "KV transfer to %s:%d failed (%s): skipped for %.0f s, the decode instance "
