@@ -19,7 +19,10 @@
 // kPanelRows rows (L2-resident), kRows at a time. On one Zen 4 core (AVX512-BF16, no AMX) this
 // runs SmolLM2-135M's projections at ~0.85-1.0x oneDNN's bf16 GFLOP/s over 64-1000 rows, and
 // ~3x at one row (docs/defaults.md).
-#include <ATen/ATen.h>
+// ATen's tensor and the ops called below, not <ATen/ATen.h> (all of ATen's functions: 3-6 s
+// of this file's compile, in each build of the kernels)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>

@@ -8,7 +8,11 @@
 // Loops are written so that the compiler vectorizes them (-O3 -march=native): rows are
 // converted to float32 buffers first, reductions keep 16 partial sums, and exp is a polynomial
 // (no libm call) instead of std::exp.
-#include <ATen/ATen.h>
+// ATen's tensor and the ops called below, not <ATen/ATen.h> (all of ATen's functions: 3-6 s
+// of this file's compile, in each build of the kernels)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>

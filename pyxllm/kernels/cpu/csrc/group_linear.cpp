@@ -47,7 +47,12 @@
 // Q8_0's scales are float16 numbers: an int4 group of 16 outputs then takes 320 bytes instead of
 // 384 with float32 pairs), else in x's dtype; or the scales alone, [N/16][K/32][16], where every
 // low is the same multiple of its scale (see ScaleLayout).
-#include <ATen/ATen.h>
+// ATen's tensor and the ops called below, not <ATen/ATen.h> (all of ATen's functions: 3-6 s
+// of this file's compile, in each build of the kernels)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
