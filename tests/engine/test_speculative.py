@@ -115,8 +115,8 @@ def test_greedy_output_equals_decoding_without_speculation(engines):
 def test_stops_and_lengths_inside_accepted_runs(engines):
     plain, spec = engines
     prompt = GROUNDED[0]
-    reference = tokens(plain.generate([prompt], GREEDY))[0]
-    text = plain.generate([prompt], GREEDY)[0].outputs[0].text
+    greedy = plain.generate([prompt], GREEDY)[0].outputs[0]
+    reference, text = list(greedy.token_ids), greedy.text
     cases = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(1, K + 3)]
     cases += [
         SamplingParams(temperature=0, max_tokens=24, stop=[text[30:36]]),
