@@ -274,12 +274,15 @@ class Idefics3MultiModalProcessor(MultiModalProcessor):
     ``Idefics3Processor`` and image processor.
 
     The image processor cuts an image into ``rows x cols`` crops of the tower's size and adds
-    the whole image shrunk to one crop (none cut when the image fits in one); the processor's
-    ``replace_image_token`` writes the text that replaces the image token (``<fake_token_
-    around_image><row_r_col_c>`` and ``image_seq_len`` image tokens per crop, a newline per
-    row, then ``<global-img>`` and the global crop's tokens). Each crop is encoded on its own
-    (as transformers' vision model does), so each run of image tokens is one placeholder run
-    whose ``pixel_values [1, 3, S, S]`` are that crop's, hashed on their own.
+    the whole image shrunk to one crop (none cut when the image fits in one, or with
+    ``do_image_splitting`` off); the processor's ``replace_image_token`` writes the text that
+    replaces the image token (``<fake_token_around_image><row_r_col_c>`` and ``image_seq_len``
+    image tokens per crop, a newline per row, then ``<global-img>`` and the global crop's
+    tokens). Each crop is encoded on its own (as transformers' vision model does), so each run
+    of image tokens is one placeholder run whose ``pixel_values [1, 3, S, S]`` (and
+    ``pixel_attention_mask [1, S, S]`` bool, when the image processor pads) are that crop's,
+    hashed on their own. An image processed alone is never padded: every crop has the tower's
+    full size, and only a batch of several prompts pads, with whole zero crops.
     """
 
     hf_processor: Any = None
@@ -302,13 +305,19 @@ class Idefics3MultiModalProcessor(MultiModalProcessor):
         self.tokenizer = tokenizer
         self.expansions = {}
 
+    def image_text(self, out) -> str:
+        """The text that replaces the image token for the image processor's output ``out``
+        (one image, with ``return_row_col_info``)."""
+        return self.hf_processor.replace_image_token(out, 0)
+
     def expand(self, image, param: str) -> tuple[list[int], list[tuple[int, int, dict]]]:
         out = self.preprocess(param, images=[[image]], return_row_col_info=True)
-        crops = out["pixel_values"][0]  # [crops, 3, S, S]: one image, never padded
+        crops = out["pixel_values"][0]  # [crops, 3, S, S]: one image
+        masks = out.get("pixel_attention_mask")  # [1, crops, S, S], absent without do_pad
         layout = (int(out["rows"][0][0]), int(out["cols"][0][0]))
         ids = self.expansions.get(layout)
         if ids is None:
-            text = self.hf_processor.replace_image_token(out, 0)
+            text = self.image_text(out)
             ids = self.expansions[layout] = self.tokenizer.encode(text, add_special_tokens=False)
         starts = [
             i
@@ -321,11 +330,14 @@ class Idefics3MultiModalProcessor(MultiModalProcessor):
                 f"{crops.shape[0]} crops (a tokenizer without the Idefics3 image tokens?)"
             )
         runs = []
-        for crop, start in zip(crops, starts):
+        for index, (crop, start) in enumerate(zip(crops, starts)):
             end = start
             while end < len(ids) and ids[end] == self.image_token_id:
                 end += 1
-            runs.append((start, end - start, {"pixel_values": crop[None]}))
+            data = {"pixel_values": crop[None]}
+            if masks is not None:
+                data["pixel_attention_mask"] = masks[0, index][None].bool()
+            runs.append((start, end - start, data))
         return list(ids), runs
 
 

@@ -14,8 +14,11 @@ Flow (transformers' ``Idefics3Model.get_image_features``): each crop ``[3, S, S]
 (:class:`~pyxllm.engine.multimodal.Idefics3MultiModalProcessor` cuts them with transformers'
 image processor) through the tower's last hidden state, post-layernormed, and the connector:
 ``(S / patch)^2 / scale_factor^2`` features per crop (``image_seq_len``, 64 for SmolVLM).
-Crops are never padded here (an image processed alone gives crops of the tower's full size),
-so the patch attention mask is all ones, as transformers makes it for unpadded crops.
+Each crop's ``pixel_attention_mask`` (1 on image pixels, 0 on padding), when the image
+processor makes one, becomes the tower's patch attention mask as transformers makes it: a
+patch is attended when any of its pixels is. transformers' processors never pad part of a crop
+(every crop is resized to the tower's full size; only whole crops pad a batch of prompts, and
+those are dropped), so the mask is all ones in practice, the same as passing none.
 
 Checkpoint names (transformers 4.4x and 5 alike): ``model.vision_model.*``,
 ``model.connector.*``, ``model.text_model.*`` and ``lm_head.weight``.
@@ -36,8 +39,9 @@ _RENAMES = (
 
 
 class Idefics3ForConditionalGeneration(LlamaVisionLanguageModel):
-    """Idefics3 for the paged executor: ``embed_multimodal(pixel_values [N, 3, S, S]) -> [N *
-    image_seq_len, hidden]`` (``N`` crops), the rest as :class:`LlamaVisionLanguageModel`.
+    """Idefics3 for the paged executor: ``embed_multimodal(pixel_values [N, 3, S, S],
+    pixel_attention_mask [N, S, S] | None) -> [N * image_seq_len, hidden]`` (``N`` crops), the
+    rest as :class:`LlamaVisionLanguageModel`.
 
     A config that ties the word embeddings at its top level (transformers ties Idefics3's LM
     head to the text model's embedding from it) ties the Llama's too.
@@ -70,10 +74,21 @@ class Idefics3ForConditionalGeneration(LlamaVisionLanguageModel):
             return None
         return name
 
-    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def embed_multimodal(
+        self, pixel_values: torch.Tensor, pixel_attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Connector outputs of ``N`` crops ``[N, 3, S, S]`` -> ``[N * image_seq_len,
-        hidden]`` in the model's dtype, crops in order."""
+        hidden]`` in the model's dtype, crops in order. ``pixel_attention_mask [N, S, S]``
+        (bool or int, nonzero on image pixels; ``None``: all image) masks the patches that
+        hold no image pixel, as transformers' ``Idefics3Model.get_image_features`` does."""
         weight = self.connector.modality_projection.proj.weight
-        hidden = self.vision_model(pixel_values.to(weight)).last_hidden_state
+        patch_attention_mask = None
+        if pixel_attention_mask is not None:
+            size = self.vision_model.patch_size
+            grid = pixel_attention_mask.unfold(1, size, size).unfold(2, size, size)
+            patch_attention_mask = grid.sum(dim=(-1, -2)) > 0
+        hidden = self.vision_model(
+            pixel_values.to(weight), patch_attention_mask=patch_attention_mask
+        ).last_hidden_state
         features = self.connector(hidden)
         return features.reshape(-1, features.shape[-1])

@@ -1,10 +1,12 @@
 """Idefics3 (SmolVLM) end to end on a tiny random checkpoint: each image split into crops by
-transformers' processor, greedy tokens equal to transformers' float32 ``generate``, with the
-prefix cache and chunked prefill on, batched with text-only requests."""
+transformers' image processor, greedy tokens equal to transformers' float32 ``generate``, with
+the prefix cache and chunked prefill on, batched with text-only requests; crops padded as
+transformers' processor pads them encoded as transformers encodes them."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pyxllm import LLM, SamplingParams
 from tests.idefics3_fixtures import IMAGE_SEQ_LEN, IMAGE_TOKEN, build_idefics3
@@ -125,3 +127,51 @@ def test_chunked_prefill_cuts_through_the_image(llm, idefics3, monkeypatch):
     out = llm.chat(image_chat(image), GREEDY)[0]
     assert out.outputs[0].token_ids == expect(idefics3, CHAT_TEXT, [image])
     assert cuts  # some step ended inside a crop's run, its rows sliced
+
+
+def encode_as_the_engine(llm, images) -> torch.Tensor:
+    """The engine's features of ``images``: each image expanded by its processor, the crops'
+    encoder inputs concatenated as the encoder cache concatenates them, through the model's
+    ``embed_multimodal``."""
+    processor = llm.llm_engine.input_processor.multimodal
+    data = [run[2] for image in images for run in processor.expand(image, "image")[1]]
+    inputs = {key: torch.cat([d[key] for d in data]) for key in data[0]}
+    with torch.no_grad():
+        return llm.llm_engine.executor.driver.encoder_cache.model.embed_multimodal(**inputs)
+
+
+@pytest.mark.parametrize("splitting", [True, False])
+def test_a_padded_batch_of_prompts_encodes_as_transformers(llm, idefics3, monkeypatch, splitting):
+    # transformers' processor pads a batch of prompts with fewer crops by whole zero crops (and
+    # their zero pixel_attention_mask), which its model drops; every real crop has the tower's
+    # full size and an all-ones mask. The engine processes each image alone, never padded.
+    hf_model, image_processor = idefics3[1], idefics3[2].image_processor
+    for processor in (image_processor, llm.llm_engine.input_processor.multimodal.image_processor):
+        monkeypatch.setattr(processor, "do_image_splitting", splitting)
+    prompts = [[make_image(9), make_image(10, (200, 50))], [make_image(11, (20, 30))]]
+    batch = image_processor(images=prompts, return_tensors="pt")
+    real = batch["pixel_attention_mask"].flatten(2).any(-1)  # [prompts, crops]
+    assert not real.all()  # padding crops are there ...
+    assert batch["pixel_attention_mask"][real].all()  # ... and no real crop is padded
+    with torch.no_grad():
+        want = hf_model.get_image_features(
+            batch["pixel_values"], batch["pixel_attention_mask"]
+        ).pooler_output
+    got = encode_as_the_engine(llm, [image for images in prompts for image in images])
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+
+
+def test_a_partly_padded_crop_is_masked_as_transformers_masks_it(llm, idefics3):
+    # no transformers processor pads part of a crop; one padded by hand (bottom and right, as
+    # the processors pad) checks that the mask reaches the tower as in transformers
+    model = llm.llm_engine.executor.driver.encoder_cache.model
+    pixel_values = torch.randn(1, 3, 32, 32)
+    mask = torch.zeros(1, 32, 32, dtype=torch.bool)
+    mask[:, :20, :24] = True  # 3 x 3 patches of 8 pixels hold image pixels
+    pixel_values[:, :, ~mask[0]] = 0
+    with torch.no_grad():
+        want = idefics3[1].get_image_features(pixel_values[None], mask[None]).pooler_output[0]
+        got = model.embed_multimodal(pixel_values, mask)
+        unmasked = model.embed_multimodal(pixel_values)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(unmasked, want, atol=1e-3)  # the mask moves the features
