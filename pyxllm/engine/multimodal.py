@@ -135,8 +135,8 @@ class MultiModalProcessor:
     ) -> MultiModalProcessor | None:
         """The processor of a vision-language checkpoint directory (a config with
         ``vision_config`` and ``image_token_id``), of its family's class (Idefics3's for
-        ``model_type`` ``idefics3``, Qwen2-VL's for ``qwen2_vl`` and ``qwen2_5_vl``, else
-        LLaVA's); ``None`` for a text-only model.
+        ``model_type`` ``idefics3``, SmolVLM2's for ``smolvlm``, Qwen2-VL's for ``qwen2_vl``
+        and ``qwen2_5_vl``, else LLaVA's); ``None`` for a text-only model.
 
         Raises:
             ValueError: no image processor config in ``path`` (naming it).
@@ -341,6 +341,39 @@ class Idefics3MultiModalProcessor(MultiModalProcessor):
         return list(ids), runs
 
 
+class SmolVLMMultiModalProcessor(Idefics3MultiModalProcessor):
+    """SmolVLM2's images: Idefics3's crops, cut by transformers' ``SmolVLMImageProcessor``,
+    and Idefics3's expansion, written by transformers' ``get_image_prompt_string`` (what
+    ``SmolVLMProcessor.replace_image_token`` calls; that class needs torchvision for its video
+    processor and the ``num2words`` package, so it is not loaded)."""
+
+    image_seq_len = 64
+
+    def configure(self, path, model_config, tokenizer) -> None:
+        """``image_seq_len`` as ``SmolVLMModel`` computes it from ``model_config`` (features
+        per crop: ``(image_size / patch_size)^2 / scale_factor^2``), the tokenizer's image
+        tags (``SmolVLMProcessor``'s defaults when it names none) and the tokenizer."""
+        vision = model_config.vision_config
+        patches = (vision.image_size // vision.patch_size) ** 2
+        self.image_seq_len = int(patches / model_config.scale_factor**2)
+        self.fake_image_token = getattr(tokenizer, "fake_image_token", "<fake_token_around_image>")
+        self.global_image_token = getattr(tokenizer, "global_image_token", "<global-img>")
+        self.tokenizer = tokenizer
+        self.expansions = {}
+
+    def image_text(self, out) -> str:
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+        return get_image_prompt_string(
+            int(out["rows"][0][0]),
+            int(out["cols"][0][0]),
+            self.image_seq_len,
+            fake_token_around_image=self.fake_image_token,
+            image_token=self.image_token,
+            global_image_token=self.global_image_token,
+        )
+
+
 class Qwen2VLMultiModalProcessor(MultiModalProcessor):
     """Qwen2-VL's and Qwen2.5-VL's images (``Qwen2VLProcessor``'s expansion, whose class needs
     torchvision for its video half, so the image half is here): transformers' image processor
@@ -372,6 +405,7 @@ class Qwen2VLMultiModalProcessor(MultiModalProcessor):
 # the processor of each vision-language model_type but LLaVA's (the default)
 _FAMILIES: dict[str, type[MultiModalProcessor]] = {
     "idefics3": Idefics3MultiModalProcessor,
+    "smolvlm": SmolVLMMultiModalProcessor,
     "qwen2_vl": Qwen2VLMultiModalProcessor,
     "qwen2_5_vl": Qwen2VLMultiModalProcessor,
     "qwen3_vl": Qwen2VLMultiModalProcessor,

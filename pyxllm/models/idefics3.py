@@ -1,5 +1,6 @@
-"""Idefics3 (``Idefics3ForConditionalGeneration``: SmolVLM, Idefics3-8B): a SigLIP-style
-vision tower, a pixel-shuffle connector and a Llama language model.
+"""Idefics3 (``Idefics3ForConditionalGeneration``: SmolVLM, Idefics3-8B) and SmolVLM2
+(``SmolVLMForConditionalGeneration``, transformers' copy of Idefics3 under ``model_type``
+``smolvlm``): a SigLIP-style vision tower, a pixel-shuffle connector and a Llama language model.
 
 The language model is pyxllm's own :class:`~pyxllm.models.llama.LlamaForCausalLM` (through
 :class:`~pyxllm.models.vision_language.LlamaVisionLanguageModel`). The vision tower
@@ -51,17 +52,23 @@ class Idefics3ForConditionalGeneration(LlamaVisionLanguageModel):
     """
 
     def __init__(self, config) -> None:
+        if getattr(config, "tie_word_embeddings", False):
+            config.text_config.tie_word_embeddings = True
+        super().__init__(config)
+        tower, connector = self.vision_classes()
+        dtype = torch.get_default_dtype()
+        self.vision_model = tower(config.vision_config).to(dtype=dtype).eval()
+        self.connector = connector(config).to(dtype=dtype)
+
+    @staticmethod
+    def vision_classes() -> tuple[type, type]:
+        """transformers' vision tower and connector classes of this family."""
         from transformers.models.idefics3.modeling_idefics3 import (
             Idefics3Connector,
             Idefics3VisionTransformer,
         )
 
-        if getattr(config, "tie_word_embeddings", False):
-            config.text_config.tie_word_embeddings = True
-        super().__init__(config)
-        dtype = torch.get_default_dtype()
-        self.vision_model = Idefics3VisionTransformer(config.vision_config).to(dtype=dtype).eval()
-        self.connector = Idefics3Connector(config).to(dtype=dtype)
+        return Idefics3VisionTransformer, Idefics3Connector
 
     def rename_checkpoint_tensor(self, name: str) -> str | None:
         """A checkpoint tensor's name in this module (see the module docstring); ``None`` for
@@ -92,3 +99,23 @@ class Idefics3ForConditionalGeneration(LlamaVisionLanguageModel):
         ).last_hidden_state
         features = self.connector(hidden)
         return features.reshape(-1, features.shape[-1])
+
+
+class SmolVLMForConditionalGeneration(Idefics3ForConditionalGeneration):
+    """SmolVLM2 (``model_type`` ``smolvlm``, e.g. HuggingFaceTB/SmolVLM2-256M-Video-Instruct):
+    Idefics3's layout, checkpoint names and flow with transformers' ``SmolVLMVisionTransformer``
+    and ``SmolVLMConnector``; images only (its videos are not served).
+
+    Raises:
+        ValueError: a ``text_config`` that is not a Llama-style decoder.
+    """
+
+    @staticmethod
+    def vision_classes() -> tuple[type, type]:
+        """transformers' SmolVLM vision tower and connector classes."""
+        from transformers.models.smolvlm.modeling_smolvlm import (
+            SmolVLMConnector,
+            SmolVLMVisionTransformer,
+        )
+
+        return SmolVLMVisionTransformer, SmolVLMConnector

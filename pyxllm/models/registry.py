@@ -36,9 +36,12 @@ MODEL_REGISTRY: dict[str, RegisteredModel] = {
     "LlavaForConditionalGeneration": RegisteredModel(
         "pyxllm.models.llava", "LlavaForConditionalGeneration"
     ),
-    # SmolVLM: transformers' vision tower and connector, our Llama
+    # SmolVLM, SmolVLM2: transformers' vision tower and connector, our Llama
     "Idefics3ForConditionalGeneration": RegisteredModel(
         "pyxllm.models.idefics3", "Idefics3ForConditionalGeneration"
+    ),
+    "SmolVLMForConditionalGeneration": RegisteredModel(
+        "pyxllm.models.idefics3", "SmolVLMForConditionalGeneration"
     ),
     # Qwen2-VL, Qwen2.5-VL: transformers' vision tower, our Qwen2 with mRoPE
     "Qwen2VLForConditionalGeneration": RegisteredModel(
@@ -66,6 +69,7 @@ MULTIMODAL_ARCHITECTURES = frozenset(
     {
         "LlavaForConditionalGeneration",
         "Idefics3ForConditionalGeneration",
+        "SmolVLMForConditionalGeneration",
         "Qwen2VLForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
         "Qwen3VLForConditionalGeneration",

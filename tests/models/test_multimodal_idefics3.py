@@ -1,4 +1,5 @@
-"""Idefics3 (SmolVLM) end to end on a tiny random checkpoint: each image split into crops by
+"""Idefics3 (SmolVLM) and SmolVLM2 (``SmolVLMForConditionalGeneration``, the same
+architecture) end to end on tiny random checkpoints: each image split into crops by
 transformers' image processor, greedy tokens equal to transformers' float32 ``generate``, with
 the prefix cache and chunked prefill on, batched with text-only requests; crops padded as
 transformers' processor pads them encoded as transformers encodes them."""
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from pyxllm import LLM, SamplingParams
-from tests.idefics3_fixtures import IMAGE_SEQ_LEN, IMAGE_TOKEN, build_idefics3
+from tests.idefics3_fixtures import IMAGE_SEQ_LEN, IMAGE_TOKEN, build_idefics3, build_smolvlm
 from tests.llava_fixtures import data_url, make_image, reference_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,10 +26,12 @@ BLOCK_GIB = 2 * 2 * 16 * 2 * 16 * 4 / 2**30
 STEP_TOKENS = 7
 
 
-@pytest.fixture(scope="module")
-def idefics3(tmp_path_factory, hf_gguf_tokenizer):
-    """``(directory, hf_model, processor)`` of the tiny Idefics3."""
-    return build_idefics3(tmp_path_factory.mktemp("idefics3"), hf_gguf_tokenizer)
+@pytest.fixture(scope="module", params=[build_idefics3, build_smolvlm], ids=["idefics3", "smolvlm"])
+def idefics3(request, tmp_path_factory, hf_gguf_tokenizer):
+    """``(directory, hf_model, processor)`` of the tiny Idefics3, then of the tiny SmolVLM2
+    (its processor: transformers' ``Idefics3Processor`` over SmolVLM's image processor)."""
+    build = request.param
+    return build(tmp_path_factory.mktemp(build.__name__), hf_gguf_tokenizer)
 
 
 @pytest.fixture(scope="module")
