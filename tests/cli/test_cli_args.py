@@ -599,12 +599,14 @@ def test_serve_help_groups_flags_as_vllm_does(capsys):
 # --- docs/cli.md's flag tables are the parser's ---------------------------------------------
 
 
-def test_cli_doc_flag_tables_are_written_from_the_parser():
-    from pyxllm.cli.flag_tables import readme_section, serve_tables
+@pytest.mark.parametrize("command", ["serve", "disagg-proxy"])
+def test_cli_doc_flag_tables_are_written_from_the_parser(command):
+    from pyxllm.cli.flag_tables import DOCUMENTED, command_tables, readme_section
 
+    assert command in DOCUMENTED
     page = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
-    assert readme_section(page) == serve_tables(), (
-        "docs/cli.md's flag tables differ from `pyxllm serve --help`; rewrite them with "
+    assert readme_section(page, command) == command_tables(command), (
+        f"docs/cli.md's flag tables differ from `pyxllm {command} --help`; rewrite them with "
         "`.venv/bin/python -m pyxllm.cli.flag_tables docs/cli.md`"
     )
 
