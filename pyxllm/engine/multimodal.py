@@ -107,7 +107,8 @@ class MultiModalProcessor:
         image_token_id: the prompt's image token (one per image before expansion; every
             placeholder token after).
         limits: the most items of each modality one prompt may hold.
-        image_token: the image token's text (what a chat's string content gets per image).
+        image_token: the image token's text (what a chat's string content gets per image,
+            unless the family wraps it: :attr:`placeholder_text`).
         media: where image URLs may be read from (the server's media flags)
     """
 
@@ -121,6 +122,10 @@ class MultiModalProcessor:
     ) -> None:
         self.image_processor = image_processor
         self.image_token_id, self.image_token = image_token_id, image_token
+        # what an image becomes in a chat message's string content (a chat template that does
+        # not loop over content parts): the image token, or the text a family's own template
+        # writes around it (vLLM's placeholder string)
+        self.placeholder_text = image_token
         self.limits = dict(limits)
         self.media = media
 
@@ -387,8 +392,18 @@ class Qwen2VLMultiModalProcessor(MultiModalProcessor):
     merge_size = 2
 
     def configure(self, path, model_config, tokenizer) -> None:
-        """The vision tower's ``spatial_merge_size`` from ``model_config``."""
+        """The vision tower's ``spatial_merge_size`` from ``model_config``, and the image's text
+        in string content with the ``<|vision_start|>`` and ``<|vision_end|>`` tokens around it
+        (the config's ``vision_start_token_id`` and ``vision_end_token_id``), as Qwen's own
+        templates write it and vLLM's placeholder string for these models is."""
         self.merge_size = model_config.vision_config.spatial_merge_size
+        ids = (
+            getattr(model_config, "vision_start_token_id", None),
+            getattr(model_config, "vision_end_token_id", None),
+        )
+        if None not in ids:
+            start, end = tokenizer.convert_ids_to_tokens(list(ids))
+            self.placeholder_text = f"{start}{self.image_token}{end}"
 
     def expand(self, image, param: str) -> tuple[list[int], list[tuple[int, int, dict]]]:
         out = self.preprocess(param, images=[image])

@@ -265,7 +265,7 @@ def chat_images(
     fmt = "string" if mm is None else content_format(chat_template)
     out, images = extract_chat_images(
         messages,
-        None if mm is None else mm.image_token,
+        None if mm is None else mm.placeholder_text,
         fmt,
         None if mm is None else mm.limits["image"],
         NO_MEDIA_URLS if mm is None else mm.media,

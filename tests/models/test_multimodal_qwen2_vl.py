@@ -109,6 +109,26 @@ def test_chat_with_an_image_equals_transformers(llm, qwen):
     )
 
 
+# a chat template that writes a message's content as one string (no loop over content parts)
+STRING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_string_content_gets_the_vision_tokens_around_each_image(llm, qwen, monkeypatch):
+    """With a template that does not loop over content parts, an image is written as Qwen's
+    own templates write it (vLLM's placeholder string), ``<|vision_start|>`` and
+    ``<|vision_end|>`` around the image token, and the tokens equal transformers' for that
+    text."""
+    image = make_image(0, (60, 40))
+    monkeypatch.setattr(llm.get_tokenizer().hf, "chat_template", STRING_TEMPLATE)
+    out = llm.chat(image_chat(image), GREEDY)[0]
+    text = f"<|im_start|>user\n{IMAGE}\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    assert out.prompt_token_ids == reference_inputs(qwen, text, [image])["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == reference_tokens(qwen, text, [image], MAX_TOKENS)
+
+
 def test_two_images_in_one_prompt(llm, qwen):
     images = [make_image(2, (48, 64)), make_image(3, (112, 112))]
     text = f"<|im_start|>user\n{IMAGE}and{IMAGE}Which differ?<|im_end|>\n<|im_start|>assistant\n"
