@@ -1225,19 +1225,81 @@ inline float fma1(float a, float b, float c) {
 #endif
 }
 
-inline Vec8 load8w(const float* p) { return load8(p); }
-
 typedef uint16_t U16x8 __attribute__((vector_size(16)));
 typedef uint32_t U32x8 __attribute__((vector_size(32)));
 
-inline Vec8 load8w(const BFloat16* p) {
-  U16x8 h;
-  std::memcpy(&h, p, sizeof h);
-  const U32x8 w = __builtin_convertvector(h, U32x8) << 16;
-  Vec8 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
+// Lane traits of the LoRA kernels: a vector of float32 lanes, its loads (float32, or bfloat16
+// widened exactly), broadcast, fused multiply-add, and the add into y rounded once to y's dtype.
+// Each lane computes its output's sum alone, so a lane's bits are the same in either width: the
+// width sets how many outputs one instruction carries, nothing else.
+struct LoraLanes8 {
+  using V = Vec8;
+  static constexpr int64_t kWidth = 8;
+  static V zero() { return V{}; }
+  static V load(const float* p) { return load8(p); }
+  static V load(const BFloat16* p) {
+#if defined(__AVX2__)
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return (V)_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+#else
+    U16x8 h;
+    std::memcpy(&h, p, sizeof h);
+    const U32x8 w = __builtin_convertvector(h, U32x8) << 16;
+    V v;
+    std::memcpy(&v, &w, sizeof v);
+    return v;
+#endif
+  }
+  static V broadcast(float s) { return V{s, s, s, s, s, s, s, s}; }
+  static V fma(V a, V b, V c) { return fma8(a, b, c); }
+  static V add(V a, V b) { return a + b; }
+  static void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+  static void add_rounded(float* y, V d) { store(y, load8(y) + d); }
+  // bf16_bits' rule, vectorized
+  static void add_rounded(BFloat16* y, V d) {
+    const V v = load(y) + d;
+    U32x8 u;
+    std::memcpy(&u, &v, sizeof u);
+    U32x8 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    rounded = v != v ? U32x8{} + 0x7fc0u : rounded;  // NaN kept a NaN
+    const U16x8 h = __builtin_convertvector(rounded, U16x8);
+    std::memcpy(y, &h, sizeof h);
+  }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PYXLLM_LORA_LANES16 1
+struct LoraLanes16 {
+  using V = __m512;
+  static constexpr int64_t kWidth = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const BFloat16* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static V broadcast(float s) { return _mm512_set1_ps(s); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static void add_rounded(float* y, V d) { _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), d)); }
+  static void add_rounded(BFloat16* y, V d) {
+    const V v = _mm512_add_ps(load(y), d);
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
+  }
+};
+// the widest lanes the build has: 16 with AVX-512 (twice the outputs per instruction, and 32
+// registers for the tiles), else 8
+using LoraWide = LoraLanes16;
+constexpr int kLoraRegisters = 32;
+#else
+using LoraWide = LoraLanes8;
+constexpr int kLoraRegisters = 16;
+#endif
 
 inline float load1w(const float* p) { return *p; }
 inline float load1w(const BFloat16* p) {
@@ -1246,24 +1308,7 @@ inline float load1w(const BFloat16* p) {
   return bits_to_float(static_cast<uint32_t>(raw) << 16);
 }
 
-inline Vec8 broadcast8(float s) { return Vec8{s, s, s, s, s, s, s, s}; }
-
-// y[0..8) = y + d in each lane, rounded to y's dtype once (bf16_bits' rule, vectorized)
-inline void add8_rounded(float* y, Vec8 d) {
-  const Vec8 v = load8(y) + d;
-  std::memcpy(y, &v, sizeof v);
-}
-inline void add8_rounded(BFloat16* y, Vec8 d) {
-  const Vec8 v = load8w(y) + d;
-  U32x8 u;
-  std::memcpy(&u, &v, sizeof u);
-  U32x8 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  rounded = v != v ? U32x8{} + 0x7fc0u : rounded;  // NaN kept a NaN
-  const U16x8 h = __builtin_convertvector(rounded, U16x8);
-  std::memcpy(y, &h, sizeof h);
-}
-
-// one lane's worth of add8_rounded, for a column tail
+// one lane's worth of add_rounded, for a column tail
 inline void add_rounded(float* y, float d) { *y = *y + d; }
 inline void add_rounded(BFloat16* y, float d) {
   uint16_t raw;
@@ -1274,77 +1319,84 @@ inline void add_rounded(BFloat16* y, float d) {
 
 constexpr int kLoraRows = 4;
 
-// xa[r, j0 .. j0 + 8 NV) for the NR rows xf [NR, k] (float32) over a [k, R]: each lane sums
+// xa[r, j0 .. j0 + NV lanes) for the NR rows xf [NR, k] (float32) over a [k, R]: each lane sums
 // the even i and the odd i apart (two chains of fused multiply-adds in the order of i), then
-// adds the two, whatever NR and NV
-template <int NR, int NV, typename W>
+// adds the two, whatever NR, NV and the lane width
+template <class L, int NR, int NV, typename W>
 void lora_shrink_tile(float* xa, const float* xf, const W* a, int64_t k, int64_t R, int64_t j0) {
-  Vec8 even[NR][NV] = {}, odd[NR][NV] = {};
+  using V = typename L::V;
+  constexpr int64_t w = L::kWidth;
+  V even[NR][NV], odd[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) even[r][v] = odd[r][v] = L::zero();
   int64_t i = 0;
   for (; i + 2 <= k; i += 2) {
-    Vec8 w0[NV], w1[NV];
+    V w0[NV], w1[NV];
     for (int v = 0; v < NV; ++v) {
-      w0[v] = load8w(a + i * R + j0 + 8 * v);
-      w1[v] = load8w(a + (i + 1) * R + j0 + 8 * v);
+      w0[v] = L::load(a + i * R + j0 + w * v);
+      w1[v] = L::load(a + (i + 1) * R + j0 + w * v);
     }
     for (int r = 0; r < NR; ++r) {
-      const Vec8 x0 = broadcast8(xf[r * k + i]), x1 = broadcast8(xf[r * k + i + 1]);
+      const V x0 = L::broadcast(xf[r * k + i]), x1 = L::broadcast(xf[r * k + i + 1]);
       for (int v = 0; v < NV; ++v) {
-        even[r][v] = fma8(x0, w0[v], even[r][v]);
-        odd[r][v] = fma8(x1, w1[v], odd[r][v]);
+        even[r][v] = L::fma(x0, w0[v], even[r][v]);
+        odd[r][v] = L::fma(x1, w1[v], odd[r][v]);
       }
     }
   }
   if (i < k)
     for (int r = 0; r < NR; ++r)
       for (int v = 0; v < NV; ++v)
-        even[r][v] = fma8(broadcast8(xf[r * k + i]), load8w(a + i * R + j0 + 8 * v), even[r][v]);
+        even[r][v] = L::fma(L::broadcast(xf[r * k + i]), L::load(a + i * R + j0 + w * v), even[r][v]);
   for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < NV; ++v) {
-      const Vec8 total = even[r][v] + odd[r][v];
-      std::memcpy(xa + r * R + j0 + 8 * v, &total, sizeof total);
-    }
+    for (int v = 0; v < NV; ++v) L::store(xa + r * R + j0 + w * v, L::add(even[r][v], odd[r][v]));
 }
 
-// y rows ys[r] += columns [c0, c0 + 8 NV) of one module: xa[r, rs .. rs + rl) over b [rl, ol]
-template <int NR, int NV, typename T, typename W>
+// y rows ys[r] += columns [c0, c0 + NV lanes) of one module: xa[r, rs .. rs + rl) over b [rl, ol]
+template <class L, int NR, int NV, typename T, typename W>
 void lora_expand_tile(T* const* ys, const float* xa, int64_t R, const W* b, int64_t ol, int64_t rs, int64_t rl,
                       int64_t c0) {
-  Vec8 acc[NR][NV] = {};
+  using V = typename L::V;
+  constexpr int64_t w = L::kWidth;
+  V acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = L::zero();
   for (int64_t j = 0; j < rl; ++j) {
-    Vec8 w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = load8w(b + j * ol + c0 + 8 * v);
+    V wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = L::load(b + j * ol + c0 + w * v);
     for (int r = 0; r < NR; ++r) {
-      const Vec8 xb = broadcast8(xa[r * R + rs + j]);
-      for (int v = 0; v < NV; ++v) acc[r][v] = fma8(xb, w[v], acc[r][v]);
+      const V xb = L::broadcast(xa[r * R + rs + j]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = L::fma(xb, wv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < NV; ++v) add8_rounded(ys[r] + c0 + 8 * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) L::add_rounded(ys[r] + c0 + w * v, acc[r][v]);
 }
 
 // One block of NR rows on one adapter: x rows widened, the shrink, then each module's expand.
+// The tiles take the widest lanes (LoraWide), then 8 lanes for the rest of a multiple of 8, then
+// one column at a time. Accumulators: 2 * NR * NS in the shrink (its even and odd chains), at
+// most 16; NR * NE in the expand, at most 8 in AVX2's 16 registers and 16 in AVX-512's 32.
 template <int NR, typename T, typename W>
 void lora_rows(T* y, const T* x, const int64_t* rows, int64_t k, int64_t n, const W* a, int64_t R, const W* b,
                const int64_t* seg, int64_t num_seg, float* xf, float* xa) {
-  constexpr int NV = NR <= 2 ? 4 : 2;  // accumulators: NR * NV <= 8 (twice that in the shrink)
+  constexpr int NS = NR <= 2 ? 4 : 2;
+  constexpr int NE = kLoraRegisters == 32 ? 4 : NS;
+  constexpr int64_t wide = LoraWide::kWidth;
   for (int r = 0; r < NR; ++r) Rows<T>::load(xf + r * k, x + rows[r] * k, k);
-  for (int64_t j0 = 0; j0 < R;) {
-    switch (std::min<int64_t>(NV, (R - j0) / 8)) {
-      case 4: lora_shrink_tile<NR, 4>(xa, xf, a, k, R, j0); j0 += 32; break;
-      case 3: lora_shrink_tile<NR, 3>(xa, xf, a, k, R, j0); j0 += 24; break;
-      case 2: lora_shrink_tile<NR, 2>(xa, xf, a, k, R, j0); j0 += 16; break;
-      default: lora_shrink_tile<NR, 1>(xa, xf, a, k, R, j0); j0 += 8; break;
-    }
-  }
+  int64_t j0 = 0;
+  for (; j0 + NS * wide <= R; j0 += NS * wide) lora_shrink_tile<LoraWide, NR, NS>(xa, xf, a, k, R, j0);
+  for (; j0 + wide <= R; j0 += wide) lora_shrink_tile<LoraWide, NR, 1>(xa, xf, a, k, R, j0);
+  for (; j0 < R; j0 += 8) lora_shrink_tile<LoraLanes8, NR, 1>(xa, xf, a, k, R, j0);  // R: a multiple of 8
   T* ys[NR];
   for (int64_t s = 0; s < num_seg; ++s) {
     const int64_t os = seg[5 * s], ol = seg[5 * s + 1], rs = seg[5 * s + 2], rl = seg[5 * s + 3];
     const W* bs = b + seg[5 * s + 4];
     for (int r = 0; r < NR; ++r) ys[r] = y + rows[r] * n + os;
     int64_t c = 0;
-    for (; c + 8 * NV <= ol; c += 8 * NV) lora_expand_tile<NR, NV>(ys, xa, R, bs, ol, rs, rl, c);
-    for (; c + 8 <= ol; c += 8) lora_expand_tile<NR, 1>(ys, xa, R, bs, ol, rs, rl, c);
+    for (; c + NE * wide <= ol; c += NE * wide) lora_expand_tile<LoraWide, NR, NE>(ys, xa, R, bs, ol, rs, rl, c);
+    for (; c + wide <= ol; c += wide) lora_expand_tile<LoraWide, NR, 1>(ys, xa, R, bs, ol, rs, rl, c);
+    for (; c + 8 <= ol; c += 8) lora_expand_tile<LoraLanes8, NR, 1>(ys, xa, R, bs, ol, rs, rl, c);
     for (; c < ol; ++c)
       for (int r = 0; r < NR; ++r) {
         float total = 0.f;
