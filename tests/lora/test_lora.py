@@ -204,7 +204,8 @@ def test_the_graph_runner_replays_any_mix_of_adapters_with_the_eager_bits(models
     """``graph_backend="graph"``: one trace per batch size serves every decode step, whatever
     adapters its rows use (three adapters and the base model, ``max_loras=2``, so the sets of
     adapters change between steps); each request's tokens and log-probabilities are the eager
-    runner's bit for bit, and so the merged model's."""
+    runner's bit for bit, and so the merged model's. Steps on the base model alone replay the
+    bucket's capture without adapters, with the eager bits too."""
     base_dir, base, adapters = models
     graph = LLM(
         model=str(base_dir),
@@ -233,6 +234,13 @@ def test_the_graph_runner_replays_any_mix_of_adapters_with_the_eager_bits(models
     # adapter alone
     assert sum(runner.replays.values()) >= NEW_TOKENS
     assert runner.replays[4] and runner.replays[1]
+    # steps on the base model alone replay the capture without adapters, with the same bits
+    assert not any(runner.plain_replays.values())
+    base_prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    plain = graph.generate(base_prompts, GREEDY)
+    assert runner.plain_replays[2] >= NEW_TOKENS - 1
+    want = llm.generate(base_prompts, GREEDY)
+    assert [_tokens_and_logprobs(o) for o in plain] == [_tokens_and_logprobs(o) for o in want]
 
 
 def test_lora_flags_are_checked():

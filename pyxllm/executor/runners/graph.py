@@ -22,7 +22,9 @@ queries as decodes the same way).
 LoRA adapters (``--enable-lora``) replay too: each captured step takes the rows' adapter slots
 and the slots' weights as inputs (see ``pyxllm.lora.manager``), as vLLM's CUDA graphs take
 its LoRA slots' buffers, so one capture per bucket serves any mix of adapters and the base
-model.
+model. Each bucket is also captured without adapters, and a step whose rows all run the base
+model replays that one: the same bits (a row without an adapter gets no delta either way),
+without the adapter slots' inputs and the kernel calls over empty slots.
 """
 
 from __future__ import annotations
@@ -172,6 +174,9 @@ class GraphRunner(Runner):
     Attributes:
         sizes: the buckets, ascending; replays: bucket -> how many steps replayed in it.
         lora_step: the next step's ``LoRAStep`` (``None``: no row uses an adapter).
+        plain_graphs: with ``lora``, bucket -> the capture without adapters, which steps whose
+            rows all run the base model replay (``graphs`` holds the captures with them);
+            ``plain_replays`` counts those steps per bucket.
 
     Raises:
         ValueError: a model with layers that run Python on the data; ``lora`` with a capture
@@ -227,12 +232,22 @@ class GraphRunner(Runner):
                 s: capture.capture(self._decode_step, self._step_args(s))
                 for s in reversed(self.sizes)
             }
+            self.plain_graphs = (
+                {}
+                if lora is None
+                else {
+                    s: capture.capture(self._decode_step, self._step_args(s, lora=False))
+                    for s in reversed(self.sizes)
+                }
+            )
         self.replays = dict.fromkeys(self.sizes, 0)
+        self.plain_replays = dict.fromkeys(self.sizes, 0)
 
-    def _step_args(self, size: int) -> tuple[torch.Tensor, ...]:
+    def _step_args(self, size: int, lora: bool = True) -> tuple[torch.Tensor, ...]:
         """The inputs of a ``size``-row decode step: views of the static buffers' first ``size``
-        rows, then every layer's ``k_cache, v_cache``; with LoRA, then the rows' adapter slots
-        and the adapters of :attr:`lora_step` (``LoRAManager.graph_inputs``)."""
+        rows, then every layer's ``k_cache, v_cache``; with LoRA (unless ``lora`` is false: the
+        step without adapters), then the rows' adapter slots and the adapters of
+        :attr:`lora_step` (``LoRAManager.graph_inputs``)."""
         args = self._static_args.get(size)
         if args is None:
             args = self._static_args[size] = (
@@ -243,20 +258,21 @@ class GraphRunner(Runner):
                 self.seq_lens[:size],
                 *itertools.chain.from_iterable(self.kv_caches),
             )
-        if self.lora is None:
+        if self.lora is None or not lora:
             return args
         return (*args, self.row_adapter[:size], *self.lora.graph_inputs(self.lora_step))
 
     def _decode_step(
         self, input_ids, positions, slot_mapping, block_tables, seq_lens, *rest
     ) -> torch.Tensor:
-        """The model forward of one decode step over :meth:`_step_args`."""
+        """The model forward of one decode step over :meth:`_step_args` (with the adapters'
+        inputs or without them)."""
         step = self.attn_backend.build_decode(
             slot_mapping, block_tables, seq_lens, self.max_seq_len
         )
         caches = rest[: 2 * len(self.kv_caches)]
         lora = None
-        if self.lora is not None:
+        if len(rest) > len(caches):
             lora = self.lora.graph_step(rest[len(caches)], rest[len(caches) + 1 :])
         context = ForwardContext(step, list(zip(caches[0::2], caches[1::2])), lora=lora)
         with set_forward_context(context):
@@ -297,12 +313,9 @@ class GraphRunner(Runner):
         self.seq_lens[n:size].fill_(1)
         self.block_tables[:size].zero_()
         self.block_tables[:n, :width].copy_(tables)
-        if self.lora is not None:
-            if self.lora_step is None:
-                self.row_adapter[:size].fill_(-1)
-            else:
-                self.row_adapter[:n].copy_(self.lora_step.row_adapter)
-                self.row_adapter[n:size].fill_(-1)
+        if self.lora_step is not None:  # (a step without adapters replays without them)
+            self.row_adapter[:n].copy_(self.lora_step.row_adapter)
+            self.row_adapter[n:size].fill_(-1)
 
     @torch.inference_mode()
     def execute(self, batch, make_context) -> torch.Tensor:
@@ -312,6 +325,11 @@ class GraphRunner(Runner):
         if size is None or batch.block_tables.shape[1] > self.block_tables.shape[1]:
             return super().execute(batch, make_context)
         self.pad_inputs(batch, size)
+        if self.lora is not None and self.lora_step is None:  # every row on the base model
+            self.plain_replays[size] += 1
+            return self.plain_graphs[size](self._step_args(size, lora=False))[
+                : len(batch.input_ids)
+            ]
         self.replays[size] += 1
         return self.graphs[size](self._step_args(size))[: len(batch.input_ids)]
 
