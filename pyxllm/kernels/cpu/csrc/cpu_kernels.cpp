@@ -1384,9 +1384,18 @@ void lora_rows(T* y, const T* x, const int64_t* rows, int64_t k, int64_t n, cons
   constexpr int NE = kLoraRegisters == 32 ? 4 : NS;
   constexpr int64_t wide = LoraWide::kWidth;
   for (int r = 0; r < NR; ++r) Rows<T>::load(xf + r * k, x + rows[r] * k, k);
+  // as many vectors a tile as fit (a pass over x for them all: few rows have few chains each)
   int64_t j0 = 0;
-  for (; j0 + NS * wide <= R; j0 += NS * wide) lora_shrink_tile<LoraWide, NR, NS>(xa, xf, a, k, R, j0);
-  for (; j0 + wide <= R; j0 += wide) lora_shrink_tile<LoraWide, NR, 1>(xa, xf, a, k, R, j0);
+  while (j0 + wide <= R) {
+    const int64_t vectors = std::min<int64_t>(NS, (R - j0) / wide);  // NS is 2 or 4
+    if constexpr (NS == 4) {
+      if (vectors == 4) lora_shrink_tile<LoraWide, NR, 4>(xa, xf, a, k, R, j0);
+      if (vectors == 3) lora_shrink_tile<LoraWide, NR, 3>(xa, xf, a, k, R, j0);
+    }
+    if (vectors == 2) lora_shrink_tile<LoraWide, NR, 2>(xa, xf, a, k, R, j0);
+    if (vectors == 1) lora_shrink_tile<LoraWide, NR, 1>(xa, xf, a, k, R, j0);
+    j0 += vectors * wide;
+  }
   for (; j0 < R; j0 += 8) lora_shrink_tile<LoraLanes8, NR, 1>(xa, xf, a, k, R, j0);  // R: a multiple of 8
   T* ys[NR];
   for (int64_t s = 0; s < num_seg; ++s) {
