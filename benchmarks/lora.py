@@ -15,7 +15,11 @@ clients send random 100-token prompts, ``--output-len`` new tokens each with ``i
 
 Printed: output tok/s, median TPOT and TTFT of the adapters' load, with each other load as a
 peer (against the base loads the ratio is the adapters' share of the base's throughput; the
-target is at least 0.85).
+target is at least 0.85). Each pyxllm server first serves a warm-up load of the measured
+shape (8 clients, 16 new tokens; on the LoRA server once over the adapters and once on the
+base model), not reported: without it, the base model's load gave 97 tok/s as the LoRA
+server's second load and 40-53 tok/s as the default server's first, in two runs of the same
+code, so whichever load came first looked slow.
 
 With ``--in-process`` it serves nothing and measures CPU time instead: one ``LLM`` (one
 thread, the prefix cache off) generates for 8 prompts on the base model, then on the four
@@ -206,6 +210,8 @@ def main() -> None:
         return
     prompts = make_prompts(tokenizer, CLIENTS * args.requests_per_client, 100, "random", seed=7)
     warmup = make_prompts(tokenizer, 2, 32, "random", seed=8)
+    # the measured shape, on other prompts (see the module docstring)
+    warm = make_prompts(tokenizer, CLIENTS, 100, "random", seed=9)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         paths = build_adapters(Path(tmp), args.rank)
@@ -215,12 +221,17 @@ def main() -> None:
             18951, *SIZING, *runner, "--enable-lora", "--lora-modules", modules
         )
         loads = {
+            "warm-up, adapters": (warm, 16, CLIENTS, list(NAMES)),
+            "warm-up, base": (warm, 16, CLIENTS),
             "adapters": (prompts, args.output_len, CLIENTS, list(NAMES)),
             "base, same server": (prompts, args.output_len, CLIENTS),
         }
         results.update(measure_server("lora", lora_cmd, 18951, args.threads, loads, warmup))
         default_cmd = pyxllm_serve_cmd(18952, *SIZING, *runner)
-        plain = {"base, default server": (prompts, args.output_len, CLIENTS)}
+        plain = {
+            "warm-up, default server": (warm, 16, CLIENTS),
+            "base, default server": (prompts, args.output_len, CLIENTS),
+        }
         results.update(measure_server("default", default_cmd, 18952, args.threads, plain, warmup))
         binaries = find_binaries(args.llama_server_dir, ("llama-server",), "llama-server --lora")
         if binaries is not None:
@@ -232,7 +243,10 @@ def main() -> None:
                 *f"--host 127.0.0.1 --port 18953 -np {CLIENTS} -cb -t {args.threads}".split(),
                 *("-c", str(CLIENTS * slot_len)),
             ]
-            peer = {"llama-server --lora": (prompts, args.output_len, CLIENTS)}
+            peer = {
+                "warm-up, llama-server": (warm, 16, CLIENTS),
+                "llama-server --lora": (prompts, args.output_len, CLIENTS),
+            }
             results.update(measure_server("llama", llama_cmd, 18953, args.threads, peer, warmup))
     log("lora:", json.dumps(results))
     ours = results["adapters"]
