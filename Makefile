@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	# peft builds and merges the LoRA adapters of tests/lora/test_lora.py; what it imports
 	# (accelerate, transformers, safetensors, psutil, pyyaml) comes with the test extra
 	$(PY) -m pip install -q --no-deps peft==0.21.2
-	# setuptools' editable-install banner ("Please be careful with folders ...") is a UserWarning
-	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e '.[test,bench]'
+	# setuptools' editable-install banner ("Please be careful with folders ...") is a UserWarning;
+	# --no-warn-conflicts: the packages installed --no-deps above lack what they declare on
+	# purpose (triton, pandas, sentence-transformers), which pip would print as an ERROR
+	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q --no-warn-conflicts -e '.[test,bench]'
 	touch $(STAMP)
 
 serve: $(STAMP)
