@@ -156,11 +156,15 @@ class KVTierConnector:
         )
         transfer = listener = None
         token = os.environ.get(TOKEN_ENV) or None
+        signed = f"with the secret of ${TOKEN_ENV}" if token else "without a secret"
         if config.kv_transfer_push:
             transfer = KVTransferClient(config.kv_transfer_push, tier.root.name, token)
+            logger.info(
+                "KV transfer: pushing blocks to %s, %s", ", ".join(config.kv_transfer_push), signed
+            )
         if config.kv_transfer_listen is not None:
             listener = KVTransferServer(tier, config.kv_transfer_listen, token)
-            logger.info("KV transfer: receiving blocks on port %d", listener.port)
+            logger.info("KV transfer: receiving blocks on port %d, %s", listener.port, signed)
             if token is None:
                 logger.warning(
                     "KV transfer: the listener takes pushes from anyone who reaches it: set "

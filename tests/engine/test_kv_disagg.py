@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import logging
 import re
 import signal
 import socket
@@ -382,7 +383,7 @@ def test_without_its_prefill_instance_the_decode_instance_computes_the_prompt(
 
 
 def test_kv_moves_over_tcp_between_instances_without_a_shared_directory(
-    model_dir, tmp_path, offline, monkeypatch
+    model_dir, tmp_path, offline, monkeypatch, caplog
 ):
     """``--kv-transfer-push`` and ``--kv-transfer-listen``: a prefill engine and a decode
     engine (in this process) on directories of their own, sharing a secret; the prefill engine
@@ -394,6 +395,7 @@ def test_kv_moves_over_tcp_between_instances_without_a_shared_directory(
     from pyxllm.engine.kv_transfer import TOKEN_ENV
 
     monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    caplog.set_level(logging.INFO, logger="pyxllm.engine.kv_connector")
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -407,6 +409,10 @@ def test_kv_moves_over_tcp_between_instances_without_a_shared_directory(
         **common, kv_offload_dir=str(prefill_dir), kv_role="prefill", kv_transfer_push=(address,)
     )
     one, six = (SamplingParams(temperature=0, max_tokens=n) for n in (1, 6))
+    # each start-up log says where blocks go or come in, and whether a secret guards them
+    signed = f"with the secret of ${TOKEN_ENV}"
+    assert f"receiving blocks on port {address.split(':')[1]}, {signed}" in caplog.text
+    assert f"pushing blocks to {address}, {signed}" in caplog.text
     try:
         listener = decode.llm_engine.kv_connector.listener
         transfer = prefill.llm_engine.kv_connector.transfer
