@@ -131,6 +131,17 @@ def _resident_memory() -> str:
     return "unknown"
 
 
+def tuner_key(batch: InputBatch, lora_step: LoRAStep | None):
+    """What the thread tuner times a step under (:class:`ThreadTuner`'s ``key``): ``None`` for a
+    step with prefill rows (not timed), else its number of rows, paired with ``"lora"`` when
+    some row runs an adapter, so that a LoRA engine's base-only and adapter steps, whose costs
+    differ, are compared only with their own kind."""
+    if not batch.decodes_only:
+        return None
+    rows = len(batch.input_ids)
+    return rows if lora_step is None else (rows, "lora")
+
+
 class ModelExecutor:
     """Loads the model for ``model_config`` and runs steps on ``platform``'s device.
 
@@ -373,8 +384,7 @@ class ModelExecutor:
             self._mm_step = self.encoder_cache.step_embeddings(plan, batch.query_start_list)
         if self.thread_tuner is None:
             return self._run(plan, batch)
-        key = len(batch.input_ids) if batch.decodes_only else None
-        with self.thread_tuner.step(key):
+        with self.thread_tuner.step(tuner_key(batch, self._lora_step)):
             return self._run(plan, batch)
 
     def _run(self, plan: SchedulerOutput, batch: InputBatch) -> StepResult:

@@ -10,7 +10,8 @@ depends on what else runs, so the tuner measures it while serving: a
 step's results do not depend on the thread count (the kernels split work by rows, heads or
 output features, never a sum; tests/executor/test_thread_tuner.py), so only speed changes.
 
-How: decode-only steps are timed per batch size. Every ``interval`` such steps the tuner runs
+How: decode-only steps are timed per batch size (a LoRA engine's steps with adapters apart from
+its base-only ones). Every ``interval`` such steps the tuner runs
 ``probe_steps`` steps at a neighbouring count (half or double the current one, within 1 ..
 the configured threads, alternating) and moves there when their median time beats the current
 count's recent median by ``margin``; a probe that confirms the current count doubles the
@@ -27,7 +28,7 @@ import os
 import statistics
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -73,12 +74,16 @@ class ThreadTuner:
         self.probing: int | None = None
         self.probe_left = 0
         self._down = True  # the next probe's direction
-        self.samples: dict[tuple[int, int], deque] = defaultdict(lambda: deque(maxlen=probe_steps))
+        # (threads, key) -> the latest step times
+        self.samples: dict[tuple[int, Hashable], deque] = defaultdict(
+            lambda: deque(maxlen=probe_steps)
+        )
         self.switches = 0
 
-    def threads_for(self, key: int | None) -> int:
-        """The count to run the next step at; ``key``: its batch size if it decodes only, else
-        ``None`` (not timed, run at the current count)."""
+    def threads_for(self, key: Hashable | None) -> int:
+        """The count to run the next step at; ``key``: what its time is compared under (its
+        batch size if it decodes only; see ``model_executor.tuner_key``), else ``None`` (not
+        timed, run at the current count)."""
         if key is None:
             return self.current
         if self.probing is None and self.countdown <= 0:
@@ -88,8 +93,8 @@ class ThreadTuner:
                 self.countdown = self.max_interval
         return self.probing or self.current
 
-    def record(self, key: int | None, threads: int, seconds: float) -> None:
-        """A step of batch size ``key`` (``None``: not timed) took ``seconds`` at ``threads``."""
+    def record(self, key: Hashable | None, threads: int, seconds: float) -> None:
+        """A step of key ``key`` (``None``: not timed) took ``seconds`` at ``threads``."""
         if key is None:
             return
         self.samples[(threads, key)].append(seconds)
@@ -101,7 +106,7 @@ class ThreadTuner:
             self._decide(key)
 
     @contextmanager
-    def step(self, key: int | None) -> Iterator[int]:
+    def step(self, key: Hashable | None) -> Iterator[int]:
         """Run a step at :meth:`threads_for`'s count (set on the calling thread) and time it."""
         threads = self.threads_for(key)
         if torch.get_num_threads() != threads:
@@ -117,7 +122,7 @@ class ThreadTuner:
         self._down = not self._down
         return (down if self._down else up) or down or up
 
-    def _decide(self, key: int) -> None:
+    def _decide(self, key: Hashable) -> None:
         probe = self.samples[(self.probing, key)]
         reference = self.samples[(self.current, key)]
         if len(reference) >= max(1, self.probe_steps // 2):  # else: nothing to compare with

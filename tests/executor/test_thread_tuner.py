@@ -9,6 +9,8 @@ weights and dequantized.
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 import torch
 
@@ -172,3 +174,23 @@ def test_embed_steps_are_tuned_by_their_token_count(monkeypatch, restore_threads
     tuner.current = 1
     for a, b in zip(two, llm.embed(texts)):
         assert torch.equal(a.outputs.data, b.outputs.data)
+
+
+def test_adapter_steps_are_timed_apart_from_base_only_ones():
+    """On a LoRA engine a decode step with adapter rows costs more than a base-only one of the
+    same size: the tuner compares each only with its own kind; prefills are not timed."""
+    from types import SimpleNamespace
+
+    from pyxllm.executor.model_executor import tuner_key
+
+    decode = SimpleNamespace(decodes_only=True, input_ids=torch.zeros(8))
+    prefill = SimpleNamespace(decodes_only=False, input_ids=torch.zeros(40))
+    assert tuner_key(decode, None) == 8
+    assert tuner_key(decode, object()) == (8, "lora")
+    assert tuner_key(prefill, object()) is None
+    tuner = ThreadTuner(2, probe_steps=2, interval=2)
+    tuner.record(8, 2, 0.010)
+    tuner.record((8, "lora"), 2, 0.030)
+    assert tuner.samples[(2, 8)] == deque([0.010]) and tuner.samples[(2, (8, "lora"))] == deque(
+        [0.030]
+    )
