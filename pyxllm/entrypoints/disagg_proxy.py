@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pyxllm.entrypoints.anthropic.errors import ANTHROPIC_PATHS, anthropic_error_body
+from pyxllm.entrypoints.log_setup import ensure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -323,10 +324,13 @@ def run_proxy(
     :class:`DisaggProxy`)."""
     import uvicorn
 
+    ensure_logging()  # the servers' format: level, time, logger
     app = build_proxy_app(DisaggProxy(prefill_urls, decode_urls, timeout, decode_kv))
-    print(
-        f"pyxllm disagg-proxy on http://{host}:{port}: prefill {', '.join(prefill_urls)}, "
-        f"decode {', '.join(decode_urls)}",
-        flush=True,
+    logger.info(
+        "pyxllm disagg-proxy on http://%s:%d: prefill %s, decode %s",
+        host,
+        port,
+        ", ".join(prefill_urls),
+        ", ".join(decode_urls),
     )
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -169,6 +169,9 @@ def test_prefill_and_decode_instances_answer_as_one_engine(disaggregated, offlin
     assert chat_streamed == chat_plain == reference[0].outputs[0].text
     stats = httpx.get(proxy.url_for("stats")).json()
     assert stats == {"requests": 7, "prefill_failures": 0, "prefill_skipped": 0}
+    # the proxy's start-up line in the servers' log format (level, time, logger)
+    started = r"^INFO .* pyxllm\.entrypoints\.disagg_proxy: pyxllm disagg-proxy on http://"
+    assert re.search(started, proxy.output(), re.MULTILINE), proxy.output()
 
 
 def test_the_responses_and_messages_apis_go_through_both_instances(disaggregated, offline):
