@@ -180,7 +180,12 @@ def template_messages(
     if tools and not in_template:
         offer = tools_system_text(tools)
         if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{offer}"}
+            content = out[0]["content"]
+            if isinstance(content, list):  # content parts, for a template that loops over them
+                content = [*content, {"type": "text", "text": f"\n\n{offer}"}]
+            else:
+                content = f"{content}\n\n{offer}"
+            out[0] = {**out[0], "content": content}
         else:
             out.insert(0, {"role": "system", "content": offer})
     return out
@@ -197,7 +202,9 @@ def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
 
 def _as_text(message: dict[str, Any], calls: list[dict[str, Any]]) -> str | list:
     content = message.get("content") or ""
-    if message["role"] == "tool":
+    if message["role"] == "tool":  # a result is text, however its parts came
+        if isinstance(content, list):
+            content = "\n".join(p["text"] for p in content if p.get("type") == "text")
         return f"<tool_response>\n{content}\n</tool_response>"
     blocks = []
     for call in calls:

@@ -126,6 +126,27 @@ def test_the_embedded_template_gets_the_tools_in_a_system_message_read_by_hermes
     assert "get_weather" in offered and "<tool_call>" in offered
 
 
+def test_content_parts_stay_parts_and_a_tool_result_of_parts_is_its_text():
+    """Messages of content parts (a vision-language model's template that loops over them):
+    the tools' offer is one more text part of the system message, a tool result's text parts
+    are its text (not the list written out)."""
+    tools = [ChatCompletionToolParam(**tool) for tool in TOOLS]
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Weather?"}]},
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "content": [{"type": "text", "text": "22 C"}, {"type": "text", "text": "sunny"}],
+        },
+    ]
+    system, user, tool = template_messages(messages, tools, in_template=False)
+    assert system["content"][0] == {"type": "text", "text": "Be brief."}
+    assert system["content"][1]["type"] == "text" and "get_weather" in system["content"][1]["text"]
+    assert user["content"] == messages[1]["content"]
+    assert tool["content"] == "<tool_response>\n22 C\nsunny\n</tool_response>"
+
+
 @pytest.mark.parametrize(
     "template, parser",
     [
