@@ -156,15 +156,20 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = None if torch.compiler.is_compiling() else current_forward_context()
-        if ctx is None:
+        if ctx is None and positions.dim() == 1:
             return kernels.ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
-        key = (self._signature, q.dtype)
-        cos_sin = ctx.step_cache.get(key)
+        # keyed by the positions' rank too: an mRoPE step's [3, T] tables are not [T]'s
+        key = (self._signature, positions.dim(), q.dtype)
+        cos_sin = None if ctx is None else ctx.step_cache.get(key)
         if cos_sin is None:
-            cos_sin = ctx.step_cache[key] = kernels.ops.rotary_cos_sin(
-                positions, self.cos_sin_cache, q.dtype
-            )
+            cos_sin = self._cos_sin(positions, q.dtype)
+            if ctx is not None:
+                ctx.step_cache[key] = cos_sin
         return kernels.ops.apply_rotary_emb(q, k, *cos_sin)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``(cos, sin)`` of ``positions [T]`` in ``dtype``, as ``apply_rotary_emb`` takes them."""
+        return kernels.ops.rotary_cos_sin(positions, self.cos_sin_cache, dtype)
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -209,23 +214,12 @@ class MRotaryEmbedding(RotaryEmbedding):
             component = [j % 3 for j, size in enumerate(mrope_section) for _ in range(size)]
         self.register_buffer("component", torch.tensor(component), persistent=False)
 
-    def _rotate(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions.dim() == 1:
-            return super()._rotate(positions, q, k)
-        ctx = None if torch.compiler.is_compiling() else current_forward_context()
-        key = (self._signature, "mrope", q.dtype)
-        cos_sin = None if ctx is None else ctx.step_cache.get(key)
-        if cos_sin is None:
-            cos_sin = self._cos_sin(positions, q.dtype)
-            if ctx is not None:
-                ctx.step_cache[key] = cos_sin
-        return kernels.ops.apply_rotary_emb(q, k, *cos_sin)
-
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``(cos, sin)``, each ``[T, 1, head_dim]`` in ``dtype``, of ``positions [3, T]``:
-        frequency ``i`` at component ``component[i]``'s position, repeated over both halves."""
+        frequency ``i`` at component ``component[i]``'s position, repeated over both halves
+        (``[T]``: plain RoPE's)."""
+        if positions.dim() == 1:
+            return super()._cos_sin(positions, dtype)
         half = self.rotary_dim // 2
         table = self.cos_sin_cache[positions]  # [3, T, rotary_dim]
         index = self.component.view(1, 1, half).expand(1, positions.shape[1], half)
