@@ -131,6 +131,11 @@ class Qwen2VLForConditionalGeneration(LlamaVisionLanguageModel):
         merge^2, hidden]`` in the model's dtype, images in order."""
         weight = self.visual.patch_embed.proj.weight
         out = self.visual(pixel_values.to(weight.dtype), grid_thw=image_grid_thw.to(torch.long))
+        return self.features(out)
+
+    def features(self, out) -> torch.Tensor:
+        """The rows :meth:`embed_multimodal` returns from the tower's output ``out``: its merged
+        features."""
         return out.pooler_output
 
 
@@ -159,14 +164,9 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         """``(config, layer_idx) -> attention``: Qwen3's (q/k norms) with ``rotary``."""
         return functools.partial(Qwen3Attention, rotary_emb=rotary)
 
-    def embed_multimodal(
-        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
-    ) -> torch.Tensor:
-        """``[P / merge^2, (1 + K) * hidden]``: the merged features of the images (see
-        :meth:`Qwen2VLForConditionalGeneration.embed_multimodal`), each row followed by its
-        ``K`` deepstack features."""
-        weight = self.visual.patch_embed.proj.weight
-        out = self.visual(pixel_values.to(weight.dtype), grid_thw=image_grid_thw.to(torch.long))
+    def features(self, out) -> torch.Tensor:
+        """``[P / merge^2, (1 + K) * hidden]``: the merged features of the images, each row
+        followed by its ``K`` deepstack features."""
         return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
