@@ -16,11 +16,7 @@ from pyxllm.engine.llm_engine import LLMEngine
 from pyxllm.engine.tokenizer import Tokenizer
 from pyxllm.entrypoints.chat_media import chat_images
 from pyxllm.entrypoints.log_setup import ensure_logging
-from pyxllm.entrypoints.openai.chat.reasoning import (
-    check_reasoning_parser,
-    get_reasoning_parser,
-    resolve_reasoning_parser,
-)
+from pyxllm.entrypoints.openai.chat.reasoning import check_reasoning_parser, reasoning_parser_for
 from pyxllm.entrypoints.score_utils import (
     check_cross_encoder,
     cosine_scores,
@@ -76,12 +72,7 @@ class LLM:
         ensure_logging()  # the loading lines, as vLLM's LLM prints them
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
-        self._reasoning = None
-        if reasoning_parser:
-            tokenizer = self.llm_engine.tokenizer
-            template = getattr(tokenizer.hf, "chat_template", None)
-            name = resolve_reasoning_parser(reasoning_parser, template)
-            self._reasoning = get_reasoning_parser(name)(tokenizer) if name else None
+        _, self._reasoning = reasoning_parser_for(reasoning_parser, self.llm_engine.tokenizer)
 
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer

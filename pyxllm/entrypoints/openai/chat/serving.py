@@ -20,11 +20,7 @@ from pyxllm.entrypoints.openai.chat.choices import (
     choice_logprobs,
     with_reasoning_tokens,
 )
-from pyxllm.entrypoints.openai.chat.reasoning import (
-    ReasoningParser,
-    get_reasoning_parser,
-    resolve_reasoning_parser,
-)
+from pyxllm.entrypoints.openai.chat.reasoning import ReasoningParser, reasoning_parser_for
 from pyxllm.entrypoints.openai.chat.tool_parsers import (
     ToolParser,
     get_tool_parser,
@@ -96,13 +92,13 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: EngineClient, options: ServerOptions | None = None):
         super().__init__(engine, options)
         template = getattr(engine.tokenizer.hf, "chat_template", None)
-        reasoning_parser = resolve_reasoning_parser(self.options.reasoning_parser, template)
+        self.reasoning_parser: ReasoningParser | None
+        name, self.reasoning_parser = reasoning_parser_for(
+            self.options.reasoning_parser, engine.tokenizer
+        )
         if self.options.reasoning_parser == "auto":
-            chosen = reasoning_parser or "none (the chat template has no reasoning markers)"
+            chosen = name or "none (the chat template has no reasoning markers)"
             logger.info("--reasoning-parser auto: %s", chosen)
-        self.reasoning_parser: ReasoningParser | None = None
-        if reasoning_parser:
-            self.reasoning_parser = get_reasoning_parser(reasoning_parser)(engine.tokenizer)
         self.template_renders_tools = template_renders_tools(template)
         self.tool_parser_choice = choose_auto_tool_parser(self.options, template)
         name = self.tool_parser_choice.name

@@ -22,6 +22,7 @@ __all__ = [
     "check_reasoning_parser",
     "get_reasoning_parser",
     "reasoning_parser_choices",
+    "reasoning_parser_for",
     "reasoning_parser_names",
     "resolve_reasoning_parser",
 ]
@@ -76,6 +77,19 @@ def resolve_reasoning_parser(name: str | None, chat_template: str | None) -> str
     """The parser ``--reasoning-parser name`` gives a model with ``chat_template``: ``auto``
     chooses (:func:`choose_reasoning_parser`), anything else is itself."""
     return choose_reasoning_parser(chat_template) if name == AUTO else name
+
+
+def reasoning_parser_for(name: str | None, tokenizer) -> tuple[str | None, ReasoningParser | None]:
+    """The parser ``--reasoning-parser name`` gives a model whose tokenizer is ``tokenizer``
+    (pyxllm's ``Tokenizer``; ``auto`` reads its chat template): ``(resolved name, the parser
+    built on the tokenizer)``, both ``None`` for none.
+
+    Raises:
+        ValueError: an unknown name (listing the known ones).
+    """
+    template = getattr(tokenizer.hf, "chat_template", None)
+    resolved = resolve_reasoning_parser(name, template)
+    return resolved, (get_reasoning_parser(resolved)(tokenizer) if resolved else None)
 
 
 def check_reasoning_parser(name: str | None) -> None:
