@@ -101,8 +101,11 @@ def prefill_body(
     out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
     if decode_kv is not None and path in KV_PARAMS_ROUTES:
         host, port = decode_kv
-        out["kv_transfer_params"] = {"do_remote_decode": True, "remote_host": host}
-        out["kv_transfer_params"]["remote_port"] = port
+        out["kv_transfer_params"] = {
+            "do_remote_decode": True,
+            "remote_host": host,
+            "remote_port": port,
+        }
     out[ROUTES.get(path, "max_tokens")] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
