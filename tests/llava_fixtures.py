@@ -138,3 +138,23 @@ def reference_tokens(hf_model, processor, text: str, images, max_new_tokens: int
     with torch.no_grad():
         out = hf_model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def record_partial_runs(encoder_cache, monkeypatch) -> list[tuple[int, int]]:
+    """A list that each step's ``[lo, hi)`` part of an image's placeholder run is appended to
+    when the step feeds less than the whole run (a prefill chunk ending inside the image),
+    recorded by wrapping ``encoder_cache.step_embeddings`` for the test."""
+    cuts = []
+    step_embeddings = encoder_cache.step_embeddings
+
+    def recording(plan, query_start_list):
+        for seq in plan.sequences:
+            start = seq.num_computed_tokens
+            for f in seq.mm_features:
+                part = f.overlap(start, start + len(seq.token_ids))
+                if part is not None and part[1] - part[0] < f.mm_position.length:
+                    cuts.append(part)
+        return step_embeddings(plan, query_start_list)
+
+    monkeypatch.setattr(encoder_cache, "step_embeddings", recording)
+    return cuts

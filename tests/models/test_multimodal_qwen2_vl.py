@@ -11,7 +11,7 @@ import torch
 from pyxllm import LLM, SamplingParams
 from pyxllm.engine.input_processor import TextPrompt
 from pyxllm.multimodal_inputs import mrope_positions
-from tests.llava_fixtures import data_url, make_image
+from tests.llava_fixtures import data_url, make_image, record_partial_runs
 from tests.qwen2_vl_fixtures import (
     IMAGE,
     IMAGE_TOKEN,
@@ -172,20 +172,7 @@ def test_prefix_cache_hits_the_same_image_and_misses_another(llm, qwen):
 
 
 def test_chunked_prefill_cuts_through_the_image(llm, qwen, monkeypatch):
-    encoder = llm.llm_engine.executor.driver.encoder_cache
-    cuts = []  # the parts of placeholder runs each step fed, shorter than the run
-
-    def recording(plan, query_start_list):
-        for seq in plan.sequences:
-            start = seq.num_computed_tokens
-            for f in seq.mm_features:
-                part = f.overlap(start, start + len(seq.token_ids))
-                if part is not None and part[1] - part[0] < f.mm_position.length:
-                    cuts.append(part)
-        return step_embeddings(plan, query_start_list)
-
-    step_embeddings = encoder.step_embeddings
-    monkeypatch.setattr(encoder, "step_embeddings", recording)
+    cuts = record_partial_runs(llm.llm_engine.executor.driver.encoder_cache, monkeypatch)
     image = make_image(8, (84, 84))
     out = llm.chat(image_chat(image), GREEDY)[0]
     assert out.outputs[0].token_ids == reference_tokens(qwen, CHAT_TEXT, [image], MAX_TOKENS)
