@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pyxllm.config import EngineConfig
+from pyxllm.engine.kv_transfer import parse_address
 
 
 def add_parser(commands, formatter) -> argparse.ArgumentParser:
@@ -64,9 +65,10 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if len(args.decode_kv_listen) != len(args.decode):
             parser.error("--decode-kv-listen: give one for each --decode, in their order")
         for address in args.decode_kv_listen:
-            host, sep, port = address.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                parser.error(f"--decode-kv-listen {address!r}: must be HOST:PORT")
+            try:
+                parse_address(address, "--decode-kv-listen")
+            except ValueError as exc:
+                parser.error(str(exc))
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:

@@ -40,6 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from pyxllm.engine.kv_transfer import parse_address
 from pyxllm.entrypoints.anthropic.errors import ANTHROPIC_PATHS, anthropic_error_body
 from pyxllm.entrypoints.log_setup import ensure_logging
 
@@ -125,7 +126,8 @@ class DisaggProxy:
             each block to all their peers, or share a directory).
 
     Raises:
-        ValueError: no URL of a kind, or not one ``decode_kv`` address per decode URL.
+        ValueError: no URL of a kind, not one ``decode_kv`` address per decode URL, or one
+            that is not ``HOST:PORT``.
 
     Attributes:
         stats: ``requests`` sent on, ``prefill_failures`` (prefill steps that failed: the
@@ -146,10 +148,10 @@ class DisaggProxy:
             raise ValueError("--decode-kv-listen: give one for each --decode, in their order")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
         self.decode_urls = [u.rstrip("/") for u in decode_urls]
-        self.decode_kv = {}
-        for url, address in zip(self.decode_urls, decode_kv or ()):
-            host, _, port = address.rpartition(":")
-            self.decode_kv[url] = (host.strip("[]"), int(port))
+        self.decode_kv = {
+            url: parse_address(address, "--decode-kv-listen")
+            for url, address in zip(self.decode_urls, decode_kv or ())
+        }
         self._prefill = itertools.cycle(self.prefill_urls)
         self._decode = itertools.cycle(self.decode_urls)
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
