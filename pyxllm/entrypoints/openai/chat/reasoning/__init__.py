@@ -87,6 +87,8 @@ def reasoning_parser_for(name: str | None, tokenizer) -> tuple[str | None, Reaso
     Raises:
         ValueError: an unknown name (listing the known ones).
     """
+    if name is None:  # the tokenizer is not read
+        return None, None
     template = getattr(tokenizer.hf, "chat_template", None)
     resolved = resolve_reasoning_parser(name, template)
     return resolved, (get_reasoning_parser(resolved)(tokenizer) if resolved else None)
