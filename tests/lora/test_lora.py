@@ -359,3 +359,32 @@ def test_an_adapter_on_int4_weights_adds_to_them_exactly(models, tmp_path):
     assert [_tokens_and_logprobs(o) for o in zero_out] == base_out
     trained = llm.generate(prompts, GREEDY, lora_request=_request(models, "all", 2))
     assert [_tokens_and_logprobs(o)[0] for o in trained] != [t for t, _ in base_out]
+
+
+def test_responses_and_messages_answers_name_the_adapter_they_ran(remote):
+    import anthropic
+
+    client = remote.openai_client()
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model="attn", messages=messages, max_tokens=4, temperature=0
+    )
+    want = chat.choices[0].message.content
+    response = client.responses.create(model="attn", input="hi", max_output_tokens=4, temperature=0)
+    assert (response.model, response.output_text) == ("attn", want)
+    # cut by max_output_tokens: the last event is response.incomplete, which the SDK's
+    # stream helper does not take as an end
+    events = client.responses.create(
+        model="attn", input="hi", max_output_tokens=4, temperature=0, stream=True
+    )
+    assert [event.response.model for event in events if hasattr(event, "response")][-1] == "attn"
+    claude = anthropic.Anthropic(base_url=remote.url_for(), api_key="x", max_retries=0)
+    greedy = {"temperature": 0}  # the SDK has no temperature argument: an extra field
+    message = claude.messages.create(
+        model="attn", messages=messages, max_tokens=4, extra_body=greedy
+    )
+    assert (message.model, message.content[0].text) == ("attn", want)
+    with claude.messages.stream(
+        model="attn", messages=messages, max_tokens=4, extra_body=greedy
+    ) as stream:
+        assert stream.get_final_message().model == "attn"

@@ -84,7 +84,9 @@ class AnthropicServingMessages:
         engine_request = prepared.engine_request
         if request.stream:
             token_bytes = chat.engine.tokenizer.token_bytes
-            events = MessagesEvents(message_id, prepared, chat.model_name, token_bytes)
+            events = MessagesEvents(
+                message_id, prepared, chat.response_model(engine_request), token_bytes
+            )
             return chat.stream(engine_request, events, include_usage=False)
         try:
             with renamed_fields(messages_field):
@@ -101,7 +103,7 @@ class AnthropicServingMessages:
         response = Message(
             id=message_id,
             content=content_blocks(choice.message),
-            model=chat.model_name,
+            model=chat.response_model(engine_request),
             stop_reason=reason[0],
             stop_sequence=reason[1],
             usage=message_usage(

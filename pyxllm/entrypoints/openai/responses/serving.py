@@ -183,7 +183,8 @@ class OpenAIServingResponses:
         with renamed_fields(lambda text: responses_field(_input_part(text, items))):
             prepared = await chat.prepare_chat(chat_request(request, conversation), response_id)
         engine_request = prepared.engine_request
-        echo = self.echo(request, engine_request.sampling_params)
+        model = chat.response_model(engine_request)
+        echo = self.echo(request, engine_request.sampling_params, model)
         prompt_tokens = len(engine_request.prompt_token_ids)
         run = ResponseRun(response_id, echo, prompt_tokens, prepared.reasoning)
 
@@ -194,7 +195,7 @@ class OpenAIServingResponses:
 
         if request.stream:
             token_bytes = chat.engine.tokenizer.token_bytes
-            events = ResponsesEvents(run, prepared, chat.model_name, keep, token_bytes)
+            events = ResponsesEvents(run, prepared, model, keep, token_bytes)
             return chat.stream(engine_request, events, include_usage=False)
         try:
             with renamed_fields(responses_field):
@@ -234,8 +235,9 @@ class OpenAIServingResponses:
             )
         return stored.messages
 
-    def echo(self, request: ResponsesRequest, params: SamplingParams) -> dict[str, Any]:
-        """The response fields that repeat the request (sampling values as applied)."""
+    def echo(self, request: ResponsesRequest, params: SamplingParams, model: str) -> dict[str, Any]:
+        """The response fields that repeat the request (sampling values as applied; ``model``
+        the name the answer reports, a LoRA adapter's or the served model's)."""
         text_format = (request.text and request.text.format) or ResponseFormatText(type="text")
         choice = request.tool_choice
         return {
@@ -243,7 +245,7 @@ class OpenAIServingResponses:
             "max_output_tokens": request.max_output_tokens,
             "max_tool_calls": request.max_tool_calls,
             "metadata": request.metadata or {},
-            "model": self.chat.model_name,
+            "model": model,
             "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id,
             "reasoning": {
