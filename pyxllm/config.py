@@ -514,7 +514,7 @@ class EngineConfig:
         None,
         help="receive the KV blocks a prefill instance's --kv-transfer-push sends into "
         "--kv-offload-dir, listening on this address (a private interface; with "
-        "$PYXLLM_KV_TRANSFER_TOKEN, only pushes carrying that secret) (default: off)",
+        "$PYXLLM_KV_TRANSFER_TOKEN, only pushes signed with that secret) (default: off)",
         group=CACHE_FLAGS,
         metavar="HOST:PORT",
     )

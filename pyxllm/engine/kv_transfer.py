@@ -25,13 +25,20 @@ that fails (peer down, refused, timed out) is logged and the peer skipped for
 (:data:`MAX_QUEUED_BYTES`: a slow peer), is dropped; the decode instance then computes those
 blocks itself.
 
-Authentication: with a shared secret in :data:`TOKEN_ENV` on both instances, each push carries
-``Authorization: Bearer <secret>`` and the listener refuses (``401``, logged, the body never
-stored) a push without it or with another (compared in constant time,
-``hmac.compare_digest``). The secret is an environment variable, not a flag, so that it does
-not show in the process list. Without it the listener takes any push (it warns at start). The
-connection is plain HTTP either way: the secret keeps strangers from writing KV, not from
-reading it on the wire, so keep the link on a private network.
+Authentication: with a shared secret in :data:`TOKEN_ENV` on both instances, the secret never
+travels: each push carries a timestamp (:data:`TIMESTAMP_HEADER`, Unix seconds) and an
+HMAC-SHA256 keyed by the secret (:data:`SIGNATURE_HEADER`, hex; :func:`sign`) over what
+identifies it: the method, the path (tier digest and block hash), the body's SHA-256 and the
+timestamp. The listener computes the body's SHA-256 itself, recomputes the HMAC and compares
+in constant time (``hmac.compare_digest``); it refuses (``401``, logged, the body never
+stored) a push without a signature, with a wrong one, or with a timestamp more than
+:data:`SIGNATURE_WINDOW_S` seconds from its own clock (keep the hosts' clocks in step, NTP).
+A push recorded on the wire can be replayed within that window, but a signature covers one
+block's path and bytes, so a replay only writes the same block again (a file already there is
+left as it is). The secret is an environment variable, not a flag, so that it does not show in
+the process list. Without it the listener takes any push (it warns at start). The connection
+is plain HTTP either way: the signature keeps strangers from writing KV, not from reading the
+blocks on the wire, so keep the link on a private network.
 """
 
 from __future__ import annotations
@@ -52,6 +59,10 @@ logger = logging.getLogger(__name__)
 
 # the environment variable holding the shared secret of pushes and listeners
 TOKEN_ENV = "PYXLLM_KV_TRANSFER_TOKEN"
+# the headers of a signed push: its HMAC-SHA256 (hex) and its time (Unix seconds)
+SIGNATURE_HEADER, TIMESTAMP_HEADER = "X-KV-Signature", "X-KV-Timestamp"
+# seconds a signed push's timestamp may be off the listener's clock, either way
+SIGNATURE_WINDOW_S = 60.0
 # seconds a peer whose push failed is skipped
 RETRY_AFTER = 5.0
 # seconds a push may take (connect, send, acknowledge)
@@ -78,6 +89,14 @@ def parse_address(address: str, flag: str, lowest_port: int = 1) -> tuple[str, i
     return host.strip("[]"), int(port)
 
 
+def sign(secret: bytes, method: str, path: str, body_sha256: str, timestamp: str) -> str:
+    """The HMAC-SHA256 (RFC 2104, hex) keyed by ``secret`` over a push's method, path, the
+    hex SHA-256 of its body and its timestamp, one line each: what :data:`SIGNATURE_HEADER`
+    carries."""
+    message = "\n".join((method, path, body_sha256, timestamp)).encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
 class KVTransferServer:
     """A decode instance's listener: writes the blocks pushed to it into ``tier``.
 
@@ -85,12 +104,12 @@ class KVTransferServer:
         tier: the instance's own directory tier (its ``root.name`` is the digest pushes must
             carry).
         address: ``HOST:PORT`` to listen on (port 0: any free port, see :attr:`port`).
-        token: the shared secret a push must carry (``None``: any push is taken).
+        token: the shared secret a push must be signed with (``None``: any push is taken).
 
     Attributes:
         port: the port it listens on.
-        received / refused: blocks written, pushes refused (no or a wrong secret, wrong
-            digest, length or checksum).
+        received / refused: blocks written, pushes refused (no or a wrong signature, a stale
+            timestamp, a wrong digest, length or checksum).
 
     Raises:
         OSError: the address cannot be bound.
@@ -108,21 +127,26 @@ class KVTransferServer:
             protocol_version = "HTTP/1.1"
 
             def do_PUT(self) -> None:  # noqa: N802 (http.server's name)
-                length = self.headers.get("Content-Length", "")
-                if not server.authorized(self.headers.get("Authorization")):
-                    if length == str(tier.block_bytes):  # drained, so the pusher reads the 401
+                length, headers = self.headers.get("Content-Length", ""), self.headers
+                whole = length == str(tier.block_bytes)
+                unsigned = server.unsigned(headers)
+                if unsigned is not None:
+                    if whole:  # drained, so the pusher reads the 401
                         self.rfile.read(tier.block_bytes)
-                    status, self.close_connection = server.refuse(401, self.client_address), True
-                elif length != str(tier.block_bytes):  # not a block: its body is not read
+                    status = server.refuse(401, self.client_address, unsigned)
+                    self.close_connection = True
+                elif not whole:  # not a block: its body is not read
                     status, self.close_connection = server.refuse(400), True
                 else:
                     payload = self.rfile.read(tier.block_bytes)
-                    checksum = self.headers.get("X-Content-SHA256")
-                    status = server.receive(self.path, payload, checksum)
-                    self.close_connection = server.closed
+                    sha = hashlib.sha256(payload).hexdigest()
+                    if not server.signed("PUT", self.path, sha, headers):
+                        status = server.refuse(401, self.client_address, "a wrong signature")
+                    else:
+                        checksum = headers.get("X-Content-SHA256")
+                        status = server.receive(self.path, payload, checksum, sha)
+                    self.close_connection = server.closed or status == 401
                 self.send_response(status)
-                if status == 401:
-                    self.send_header("WWW-Authenticate", "Bearer")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
@@ -139,9 +163,12 @@ class KVTransferServer:
         )
         self._thread.start()
 
-    def receive(self, path: str, payload: bytes, checksum: str | None) -> int:
-        """Write one pushed block: its HTTP status (204 written, 404 not a block's path, 409
-        another tier's digest, 400 a torn body, 503 closed)."""
+    def receive(
+        self, path: str, payload: bytes, checksum: str | None, sha: str | None = None
+    ) -> int:
+        """Write one pushed block (``sha``: its payload's SHA-256, hex, if known): its HTTP
+        status (204 written, 404 not a block's path, 409 another tier's digest, 400 a torn
+        body, 503 closed)."""
         if self.closed:
             return 503
         match = _PATH.match(path)
@@ -151,7 +178,8 @@ class KVTransferServer:
         if digest != self.tier.root.name:
             status = 409
         elif (
-            len(payload) != self.tier.block_bytes or hashlib.sha256(payload).hexdigest() != checksum
+            len(payload) != self.tier.block_bytes
+            or (sha or hashlib.sha256(payload).hexdigest()) != checksum
         ):
             status = 400
         else:
@@ -161,20 +189,36 @@ class KVTransferServer:
             return 204
         return self.refuse(status)
 
-    def authorized(self, header: str | None) -> bool:
-        """Whether an ``Authorization`` header value carries the listener's secret (always,
-        when it has none)."""
+    def unsigned(self, headers) -> str | None:
+        """Why a push's ``headers`` cannot carry a good signature (no signature or timestamp,
+        or a timestamp more than :data:`SIGNATURE_WINDOW_S` seconds off this host's clock), or
+        ``None`` (always, when the listener has no secret)."""
+        if self._token is None:
+            return None
+        if not headers.get(SIGNATURE_HEADER) or not headers.get(TIMESTAMP_HEADER):
+            return "no signature"
+        try:
+            skew = abs(time.time() - float(headers[TIMESTAMP_HEADER]))
+        except ValueError:
+            skew = float("nan")
+        if not skew <= SIGNATURE_WINDOW_S:  # NaN too
+            return f"a timestamp outside the {SIGNATURE_WINDOW_S:.0f} s window"
+        return None
+
+    def signed(self, method: str, path: str, body_sha256: str, headers) -> bool:
+        """Whether ``headers``' signature is the listener's HMAC of the push (:func:`sign`),
+        compared in constant time (always, when it has no secret)."""
         if self._token is None:
             return True
-        scheme, _, secret = (header or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(secret.encode(), self._token)
+        expected = sign(self._token, method, path, body_sha256, headers[TIMESTAMP_HEADER])
+        return hmac.compare_digest(headers[SIGNATURE_HEADER].encode(), expected.encode())
 
-    def refuse(self, status: int, client: tuple | None = None) -> int:
-        """Count and log a refused push (from ``client``, an address, when given); returns
-        ``status``."""
+    def refuse(self, status: int, client: tuple | None = None, why: str = "") -> int:
+        """Count and log a refused push (from ``client``, an address, and ``why``, when
+        given); returns ``status``."""
         with self._lock:
             self.refused += 1
-        reason = " (no or a wrong secret)" if status == 401 else ""
+        reason = f" ({why})" if why else ""
         origin = f" from {client[0]}:{client[1]}" if client else ""
         logger.warning("KV transfer: refused a block%s (HTTP %d%s)", origin, status, reason)
         return status
@@ -243,7 +287,7 @@ class KVTransferClient:
     Args:
         addresses: the peers, ``HOST:PORT`` each.
         digest: the instance's tier digest (``DiskKVTier.root.name``).
-        token: the shared secret sent with each push (``None``: none).
+        token: the shared secret each push is signed with (``None``: pushes are unsigned).
 
     Attributes:
         pushed / failed / dropped: blocks acknowledged by a peer, pushes that failed (one per
@@ -258,7 +302,7 @@ class KVTransferClient:
     ) -> None:
         self.peers = [_Peer(*parse_address(a, "--kv-transfer-push")) for a in addresses]
         self.digest = digest
-        self._auth = {} if token is None else {"Authorization": f"Bearer {token}"}
+        self._secret = None if token is None else token.encode()
         self.pushed = self.failed = self.dropped = 0
         self._counts = threading.Lock()
         self._unknown: set[tuple[str, int]] = set()
@@ -351,8 +395,12 @@ class KVTransferClient:
     def _send(self, peer: _Peer, block_hash: bytes, payload: bytes) -> None:
         """One block to ``peer`` (its connection opened if needed); a failure skips the peer
         for :data:`RETRY_AFTER` seconds."""
-        headers = {"X-Content-SHA256": hashlib.sha256(payload).hexdigest(), **self._auth}
-        path = f"/kv/{self.digest}/{block_hash.hex()}"
+        sha, path = hashlib.sha256(payload).hexdigest(), f"/kv/{self.digest}/{block_hash.hex()}"
+        headers = {"X-Content-SHA256": sha}
+        if self._secret is not None:
+            timestamp = str(int(time.time()))
+            headers[TIMESTAMP_HEADER] = timestamp
+            headers[SIGNATURE_HEADER] = sign(self._secret, "PUT", path, sha, timestamp)
         if peer.connection is None:
             peer.connection = http.client.HTTPConnection(*peer.address, timeout=PUSH_TIMEOUT)
         try:
@@ -372,7 +420,10 @@ class KVTransferClient:
             return
         self._count("failed")
         if status == 401:
-            status = f"401: not the listener's secret; set the same ${TOKEN_ENV} on both"
+            status = (
+                f"401: not signed with the listener's secret, or the clocks differ by over "
+                f"{SIGNATURE_WINDOW_S:.0f} s; set the same ${TOKEN_ENV} on both"
+            )
         peer.down_until = time.monotonic() + RETRY_AFTER
         logger.warning(
             "KV transfer to %s:%d failed (%s): skipped for %.0f s, the decode instance "

@@ -14,12 +14,15 @@ real ``pyxllm serve`` subprocesses:
 from __future__ import annotations
 
 import hashlib
+import hmac
 import http.client
 import json
 import logging
 import re
 import signal
 import socket
+import threading
+import time
 
 import anthropic
 import httpx
@@ -385,6 +388,16 @@ def test_without_its_prefill_instance_the_decode_instance_computes_the_prompt(
     assert httpx.get(proxy.url_for("health")).status_code == 503
 
 
+def signed_headers(secret: str, path: str, body: bytes, timestamp: float | None = None) -> dict:
+    """A push's signature headers, written here from the documented recipe (not with
+    ``kv_transfer.sign``): HMAC-SHA256 keyed by the secret over the method, path, the body's
+    SHA-256 and the timestamp, one line each."""
+    stamp = str(int(time.time() if timestamp is None else timestamp))
+    message = f"PUT\n{path}\n{hashlib.sha256(body).hexdigest()}\n{stamp}".encode()
+    signature = hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+    return {"X-KV-Timestamp": stamp, "X-KV-Signature": signature}
+
+
 def test_kv_moves_over_tcp_between_instances_without_a_shared_directory(
     model_dir, tmp_path, offline, monkeypatch, caplog
 ):
@@ -430,18 +443,18 @@ def test_kv_moves_over_tcp_between_instances_without_a_shared_directory(
 
         def put(digest: str, body: bytes, checksum: str, token: str | None = "s3cret") -> int:
             connection = http.client.HTTPConnection(*address.split(":"), timeout=10)
-            headers = {"X-Content-SHA256": checksum}
+            path, headers = f"/kv/{digest}/{'ab' * 32}", {"X-Content-SHA256": checksum}
             if token is not None:
-                headers["Authorization"] = f"Bearer {token}"
-            connection.request("PUT", f"/kv/{digest}/{'ab' * 32}", body=body, headers=headers)
+                headers.update(signed_headers(token, path, body))
+            connection.request("PUT", path, body=body, headers=headers)
             status = connection.getresponse().status
             connection.close()
             return status
 
         payload, digest = bytes(listener.tier.block_bytes), listener.tier.root.name
         sha = hashlib.sha256(payload).hexdigest()
-        assert put(digest, payload, sha, token=None) == 401  # no secret
-        assert put(digest, payload, sha, token="s3cre") == 401  # another one
+        assert put(digest, payload, sha, token=None) == 401  # not signed
+        assert put(digest, payload, sha, token="s3cre") == 401  # signed with another secret
         assert put("0" * len(digest), payload, sha) == 409  # another model's blocks
         assert put(digest, payload[:-1], hashlib.sha256(payload[:-1]).hexdigest()) == 400
         assert put(digest, payload, "0" * 64) == 400
@@ -572,14 +585,34 @@ def test_a_listener_that_never_answers_does_not_stall_the_prefill_instance(
 
 def test_a_push_without_the_listeners_secret_is_refused_and_not_stored(tmp_path, caplog):
     """In this process, no model: a listener with a secret takes the block of a pusher that
-    sends it, and refuses (401, logged) and stores nothing of one with another secret or
-    none; a listener without a secret takes any push."""
+    signs with it, and refuses (401, logged) and stores nothing of one signing with another
+    secret or not at all; the secret itself is never on the wire; a signature over another
+    block, or a timestamp outside the window, is refused, and a replay inside the window
+    rewrites the same block only; a listener without a secret takes any push."""
+    import socketserver
+
     from pyxllm.engine.kv_offload import DiskKVTier
     from pyxllm.engine.kv_transfer import KVTransferClient, KVTransferServer
 
     tier = DiskKVTier(str(tmp_path / "decode"), 2**20, "tiny", 64)
     payload, digest = bytes(range(64)), tier.root.name
     servers = [KVTransferServer(tier, "127.0.0.1:0", token) for token in ("s3cret", None)]
+    # what a pusher sends, as a recorder on the wire sees it
+    wire: list[bytes] = []
+
+    class Record(socketserver.BaseRequestHandler):
+        def handle(self):
+            data = b""
+            while len(data) < 64 or b"\r\n\r\n" not in data:
+                chunk = self.request.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            wire.append(data)
+            self.request.sendall(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n")
+
+    recorder = socketserver.TCPServer(("127.0.0.1", 0), Record)
+    threading.Thread(target=recorder.serve_forever, daemon=True).start()
     try:
         address = f"127.0.0.1:{servers[0].port}"
         for token, block in ((None, b"a"), ("other", b"b"), ("s3cret", b"c")):
@@ -589,12 +622,53 @@ def test_a_push_without_the_listeners_secret_is_refused_and_not_stored(tmp_path,
             assert (client.pushed, client.failed) == ((1, 0) if token == "s3cret" else (0, 1))
         assert (servers[0].refused, servers[0].received) == (2, 1)
         assert [tier.contains(b * 32) for b in (b"a", b"b", b"c")] == [False, False, True]
-        assert caplog.text.count("HTTP 401 (no or a wrong secret)") == 2
+        assert caplog.text.count("HTTP 401 (no signature)") == 1
+        assert caplog.text.count("HTTP 401 (a wrong signature)") == 1
+
+        client = KVTransferClient([f"127.0.0.1:{recorder.server_address[1]}"], digest, "s3cret")
+        client.push(b"c" * 32, payload)
+        client.close()
+        [request] = wire
+        assert b"s3cret" not in request and b"Authorization" not in request
+        path = f"/kv/{digest}/{(b'c' * 32).hex()}"
+        head = dict(
+            line.split(": ", 1) for line in request.split(b"\r\n\r\n")[0].decode().split("\r\n")[1:]
+        )
+        assert head["X-KV-Signature"] == signed_headers("s3cret", path, payload)["X-KV-Signature"]
+
+        def put(block: bytes, body: bytes, headers: dict) -> int:
+            connection = http.client.HTTPConnection("127.0.0.1", servers[0].port, timeout=10)
+            headers = {"X-Content-SHA256": hashlib.sha256(body).hexdigest(), **headers}
+            connection.request("PUT", f"/kv/{digest}/{block.hex()}", body=body, headers=headers)
+            status = connection.getresponse().status
+            connection.close()
+            return status
+
+        # the recorded push replayed: the same block written again, nothing else
+        replay = {k: head[k] for k in ("X-KV-Timestamp", "X-KV-Signature")}
+        files = sorted(tier.root.glob("*/*.kv"))
+        assert put(b"c" * 32, payload, replay) == 204
+        assert sorted(tier.root.glob("*/*.kv")) == files
+        # its signature does not cover another block's path or another body
+        assert put(b"e" * 32, payload, replay) == 401
+        assert put(b"c" * 32, bytes(64), replay) == 401
+        # a timestamp 61 s off, signed with the right secret
+        e_path = f"/kv/{digest}/{(b'e' * 32).hex()}"
+        for skew in (-61, 61):
+            stale = signed_headers("s3cret", e_path, payload, time.time() + skew)
+            assert put(b"e" * 32, payload, stale) == 401
+        assert put(b"e" * 32, payload, {**replay, "X-KV-Timestamp": "nan"}) == 401
+        assert put(b"e" * 32, payload, signed_headers("s3cret", e_path, payload)) == 204
+        assert caplog.text.count("HTTP 401 (a timestamp outside the 60 s window)") == 3
+        assert (servers[0].refused, servers[0].received) == (7, 3)
+
         client = KVTransferClient([f"127.0.0.1:{servers[1].port}"], digest, "any")
         client.push(b"d" * 32, payload)
         client.close()
         assert client.pushed == 1 and tier.contains(b"d" * 32)
     finally:
+        recorder.shutdown()
+        recorder.server_close()
         for server in servers:
             server.close()
 
