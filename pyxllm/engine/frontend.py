@@ -186,6 +186,7 @@ class EngineFrontend:
                     self.config.allowed_media_domains,
                 ),
             ),
+            kv_transfer=self.config.kv_offload_dir is not None,
         )
 
     @property

@@ -144,6 +144,10 @@ class InputProcessor:
             the score and classify tasks), ``None`` for other models.
         multimodal: a vision-language model's image processing, ``None`` for a text model
             (which refuses images).
+        kv_transfer: whether the engine moves KV between instances (``--kv-offload-dir``,
+            which ``--kv-role``, ``--kv-transfer-push`` and ``--kv-transfer-listen`` need):
+            without it, a request's ``kv_transfer_params`` is refused, as nothing would act
+            on it.
     """
 
     def __init__(
@@ -159,6 +163,7 @@ class InputProcessor:
         embedding_size: int | None = None,
         class_labels: tuple[str, ...] | None = None,
         multimodal: MultiModalProcessor | None = None,
+        kv_transfer: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -170,6 +175,7 @@ class InputProcessor:
         self.embedding_size = embedding_size
         self.class_labels = class_labels
         self.multimodal = multimodal
+        self.kv_transfer = kv_transfer
 
     def process(
         self,
@@ -190,15 +196,23 @@ class InputProcessor:
             InvalidRequestError: (a ``ValueError``) the prompt is empty, cannot be tokenized or
                 rendered, holds a token id outside the vocabulary; a ``stop_token_ids`` or
                 ``logit_bias`` id is outside it; a model default is out of range; or the prompt
-                plus ``max_tokens`` do not fit the context or the KV cache.
+                plus ``max_tokens`` do not fit the context or the KV cache; or
+                ``kv_transfer_params`` comes to an engine that moves no KV.
         """
+        params = SamplingParams() if params is None else params
+        if (params.extra_args or {}).get("kv_transfer_params") is not None and not self.kv_transfer:
+            raise InvalidRequestError(
+                "kv_transfer_params: this server moves no KV between instances (it was started "
+                "without --kv-offload-dir, --kv-role or --kv-transfer-push/--kv-transfer-listen), "
+                "so nothing would act on it",
+                "kv_transfer_params",
+            )
         tokens = prompt if isinstance(prompt, TokensPrompt) else self.tokenize(prompt)
         ids = [int(t) for t in tokens.token_ids]
         if not ids or tokens.text == "":
             raise InvalidRequestError(f"{tokens.param}: must not be empty", tokens.param)
         self.check_token_ids(ids, tokens.param)
         ids, mm_features = self.process_multimodal(ids, tokens)
-        params = SamplingParams() if params is None else params
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.check_token_ids(params.logit_bias or (), "logit_bias")
         if params.thinking_token_budget is not None and not params.think_end_token_ids:

@@ -64,8 +64,6 @@ FORWARDED_HEADERS = (
     "anthropic-version",
     "anthropic-beta",
 )
-# the routes whose requests take vLLM's kv_transfer_params field
-KV_PARAMS_ROUTES = ("/v1/completions", "/v1/chat/completions")
 # fields a prefill request drops: another output's settings, never the prompt's
 PREFILL_DROPPED = (
     "stream",
@@ -91,16 +89,16 @@ def prefill_body(
     :data:`ROUTES`): the same prompt and settings that decide its tokens (model, messages or
     input, instructions or system prompt, template arguments, tools, LoRA adapter, cache
     salt), one new token (in that API's field), no stream, no logprobs, and for the Responses
-    API not stored. On the routes of :data:`KV_PARAMS_ROUTES`, with ``decode_kv`` (``(host,
-    port)``: the ``--kv-transfer-listen`` address of the decode instance that will run the
-    request), ``kv_transfer_params`` names it, so the prefill instance pushes the request's
-    KV blocks there only. ``None`` when the request has no prefill step: a Responses request
-    that continues a stored response (``previous_response_id``), which only the decode
-    instance that answered it holds."""
+    API not stored. With ``decode_kv`` (``(host, port)``: the ``--kv-transfer-listen`` address
+    of the decode instance that will run the request), ``kv_transfer_params`` (vLLM's field,
+    which the prefill instance takes on each of these routes) names it, so the prefill
+    instance pushes the request's KV blocks there only. ``None`` when the request has no
+    prefill step: a Responses request that continues a stored response
+    (``previous_response_id``), which only the decode instance that answered it holds."""
     if path == "/v1/responses" and body.get("previous_response_id") is not None:
         return None
     out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
-    if decode_kv is not None and path in KV_PARAMS_ROUTES:
+    if decode_kv is not None:
         host, port = decode_kv
         out["kv_transfer_params"] = {
             "do_remote_decode": True,

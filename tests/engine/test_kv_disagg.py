@@ -8,7 +8,12 @@ real ``pyxllm serve`` subprocesses:
   offline engine's greedy tokens, and so do the Responses and Anthropic Messages APIs through
   the ``openai`` and ``anthropic`` SDKs; the decode instance reads each prompt's full blocks
   and computes the partial last one; with the prefill instance killed, the decode instance
-  computes the prompt itself and the answer is the same.
+  computes the prompt itself and the answer is the same;
+- the same prefill instance also pushes its blocks over TCP to two recording stand-ins of
+  decode instances: a Responses or Messages request through a proxy that names its decode
+  instance (``kv_transfer_params``) pushes there only;
+- over TCP between engines in this process: pushes are signed (HMAC-SHA256 of the shared
+  secret, never the secret), and unsigned, wrongly signed or stale pushes are refused.
 """
 
 from __future__ import annotations
@@ -94,12 +99,75 @@ class ProxyServer(RemoteServer):
         self.args[3] = "disagg-proxy"
 
 
+class RecordingPeer:
+    """A stand-in for a decode instance, on one port of this process: it records the KV blocks
+    pushed to it (``PUT /kv/...``, answered 204, as ``--kv-transfer-listen`` does) and the
+    requests sent to it (``POST``, answered 200 with ``{}``).
+
+    Attributes:
+        address: ``127.0.0.1:PORT``.
+        blocks: the paths of the blocks pushed, in order; posts: ``(path, body)`` of each POST.
+    """
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.blocks: list[str] = []
+        self.posts: list[tuple[str, dict]] = []
+        peer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def body(self) -> bytes:
+                return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+
+            def answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_PUT(self) -> None:  # noqa: N802 (http.server's name)
+                self.body()
+                peer.blocks.append(self.path)
+                self.answer(204, b"")
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                peer.posts.append((self.path, json.loads(self.body())))
+                self.answer(200, b"{}")
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        self.address = f"127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
 @pytest.fixture(scope="module")
-def disaggregated(model_dir, tmp_path_factory):
-    """``(proxy, prefill instance, decode instance)`` on one directory."""
+def peers():
+    """Two :class:`RecordingPeer` s the module's prefill instance also pushes to."""
+    made = [RecordingPeer(), RecordingPeer()]
+    yield made
+    for peer in made:
+        peer.close()
+
+
+@pytest.fixture(scope="module")
+def disaggregated(model_dir, tmp_path_factory, peers):
+    """``(proxy, prefill instance, decode instance)`` on one directory; the prefill instance
+    also pushes its blocks over TCP to ``peers`` (which the proxy does not know)."""
     shared = str(tmp_path_factory.mktemp("kv"))
     args = [model_dir, *ENGINE_ARGS, "--kv-offload-dir", shared, "--kv-role"]
-    prefill, decode = RemoteServer([*args, "prefill"]), RemoteServer([*args, "decode"])
+    push = ["--kv-transfer-push", *(peer.address for peer in peers)]
+    prefill, decode = RemoteServer([*args, "prefill", *push]), RemoteServer([*args, "decode"])
     try:
         run_together(prefill.__enter__, decode.__enter__)  # both start at once
         urls = ["--prefill", prefill.url_for(""), "--decode", decode.url_for("")]
@@ -257,14 +325,29 @@ def test_the_responses_and_messages_apis_go_through_both_instances(disaggregated
 
 
 def test_a_bad_body_is_a_400_naming_it(disaggregated):
-    proxy, prefill, _ = disaggregated
+    proxy, prefill, decode = disaggregated
     for params in ({"remote_host": "h"}, {"remote_host": "h", "remote_port": "80"}, [1]):
         body = {"prompt": "hi", "max_tokens": 1, "kv_transfer_params": params}
         response = httpx.post(prefill.url_for("v1", "completions"), json=body, timeout=60)
         assert response.status_code == 400, params
         assert response.json()["error"]["param"] == "kv_transfer_params"
-    body["kv_transfer_params"] = {"do_remote_decode": True, "remote_host": "h", "remote_port": 1}
-    assert httpx.post(prefill.url_for("v1", "completions"), json=body).status_code == 200
+    # each API's request takes the field on both instances
+    params = {"do_remote_decode": True, "remote_host": "h", "remote_port": 1}
+    model = httpx.get(decode.url_for("v1", "models")).json()["data"][0]["id"]
+    hi = [{"role": "user", "content": "hi"}]
+    for route, body in (
+        ("completions", {"prompt": "hi", "max_tokens": 1}),
+        ("chat/completions", {"messages": hi, "max_tokens": 1}),
+        ("responses", {"input": "hi", "max_output_tokens": 1}),
+        ("messages", {"model": model, "messages": hi, "max_tokens": 1}),
+    ):
+        for server in (prefill, decode):
+            body["kv_transfer_params"] = params
+            answer = httpx.post(server.url_for("v1", route), json=body, timeout=60)
+            assert answer.status_code == 200, (route, answer.text)
+    body = {"input": "hi", "max_output_tokens": 1, "kv_transfer_params": {"remote_host": "h"}}
+    response = httpx.post(prefill.url_for("v1", "responses"), json=body, timeout=60)
+    assert (response.status_code, response.json()["error"]["param"]) == (400, "kv_transfer_params")
     response = httpx.post(proxy.url_for("v1", "completions"), content=b"[1, 2")
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "body"
@@ -332,10 +415,10 @@ def test_the_proxy_cuts_each_api_to_one_token_and_follows_stored_responses():
 
 
 def test_the_proxy_names_each_requests_decode_instance_in_its_prefill_request():
-    """In this process, the instances mocked: with ``--decode-kv-listen``, a completion's or
-    chat's prefill request carries ``kv_transfer_params`` naming the listener of the decode
-    instance that then gets the request (instances taking turns); a Messages request (whose
-    API has no such field) and a proxy without the flag send none."""
+    """In this process, the instances mocked: with ``--decode-kv-listen``, the prefill request
+    of a completion, chat, Responses or Messages request carries ``kv_transfer_params`` naming
+    the listener of the decode instance that then gets the request (instances taking turns);
+    a proxy without the flag sends none."""
     from fastapi.testclient import TestClient
 
     from pyxllm.entrypoints.disagg_proxy import DisaggProxy, build_proxy_app
@@ -354,6 +437,7 @@ def test_the_proxy_names_each_requests_decode_instance_in_its_prefill_request():
         client.post("/v1/completions", json={"prompt": "a", "max_tokens": 5})
         client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 5})
         client.post("/v1/messages", json={"messages": [], "max_tokens": 5})
+        client.post("/v1/responses", json={"input": "a", "max_output_tokens": 5})
         return [(host, body.get("kv_transfer_params")) for host, body in sent]
 
     def named(host: str, port: int) -> dict:
@@ -364,12 +448,48 @@ def test_the_proxy_names_each_requests_decode_instance_in_its_prefill_request():
         ("d1", None),
         ("p", named("::1", 8301)),
         ("d2", None),
-        ("p", None),
+        ("p", named("10.0.0.1", 8300)),
         ("d1", None),
+        ("p", named("::1", 8301)),
+        ("d2", None),
     ]
-    assert [params for _, params in run(None)] == [None] * 6
+    assert [params for _, params in run(None)] == [None] * 8
     with pytest.raises(ValueError, match="one for each --decode"):
         DisaggProxy(["http://p:1"], ["http://d1:1", "http://d2:1"], 5, ["h:1"])
+
+
+def test_a_responses_or_messages_request_pushes_its_kv_to_its_decode_instance_only(
+    disaggregated, peers
+):
+    """The module's prefill instance also pushes to two recording stand-ins of decode
+    instances; a proxy (in this process) given their listeners (``--decode-kv-listen``) sends
+    a Responses request to the first and a Messages request to the second, naming each in the
+    prefill request's ``kv_transfer_params``: each stand-in gets the blocks of its own
+    request's prompt only (without the name, both would get both), and the whole request."""
+    from fastapi.testclient import TestClient
+
+    from pyxllm.entrypoints.disagg_proxy import DisaggProxy, build_proxy_app
+
+    _, prefill, _ = disaggregated
+    addresses = [peer.address for peer in peers]
+    proxy = DisaggProxy([prefill.url_for("")], [f"http://{a}" for a in addresses], 120, addresses)
+    model = httpx.get(prefill.url_for("v1", "models")).json()["data"][0]["id"]
+    ask = {"input": "Name three trees. " * 8, "max_output_tokens": 6, "temperature": 0}
+    rivers = [{"role": "user", "content": "Name three rivers. " * 8}]
+    message = {"model": model, "max_tokens": 6, "messages": rivers}
+
+    def pushed() -> list[int]:
+        return [len(peer.blocks) for peer in peers]
+
+    with TestClient(build_proxy_app(proxy)) as client:
+        start = pushed()
+        assert client.post("/v1/responses", json=ask).status_code == 200
+        first = pushed()
+        assert client.post("/v1/messages", json=message).status_code == 200
+        second = pushed()
+    assert first[0] > start[0] and first[1] == start[1]
+    assert second[0] == first[0] and second[1] > first[1]
+    assert [peer.posts[-1] for peer in peers] == [("/v1/responses", ask), ("/v1/messages", message)]
 
 
 def test_without_its_prefill_instance_the_decode_instance_computes_the_prompt(

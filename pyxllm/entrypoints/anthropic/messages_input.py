@@ -123,6 +123,7 @@ def chat_request(request: MessagesInput) -> ChatCompletionRequest:
             "top_p": request.top_p,
             "top_k": request.top_k,
             "thinking_token_budget": thinking_budget(request.thinking),
+            "kv_transfer_params": request.kv_transfer_params,
         }
     choice = request.tool_choice
     return ChatCompletionRequest(

@@ -115,7 +115,8 @@ class MessagesInput(RequestModel):
 
 class MessagesRequest(MessagesInput):
     """``POST /v1/messages``. ``max_tokens`` is required, as in Anthropic's API; ``metadata``
-    (a ``user_id`` Anthropic uses against abuse) is accepted and not used."""
+    (a ``user_id`` Anthropic uses against abuse) is accepted and not used; vLLM's
+    ``kv_transfer_params`` is passed on as a chat request's is."""
 
     max_tokens: int
     stop_sequences: list[str] | None = None
@@ -125,6 +126,9 @@ class MessagesRequest(MessagesInput):
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    # vLLM's prefill/decode field (not Anthropic's), as on chat completions: where this
+    # request's decode runs
+    kv_transfer_params: dict[str, Any] | None = None
     # declared to be refused when set (see messages_input.check_supported)
     container: Any = None
     inference_geo: str | None = None

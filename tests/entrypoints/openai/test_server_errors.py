@@ -192,6 +192,28 @@ def test_fields_left_at_their_neutral_value_are_accepted(server):
     assert response.status_code == 200, response.text
 
 
+def test_kv_transfer_params_is_refused_by_a_server_that_moves_no_kv(server):
+    """vLLM's prefill/decode field on each API's route of a server started without
+    --kv-offload-dir (nothing in it would act on the field): a 400 naming it, in the route's
+    error shape (tests/engine/test_kv_disagg.py shows the instances of a split set-up taking
+    it)."""
+    params = {"do_remote_decode": True, "remote_host": "10.0.0.2", "remote_port": 8300}
+    for path, body in (
+        ("completions", {"prompt": "Hi", "max_tokens": 2}),
+        ("chat/completions", {"messages": HELLO, "max_tokens": 2}),
+        ("responses", {"input": "Hi", "max_output_tokens": 2}),
+    ):
+        body.update(model=MODEL_NAME, kv_transfer_params=params)
+        error = assert_error(post(server, path, json=body), 400, "kv_transfer_params")
+        assert error["message"].startswith("kv_transfer_params: this server moves no KV"), path
+    body = {"model": MODEL_NAME, "messages": HELLO, "max_tokens": 2, "kv_transfer_params": params}
+    response = post(server, "messages", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["type"] == "error"  # Anthropic's shape on Anthropic's route
+    message = response.json()["error"]["message"]
+    assert message.startswith("kv_transfer_params: this server moves no KV"), message
+
+
 def test_continuous_usage_stats_is_refused(server):
     body = {"model": MODEL_NAME, "messages": HELLO, "max_tokens": 2, "stream": True}
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}

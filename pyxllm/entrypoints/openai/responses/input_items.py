@@ -128,6 +128,7 @@ def chat_request(
         logprobs=logprobs,
         top_logprobs=request.top_logprobs if logprobs else None,
         thinking_token_budget=REASONING_EFFORT_BUDGETS.get(effort),
+        kv_transfer_params=request.kv_transfer_params,
     )
 
 

@@ -128,7 +128,8 @@ class ResponsesRequest(RequestModel):
     ``temperature``, ``top_p``, ``stream``, ``previous_response_id``, ``store``, ``tools``
     (functions), ``tool_choice``, ``parallel_tool_calls``, ``text.format``, ``include``
     (``message.output_text.logprobs``), ``top_logprobs``, ``metadata``, ``user``,
-    ``safety_identifier``, ``prompt_cache_key`` (echoed; the prefix cache needs no key).
+    ``safety_identifier``, ``prompt_cache_key`` (echoed; the prefix cache needs no key), and
+    vLLM's ``kv_transfer_params`` (passed on as a chat request's is).
     The rest are declared only to be refused when given a value that asks for something.
     """
 
@@ -153,6 +154,8 @@ class ResponsesRequest(RequestModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # vLLM's prefill/decode field, as on chat completions: where this request's decode runs
+    kv_transfer_params: dict[str, Any] | None = None
     # refused unless left out or neutral (see serving.UNSUPPORTED)
     background: bool | None = None
     service_tier: str | None = None
