@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,30 @@ DEFAULT_MAX_TOKENS_PER_BATCH = 2048
 # --generation-config's words (vLLM's); anything else is a directory
 GENERATION_CONFIG_MODES = ("auto", "vllm")
 GIB = 2**30
+# the address of a KV directory in the Ray object store (see pyxllm.engine.kv_ray), as
+# --kv-transfer-push and --kv-transfer-listen take it
+RAY_KV_SCHEME = "ray://"
+_RAY_KV_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def ray_kv_directory(address: str | None) -> str | None:
+    """``NAME`` of a ``ray://NAME`` address (a KV directory in the Ray object store), ``None``
+    for any other address (``HOST:PORT``) or none.
+
+    Raises:
+        ValueError: ``ray://`` with a name that is not 1 to 64 letters, digits, ``_``, ``.``
+            or ``-``, starting with a letter or digit.
+    """
+    if address is None or not address.startswith(RAY_KV_SCHEME):
+        return None
+    name = address[len(RAY_KV_SCHEME) :]
+    if not _RAY_KV_NAME.match(name):
+        raise ValueError(
+            f"{address!r}: must be ray://NAME, NAME 1 to 64 letters, digits, '_', '.' or '-'"
+        )
+    return name
+
+
 # who starts and places the tensor-parallel ranks (pyxllm.executor): processes of this host
 # (spawned, or started by hand with --nnodes), or Ray actors (pyxllm.executor.ray_executor)
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
@@ -404,8 +429,10 @@ class EngineConfig:
     )
     ray_address: str | None = flag(
         None,
-        help="host:port of the Ray cluster's head to join (default: $RAY_ADDRESS, else the "
-        "cluster `ray start` started on this node, else a new local one)",
+        help="host:port of the Ray cluster's head to join, for --distributed-executor-backend "
+        "ray or a ray://NAME --kv-transfer-push/--kv-transfer-listen (default: $RAY_ADDRESS, "
+        "else the cluster `ray start` started on this node, else, for the executor only, a new "
+        "local one)",
         group=PARALLEL_FLAGS,
         metavar="HOST:PORT",
     )
@@ -505,18 +532,21 @@ class EngineConfig:
         (),
         help="also send each prompt's full KV blocks over TCP to this decode instance's "
         "--kv-transfer-listen, for instances that do not share --kv-offload-dir, on a thread "
-        "per peer; answers wait for them, steps do not (several: list them) (see "
-        "docs/serving.md, Prefill/decode disaggregation)",
+        "per peer; answers wait for them, steps do not (several: list them); or, given "
+        "ray://NAME (alone), put them into the Ray object store under the cluster's KV "
+        "directory NAME (see docs/serving.md, Prefill/decode disaggregation)",
         group=CACHE_FLAGS,
-        metavar="HOST:PORT",
+        metavar="HOST:PORT|ray://NAME",
     )
     kv_transfer_listen: str | None = flag(
         None,
         help="receive the KV blocks a prefill instance's --kv-transfer-push sends into "
         "--kv-offload-dir, listening on this address (a private interface; with "
-        "$PYXLLM_KV_TRANSFER_TOKEN, only pushes signed with that secret) (default: off)",
+        "$PYXLLM_KV_TRANSFER_TOKEN, only pushes signed with that secret); or, given "
+        "ray://NAME, fetch a prompt's blocks from the Ray cluster's KV directory NAME (default: "
+        "off)",
         group=CACHE_FLAGS,
-        metavar="HOST:PORT",
+        metavar="HOST:PORT|ray://NAME",
     )
     enable_lora: bool = flag(
         False,
@@ -640,12 +670,15 @@ class EngineConfig:
                 f"got {strategy!r}"
             )
         if backend != "ray":
-            for name in ("ray_address", "ray_placement_strategy"):
-                if getattr(self, name) is not None:
-                    raise ValueError(
-                        f"--{name.replace('_', '-')}: applies to --distributed-executor-backend "
-                        "ray only"
-                    )
+            if self.ray_placement_strategy is not None:
+                raise ValueError(
+                    "--ray-placement-strategy: applies to --distributed-executor-backend ray only"
+                )
+            if self.ray_address is not None and not self.ray_kv_transfer:
+                raise ValueError(
+                    "--ray-address: applies to --distributed-executor-backend ray, or to a "
+                    "ray://NAME --kv-transfer-push or --kv-transfer-listen, only"
+                )
             return
         for name, given in (("nnodes", self.nnodes > 1), ("master_addr", self.master_addr)):
             if given:
@@ -688,16 +721,40 @@ class EngineConfig:
                     "directory, with no KV cache)"
                 )
 
+    @property
+    def ray_kv_transfer(self) -> bool:
+        """Whether ``--kv-transfer-push`` or ``--kv-transfer-listen`` names a KV directory in
+        the Ray object store (``ray://NAME``)."""
+        push = self.kv_transfer_push
+        addresses = [push] if isinstance(push, str) else list(push)
+        return any(
+            isinstance(a, str) and a.startswith(RAY_KV_SCHEME)
+            for a in (*addresses, self.kv_transfer_listen)
+        )
+
     def _check_kv_offload(self) -> None:
         if self.kv_offload_max_gib <= 0:
             raise ValueError(f"--kv-offload-max-gib: must be > 0, got {self.kv_offload_max_gib}")
         push = self.kv_transfer_push  # a tuple, as the flags give a list
         self.kv_transfer_push = (push,) if isinstance(push, str) else tuple(push)
         for address in (*self.kv_transfer_push, self.kv_transfer_listen):
+            flag = "listen" if address == self.kv_transfer_listen else "push"
+            try:
+                if ray_kv_directory(address) is not None:
+                    continue
+            except ValueError as exc:
+                raise ValueError(f"--kv-transfer-{flag} {exc}") from None
             host, sep, port = (address or "h:1").rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                flag = "listen" if address == self.kv_transfer_listen else "push"
-                raise ValueError(f"--kv-transfer-{flag} {address!r}: must be HOST:PORT")
+                raise ValueError(
+                    f"--kv-transfer-{flag} {address!r}: must be HOST:PORT or ray://NAME"
+                )
+        rays = [a for a in self.kv_transfer_push if ray_kv_directory(a) is not None]
+        if rays and len(self.kv_transfer_push) > 1:
+            raise ValueError(
+                f"--kv-transfer-push {rays[0]}: give it alone (a prefill instance puts its blocks "
+                "into one Ray directory, or pushes them to HOST:PORT listeners)"
+            )
         if self.kv_transfer_push and self.kv_role == "decode":
             raise ValueError("--kv-transfer-push: not with --kv-role decode (it writes nothing)")
         if self.kv_offload_dir is None:
@@ -712,6 +769,8 @@ class EngineConfig:
                         "or each instance's own)"
                     )
             return
+        if self.ray_kv_transfer:
+            import_ray("--kv-transfer-push/--kv-transfer-listen ray://")
         for name, given in (
             ("tensor_parallel_size", self.world_size > 1),
             ("enable_prefix_cache", not self.enable_prefix_cache),

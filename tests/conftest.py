@@ -33,6 +33,7 @@ SLOW_MODULES = {
     "test_ray_executor.py": 75,
     "test_parity.py": 65,
     "test_kv_disagg.py": 60,
+    "test_kv_ray.py": 30,
     "test_tool_calls.py": 55,
     "test_multimodal_llava.py": 50,
     "test_data_parallel.py": 40,

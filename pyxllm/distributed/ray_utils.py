@@ -39,18 +39,17 @@ PENDING_REPORT_S = 5.0
 PLACEMENT_POLL_S = 0.5
 
 
-def import_ray():
+def import_ray(flag: str = "--distributed-executor-backend ray"):
     """The ``ray`` module.
 
     Raises:
-        ValueError: Ray is not installed (naming the flag and the install command).
+        ValueError: Ray is not installed (naming ``flag``, what asked for Ray, and the install
+            command).
     """
     try:
         import ray  # lazy: ray is optional (pyxllm[ray])
     except ImportError:
-        raise ValueError(
-            f"--distributed-executor-backend ray: Ray is not installed here; {RAY_INSTALL}"
-        ) from None
+        raise ValueError(f"{flag}: Ray is not installed here; {RAY_INSTALL}") from None
     return ray
 
 

@@ -118,6 +118,11 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def tier_block_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of ``request``'s leading full blocks that a KV tier could fill: every
+        full block but one holding its last token (whose logits are needed)."""
+        return list(self._block_hashes(request, (request.num_tokens - 1) // self.block_size))
+
     def begin_tier_load(self, request: Request, contains) -> TierLoad | None:
         """Start filling the RAM prefix cache with ``request``'s leading full blocks that it
         lacks and a KV tier holds (``contains(block_hash)``): takes a free block for each (at

@@ -31,6 +31,14 @@ whose sender threads push them while the engine runs on; a finished request's an
 back (:meth:`KVTierConnector.hold`, at most ``HOLD_S`` seconds) until its blocks were pushed
 or dropped, while later steps run.
 
+Between engines on one Ray cluster, ``--kv-transfer-push ray://NAME`` and
+``--kv-transfer-listen ray://NAME`` (:mod:`pyxllm.engine.kv_ray`) move them through the Ray
+object store: the prefill instance's blocks go out as the TCP pushes do (and hold answers the
+same way); the decode instance first asks the cluster's KV directory, on its reader thread,
+which of a waiting request's prompt blocks it holds (the request leaves the queue meanwhile,
+as for a read), then reads each block from its own directory or, failing that, from the
+object store, writing what it fetched into its own directory.
+
 Tokens count as vLLM's connector counts them: a request's first lookup adds its tokens to
 ``num_queries``; the tokens its blocks from the tier cover add to ``num_hits``.
 """
@@ -46,11 +54,13 @@ from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
 
-from pyxllm.config import EngineConfig
+from pyxllm.config import EngineConfig, ray_kv_directory
+from pyxllm.distributed.ray_utils import connect_ray, disconnect_ray
 from pyxllm.engine import kv_transfer
 from pyxllm.engine.block_pool import KVBlock
 from pyxllm.engine.kv_cache_manager import KVCacheManager, TierLoad
 from pyxllm.engine.kv_offload import DiskKVTier
+from pyxllm.engine.kv_ray import RayKVPusher, RayKVSource
 from pyxllm.engine.kv_transfer import TOKEN_ENV, KVTransferClient, KVTransferServer, PushTicket
 from pyxllm.engine.request import Request
 from pyxllm.engine.scheduler import Scheduler
@@ -70,15 +80,22 @@ class KVTierConnector:
         kv: the engine's block manager.
         driver: the executor driver holding the cache (``read_kv_block`` / ``write_kv_block``).
         role: a :data:`KV_ROLES` key.
-        transfer: the pusher to decode instances (``--kv-transfer-push``), or ``None``.
-        listener: the decode instance's listener (``--kv-transfer-listen``), or ``None``; the
-            connector closes both.
+        transfer: the pusher to decode instances (``--kv-transfer-push``: over TCP, or into
+            the Ray object store), or ``None``.
+        listener: the decode instance's listener (``--kv-transfer-listen HOST:PORT``), or
+            ``None``.
+        remote: the decode instance's source of blocks in the Ray object store
+            (``--kv-transfer-listen ray://NAME``), or ``None``; the connector closes all three.
+        joined_ray: whether the connector joined the Ray cluster (and leaves it on close).
 
     Attributes:
         num_queries / num_hits: tokens looked up in the tier (each request once) and tokens
             read back from it.
         held: finished outputs waiting for their request's pushes, by request id: ``(output,
             ticket, deadline)`` (``time.monotonic()`` seconds).
+        loading: the reads in flight, by request id: ``(its TierLoad, the reader's futures
+            of the payloads)``, or, while the Ray directory is asked about a request,
+            ``(the request, [the future of the answer])``.
     """
 
     def __init__(
@@ -87,17 +104,22 @@ class KVTierConnector:
         kv: KVCacheManager,
         driver,
         role: str = "both",
-        transfer: KVTransferClient | None = None,
+        transfer: KVTransferClient | RayKVPusher | None = None,
         listener: KVTransferServer | None = None,
+        remote: RayKVSource | None = None,
+        joined_ray: bool = False,
     ) -> None:
         self.tier, self.kv, self.driver, self.role = tier, kv, driver, role
-        self.transfer, self.listener = transfer, listener
+        self.transfer, self.listener, self.remote = transfer, listener, remote
+        self.joined_ray = joined_ray
+        # the refs the Ray directory holds for each request looked up there, by block hash
+        self._found: weakref.WeakKeyDictionary[Request, dict] = weakref.WeakKeyDictionary()
         self.loads, self.saves = KV_ROLES[role]
         self.num_queries = self.num_hits = 0
         self._queried: weakref.WeakSet[Request] = weakref.WeakSet()
         self._missed: weakref.WeakSet[Request] = weakref.WeakSet()  # see _finish_loads
-        # the reads in flight: request id -> (its load, the reader's futures of the payloads)
-        self.loading: dict[str, tuple[TierLoad, list[Future]]] = {}
+        # the reads (and Ray lookups) in flight, see the class doc
+        self.loading: dict[str, tuple[TierLoad | Request, list[Future]]] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="pyxllm-kv-tier-read")
         # the writer thread's queue: futures of the writes in flight, and their blocks' hashes
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pyxllm-kv-tier")
@@ -154,15 +176,29 @@ class KVTierConnector:
             config.kv_offload_max_gib,
             config.kv_role,
         )
-        transfer = listener = None
+        transfer = listener = remote = None
+        joined = False
+        push = config.kv_transfer_push
+        ray_push = ray_kv_directory(push[0]) if push else None
+        ray_listen = ray_kv_directory(config.kv_transfer_listen)
+        if ray_push or ray_listen:
+            address = config.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+            joined = connect_ray(address)
+            max_bytes = int(config.kv_offload_max_gib * 2**30)
+            if ray_push:
+                transfer = RayKVPusher(ray_push, tier.root.name, max_bytes)
+                logger.info("KV transfer: putting blocks into Ray KV directory %s", ray_push)
+            if ray_listen:
+                remote = RayKVSource(ray_listen, tier.root.name, block_bytes, max_bytes)
+                logger.info("KV transfer: fetching blocks from Ray KV directory %s", ray_listen)
         token = os.environ.get(TOKEN_ENV) or None
         signed = f"with the secret of ${TOKEN_ENV}" if token else "without a secret"
-        if config.kv_transfer_push:
+        if config.kv_transfer_push and not ray_push:
             transfer = KVTransferClient(config.kv_transfer_push, tier.root.name, token)
             logger.info(
                 "KV transfer: pushing blocks to %s, %s", ", ".join(config.kv_transfer_push), signed
             )
-        if config.kv_transfer_listen is not None:
+        if config.kv_transfer_listen is not None and not ray_listen:
             listener = KVTransferServer(tier, config.kv_transfer_listen, token)
             logger.info("KV transfer: receiving blocks on port %d, %s", listener.port, signed)
             if token is None:
@@ -171,13 +207,14 @@ class KVTierConnector:
                     "the same secret in $%s on both instances",
                     TOKEN_ENV,
                 )
-        return cls(tier, kv, driver, config.kv_role, transfer, listener)
+        return cls(tier, kv, driver, config.kv_role, transfer, listener, remote, joined)
 
     def load(self, scheduler: Scheduler) -> None:
-        """Before scheduling: end the reads that are done (their requests back into
-        ``scheduler``'s queue), then start reading the waiting requests' prefix blocks that
-        the tier holds and the RAM prefix cache lacks (a request that asks for prompt logprobs
-        computes its whole prompt)."""
+        """Before scheduling: end the reads (and Ray lookups) that are done (their requests
+        back into ``scheduler``'s queue), then start reading the waiting requests' prefix
+        blocks that the tier (or the Ray directory) holds and the RAM prefix cache lacks (a
+        request that asks for prompt logprobs computes its whole prompt). With a Ray source, a
+        request is first looked up there, once, off this thread."""
         if not self.loads:
             return
         self._finish_loads(scheduler)
@@ -192,9 +229,21 @@ class KVTierConnector:
                 self._save_blocks(self.kv.get_computed_blocks(request))
             if request in self._missed:
                 continue
-            load = self.kv.begin_tier_load(request, self.tier.contains)
+            if self.remote is not None and request not in self._found:
+                hashes = self.kv.tier_block_hashes(request)
+                if hashes:
+                    lookup = self._reader.submit(self.remote.lookup, hashes)
+                    self.loading[request.request_id] = (request, [lookup])
+                    started.append(request)
+                    continue
+            found = self._found.get(request) or {}
+
+            def contains(block_hash: bytes, found: dict = found) -> bool:
+                return block_hash in found or self.tier.contains(block_hash)
+
+            load = self.kv.begin_tier_load(request, contains)
             if load is not None:
-                reads = [self._reader.submit(self.tier.load, h) for h in load.hashes]
+                reads = [self._reader.submit(self._read, h, found.get(h)) for h in load.hashes]
                 self.loading[request.request_id] = (load, reads)
                 started.append(request)
         for request in started:
@@ -209,6 +258,11 @@ class KVTierConnector:
             if not all(read.done() for read in reads):
                 continue
             del self.loading[request_id]
+            if isinstance(load, Request):  # a Ray lookup: its requests' reads start next
+                self._found[load] = reads[0].result()
+                later = (i for i, r in enumerate(waiting) if r.arrival_time > load.arrival_time)
+                waiting.insert(next(later, len(waiting)), load)
+                continue
             payloads = [read.result() for read in reads]
             loaded = self.kv.finish_tier_load(load, payloads, self.driver.write_kv_block)
             self.num_hits += loaded * self.kv.block_size
@@ -223,8 +277,19 @@ class KVTierConnector:
         back in ``scheduler``'s queue, where the scheduler finishes it."""
         entry = self.loading.pop(request.request_id, None)
         if entry is not None:
-            self.kv.cancel_tier_load(entry[0])
+            if not isinstance(entry[0], Request):
+                self.kv.cancel_tier_load(entry[0])
             scheduler.waiting.appendleft(request)
+
+    def _read(self, block_hash: bytes, ref) -> bytes | None:
+        """The reader thread's job: one block from the tier, else (with ``ref``, the Ray
+        directory's ref for it) from the object store, then written to the tier too."""
+        payload = self.tier.load(block_hash)
+        if payload is None and ref is not None and self.remote is not None:
+            payload = self.remote.fetch(ref)
+            if payload is not None:
+                self.tier.save(block_hash, payload)
+        return payload
 
     def wait_for_loads(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for a read in flight, or a held answer's pushes, to
@@ -334,6 +399,11 @@ class KVTierConnector:
             self.transfer.close()
         if self.listener is not None:
             self.listener.close()
+        if self.remote is not None:
+            self.remote.close()
+        if self.joined_ray:
+            self.joined_ray = False
+            disconnect_ray()
 
     def stats(self) -> dict[str, int]:
         """The counters under ``/debug/stats``' names."""
@@ -350,12 +420,17 @@ class KVTierConnector:
         }
 
     def transfer_counts(self) -> dict[str, int]:
-        """Blocks by outcome over TCP: ``pushed``, ``failed``, ``dropped`` (with
-        ``--kv-transfer-push``), ``received``, ``refused`` (with ``--kv-transfer-listen``)."""
+        """Blocks by outcome over TCP or through Ray: ``pushed``, ``failed``, ``dropped``
+        (with ``--kv-transfer-push``), ``received``, ``refused`` (with
+        ``--kv-transfer-listen``; through Ray, ``failed`` also counts lookups and fetches that
+        failed)."""
         counts = {}
         if self.transfer is not None:
             for name in ("pushed", "failed", "dropped"):
                 counts[name] = getattr(self.transfer, name)
-        if self.listener is not None:
-            counts.update(received=self.listener.received, refused=self.listener.refused)
+        for source in (self.listener, self.remote):
+            if source is not None:
+                counts.update(received=source.received, refused=source.refused)
+        if self.remote is not None:
+            counts["failed"] = counts.get("failed", 0) + self.remote.failed
         return counts

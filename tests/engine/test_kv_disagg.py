@@ -800,6 +800,11 @@ def test_a_push_without_the_listeners_secret_is_refused_and_not_stored(tmp_path,
         ({"kv_transfer_listen": "9000"}, "--kv-transfer-listen '9000': must be HOST:PORT"),
         ({"kv_transfer_push": ("h:70000",)}, "--kv-transfer-push 'h:70000': must be HOST:PORT"),
         ({"kv_offload_dir": "d", "kv_role": "decode", "kv_transfer_push": ("h:1",)}, "not with"),
+        ({"kv_transfer_listen": "ray://"}, "--kv-transfer-listen 'ray://': must be ray://NAME"),
+        ({"kv_transfer_push": ("ray://a b",)}, "--kv-transfer-push 'ray://a b': must be ray://"),
+        ({"kv_transfer_push": ("ray://kv",)}, "--kv-transfer-push: needs --kv-offload-dir"),
+        ({"kv_offload_dir": "d", "kv_transfer_push": ("ray://kv", "h:1")}, "give it alone"),
+        ({"ray_address": "h:1"}, "--ray-address: applies to --distributed-executor-backend ray"),
     ],
 )
 def test_the_transfer_flags_are_checked(fields, message):
@@ -807,3 +812,21 @@ def test_the_transfer_flags_are_checked(fields, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         EngineConfig(model="m", **fields)
+
+
+def test_a_ray_transfer_takes_the_ray_address_and_needs_ray(monkeypatch):
+    import sys
+
+    from pyxllm.config import EngineConfig
+
+    config = EngineConfig(
+        model="m",
+        kv_offload_dir="d",
+        kv_role="decode",
+        kv_transfer_listen="ray://kv-1.a_b",
+        ray_address="10.0.0.1:6379",
+    )
+    assert (config.ray_kv_transfer, config.ray_address) == (True, "10.0.0.1:6379")
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as if not installed
+    with pytest.raises(ValueError, match=r"ray://: Ray is not installed here; .venv/bin/pip"):
+        EngineConfig(model="m", kv_offload_dir="d", kv_transfer_push=("ray://kv",))
