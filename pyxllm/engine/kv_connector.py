@@ -243,7 +243,8 @@ class KVTierConnector:
 
             load = self.kv.begin_tier_load(request, contains)
             if load is not None:
-                reads = [self._reader.submit(self._read, h, found.get(h)) for h in load.hashes]
+                run = [False]  # set at its first miss: the later blocks are not fetched
+                reads = [self._reader.submit(self._read, h, found.get(h), run) for h in load.hashes]
                 self.loading[request.request_id] = (load, reads)
                 started.append(request)
         for request in started:
@@ -281,14 +282,17 @@ class KVTierConnector:
                 self.kv.cancel_tier_load(entry[0])
             scheduler.waiting.appendleft(request)
 
-    def _read(self, block_hash: bytes, ref) -> bytes | None:
-        """The reader thread's job: one block from the tier, else (with ``ref``, the Ray
-        directory's ref for it) from the object store, then written to the tier too."""
+    def _read(self, block_hash: bytes, ref, missed: list[bool]) -> bytes | None:
+        """The reader thread's job: one block of a load from the tier, else (with ``ref``, the
+        Ray directory's ref for it) from the object store, then written to the tier too. The
+        load's blocks are read in order, and a run ends at its first miss: after one
+        (``missed[0]``, set here), nothing more is fetched from the object store."""
         payload = self.tier.load(block_hash)
-        if payload is None and ref is not None and self.remote is not None:
+        if payload is None and ref is not None and self.remote is not None and not missed[0]:
             payload = self.remote.fetch(ref)
             if payload is not None:
                 self.tier.save(block_hash, payload)
+        missed[0] = missed[0] or payload is None
         return payload
 
     def wait_for_loads(self, timeout: float) -> None:
