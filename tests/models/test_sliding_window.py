@@ -19,9 +19,10 @@ BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM = 16, 4, 2, 32
 SCALE = HEAD_DIM**-0.5
 
 
-def dense_reference(query, keys, values, q_positions, window, cap):
+def dense_reference(query, keys, values, q_positions, window, cap, image=None):
     """``query [Q, heads, D]`` at ``q_positions [Q]`` over ``keys``/``values [L, kv_heads, D]``
-    (positions 0..L-1), float64."""
+    (positions 0..L-1), float64; ``image`` ``(start, end)``: its tokens also see each other
+    (transformers' ``create_masks_for_vision_model``: ``AND(window, OR(causal, block))``)."""
     group = query.shape[1] // keys.shape[1]
     q = query.double().transpose(0, 1)
     k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -31,6 +32,9 @@ def dense_reference(query, keys, values, q_positions, window, cap):
         scores = torch.tanh(scores / cap) * cap
     kv = torch.arange(keys.shape[0])
     allowed = kv.unsqueeze(0) <= q_positions.unsqueeze(1)
+    if image is not None:
+        inside = lambda x: (x >= image[0]) & (x < image[1])  # noqa: E731
+        allowed |= inside(kv).unsqueeze(0) & inside(q_positions).unsqueeze(1)
     if window is not None:
         allowed &= kv.unsqueeze(0) > q_positions.unsqueeze(1) - window
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
@@ -72,6 +76,50 @@ def test_prefill_matches_dense_attention(window, cap, query_len):
     )
     positions = torch.arange(context_len - query_len, context_len)
     want = dense_reference(query, keys, values, positions, window, cap)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+
+
+IMAGE = (20, 36)  # an image's tokens in a 40-token context: they attend to each other
+
+
+def image_key_limits(positions: torch.Tensor) -> torch.Tensor:
+    """The last position each of ``positions`` attends to: its own, or :data:`IMAGE`'s last."""
+    inside = (positions >= IMAGE[0]) & (positions < IMAGE[1])
+    return torch.where(inside, IMAGE[1] - 1, positions)
+
+
+@pytest.mark.parametrize("window", [None, 4, 16])
+@pytest.mark.parametrize("query_len", [40, 24, 16])  # whole, from before the image, a hit inside
+def test_prefill_key_limits_let_an_image_see_itself(window, query_len):
+    context_len = 40
+    keys, values, caches, table, g = paged(context_len, seed=query_len)
+    query = torch.randn(query_len, HEADS, HEAD_DIM, generator=g) * 3
+    positions = torch.arange(context_len - query_len, context_len)
+    args = (query, keys[-query_len:], values[-query_len:], *caches, table, context_len, SCALE)
+    got = native.paged_attention_prefill(
+        *args, sliding_window=window, key_limits=image_key_limits(positions)
+    )
+    want = dense_reference(query, keys, values, positions, window, None, IMAGE)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    causal = native.paged_attention_prefill(*args, sliding_window=window)
+    assert not torch.allclose(causal.double(), want, atol=1e-3)  # the limits move the image
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_decode_rows_with_key_lens_see_their_image(window):
+    # every token of one sequence as a decode row (--batch-invariant), the image's tokens
+    # attending up to its last one: the mask built from key_lens, the window from seq_lens
+    context_len = 40
+    keys, values, caches, table, g = paged(context_len, seed=5)
+    query = torch.randn(context_len, HEADS, HEAD_DIM, generator=g) * 3
+    positions = torch.arange(context_len)
+    seq_lens, key_lens = positions + 1, image_key_limits(positions) + 1
+    mask = native.decode_attention_mask(seq_lens, context_len, window, key_lens)
+    tables = table.expand(context_len, -1)
+    got = native.paged_attention_decode(
+        query, *caches, tables, seq_lens, context_len, SCALE, mask, window
+    )
+    want = dense_reference(query, keys, values, positions, window, None, IMAGE)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
 
 

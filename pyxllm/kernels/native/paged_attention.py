@@ -20,6 +20,12 @@ Two per-layer options, as transformers' attention functions take them:
   ``sliding_window_overlay``, Mistral's and Gemma's local layers).
 - ``logits_soft_cap`` ``c``: scores ``s`` (already scaled) become ``c * tanh(s / c)`` before
   masking and softmax (Gemma 2, arXiv:2408.00118 section 2).
+
+And one per-token option of a prefill: ``key_limits``, the last position each query token
+attends to, its own (causal) or a later one: a token of an image that a model attends
+bidirectionally (Gemma 3's, transformers' ``create_masks_for_vision_model``) sees its whole
+image, up to the image's last token. The window's lower bound still counts from the token's
+own position (transformers' ``AND(sliding_window, OR(causal, image block))``).
 """
 
 from __future__ import annotations
@@ -96,14 +102,22 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
 
 
 def decode_attention_mask(
-    seq_lens: torch.Tensor, max_seq_len: int, sliding_window: int | None = None
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[batch, 1, 1, max_seq_len]`` bool, true where a context position is past the sequence's
     end, or (with ``sliding_window``) ``sliding_window`` or more positions before its last token
-    (to be masked); build it once per step and window, and pass it to every layer's decode."""
+    (to be masked); build it once per step and window, and pass it to every layer's decode.
+
+    ``key_lens`` (``int64 [batch]``, each at least its ``seq_lens``, at most ``max_seq_len``):
+    the positions each row attends below instead of ``seq_lens`` (a row of an image attended
+    bidirectionally, which sees its image's later tokens; see the module docstring), the window
+    still counted back from ``seq_lens``."""
     positions = torch.arange(max_seq_len, device=seq_lens.device).unsqueeze(0)
     lens = seq_lens.unsqueeze(1)
-    mask = positions >= lens
+    mask = positions >= (lens if key_lens is None else key_lens.unsqueeze(1))
     if sliding_window is not None:
         mask |= positions < lens - sliding_window
     return mask.view(-1, 1, 1, max_seq_len)
@@ -186,6 +200,7 @@ def paged_attention_prefill(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's new tokens (a prompt or a chunk of it).
 
@@ -203,6 +218,10 @@ def paged_attention_prefill(
         context_len: tokens in the sequence after this chunk.
         sliding_window, logits_soft_cap: see the module docstring (None: off). A window reads
             only the cached blocks it reaches.
+        key_limits: ``int64 [query_len]`` on the query's device, the last context position each
+            token attends to: its own, or a later one of the chunk (an image attended
+            bidirectionally, see the module docstring); every limit below ``context_len``, which
+            the caller ensures (the chunk holds each such image to its end). ``None``: causal.
     Returns:
         ``[query_len, num_heads, head_dim]``.
     """
@@ -217,7 +236,11 @@ def paged_attention_prefill(
     first_query = context_len - query_len
     # the first context position any query token can see
     start = 0 if sliding_window is None else max(0, first_query + 1 - sliding_window)
-    plain = logits_soft_cap is None and (sliding_window is None or sliding_window >= context_len)
+    plain = (
+        logits_soft_cap is None
+        and key_limits is None
+        and (sliding_window is None or sliding_window >= context_len)
+    )
     if context_len == query_len and plain:
         k, v = (_repeat_kv(x.transpose(0, 1), group).unsqueeze(0) for x in (key, value))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(
@@ -238,7 +261,7 @@ def paged_attention_prefill(
     k, v = (_repeat_kv(x.transpose(0, 1), group).to(query.dtype).unsqueeze(0) for x in (k, v))
     kv_pos = torch.arange(start, context_len, device=query.device)
     q_pos = torch.arange(first_query, context_len, device=query.device).unsqueeze(1)
-    mask = kv_pos.unsqueeze(0) <= q_pos
+    mask = kv_pos.unsqueeze(0) <= (q_pos if key_limits is None else key_limits.unsqueeze(1))
     if sliding_window is not None:
         mask &= kv_pos.unsqueeze(0) > q_pos - sliding_window
     if logits_soft_cap is None:
