@@ -9,6 +9,11 @@ flash-attn's paged layout. The step's K/V are written first (``kernels.ops.resha
 then every row attends over its cached context: a decode-only step with
 ``flash_attn_with_kvcache``, any other step with one ``flash_attn_varlen_func`` call (causal
 masks align each query chunk to the end of its context).
+
+flash-attn's masks are causal or windowed, never a per-token key limit: a step with an image
+attended bidirectionally (``InputBatch.key_limits``, Gemma 3's images) is built as a
+:class:`~pyxllm.attention.torch_paged.TorchPagedAttentionStep` instead (the pure-PyTorch
+kernels, on the same caches), the steps without one as below.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.nn.functional as F
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from pyxllm import kernels
+from pyxllm.attention.torch_paged import TorchPagedAttentionBackend, TorchPagedAttentionStep
 
 
 @dataclass(slots=True)
@@ -89,8 +95,11 @@ class FlashAttnStep:
 class FlashAttnBackend:
     """Builds a :class:`FlashAttnStep` per step, or over a graph runner's static buffers."""
 
-    def build(self, batch) -> FlashAttnStep:
-        """``batch``: an ``InputBatch``."""
+    def build(self, batch) -> FlashAttnStep | TorchPagedAttentionStep:
+        """``batch``: an ``InputBatch``; one with key limits: the pure-PyTorch step (see the
+        module docstring)."""
+        if batch.key_limits is not None:
+            return TorchPagedAttentionBackend().build(batch)
         seq_lens = batch.seq_lens.to(torch.int32)
         decode_only = all(n == 1 for n in batch.query_lens)
         return FlashAttnStep(

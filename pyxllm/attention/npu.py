@@ -7,6 +7,10 @@ compares it with the CPU on a card. Imported only when the NPU platform is bound
 ``torch_npu._npu_paged_attention`` reads the context lengths from a host tensor, so a captured
 ACL graph cannot use it as is; the graph runner's decode steps use the inherited
 ``build_decode`` (pure-PyTorch attention over static buffers) instead.
+
+Prefill chunks with key limits (an image attended bidirectionally, Gemma 3's) take them through
+the inherited pure-PyTorch prefill; decode rows with key limits (only under
+``--batch-invariant``) take the pure-PyTorch decode kernel, torch_npu's reading no such limit.
 """
 
 from __future__ import annotations
@@ -44,9 +48,13 @@ class NPUAttentionStep(TorchPagedAttentionStep):
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """``query [num_decodes, heads, head_dim] -> [num_decodes, heads, head_dim]``; layers
-        with a sliding window or soft-capping take the pure-PyTorch kernel (torch_npu's has
-        neither option)."""
-        if sliding_window is not None or logits_soft_cap is not None:
+        with a sliding window or soft-capping, and rows with key limits, take the pure-PyTorch
+        kernel (torch_npu's has none of these options)."""
+        if (
+            sliding_window is not None
+            or logits_soft_cap is not None
+            or self.decode_key_lens is not None
+        ):
             return TorchPagedAttentionStep.decode(
                 self, query, k_cache, v_cache, scale, sliding_window, logits_soft_cap
             )

@@ -3,6 +3,12 @@
 Per step it splits the batch into decode sequences (one new token: batched together) and
 prefill sequences (a prompt or a chunk of one, over any cached prefix: one call each), so a
 batch may mix both in any order.
+
+A step whose tokens carry key limits (``InputBatch.key_limits``: the tokens of an image a model
+attends bidirectionally, Gemma 3's) hands each prefill its tokens' limits; decode rows with
+limits (a prefill's tokens under ``--batch-invariant``) take the native decode kernel with a
+mask built from them, never a fused one (the CPU's fused decode kernel reads only the rows'
+lengths).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pyxllm import kernels
+from pyxllm.kernels import native
 
 
 @dataclass(slots=True)
@@ -23,6 +30,7 @@ class PrefillSpan:
     end: int
     context_len: int
     block_table: torch.Tensor
+    key_limits: torch.Tensor | None = None  # [end - start] int64, see paged_attention_prefill
 
 
 @dataclass(slots=True)
@@ -39,6 +47,9 @@ class TorchPagedAttentionStep:
             each decode row must not attend to; built once per step for every layer.
         window_masks: the same for sliding-window layers, by window, built by the first layer
             of each window that needs one.
+        decode_key_lens: ``[num_decodes]`` int64, the positions each decode row attends below
+            where some row sees past itself (its image's later tokens, see the module
+            docstring; ``decode_max_seq_len`` covers them), else ``None``.
     """
 
     slot_mapping: torch.Tensor
@@ -50,14 +61,15 @@ class TorchPagedAttentionStep:
     prefills: list[PrefillSpan]
     decode_mask: torch.Tensor | None = None
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    decode_key_lens: torch.Tensor | None = None
 
     def decode_mask_for(self, sliding_window: int | None) -> torch.Tensor | None:
         """The decode rows' mask for layers with ``sliding_window`` (None: full attention)."""
         if sliding_window is None or self.decode_mask is None:
             return self.decode_mask
         if sliding_window not in self.window_masks:
-            self.window_masks[sliding_window] = kernels.ops.decode_attention_mask(
-                self.decode_seq_lens, self.decode_max_seq_len, sliding_window
+            self.window_masks[sliding_window] = decode_mask(
+                self.decode_seq_lens, self.decode_max_seq_len, sliding_window, self.decode_key_lens
             )
         return self.window_masks[sliding_window]
 
@@ -71,8 +83,12 @@ class TorchPagedAttentionStep:
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Attention of the decode rows ``query [num_decodes, heads, head_dim]`` over their cached
-        context (a fused backend overrides this)."""
-        return kernels.ops.paged_attention_decode(
+        context (a fused backend overrides this); rows with key limits through the native
+        kernel and their mask (see the module docstring)."""
+        decode = kernels.ops.paged_attention_decode
+        if self.decode_key_lens is not None:
+            decode = native.paged_attention_decode
+        return decode(
             query,
             k_cache,
             v_cache,
@@ -123,6 +139,7 @@ class TorchPagedAttentionStep:
                 p.context_len,
                 scale,
                 *options,
+                *(() if p.key_limits is None else (p.key_limits,)),
             )
         return out
 
@@ -168,8 +185,15 @@ class TorchPagedAttentionBackend:
         tokens, seqs, lens = decode_rows(batch, every_token=self.batch_invariant)
         starts, query_lens = batch.query_start_list, batch.query_lens
         decoding = set(seqs)
+        limited = set(batch.key_limit_seqs)
         prefills = [
-            PrefillSpan(starts[i], starts[i] + n, batch.seq_lens_list[i], batch.block_tables[i])
+            PrefillSpan(
+                starts[i],
+                starts[i] + n,
+                batch.seq_lens_list[i],
+                batch.block_tables[i],
+                batch.key_limits[starts[i] : starts[i] + n] if i in limited else None,
+            )
             for i, n in enumerate(query_lens)
             if i not in decoding
         ]
@@ -181,6 +205,10 @@ class TorchPagedAttentionBackend:
             batch.seq_lens if plain else torch.tensor(lens, dtype=torch.long, device=device)
         )
         max_seq_len = max(lens, default=0)
+        key_lens = None
+        if limited.intersection(seqs):  # prefill tokens as decode rows (--batch-invariant)
+            key_lens = batch.key_limits[torch.tensor(tokens, device=device)] + 1
+            max_seq_len = max(max_seq_len, int(key_lens.max()))
         return TorchPagedAttentionStep(
             slot_mapping=batch.slot_mapping,
             num_decodes=len(tokens),
@@ -191,9 +219,10 @@ class TorchPagedAttentionBackend:
             decode_seq_lens=decode_seq_lens,
             decode_max_seq_len=max_seq_len,
             prefills=prefills,
-            decode_mask=kernels.ops.decode_attention_mask(decode_seq_lens, max_seq_len)
+            decode_mask=decode_mask(decode_seq_lens, max_seq_len, None, key_lens)
             if tokens
             else None,
+            decode_key_lens=key_lens,
         )
 
 
@@ -215,3 +244,16 @@ def decode_rows(batch, every_token: bool = False) -> tuple[list[int], list[int],
             seqs += [i] * n
             lens += range(batch.seq_lens_list[i] - n + 1, batch.seq_lens_list[i] + 1)
     return tokens, seqs, lens
+
+
+def decode_mask(
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    sliding_window: int | None,
+    key_lens: torch.Tensor | None,
+) -> torch.Tensor:
+    """The decode rows' mask (``kernels.ops.decode_attention_mask``); rows with key limits
+    (``key_lens``, see the module docstring) through the native one, which takes them."""
+    if key_lens is None:
+        return kernels.ops.decode_attention_mask(seq_lens, max_seq_len, sliding_window)
+    return native.decode_attention_mask(seq_lens, max_seq_len, sliding_window, key_lens)

@@ -41,6 +41,11 @@ class InputBatch:
             where some sequence has them (``ScheduledSequence.mrope_positions``; the others'
             tokens get their position thrice), else ``None``: the model reads ``positions``.
             ``positions`` still places the tokens in the KV cache.
+        key_limits: ``[T]`` int64, the last context position each token attends to, where some
+            sequence has bidirectional images (``ScheduledSequence.bidirectional_ranges``): a
+            token of such an image its image's last position, every other token its own; else
+            ``None`` (every token causal, no cost to text-only steps).
+        key_limit_seqs: the sequences with such images (indices into the step's sequences).
     """
 
     input_ids: torch.Tensor
@@ -55,10 +60,17 @@ class InputBatch:
     query_start_list: list[int]
     num_draft_tokens: list[int]
     mrope_positions: torch.Tensor | None = None
+    key_limits: torch.Tensor | None = None
+    key_limit_seqs: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, plan: SchedulerOutput, block_size: int, device: torch.device) -> InputBatch:
-        """Build the step's tensors from the scheduler's plan; ``block_size`` in tokens."""
+        """Build the step's tensors from the scheduler's plan; ``block_size`` in tokens.
+
+        Raises:
+            ValueError: a sequence's bidirectional image ends after its step's last token (its
+                earlier tokens would miss the later ones).
+        """
         seqs = plan.sequences
         query_lens = [len(s.token_ids) for s in seqs]
         computed = [s.num_computed_tokens for s in seqs]
@@ -88,6 +100,19 @@ class InputBatch:
             for i, s in enumerate(seqs):
                 if s.mrope_positions is not None:
                     mrope[:, starts[i] : starts[i + 1]] = s.mrope_positions
+        limits, limited = None, tuple(i for i, s in enumerate(seqs) if s.bidirectional_ranges)
+        if limited:
+            limits = positions.clone()
+            for i in limited:
+                s, first = seqs[i], computed[i]
+                for lo, hi in s.bidirectional_ranges:
+                    if hi > seq_lens[i]:
+                        raise ValueError(
+                            f"sequence {s.request_id}: its image [{lo}, {hi}) ends after the "
+                            f"step's last token ({seq_lens[i] - 1})"
+                        )
+                    lo = max(lo, first)
+                    limits[starts[i] + lo - first : starts[i] + hi - first] = hi - 1
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return cls(
             input_ids=to(
@@ -106,6 +131,8 @@ class InputBatch:
             query_start_list=starts,
             num_draft_tokens=[s.num_draft_tokens for s in seqs],
             mrope_positions=None if mrope is None else to(mrope),
+            key_limits=None if limits is None else to(limits),
+            key_limit_seqs=limited,
         )
 
     @property

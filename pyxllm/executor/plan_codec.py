@@ -8,7 +8,8 @@ Both ends keep the state of the previous
 step's sequences, keyed by a small integer handle that rank 0 gives each request:
 
 ``StepMessage([(handle, token_ids, num_computed, sample, keep, new_blocks, num_prompt_logprobs,
-num_draft_tokens, images[, mrope_positions]), ...])`` (:mod:`~pyxllm.executor.messages`)
+num_draft_tokens, images[, mrope_positions, bidirectional_ranges]), ...])``
+(:mod:`~pyxllm.executor.messages`)
 
 - ``num_computed`` is ``-1`` when it equals the last step's ``num_computed + len(token_ids)``
   (always, for a sequence that keeps running), else the value (a new or recomputed sequence);
@@ -22,8 +23,10 @@ num_draft_tokens, images[, mrope_positions]), ...])`` (:mod:`~pyxllm.executor.me
   ``[identifier, modality, offset, length, data]``, ``data`` the encoder's inputs (each tensor
   as dtype, shape and base64 bytes) only when rank 0's encoder cache lacks the image: every
   rank's cache sees the same steps, so it holds what rank 0's holds (see ``encoder_cache.py``);
-- ``mrope_positions``: an mRoPE model's ``[3, len(token_ids)]`` positions as three lists,
-  absent for 1-D positions (so a text model's decode costs no more).
+- ``mrope_positions``: an mRoPE model's ``[3, len(token_ids)]`` positions as three lists
+  (``null`` for 1-D positions), and ``bidirectional_ranges``: the ``[start, end)`` pairs of
+  the images the step's tokens attend bidirectionally (Gemma 3's); both absent when neither is
+  there (so a text model's decode costs no more).
 
 Sent as JSON (``distributed.control``), a decode step costs each sequence about 30 bytes.
 """
@@ -157,8 +160,12 @@ class PlanEncoder:
                 if s.mm_features
                 else [],
             )
-            if s.mrope_positions is not None:
-                entry += (s.mrope_positions.tolist(),)
+            if s.mrope_positions is not None or s.bidirectional_ranges:
+                mrope = s.mrope_positions
+                entry += (
+                    None if mrope is None else mrope.tolist(),
+                    [list(r) for r in s.bidirectional_ranges],
+                )
             seqs.append(entry)
             known[s.request_id] = _Known(
                 handle, list(table), s.num_computed_tokens + len(s.token_ids)
@@ -195,8 +202,9 @@ class PlanDecoder:
                 num_targets,
                 drafts,
                 images,
-                *mrope,
+                *extra,
             ) = entry
+            mrope, ranges = extra if extra else (None, ())
             prev = self._known.get(handle)
             if prev is None and (computed < 0 or keep):
                 raise ValueError(
@@ -216,7 +224,10 @@ class PlanDecoder:
                     prompt_logprob_targets=[0] * num_targets or None,
                     num_draft_tokens=drafts,
                     mm_features=_images_from_wire(images),
-                    mrope_positions=torch.tensor(mrope[0], dtype=torch.long) if mrope else None,
+                    mrope_positions=None
+                    if mrope is None
+                    else torch.tensor(mrope, dtype=torch.long),
+                    bidirectional_ranges=tuple((lo, hi) for lo, hi in ranges),
                 )
             )
             known[handle] = _Known(handle, table, computed + len(token_ids))

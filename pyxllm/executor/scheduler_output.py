@@ -54,6 +54,10 @@ class ScheduledSequence:
             (``(temporal, height, width)``, see
             :func:`~pyxllm.multimodal_inputs.mrope_positions`) for a request with images on
             an mRoPE grid (Qwen2-VL), decodes included; ``None``: the tokens' indices.
+        bidirectional_ranges: for a model that attends bidirectionally within each image
+            (Gemma 3), the ``[start, end)`` prompt positions of the images whose tokens in this
+            step see later tokens of their image (each wholly in the step from its first
+            token here to its end, which the scheduler ensures); empty otherwise.
     """
 
     request_id: str
@@ -74,6 +78,7 @@ class ScheduledSequence:
     lora_request: LoRARequest | None = None
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     mrope_positions: torch.Tensor | None = None
+    bidirectional_ranges: tuple[tuple[int, int], ...] = ()
 
     @property
     def draft_token_ids(self) -> list[int]:

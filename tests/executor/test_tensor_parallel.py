@@ -360,6 +360,21 @@ def test_plan_codec_carries_mrope_positions():
     assert torch.equal(got.mrope_positions, decode.mrope_positions)
 
 
+def test_plan_codec_carries_bidirectional_ranges():
+    """A Gemma 3 step's images attended bidirectionally cross as ``[start, end)`` pairs (with
+    mRoPE positions or without); a sequence without them gets none."""
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    chunk = _seq("a", list(range(30)), 0, [1, 2])
+    chunk.bidirectional_ranges = ((3, 19), (21, 25))
+    text = _seq("b", [7, 8], 0, [3])
+    got = decoder.decode(
+        from_wire(json.loads(encode(to_wire(encoder.encode(SchedulerOutput([chunk, text]))))))
+    )
+    assert got.sequences[0].bidirectional_ranges == ((3, 19), (21, 25))
+    assert got.sequences[0].mrope_positions is None
+    assert got.sequences[1].bidirectional_ranges == ()
+
+
 class _TwoNodes:
     """Rank 1 (``pyxllm serve --node-rank 1``: executor only) and rank 0 (the HTTP server)."""
 

@@ -283,7 +283,9 @@ class GraphRunner(Runner):
         run eagerly (a prefill chunk, even a short one: prefills attend through the prefill
         kernel, as without speculation; a query longer than ``max_query_len``, more tokens than
         the largest bucket, a context longer than the captured one, or mRoPE positions: the
-        captures read the tokens' indices)."""
+        captures read the tokens' indices). A decode step never carries key limits (a token of
+        an image attended bidirectionally that sees later ones is never a chunk's only token),
+        so the captures, which attend causally, serve every step they take."""
         n = sum(batch.query_lens)
         if (
             not batch.decodes_only

@@ -193,7 +193,9 @@ def paged_attention_decode(
     """See ``pyxllm.kernels.native.paged_attention_decode``. Each row attends to exactly its
     ``seq_lens[b]`` tokens (its last ``sliding_window`` of them), so ``max_seq_len`` and
     ``attn_mask`` are not needed (a row of length 0, graph padding, gets zeros). Soft-capped
-    layers (Gemma 2) take the native kernel."""
+    layers (Gemma 2) take the native kernel, and so do rows with key limits (the tokens of an
+    image attended bidirectionally, Gemma 3's, under ``--batch-invariant``): this kernel reads
+    no mask, so ``TorchPagedAttentionStep.decode`` calls the native one for them."""
     if logits_soft_cap is not None:
         return native.paged_attention_decode(
             query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, attn_mask,
