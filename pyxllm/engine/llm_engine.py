@@ -82,7 +82,15 @@ class LLMEngine:
             config, front, self.executor, self.kv_cache_manager
         )
         budget = config.token_budget(self.max_model_len)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
+        self.scheduler = Scheduler(
+            config,
+            self.kv_cache_manager,
+            self.max_model_len,
+            # Gemma 3's images: no prefill chunk may end inside one (see the scheduler)
+            bidirectional_images=getattr(
+                self.executor.driver.model, "bidirectional_image_attention", False
+            ),
+        )
         if config.max_tokens_per_batch is None and budget > DEFAULT_MAX_TOKENS_PER_BATCH:
             logger.info(
                 "without chunked prefill a whole prompt is computed in one step: up to %d tokens "

@@ -16,6 +16,16 @@ that would pass it ends just before the image that does (the request goes on nex
 one step never encodes more images than that; the first image of a step always fits, so an
 image larger than the budget still runs.
 
+A model that attends bidirectionally within each image (``bidirectional_images``: Gemma 3,
+whose image tokens see their whole image) must never have a prefill chunk end inside an image:
+its earlier tokens would miss the later ones. vLLM's ``disable_chunked_mm_input`` rule: a
+chunk that would cut an image stops before it (the request goes on next step); a chunk that
+starts inside or at an image (its first part a prefix-cache hit, which was computed with the
+whole image in view) takes the image's rest in one piece, or waits for the next step when the
+budget left cannot hold it; a rest larger than the whole step budget runs alone in a step,
+over the budget. Each scheduled sequence names the images whose tokens see later ones
+(``ScheduledSequence.bidirectional_ranges``), from which the attention masks are built.
+
 Speculative decoding: a decoding request with draft tokens (``Request.spec_token_ids``) computes
 its last token and the drafts in one step (vLLM v1's way): ``1 + k`` query tokens, KV slots for
 all of them. The executor returns the tokens the target model accepted plus its own next one;
@@ -38,7 +48,8 @@ class Scheduler:
 
     Each step computes at most ``config.token_budget(max_model_len)`` tokens
     (``--max-tokens-per-batch``; without chunked prefill and without that flag, enough for a
-    whole ``max_model_len`` prompt).
+    whole ``max_model_len`` prompt). ``bidirectional_images``: the model attends bidirectionally
+    within each image (see the module docstring).
     """
 
     def __init__(
@@ -46,12 +57,14 @@ class Scheduler:
         config: EngineConfig,
         kv_cache_manager: KVCacheManager,
         max_model_len: int | None = None,
+        bidirectional_images: bool = False,
     ) -> None:
         self.max_seqs = config.max_seqs_per_batch
         self.max_loras = config.max_loras
         self.max_tokens = config.token_budget(max_model_len)
         self.encoder_budget = self.max_tokens  # placeholder tokens of images begun per step
         self.chunked_prefill = config.enable_chunked_prefill
+        self.bidirectional_images = bidirectional_images
         self.kv = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -94,7 +107,10 @@ class Scheduler:
             num_new = min(num_new + drafts, budget)
             drafts = min(drafts, num_new - 1)
             if request.mm_features:
-                num_new = encoder.fit(request, request.num_computed_tokens, num_new)
+                start = request.num_computed_tokens
+                num_new = encoder.fit(request, start, num_new)
+                if self.bidirectional_images:
+                    num_new = self._whole_images(request, start, num_new, budget)
                 if num_new == 0:  # its next image waits for the next step
                     i += 1
                     continue
@@ -126,6 +142,8 @@ class Scheduler:
             num_new = min(num_new, budget)
             if request.mm_features:
                 fitted = encoder.fit(request, num_cached, num_new)
+                if self.bidirectional_images and fitted:
+                    fitted = self._whole_images(request, num_cached, fitted, budget)
                 if fitted < num_new and (fitted == 0 or not self.chunked_prefill):
                     break  # its image waits for the next step, and the queue behind it
                 num_new = fitted
@@ -144,6 +162,32 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         self._scheduled = scheduled
         return SchedulerOutput([self._to_sequence(r, n, d) for r, n, d in scheduled])
+
+    def _whole_images(self, request: Request, start: int, num_new: int, budget: int) -> int:
+        """How many of the ``num_new`` tokens from ``start`` ``request`` computes this step so
+        that its chunk ends inside no image (see the module docstring); ``budget``: the tokens
+        left in the step. 0: it waits for the next step."""
+        end = start + num_new
+        for feature in request.mm_features:
+            lo, hi = feature.mm_position.offset, feature.mm_position.end
+            if not lo < end < hi:
+                continue
+            if lo > start:
+                return lo - start  # stop before the image
+            # the chunk starts inside or at the image: its rest in one piece, alone in a step
+            # when it is larger than the step budget
+            return hi - start if budget >= self.max_tokens else 0
+        return num_new
+
+    def _bidirectional_ranges(self, request: Request, start: int, end: int):
+        """The ``[start, end)`` positions of ``request``'s images whose tokens in ``[start,
+        end)`` see later tokens of their image (``ScheduledSequence.bidirectional_ranges``)."""
+        ranges = []
+        for feature in request.mm_features:
+            part = feature.overlap(start, end)
+            if part is not None and part[0] < feature.mm_position.end - 1:
+                ranges.append((feature.mm_position.offset, feature.mm_position.end))
+        return tuple(ranges)
 
     def _to_sequence(self, request: Request, num_new: int, num_drafts: int) -> ScheduledSequence:
         start, params = request.num_computed_tokens, request.sampling_params
@@ -180,6 +224,9 @@ class Scheduler:
             mrope_positions=request.mrope_positions_in(start, start + num_new)
             if request.mm_features
             else None,
+            bidirectional_ranges=self._bidirectional_ranges(request, start, start + num_real)
+            if request.mm_features and self.bidirectional_images
+            else (),
         )
 
     def update_from_output(
