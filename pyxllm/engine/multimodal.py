@@ -17,6 +17,7 @@ block the run touches (:meth:`pyxllm.engine.request.Request.block_extra_keys`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -214,6 +215,36 @@ class MultiModalProcessor:
             InvalidRequestError: more images than ``--limit-mm-per-prompt`` allows, or a count
                 of images other than the prompt's image tokens (naming ``param``).
         """
+        self.check_count(token_ids, images, param)
+        if not images:
+            return token_ids, ()
+        out: list[int] = []
+        features = []
+        pending = iter(images)
+        for token in token_ids:
+            if token != self.image_token_id:
+                out.append(token)
+                continue
+            ids, runs = self.expand(next(pending), param)
+            for offset, length, data in runs:
+                features.append(self.feature_spec(len(out) + offset, length, data))
+            out.extend(ids)
+        return out, tuple(features)
+
+    def feature_spec(self, offset: int, length: int, data: dict) -> MultiModalFeatureSpec:
+        """The spec of a placeholder run of ``length`` tokens at prompt position ``offset``
+        whose encoder inputs are ``data``, keyed by their hash."""
+        return MultiModalFeatureSpec(
+            "image", image_hash(data), PlaceholderRange(offset, length), data, self.mrope_grid(data)
+        )
+
+    def check_count(self, token_ids: list[int], images: Sequence[Any], param: str) -> None:
+        """Check a prompt's images against ``--limit-mm-per-prompt`` and its image tokens.
+
+        Raises:
+            InvalidRequestError: more images than ``--limit-mm-per-prompt`` allows, or a count
+                of images other than the prompt's image tokens (naming ``param``).
+        """
         limit = self.limits["image"]
         if len(images) > limit:
             raise InvalidRequestError(
@@ -228,28 +259,6 @@ class MultiModalProcessor:
                 f"{len(images)} images",
                 param,
             )
-        if not images:
-            return token_ids, ()
-        out: list[int] = []
-        features = []
-        pending = iter(images)
-        for token in token_ids:
-            if token != self.image_token_id:
-                out.append(token)
-                continue
-            ids, runs = self.expand(next(pending), param)
-            for offset, length, data in runs:
-                features.append(
-                    MultiModalFeatureSpec(
-                        "image",
-                        image_hash(data),
-                        PlaceholderRange(len(out) + offset, length),
-                        data,
-                        self.mrope_grid(data),
-                    )
-                )
-            out.extend(ids)
-        return out, tuple(features)
 
 
 class LlavaMultiModalProcessor(MultiModalProcessor):
@@ -417,6 +426,144 @@ class Qwen2VLMultiModalProcessor(MultiModalProcessor):
         return t, h // self.merge_size, w // self.merge_size
 
 
+class Gemma3MultiModalProcessor(MultiModalProcessor):
+    """Gemma 3's images, expanded as transformers' ``Gemma3Processor`` expands them.
+
+    The prompt's image token is ``<start_of_image>`` (the config's ``boi_token_id``, what
+    Gemma's chat template writes for an image); the processor's ``replace_image_token`` writes
+    the text that replaces it, ``\n\n<start_of_image>``, ``mm_tokens_per_image``
+    ``<image_soft_token>`` (the config's ``image_token_id``: the placeholder run) and
+    ``<end_of_image>\n\n`` (with pan-and-scan, which the image processor's config may turn on,
+    a run for the whole image and one for each crop, with transformers' text around them).
+    Each run's ``pixel_values [1, 3, S, S]`` are its image's or crop's.
+
+    That text's newlines join the text around the image into tokens of their own (Gemma's
+    vocabulary has one token for each run of newlines; ``user\n`` then ``\n\n`` is one
+    ``\n\n\n``), as transformers tokenizes the expanded prompt: so the text between the
+    special tokens on either side of an image is decoded, expanded and tokenized again (the
+    ids transformers' processor gives for the same text; elsewhere the prompt's ids stay).
+    """
+
+    hf_processor: Any = None
+    tokenizer: Any = None
+    special_ids: frozenset[int] = frozenset()
+
+    def configure(self, path, model_config, tokenizer) -> None:
+        """transformers' ``Gemma3Processor`` over the image processor and ``tokenizer``, with
+        the model's ``mm_tokens_per_image``, and the prompt's image token: ``<start_of_image>``
+        (``boi_token_id``), which string content gets per image.
+
+        Raises:
+            ValueError: a tokenizer that does not name Gemma 3's image tokens (``boi_token``,
+                ``eoi_token``, ``image_token``, as Gemma's ``tokenizer_config.json`` does).
+        """
+        from transformers import Gemma3Processor
+
+        try:
+            self.hf_processor = Gemma3Processor(
+                image_processor=self.image_processor,
+                tokenizer=tokenizer,
+                image_seq_length=model_config.mm_tokens_per_image,
+            )
+        except AttributeError as exc:
+            raise ValueError(
+                f"{path}: the tokenizer does not name Gemma 3's image tokens (boi_token, "
+                f"eoi_token, image_token in tokenizer_config.json): {exc}"
+            ) from exc
+        self.tokenizer = tokenizer
+        self.soft_token_id = self.image_token_id
+        self.image_token_id = model_config.boi_token_id
+        self.image_token = self.placeholder_text = tokenizer.convert_ids_to_tokens(
+            [self.image_token_id]
+        )[0]
+        self.special_ids = frozenset(
+            i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+        ) - {self.image_token_id}
+
+    def image_text(self, image, param: str) -> tuple[str, list[dict]]:
+        """The text that replaces one PIL image's token, and the encoder inputs of each of its
+        placeholder runs, in order (the image, then its pan-and-scan crops)."""
+        out = self.preprocess(param, images=[image])
+        text = self.hf_processor.replace_image_token(out, 0)
+        return text, [{"pixel_values": crop[None]} for crop in out["pixel_values"]]
+
+    def expand(self, image, param: str) -> tuple[list[int], list[tuple[int, int, dict]]]:
+        text, data = self.image_text(image, param)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids, self.runs(ids, data, param)
+
+    def runs(self, ids: list[int], data: list[dict], param: str) -> list[tuple[int, int, dict]]:
+        """``(offset, length, data)`` of each run of soft tokens in ``ids``, ``data`` in order.
+
+        Raises:
+            ValueError: a count of runs other than ``len(data)`` (a tokenizer without Gemma 3's
+                image tokens).
+        """
+        starts = [
+            i
+            for i, t in enumerate(ids)
+            if t == self.soft_token_id and (i == 0 or ids[i - 1] != self.soft_token_id)
+        ]
+        if len(starts) != len(data):
+            raise ValueError(
+                f"{param}: the processor wrote {len(starts)} image token runs for {len(data)} "
+                "images and crops (a tokenizer without Gemma 3's image tokens?)"
+            )
+        runs = []
+        for start, item in zip(starts, data):
+            end = start
+            while end < len(ids) and ids[end] == self.soft_token_id:
+                end += 1
+            runs.append((start, end - start, item))
+        return runs
+
+    def process(
+        self, token_ids: list[int], images: Sequence[Any], param: str
+    ) -> tuple[list[int], tuple[MultiModalFeatureSpec, ...]]:
+        """See :meth:`MultiModalProcessor.process`; the text around each image tokenized again
+        with it (see the class docstring).
+
+        Raises:
+            InvalidRequestError: as :meth:`MultiModalProcessor.process`.
+        """
+        self.check_count(token_ids, images, param)
+        if not images:
+            return token_ids, ()
+        out: list[int] = []
+        features = []
+        pending = iter(images)
+        region: list[int] = []  # the ids since the last special token
+
+        def flush() -> None:
+            if self.image_token_id not in region:
+                out.extend(region)
+                return
+            decode = functools.partial(self.tokenizer.decode, clean_up_tokenization_spaces=False)
+            parts, data, text = [], [], []
+            for token in region:
+                if token != self.image_token_id:
+                    text.append(token)
+                    continue
+                image_text, image_data = self.image_text(next(pending), param)
+                parts += [decode(text), image_text]
+                data += image_data
+                text = []
+            ids = self.tokenizer.encode("".join(parts) + decode(text), add_special_tokens=False)
+            for offset, length, item in self.runs(ids, data, param):
+                features.append(self.feature_spec(len(out) + offset, length, item))
+            out.extend(ids)
+
+        for token in token_ids:
+            if token in self.special_ids:
+                flush()
+                region.clear()
+                out.append(token)
+            else:
+                region.append(token)
+        flush()
+        return out, tuple(features)
+
+
 # the processor of each vision-language model_type but LLaVA's (the default)
 _FAMILIES: dict[str, type[MultiModalProcessor]] = {
     "idefics3": Idefics3MultiModalProcessor,
@@ -424,4 +571,5 @@ _FAMILIES: dict[str, type[MultiModalProcessor]] = {
     "qwen2_vl": Qwen2VLMultiModalProcessor,
     "qwen2_5_vl": Qwen2VLMultiModalProcessor,
     "qwen3_vl": Qwen2VLMultiModalProcessor,
+    "gemma3": Gemma3MultiModalProcessor,
 }

@@ -71,25 +71,12 @@ class LlavaForConditionalGeneration(LlamaVisionLanguageModel):
         dtype = torch.get_default_dtype()
         self.vision_tower = CLIPVisionModel(config.vision_config).to(dtype=dtype).eval()
         self.multi_modal_projector = LlavaMultiModalProjector(config)
-        self._tower_level = "vision_model." if hasattr(self.vision_tower, "vision_model") else ""
+        self.tower_level = "vision_model." if hasattr(self.vision_tower, "vision_model") else ""
 
     def rename_checkpoint_tensor(self, name: str) -> str | None:
         """A checkpoint tensor's name in this module (see the module docstring for the
         layouts); ``None`` for a tied LM head."""
-        if name.startswith("model."):
-            name = name.removeprefix("model.")
-        if name.startswith("lm_head."):
-            name = "language_model." + name
-        if name.startswith("language_model.") and not name.startswith(
-            ("language_model.model.", "language_model.lm_head.")
-        ):
-            name = "language_model.model." + name.removeprefix("language_model.")
-        if name.startswith("vision_tower."):
-            rest = name.removeprefix("vision_tower.").removeprefix("vision_model.")
-            name = f"vision_tower.{self._tower_level}{rest}"
-        if name == self.lm_head_name and self.tied_lm_head:
-            return None
-        return name
+        return llava_checkpoint_name(self, name)
 
     def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Projected image features, ``[N, 3, H, W]`` -> ``[N * F, hidden]`` in the model's
@@ -102,3 +89,24 @@ class LlavaForConditionalGeneration(LlamaVisionLanguageModel):
             picked = [h[:, 1:] for h in picked]
         features = self.multi_modal_projector(torch.cat(picked, dim=-1))
         return features.reshape(-1, features.shape[-1])
+
+
+def llava_checkpoint_name(model: LlamaVisionLanguageModel, name: str) -> str | None:
+    """A checkpoint tensor's name in ``model``, a vision-language model laid out as LLaVA is
+    (``language_model``, ``vision_tower``, ``multi_modal_projector``; LLaVA's and Gemma 3's):
+    transformers 5's names and transformers 4.5x's (see the module docstring), the tower's
+    ``vision_model.`` level as ``model.tower_level`` says; ``None`` for a tied LM head."""
+    if name.startswith("model."):
+        name = name.removeprefix("model.")
+    if name.startswith("lm_head."):
+        name = "language_model." + name
+    if name.startswith("language_model.") and not name.startswith(
+        ("language_model.model.", "language_model.lm_head.")
+    ):
+        name = "language_model.model." + name.removeprefix("language_model.")
+    if name.startswith("vision_tower."):
+        rest = name.removeprefix("vision_tower.").removeprefix("vision_model.")
+        name = f"vision_tower.{model.tower_level}{rest}"
+    if name == model.lm_head_name and model.tied_lm_head:
+        return None
+    return name

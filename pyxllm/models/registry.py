@@ -54,6 +54,11 @@ MODEL_REGISTRY: dict[str, RegisteredModel] = {
     "Qwen3VLForConditionalGeneration": RegisteredModel(
         "pyxllm.models.qwen2_vl", "Qwen3VLForConditionalGeneration"
     ),
+    # Gemma 3 4B-27B with images: transformers' SigLIP tower and projector, our Gemma 3; image
+    # tokens attend bidirectionally within their image
+    "Gemma3ForConditionalGeneration": RegisteredModel(
+        "pyxllm.models.gemma3_mm", "Gemma3ForConditionalGeneration"
+    ),
     # encoders for the embed task (sentence-transformers' all-MiniLM-L6-v2)
     "BertModel": RegisteredModel("pyxllm.models.bert", "BertModel"),
     # cross-encoders and classifiers for the score and classify tasks
@@ -73,6 +78,7 @@ MULTIMODAL_ARCHITECTURES = frozenset(
         "Qwen2VLForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
         "Qwen3VLForConditionalGeneration",
+        "Gemma3ForConditionalGeneration",
     }
 )
 # encoders with a sequence-classification head: --task score (one label: a cross-encoder) or

@@ -1,0 +1,171 @@
+"""Gemma 3 with images (``Gemma3ForConditionalGeneration``) end to end on a tiny random
+checkpoint: greedy tokens equal transformers' float32 ``generate``, with the prefix cache and
+chunked prefill on; the image tokens attend bidirectionally within their image, so no prefill
+chunk ends inside an image (a prefix-cache hit may, and the image's rest then comes whole)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyxllm import LLM, SamplingParams
+from tests.gemma3_fixtures import BOI, MM_TOKENS_PER_IMAGE, build_gemma3
+from tests.llava_fixtures import data_url, make_image, record_partial_runs, reference_tokens
+from tests.utils import RemoteServer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_TOKENS = 6
+QUESTION = "What is in the picture?"
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+# the KV bytes of one 16-token block of the tiny model: 2 (K, V) x 4 layers x 16 x 2 heads x 32
+BLOCK_GIB = 2 * 4 * 16 * 2 * 32 * 4 / 2**30
+# tokens a step: below an image's 16 soft tokens, so a chunk would cut every image; the image
+# alone exceeds it, so it runs whole, over the budget
+STEP_TOKENS = 12
+
+
+def chat_text(question: str = QUESTION, images: int = 1) -> str:
+    """What the chat template renders for ``images`` images then ``question``."""
+    return (
+        f"<|im_start|><start_of_turn>user\n{BOI * images}{question}<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory, hf_gguf_tokenizer):
+    """``(directory, hf_model, processor)`` of the tiny Gemma 3."""
+    return build_gemma3(tmp_path_factory.mktemp("gemma3"), hf_gguf_tokenizer)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["batch_invariant", "prefill_kernel"])
+def llm(request, gemma3):
+    """An engine with the prefix cache on and chunked prefill in steps of STEP_TOKENS: with
+    ``--batch-invariant`` (the default: every token a row of the decode kernel), then without
+    (prefill chunks through the prefill kernel)."""
+    return LLM(
+        str(gemma3[0]),
+        max_model_len=256,
+        kv_cache_memory=64 * BLOCK_GIB,
+        max_tokens_per_batch=STEP_TOKENS,
+        enable_chunked_prefill=True,
+        batch_invariant=request.param,
+    )
+
+
+def image_chat(image, question: str = QUESTION) -> list[dict]:
+    part = {"type": "image_url", "image_url": {"url": data_url(image)}}
+    return [{"role": "user", "content": [part, {"type": "text", "text": question}]}]
+
+
+def expect(gemma3, text: str, images) -> list[int]:
+    return reference_tokens(gemma3[1], gemma3[2], text, images, MAX_TOKENS)
+
+
+def test_chat_with_an_image_equals_transformers(llm, gemma3, monkeypatch):
+    processor = gemma3[2]
+    cuts = record_partial_runs(llm.llm_engine.executor.driver.encoder_cache, monkeypatch)
+    images = [make_image(0), make_image(1, (64, 48))]
+    outs = [llm.chat(image_chat(image), GREEDY)[0] for image in images]
+    want = [expect(gemma3, chat_text(), [image]) for image in images]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert want[0] != want[1]  # the image moves the tokens (else these tests prove nothing)
+    # the prompt is transformers' expansion, its newlines joined with the text around the image
+    ids = processor(images=images[:1], text=chat_text(), return_tensors="pt")["input_ids"]
+    assert outs[0].prompt_token_ids == ids[0].tolist()
+    assert ids[0].tolist().count(processor.tokenizer.image_token_id) == MM_TOKENS_PER_IMAGE
+    assert not cuts  # no step ended inside an image, whose 16 tokens exceed a step's 12
+
+
+def test_two_images_in_one_prompt(llm, gemma3):
+    images = [make_image(2, (48, 64)), make_image(3)]
+    text = chat_text("Which differ?", images=2)
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)[0]
+    assert out.outputs[0].token_ids == expect(gemma3, text, images)
+
+
+def test_batched_with_text_requests(llm, gemma3):
+    stories = chat_text("Tell me a story.", images=0), chat_text("Count to five.", images=0)
+    images = [make_image(4), make_image(5, (64, 40))]
+    cases = [
+        (stories[0], []),
+        (chat_text(), images[:1]),
+        (stories[1], []),
+        (chat_text(), images[1:]),
+    ]
+    requests = [
+        {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
+        for text, imgs in cases
+    ]
+    outs = llm.generate(requests, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [expect(gemma3, t, i) for t, i in cases]
+
+
+def test_prefix_cache_hits_the_same_image_and_misses_another(llm, gemma3):
+    images = [make_image(6), make_image(7)]  # not used by the other tests
+    first = llm.chat(image_chat(images[0]), GREEDY)[0]
+    again = llm.chat(image_chat(images[0]), GREEDY)[0]
+    other = llm.chat(image_chat(images[1]), GREEDY)[0]
+    want = [expect(gemma3, chat_text(), [img]) for img in images]
+    assert [o.outputs[0].token_ids for o in (first, again, other)] == [want[0], want[0], want[1]]
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 16 * 16 > 0
+    assert other.prompt_token_ids == first.prompt_token_ids
+    assert other.num_cached_tokens == 0  # the first block holds the image's first tokens
+
+
+def test_a_prefix_hit_ending_inside_the_image_computes_its_rest_whole(llm, gemma3, monkeypatch):
+    image, processor = make_image(8), gemma3[2]
+    llm.chat(image_chat(image, "Describe it."), GREEDY)
+    ids = processor(images=[image], text=chat_text("Describe it."))["input_ids"][0]
+    offset = ids.index(processor.tokenizer.image_token_id)
+    end = offset + MM_TOKENS_PER_IMAGE
+    assert offset < 16 < end  # the first block ends inside the image
+    cuts = record_partial_runs(llm.llm_engine.executor.driver.encoder_cache, monkeypatch)
+    out = llm.chat(image_chat(image, "And the colours?"), GREEDY)[0]
+    assert out.num_cached_tokens == 16
+    assert out.outputs[0].token_ids == expect(gemma3, chat_text("And the colours?"), [image])
+    assert cuts == [(16, end)]  # the image's rest in one step, after the hit
+
+
+def first_token_logprob(llm, image) -> float:
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=0)
+    out = llm.chat(image_chat(image), params)[0].outputs[0]
+    return out.logprobs[0][out.token_ids[0]].logprob
+
+
+def test_image_tokens_see_their_whole_image(llm, gemma3, monkeypatch):
+    # transformers' log-probability of the first greedy token; the engine's, and with the
+    # image attended causally (no key limits) another one
+    image = make_image(9)  # not used by the other tests: no prefix-cache hit
+    inputs = gemma3[2](images=[image], text=chat_text(), return_tensors="pt")
+    with torch.no_grad():
+        logits = gemma3[1](**inputs).logits[0, -1]
+    want = float(torch.log_softmax(logits, -1).max())
+    assert first_token_logprob(llm, image) == pytest.approx(want, abs=1e-4)
+    monkeypatch.setattr(llm.llm_engine.scheduler, "bidirectional_images", False)
+    llm.llm_engine.kv_cache_manager.reset_prefix_cache()  # no hit on the blocks just computed
+    causal = first_token_logprob(llm, image)
+    assert abs(causal - want) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def server(gemma3):
+    """A server on the tiny Gemma 3 (nothing else shares it)."""
+    args = [str(gemma3[0]), "--max-model-len", "256", "--kv-cache-memory", str(64 * BLOCK_GIB)]
+    with RemoteServer(args) as remote:
+        yield remote
+
+
+def test_server_answers_a_base64_image_through_the_openai_sdk(server, gemma3):
+    client = server.openai_client()
+    image, tokenizer = make_image(10), gemma3[2].tokenizer
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=image_chat(image),
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    want = expect(gemma3, chat_text(), [image])
+    assert reply.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
