@@ -206,7 +206,8 @@ class TorchPagedAttentionBackend:
         )
         max_seq_len = max(lens, default=0)
         key_lens = None
-        if limited.intersection(seqs):  # prefill tokens as decode rows (--batch-invariant)
+        # prefill tokens as decode rows (--batch-invariant)
+        if limited and limited.intersection(seqs):
             key_lens = batch.key_limits[torch.tensor(tokens, device=device)] + 1
             max_seq_len = max(max_seq_len, int(key_lens.max()))
         return TorchPagedAttentionStep(

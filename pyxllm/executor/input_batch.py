@@ -100,7 +100,8 @@ class InputBatch:
             for i, s in enumerate(seqs):
                 if s.mrope_positions is not None:
                     mrope[:, starts[i] : starts[i + 1]] = s.mrope_positions
-        limits, limited = None, tuple(i for i, s in enumerate(seqs) if s.bidirectional_ranges)
+        limits = None
+        limited = tuple(i for i, s in enumerate(seqs) if s.bidirectional_ranges)
         if limited:
             limits = positions.clone()
             for i in limited:
