@@ -63,11 +63,28 @@ def expect(gemma3, text: str, images) -> list[int]:
     return reference_tokens(gemma3[1], gemma3[2], text, images, MAX_TOKENS)
 
 
+def record_step_sizes(llm, monkeypatch) -> list[int]:
+    """A list each planned step's token count is appended to."""
+    sizes, scheduler = [], llm.llm_engine.scheduler
+    schedule = scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        sizes.append(plan.num_tokens)
+        return plan
+
+    monkeypatch.setattr(scheduler, "schedule", recording)
+    return sizes
+
+
 def test_chat_with_an_image_equals_transformers(llm, gemma3, monkeypatch):
     processor = gemma3[2]
     cuts = record_partial_runs(llm.llm_engine.executor.driver.encoder_cache, monkeypatch)
+    sizes = record_step_sizes(llm, monkeypatch)
     images = [make_image(0), make_image(1, (64, 48))]
     outs = [llm.chat(image_chat(image), GREEDY)[0] for image in images]
+    # the first chunk stops before the image (5 tokens), which runs whole, over the budget
+    assert sizes[:2] == [5, MM_TOKENS_PER_IMAGE] and STEP_TOKENS < MM_TOKENS_PER_IMAGE
     want = [expect(gemma3, chat_text(), [image]) for image in images]
     assert [o.outputs[0].token_ids for o in outs] == want
     assert want[0] != want[1]  # the image moves the tokens (else these tests prove nothing)
