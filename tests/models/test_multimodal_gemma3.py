@@ -186,3 +186,23 @@ def test_server_answers_a_base64_image_through_the_openai_sdk(server, gemma3):
     )
     want = expect(gemma3, chat_text(), [image])
     assert reply.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_two_tensor_parallel_ranks_give_transformers_tokens(gemma3):
+    """``--tensor-parallel-size 2``: the step plan carries each step's bidirectional images to
+    rank 1, whose attention lets their tokens see their whole image too."""
+    llm = LLM(
+        str(gemma3[0]),
+        max_model_len=256,
+        kv_cache_memory=64 * BLOCK_GIB,
+        max_tokens_per_batch=STEP_TOKENS,
+        enable_chunked_prefill=True,
+        tensor_parallel_size=2,
+    )
+    try:
+        images = [make_image(11), make_image(12, (64, 40))]
+        outs = llm.chat([image_chat(image) for image in images], GREEDY)
+        want = [expect(gemma3, chat_text(), [image]) for image in images]
+        assert [o.outputs[0].token_ids for o in outs] == want
+    finally:
+        llm.llm_engine.shutdown()
