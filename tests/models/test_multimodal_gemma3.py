@@ -9,6 +9,11 @@ import pytest
 import torch
 
 from pyxllm import LLM, SamplingParams
+from pyxllm.config import EngineConfig
+from pyxllm.engine.kv_cache_manager import KVCacheManager
+from pyxllm.engine.request import Request, RequestStatus
+from pyxllm.engine.scheduler import Scheduler
+from pyxllm.multimodal_inputs import MultiModalFeatureSpec, PlaceholderRange
 from tests.gemma3_fixtures import BOI, MM_TOKENS_PER_IMAGE, build_gemma3
 from tests.llava_fixtures import data_url, make_image, record_partial_runs, reference_tokens
 from tests.utils import RemoteServer
@@ -144,6 +149,40 @@ def test_a_prefix_hit_ending_inside_the_image_computes_its_rest_whole(llm, gemma
     assert out.num_cached_tokens == 16
     assert out.outputs[0].token_ids == expect(gemma3, chat_text("And the colours?"), [image])
     assert cuts == [(16, end)]  # the image's rest in one step, after the hit
+
+
+def test_a_rest_that_fits_a_step_but_not_the_budget_left_waits():
+    # the scheduler alone, 16 tokens a step: a text request decodes (1 token a step) beside a
+    # request whose 16-token image starts at 3; its chunks stop before the image, which then
+    # waits while the step has 15 tokens left, and runs whole once the text request is done
+    config = EngineConfig(block_size=4, max_tokens_per_batch=16, max_seqs_per_batch=4)
+    scheduler = Scheduler(config, KVCacheManager(64, 4), bidirectional_images=True)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    text = Request("t", None, [7] * 14, params, detokenizer=None)
+    feature = MultiModalFeatureSpec("image", "h", PlaceholderRange(3, MM_TOKENS_PER_IMAGE), {})
+    image = Request("i", None, [9] * 24, params, detokenizer=None, mm_features=(feature,))
+    wanted = {"t": 4, "i": 2}  # outputs each request runs to
+    scheduler.add_request(text)
+    scheduler.add_request(image)
+    steps = []
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule()
+        steps.append(
+            [(s.request_id, len(s.token_ids), s.bidirectional_ranges) for s in plan.sequences]
+        )
+        sampled = [[5] if s.sample else [] for s in plan.sequences]
+        for request, _ in scheduler.update_from_output(sampled):
+            if request.num_output_tokens >= wanted[request.request_id]:
+                scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH)
+    assert steps == [
+        [("t", 14, ()), ("i", 2, ())],
+        [("t", 1, ()), ("i", 1, ())],  # stops before the image
+        [("t", 1, ())],  # the image's 16 tokens wait: 15 left
+        [("t", 1, ())],
+        [("i", 16, ((3, 19),))],
+        [("i", 5, ())],
+        [("i", 1, ())],
+    ]
 
 
 def first_token_logprob(llm, image) -> float:
