@@ -431,15 +431,16 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
 
     The prompt's image token is ``<start_of_image>`` (the config's ``boi_token_id``, what
     Gemma's chat template writes for an image); the processor's ``replace_image_token`` writes
-    the text that replaces it, ``\n\n<start_of_image>``, ``mm_tokens_per_image``
+    the text that replaces it, ``\\n\\n<start_of_image>``, ``mm_tokens_per_image``
     ``<image_soft_token>`` (the config's ``image_token_id``: the placeholder run) and
-    ``<end_of_image>\n\n`` (with pan-and-scan, which the image processor's config may turn on,
-    a run for the whole image and one for each crop, with transformers' text around them).
-    Each run's ``pixel_values [1, 3, S, S]`` are its image's or crop's.
+    ``<end_of_image>\\n\\n``; the run's ``pixel_values [1, 3, S, S]`` are the image's. The
+    image processor gets the options ``Gemma3Processor`` gives it (its ``images_kwargs``:
+    pan-and-scan off whatever the image processor's config says, as transformers' processor
+    calls it).
 
     That text's newlines join the text around the image into tokens of their own (Gemma's
-    vocabulary has one token for each run of newlines; ``user\n`` then ``\n\n`` is one
-    ``\n\n\n``), as transformers tokenizes the expanded prompt: so the text between the
+    vocabulary has tokens for runs of newlines; ``user\\n`` then ``\\n\\n`` is one
+    ``\\n\\n\\n``), as transformers tokenizes the expanded prompt: so the text between the
     special tokens on either side of an image is decoded, expanded and tokenized again (the
     ids transformers' processor gives for the same text; elsewhere the prompt's ids stay).
     """
@@ -482,8 +483,9 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
 
     def image_text(self, image, param: str) -> tuple[str, list[dict]]:
         """The text that replaces one PIL image's token, and the encoder inputs of each of its
-        placeholder runs, in order (the image, then its pan-and-scan crops)."""
-        out = self.preprocess(param, images=[image])
+        placeholder runs, in order (with pan-and-scan off: one)."""
+        options = getattr(self.hf_processor, "images_kwargs", None) or {}
+        out = self.preprocess(param, images=[image], **options)
         text = self.hf_processor.replace_image_token(out, 0)
         return text, [{"pixel_values": crop[None]} for crop in out["pixel_values"]]
 

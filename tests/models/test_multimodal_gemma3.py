@@ -245,3 +245,19 @@ def test_two_tensor_parallel_ranks_give_transformers_tokens(gemma3):
         assert [o.outputs[0].token_ids for o in outs] == want
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_pil_images_and_pan_and_scan_off(llm, gemma3, monkeypatch):
+    # LLM.chat with a PIL image; a processor config that turns pan-and-scan on changes nothing,
+    # as Gemma3Processor passes it off to the image processor (its images_kwargs)
+    image = make_image(13, (96, 32))
+    part = {"type": "image_pil", "image_pil": image}
+    chat = [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]
+    want = expect(gemma3, chat_text(), [image])
+    assert llm.chat(chat, GREEDY)[0].outputs[0].token_ids == want
+    processor = llm.llm_engine.input_processor.multimodal.image_processor
+    monkeypatch.setattr(processor, "do_pan_and_scan", True)
+    monkeypatch.setattr(processor, "pan_and_scan_min_crop_size", 8)
+    out = llm.chat(chat, GREEDY)[0]
+    assert out.prompt_token_ids.count(gemma3[2].tokenizer.image_token_id) == MM_TOKENS_PER_IMAGE
+    assert out.outputs[0].token_ids == want
