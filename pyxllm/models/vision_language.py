@@ -1,12 +1,13 @@
-"""What pyxllm's vision-language models share: pyxllm's Llama as the language model, whose
-token embeddings at an image's placeholder positions are replaced by the image's encoder
-outputs.
+"""What pyxllm's vision-language models share: pyxllm's Llama (or a model built on it, Gemma
+3's) as the language model, whose token embeddings at an image's placeholder positions are
+replaced by the image's encoder outputs.
 
 A family (:mod:`pyxllm.models.llava`, :mod:`pyxllm.models.idefics3`,
-:mod:`pyxllm.models.qwen2_vl`) subclasses :class:`LlamaVisionLanguageModel` and adds its
-encoder, ``embed_multimodal(**data) -> [rows, hidden]`` (``data``: the images' encoder inputs,
-each key's tensors concatenated along dim 0, e.g. ``pixel_values [N, 3, H, W]``), and
-``rename_checkpoint_tensor`` for its checkpoint's names.
+:mod:`pyxllm.models.qwen2_vl`, :mod:`pyxllm.models.gemma3_mm`) subclasses
+:class:`LlamaVisionLanguageModel` and adds its encoder, ``embed_multimodal(**data) -> [rows,
+hidden]`` (``data``: the images' encoder inputs, each key's tensors concatenated along dim 0,
+e.g. ``pixel_values [N, 3, H, W]``), and ``rename_checkpoint_tensor`` for its checkpoint's
+names.
 The executor runs the encoder once per image (:mod:`pyxllm.executor.encoder_cache`) and hands
 the features for the step's placeholder rows to :meth:`LlamaVisionLanguageModel.forward`
 through the forward context (:class:`~pyxllm.layers.forward_context.MultiModalEmbeddings`).
