@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from pyxllm.kernels import native
 from pyxllm.kernels.cpu import fused
 from pyxllm.kernels.cpu.features import cpu_flags
+from pyxllm.kernels.native.paged_attention import quantize_kv
 from tests.paths import REPO_ROOT
 
 # (a failed build stops the suite in tests/conftest.py: only PYXLLM_CPU_KERNELS=native skips)
@@ -102,6 +103,90 @@ def test_cache_write_and_decode_attention_match_native(dtype, head_dim, window):
         longer = seq_lens > window
         assert not torch.allclose(got[longer].float(), full[longer].float(), atol=1e-3)
         close(got[~longer], full[~longer], dtype, bf16_tol=2e-2)
+
+
+def _decode_inputs(dtype, head_dim: int, seed: int, cache_dtype=None):
+    """``(query [5, 6, head_dim], k_cache, v_cache, block_tables [5, 4])`` over 24 blocks of 16
+    tokens, 2 KV heads (3 query heads each); ``cache_dtype`` int8: quantized cache rows."""
+    g = torch.Generator().manual_seed(seed)
+    caches = [torch.randn(24, 16, 2, head_dim, generator=g).to(dtype) for _ in range(2)]
+    if cache_dtype == torch.int8:
+        caches = [quantize_kv(c) for c in caches]
+    tables = torch.randperm(24, generator=g)[:20].view(5, 4)
+    return torch.randn(5, 6, head_dim, generator=g).to(dtype), *caches, tables
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize("window", [None, 5, 33])
+def test_decode_attention_with_key_lens_matches_native(dtype, head_dim, window):
+    """Rows with key limits (a Gemma 3 image's prompt tokens under ``--batch-invariant``) see
+    positions up to their limit, the window counted back from their own length: the native
+    kernel's mask; a row whose limit is its length gets the bits it gets without limits."""
+    query, k_cache, v_cache, tables = _decode_inputs(dtype, head_dim, seed=3)
+    seq_lens = torch.tensor([1, 17, 40, 30, 12])
+    key_lens = torch.tensor([9, 17, 64, 45, 12])
+    args = (query, k_cache, v_cache, tables, seq_lens, 64, head_dim**-0.5)
+    got = fused.paged_attention_decode(*args, sliding_window=window, key_lens=key_lens)
+    want = native.paged_attention_decode(*args, sliding_window=window, key_lens=key_lens)
+    close(got, want, dtype, bf16_tol=2e-2)
+    causal = fused.paged_attention_decode(*args, sliding_window=window)
+    same = key_lens == seq_lens
+    assert torch.equal(got[same], causal[same])
+    # the limits move the other rows (else this test proves nothing)
+    assert not torch.allclose(got[~same].float(), causal[~same].float(), atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"),
+    # the unrolled and the generic loops, and an int8 cache's (float32 queries)
+    [(torch.float32, 64), (torch.float32, 40), (torch.bfloat16, 64), (torch.bfloat16, 40),
+     (torch.int8, 64)],
+    ids=str,
+)  # fmt: skip
+def test_decode_attention_gives_a_row_the_same_bits_beside_any_rows(dtype, head_dim):
+    """A row's output, key limit or not, does not depend on the rows beside it: longer
+    contexts, longer limits, other windows' starts, on one thread and on two (where a short
+    batch splits each row's KV heads between tasks)."""
+    act = torch.float32 if dtype == torch.int8 else dtype
+    query, k_cache, v_cache, tables = _decode_inputs(act, head_dim, seed=4, cache_dtype=dtype)
+    # our rows: an image token seeing 5 positions past itself, and a text token; beside them
+    # a longer image row, a long text row and an empty (padding) row
+    seq_lens = torch.tensor([10, 21, 50, 63, 0])
+    key_lens = torch.tensor([15, 21, 64, 63, 0])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for window in (None, 5):
+                batch = fused.paged_attention_decode(
+                    query, k_cache, v_cache, tables, seq_lens, 64, 0.125, None, window,
+                    key_lens=key_lens,
+                )  # fmt: skip
+                for row in (0, 1):
+                    alone = fused.paged_attention_decode(
+                        query[row : row + 1], k_cache, v_cache, tables[row : row + 1],
+                        seq_lens[row : row + 1], 64, 0.125, None, window,
+                        key_lens=key_lens[row : row + 1],
+                    )  # fmt: skip
+                    assert torch.equal(batch[row], alone[0]), (n, window, row)
+                assert torch.equal(batch[4], torch.zeros_like(batch[4]))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_decode_attention_refuses_key_lens_outside_the_context():
+    query, k_cache, v_cache, tables = _decode_inputs(torch.float32, 64, seed=5)
+    seq_lens = torch.tensor([10, 21, 50, 63, 1])
+    args = (query, k_cache, v_cache, tables, seq_lens, 64, 0.125)
+    ok = seq_lens.clone()
+    for key_lens, match in (
+        (ok.clone().index_fill_(0, torch.tensor([2]), 49), r"key_lens\[2\] = 49 must lie between"),
+        (ok.clone().index_fill_(0, torch.tensor([3]), 65), r"block table's 64 tokens"),
+        (ok[:4], r"key_lens must be \[batch\]"),
+    ):
+        with pytest.raises(RuntimeError, match=match):
+            fused.paged_attention_decode(*args, key_lens=key_lens)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -86,7 +86,7 @@ def _register_fakes() -> None:
         )
 
     @torch.library.register_fake(lib + "paged_attention_decode")
-    def _(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=0):
+    def _(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=0, key_lens=None):
         return query.new_empty(query.shape)
 
     @torch.library.register_fake(lib + "w8a8_linear")
@@ -189,20 +189,28 @@ def paged_attention_decode(
     attn_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See ``pyxllm.kernels.native.paged_attention_decode``. Each row attends to exactly its
-    ``seq_lens[b]`` tokens (its last ``sliding_window`` of them), so ``max_seq_len`` and
-    ``attn_mask`` are not needed (a row of length 0, graph padding, gets zeros). Soft-capped
-    layers (Gemma 2) take the native kernel, and so do rows with key limits (the tokens of an
-    image attended bidirectionally, Gemma 3's, under ``--batch-invariant``): this kernel reads
-    no mask, so ``TorchPagedAttentionStep.decode`` calls the native one for them."""
+    ``seq_lens[b]`` tokens (its last ``sliding_window`` of them), or with ``key_lens`` (``int64
+    [batch]``, each at least its ``seq_lens``: the tokens of an image attended bidirectionally,
+    Gemma 3's, under ``--batch-invariant``) to positions up to ``key_lens[b]``, the window still
+    counted back from ``seq_lens[b]``; so ``max_seq_len`` and ``attn_mask`` are not needed (a
+    row of length 0, graph padding, gets zeros). Each row's sums run over its own keys in one
+    order, so its bits do not depend on the other rows. Soft-capped layers (Gemma 2) take the
+    native kernel.
+
+    Raises:
+        RuntimeError: a ``key_lens`` not ``[batch]``, below ``seq_lens`` or past the block
+            table.
+    """
     if logits_soft_cap is not None:
         return native.paged_attention_decode(
             query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, attn_mask,
-            sliding_window, logits_soft_cap,
+            sliding_window, logits_soft_cap, key_lens,
         )  # fmt: skip
     return torch.ops.pyxllm_cpu.paged_attention_decode.default(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0
+        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0, key_lens
     )
 
 

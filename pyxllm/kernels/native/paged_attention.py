@@ -154,9 +154,10 @@ def paged_attention_decode(
     attn_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached context (the last
-    ``sliding_window`` tokens of it when set).
+    ``sliding_window`` tokens of it when set), or up to its key limit (``key_lens``).
 
     Grouped-query attention without repeating KV heads: the ``group`` query heads of a KV head
     are one matmul's rows (``q [B, kv, group, D] @ k [B, kv, D, L]``). Softmax in float32. On a
@@ -169,9 +170,12 @@ def paged_attention_decode(
             (tokens, including the new one); max_seq_len: the context span attended, at least
             ``max(seq_lens)``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
-        attn_mask: ``decode_attention_mask(seq_lens, max_seq_len, sliding_window)`` built once
-            per step, or None to build it here.
+        attn_mask: ``decode_attention_mask(seq_lens, max_seq_len, sliding_window, key_lens)``
+            built once per step, or None to build it here.
         sliding_window, logits_soft_cap: see the module docstring (None: off).
+        key_lens: ``int64 [batch]``, the positions each row attends below, each at least its
+            ``seq_lens`` and at most ``max_seq_len`` (see :func:`decode_attention_mask`; read
+            only to build the mask here), or None: ``seq_lens``.
     Returns:
         ``[batch, num_heads, head_dim]``.
     """
@@ -183,7 +187,7 @@ def paged_attention_decode(
     q = (query * scale).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = soft_cap(torch.matmul(q, keys.transpose(-1, -2)), logits_soft_cap)  # [B, kv, group, L]
     if attn_mask is None:
-        attn_mask = decode_attention_mask(seq_lens, max_seq_len, sliding_window)
+        attn_mask = decode_attention_mask(seq_lens, max_seq_len, sliding_window, key_lens)
     scores = scores.masked_fill(attn_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(probs, values).view(batch, num_heads, head_dim)

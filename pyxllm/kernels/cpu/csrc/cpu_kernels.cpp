@@ -707,7 +707,11 @@ void attend_one_kv_head_bf16(BFloat16* out, const BFloat16* q, const BFloat16* k
 #endif
 
 // Decode attention: one query token per sequence over its seq_lens[b] cached tokens (the last
-// sliding_window of them when sliding_window > 0: positions len - window .. len - 1). A task is
+// sliding_window of them when sliding_window > 0: positions len - window .. len - 1), or, where
+// key_lens[b] is past seq_lens[b] (a token of an image attended bidirectionally, Gemma 3's),
+// over positions start .. key_lens[b] - 1, the window's start still counted from seq_lens[b]
+// (pyxllm.kernels.native.decode_attention_mask). A row's sums run over its own keys in the same
+// order whatever the other rows, so its bits do not depend on them. A task is
 // one sequence (or, when there are fewer sequences than threads, one KV head of one). For each
 // KV head, bfloat16 with head_dim 64 or 128 on a CPU with AVX512-BF16 takes
 // attend_one_kv_head_bf16 (1.5x faster at batch 64); otherwise the context's keys and values are
@@ -717,14 +721,14 @@ void attend_one_kv_head_bf16(BFloat16* out, const BFloat16* q, const BFloat16* k
 // rounds scores and probabilities to T as well).
 template <typename T, typename C>
 void decode_attention(T* out, const T* query, const C* k_cache, const C* v_cache, const int64_t* block_tables,
-                      const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t q_stride_b,
-                      int64_t q_stride_h, float scale, int64_t sliding_window) {
+                      const int64_t* seq_lens, const int64_t* key_lens, int64_t batch, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                      int64_t q_stride_b, int64_t q_stride_h, float scale, int64_t sliding_window) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_row = head_dim + (std::is_same_v<C, int8_t> ? kKvScaleBytes : 0);
   const int64_t kv_row = num_kv_heads * head_row;  // values per cached token
   int64_t max_len = 0;
-  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, seq_lens[b]);
+  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, key_lens[b]);
   const int64_t splits = batch < at::get_num_threads() ? num_kv_heads : 1;  // KV-head ranges per sequence
   const int64_t kv_per_task = num_kv_heads / splits;
   const int64_t tasks = batch * splits;
@@ -747,7 +751,7 @@ void decode_attention(T* out, const T* query, const C* k_cache, const C* v_cache
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / splits;
       const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, seq_lens[b] - sliding_window) : 0;
-      const int64_t len = seq_lens[b] - start;  // tokens attended, from position start
+      const int64_t len = key_lens[b] - start;  // tokens attended, from position start
       const int64_t* table = block_tables + b * max_blocks;
       for (int64_t kvh = (task % splits) * kv_per_task; kvh < (task % splits + 1) * kv_per_task; ++kvh) {
         for (int64_t g = 0; g < group; ++g) {
@@ -805,7 +809,7 @@ void decode_attention(T* out, const T* query, const C* k_cache, const C* v_cache
 
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t sliding_window) {
+                                  int64_t sliding_window, const std::optional<at::Tensor>& key_lens) {
   TORCH_CHECK(query.dim() == 3 && query.stride(-1) == 1, "paged_attention_decode: query must be [batch, heads, head_dim]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_decode: caches must be contiguous");
   const bool int8 = k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar;
@@ -817,12 +821,26 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& k_c
   const int64_t num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention_decode: heads must be a multiple of KV heads");
   at::Tensor tables = block_tables.to(at::kLong).contiguous(), lens = seq_lens.to(at::kLong).contiguous();
+  // the positions each row attends below: its own length, or its key limit (checked: a limit
+  // before the row's end, or past its block table, would read outside its context)
+  at::Tensor ends = lens;
+  if (key_lens.has_value()) {
+    ends = key_lens->to(at::kLong).contiguous();
+    TORCH_CHECK(ends.dim() == 1 && ends.size(0) == batch, "paged_attention_decode: key_lens must be [batch]");
+    const int64_t* e = ends.data_ptr<int64_t>();
+    const int64_t* l = lens.data_ptr<int64_t>();
+    const int64_t capacity = tables.size(1) * k_cache.size(1);
+    for (int64_t b = 0; b < batch; ++b)
+      TORCH_CHECK(l[b] <= e[b] && e[b] <= capacity, "paged_attention_decode: key_lens[", b, "] = ", e[b],
+                  " must lie between seq_lens[", b, "] = ", l[b], " and the block table's ", capacity, " tokens");
+  }
   at::Tensor out = at::empty({batch, num_heads, head_dim}, query.options());
   PYXLLM_DISPATCH_FLOAT(query.scalar_type(), "paged_attention_decode", [&] {
     auto run = [&](auto* cache_tag) {
       using C = std::remove_const_t<std::remove_pointer_t<decltype(cache_tag)>>;
       decode_attention<scalar_t, C>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), k_cache.data_ptr<C>(),
-                                    v_cache.data_ptr<C>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), batch,
+                                    v_cache.data_ptr<C>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                    ends.data_ptr<int64_t>(), batch,
                                     num_heads, num_kv_heads, head_dim, k_cache.size(1), tables.size(1),
                                     query.stride(0), query.stride(1), static_cast<float>(scale), sliding_window);
     };
@@ -1515,7 +1533,7 @@ TORCH_LIBRARY(pyxllm_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("apply_rotary_emb(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
-  m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, int sliding_window=0) -> Tensor");
+  m.def("paged_attention_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, int sliding_window=0, Tensor? key_lens=None) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor weight_scales, Tensor? bias, int hadamard_block=0) -> Tensor");
   m.def("rowwise_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("lora_delta(Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] b, Tensor[] segments, Tensor row_adapter) -> ()");
