@@ -5,10 +5,10 @@ prefill sequences (a prompt or a chunk of one, over any cached prefix: one call 
 batch may mix both in any order.
 
 A step whose tokens carry key limits (``InputBatch.key_limits``: the tokens of an image a model
-attends bidirectionally, Gemma 3's) hands each prefill its tokens' limits; decode rows with
-limits (a prefill's tokens under ``--batch-invariant``) take the native decode kernel with a
-mask built from them, never a fused one (the CPU's fused decode kernel reads only the rows'
-lengths).
+attends bidirectionally, Gemma 3's) hands each prefill its tokens' limits, and the decode kernel
+its rows' (a prefill's tokens under ``--batch-invariant``) as ``key_lens``: the CPU's fused
+kernel reads them as it reads the rows' lengths, a row's sums over its own keys whatever the
+other rows; the native one builds its mask from them.
 """
 
 from __future__ import annotations
@@ -83,12 +83,9 @@ class TorchPagedAttentionStep:
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Attention of the decode rows ``query [num_decodes, heads, head_dim]`` over their cached
-        context (a fused backend overrides this); rows with key limits through the native
-        kernel and their mask (see the module docstring)."""
-        decode = kernels.ops.paged_attention_decode
-        if self.decode_key_lens is not None:
-            decode = native.paged_attention_decode
-        return decode(
+        context (a fused backend overrides this), rows with key limits up to them (see the
+        module docstring)."""
+        return kernels.ops.paged_attention_decode(
             query,
             k_cache,
             v_cache,
@@ -99,6 +96,7 @@ class TorchPagedAttentionStep:
             self.decode_mask_for(sliding_window),
             sliding_window,
             logits_soft_cap,
+            self.decode_key_lens,
         )
 
     def forward(

@@ -13,6 +13,7 @@ from pyxllm.config import EngineConfig
 from pyxllm.engine.kv_cache_manager import KVCacheManager
 from pyxllm.engine.request import Request, RequestStatus
 from pyxllm.engine.scheduler import Scheduler
+from pyxllm.kernels.cpu.features import cpu_flags
 from pyxllm.multimodal_inputs import MultiModalFeatureSpec, PlaceholderRange
 from tests.gemma3_fixtures import BOI, MM_TOKENS_PER_IMAGE, build_gemma3
 from tests.llava_fixtures import data_url, make_image, record_partial_runs, reference_tokens
@@ -204,6 +205,48 @@ def test_image_tokens_see_their_whole_image(llm, gemma3, monkeypatch):
     llm.llm_engine.kv_cache_manager.reset_prefix_cache()  # no hit on the blocks just computed
     causal = first_token_logprob(llm, image)
     assert abs(causal - want) > 1e-3
+
+
+def greedy_bits(out) -> tuple[list[int], list[list[tuple[int, float]]]]:
+    """A request's greedy tokens and the log-probabilities given with them, to compare bit
+    for bit (float equality)."""
+    o = out.outputs[0]
+    return o.token_ids, [sorted((t, p.logprob) for t, p in d.items()) for d in o.logprobs]
+
+
+# the defaults (--dtype auto: this float32 checkpoint's float32), and bfloat16 where the CPU
+# computes in it
+DTYPES = ["auto", *(["bfloat16"] if "avx512_bf16" in cpu_flags() else [])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_image_requests_bits_do_not_depend_on_its_neighbours(gemma3, dtype, monkeypatch):
+    """Default settings (``--batch-invariant``): the image's prompt tokens attend through the
+    fused decode kernel up to their key limits, one row each over its own keys, so the request
+    gets the same tokens and log-probabilities, bit for bit, alone on a fresh engine, in one
+    step beside a longer text request, and after a prefix-cache hit."""
+    llm = LLM(str(gemma3[0]), max_model_len=256, kv_cache_memory=64 * BLOCK_GIB, dtype=dtype)
+    try:
+        image = make_image(14)  # the engine's own: not used by the other tests
+        request = {"prompt": chat_text(), "multi_modal_data": {"image": [image]}}
+        story = chat_text("Tell me a long story about a dragon, " * 8, images=0)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+        alone = llm.generate(request, params)[0]
+        llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+        sizes = record_step_sizes(llm, monkeypatch)
+        text, batched = llm.generate([story, request], params)
+        hit = llm.generate(request, params)[0]
+        # both prompts in the first step, the text's context the longer
+        assert sizes[0] == len(text.prompt_token_ids) + len(batched.prompt_token_ids)
+        assert len(text.prompt_token_ids) > 2 * len(batched.prompt_token_ids)
+        assert alone.num_cached_tokens == batched.num_cached_tokens == 0
+        assert hit.num_cached_tokens > 0
+        assert greedy_bits(batched) == greedy_bits(alone)
+        assert greedy_bits(hit) == greedy_bits(alone)
+        if dtype == "auto":
+            assert alone.outputs[0].token_ids == expect(gemma3, chat_text(), [image])
+    finally:
+        llm.llm_engine.shutdown()
 
 
 @pytest.fixture(scope="module")
