@@ -209,6 +209,10 @@ def paged_attention_decode(
             query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, attn_mask,
             sliding_window, logits_soft_cap, key_lens,
         )  # fmt: skip
+    if key_lens is None:  # a text-only step's call: one argument fewer to parse
+        return torch.ops.pyxllm_cpu.paged_attention_decode.default(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0
+        )
     return torch.ops.pyxllm_cpu.paged_attention_decode.default(
         query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0, key_lens
     )
