@@ -8,7 +8,7 @@ import copy
 import functools
 from pathlib import Path
 
-from tests.llava_fixtures import save_tiny_vision_language
+from tests.llava_fixtures import save_tiny_vision_language, tiny_vision_config
 
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 # 32-pixel images in 4-pixel patches (8 x 8), average-pooled 2 x 2 to 16 tokens an image: more
@@ -57,14 +57,7 @@ def build_gemma3(directory: Path, tokenizer, seed: int = 0):
         directory, extra_special_tokens={"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT}
     )
     tok.chat_template = CHAT_TEMPLATE
-    vision = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH_SIZE,
-    )
+    vision = tiny_vision_config(SiglipVisionConfig, IMAGE_SIZE, PATCH_SIZE)
     # an LM head of its own: with the tied one, greedy tokens of this tiny model repeat the first
     text = tiny_config("gemma3", vocab_size=len(tok), max_position_embeddings=512)
     text.tie_word_embeddings = False

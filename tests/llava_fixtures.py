@@ -42,7 +42,14 @@ def tiny_vision_language_parts(
     tok = copy.deepcopy(tokenizer)
     tok.add_tokens(list(added_tokens), special_tokens=True)
     tok.chat_template = chat_template
-    vision = vision_config_class(
+    vision = tiny_vision_config(vision_config_class, image_size, patch_size)
+    return tok, vision, tiny_config("llama", vocab_size=len(tok), max_position_embeddings=512)
+
+
+def tiny_vision_config(vision_config_class, image_size: int, patch_size: int):
+    """A tiny vision tower's config of ``vision_config_class`` (CLIP's, SigLIP's...): 2 layers,
+    width 32, 2 heads, ``image_size`` pixels in ``patch_size`` patches."""
+    return vision_config_class(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -50,7 +57,6 @@ def tiny_vision_language_parts(
         image_size=image_size,
         patch_size=patch_size,
     )
-    return tok, vision, tiny_config("llama", vocab_size=len(tok), max_position_embeddings=512)
 
 
 def build_llava(directory: Path, tokenizer, seed: int = 0):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from pyxllm.engine.errors import InvalidRequestError
@@ -219,8 +219,21 @@ class MultiModalProcessor:
         if not images:
             return token_ids, ()
         out: list[int] = []
-        features = []
-        pending = iter(images)
+        features: list[MultiModalFeatureSpec] = []
+        self.expand_prompt(token_ids, iter(images), param, out, features)
+        return out, tuple(features)
+
+    def expand_prompt(
+        self,
+        token_ids: list[int],
+        pending: Iterator[Any],
+        param: str,
+        out: list[int],
+        features: list[MultiModalFeatureSpec],
+    ) -> None:
+        """:meth:`process`'s work once the images are counted: appends the expanded prompt to
+        ``out`` and the placeholder runs' specs to ``features``, taking the images from
+        ``pending`` in prompt order (the family's hook)."""
         for token in token_ids:
             if token != self.image_token_id:
                 out.append(token)
@@ -229,7 +242,6 @@ class MultiModalProcessor:
             for offset, length, data in runs:
                 features.append(self.feature_spec(len(out) + offset, length, data))
             out.extend(ids)
-        return out, tuple(features)
 
     def feature_spec(self, offset: int, length: int, data: dict) -> MultiModalFeatureSpec:
         """The spec of a placeholder run of ``length`` tokens at prompt position ``offset``
@@ -519,21 +531,16 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
             runs.append((start, end - start, item))
         return runs
 
-    def process(
-        self, token_ids: list[int], images: Sequence[Any], param: str
-    ) -> tuple[list[int], tuple[MultiModalFeatureSpec, ...]]:
-        """See :meth:`MultiModalProcessor.process`; the text around each image tokenized again
-        with it (see the class docstring).
-
-        Raises:
-            InvalidRequestError: as :meth:`MultiModalProcessor.process`.
-        """
-        self.check_count(token_ids, images, param)
-        if not images:
-            return token_ids, ()
-        out: list[int] = []
-        features = []
-        pending = iter(images)
+    def expand_prompt(
+        self,
+        token_ids: list[int],
+        pending: Iterator[Any],
+        param: str,
+        out: list[int],
+        features: list[MultiModalFeatureSpec],
+    ) -> None:
+        """See :meth:`MultiModalProcessor.expand_prompt`; the text around each image tokenized
+        again with it (see the class docstring)."""
         region: list[int] = []  # the ids since the last special token
 
         def flush() -> None:
@@ -563,7 +570,6 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
             else:
                 region.append(token)
         flush()
-        return out, tuple(features)
 
 
 # the processor of each vision-language model_type but LLaVA's (the default)
