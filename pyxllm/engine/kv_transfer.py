@@ -408,6 +408,9 @@ class KVTransferClient:
             response = peer.connection.getresponse()
             response.read()
             status = response.status
+            if status != 204:  # a listener closes the connection after a refusal
+                peer.connection.close()
+                peer.connection = None
         except (OSError, http.client.HTTPException) as exc:
             peer.connection.close()
             peer.connection = None

@@ -703,6 +703,24 @@ def test_a_listener_that_never_answers_does_not_stall_the_prefill_instance(
         stalled.close()
 
 
+def test_a_pusher_opens_a_new_connection_after_a_refusal(tmp_path):
+    """In this process, no model: the listener closes the connection of a refused push, so the
+    pusher's next push (its secret right now, the retry time over) goes on a new connection
+    and is taken at once, not failed once more on the closed one."""
+    from pyxllm.engine.kv_offload import DiskKVTier
+    from pyxllm.engine.kv_transfer import KVTransferClient, KVTransferServer
+
+    tier = DiskKVTier(str(tmp_path / "decode"), 2**20, "tiny", 64)
+    server = KVTransferServer(tier, "127.0.0.1:0", "s3cret")
+    client = KVTransferClient([f"127.0.0.1:{server.port}"], tier.root.name, "other")
+    client.push(b"a" * 32, bytes(64))
+    client._secret, client.peers[0].down_until = b"s3cret", 0.0
+    client.push(b"b" * 32, bytes(64))
+    client.close()
+    server.close()
+    assert (client.failed, client.pushed) == (1, 1) and tier.contains(b"b" * 32)
+
+
 def test_a_push_without_the_listeners_secret_is_refused_and_not_stored(tmp_path, caplog):
     """In this process, no model: a listener with a secret takes the block of a pusher that
     signs with it, and refuses (401, logged) and stores nothing of one signing with another
