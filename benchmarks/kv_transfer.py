@@ -18,6 +18,10 @@ reads the object store's shared memory as another process on the node would. Run
 repository root::
 
     .venv/bin/python benchmarks/kv_transfer.py --blocks 200 --rounds 3 [--ray]
+
+The local Ray instance of ``--ray`` writes a token into ``~/.ray/auth_token`` (Ray's token
+authentication), which later Ray processes on the machine then read; prefix the command with
+``RAY_AUTH_MODE=disabled`` to leave none behind (the figures in docs/serving.md ran so).
 """
 
 from __future__ import annotations
