@@ -89,7 +89,9 @@ def connect_ray(address: str | None, local_cpus: int | None = None) -> bool:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise DistributedError(
             f"--ray-address: could not join the Ray cluster at {where} ({exc}); start it with "
-            "`ray start --head` (or check the address)"
+            "`ray start --head` (or check the address); a cluster with token authentication on "
+            "also needs RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN, or "
+            "~/.ray/auth_token) in this process's environment"
         ) from None
     return True
 

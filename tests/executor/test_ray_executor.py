@@ -15,7 +15,8 @@ there is no dashboard, the object stores are 100 MB.
   serves on (``/health`` degraded) when one replica's actor is killed;
 - a server whose rank-1 actor is killed mid-request fails that request, answers 503 on
   ``/health`` and exits 1 naming the rank and its node;
-- without Ray installed the flag fails with the install command; the flags' errors name them.
+- without Ray installed the flag fails with the install command; the flags' errors name them;
+  a cluster that cannot be joined is named, with what token authentication needs.
 
 The machine has 2 cores shared with other jobs: one cluster for the module, prompts short, every
 rank one torch thread (so one CPU per bundle).
@@ -104,6 +105,25 @@ def test_ray_flags_and_their_errors(capsys):
         with pytest.raises(SystemExit):
             parse_args(["serve", *argv])
         assert named in capsys.readouterr().err, argv
+
+
+def test_a_cluster_that_cannot_be_joined_names_the_address_and_the_token(monkeypatch):
+    """Ray's own error says only that it failed to connect (a missing token shows only in its
+    log lines): the message names the address, how to start a head and what token
+    authentication needs (no cluster started: ``ray.init`` fails as Ray's does)."""
+    from pyxllm.distributed.ray_utils import connect_ray
+
+    def refuse(address=None, **_):
+        raise ConnectionError(f"Failed to connect to Ray cluster at {address}")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(DistributedError) as error:
+        connect_ray("10.0.0.1:6379")
+    message = str(error.value)
+    assert "could not join the Ray cluster at 10.0.0.1:6379 (Failed to connect" in message
+    assert "`ray start --head`" in message
+    assert "RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN, or ~/.ray/auth_token)" in message
 
 
 def test_the_shortfall_names_the_missing_resources():
