@@ -897,3 +897,32 @@ def test_lora_delta_adds_each_rows_own_adapter_with_bits_of_its_own(dtype):
     bad[0, 4] = b[0].numel()
     with pytest.raises(RuntimeError, match="segment 0 falls outside"):
         fused.lora_delta(y, x, a, b, [bad, *segments[1:]], row_adapter)
+
+
+@pytest.mark.parametrize("k", [130, 131])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_delta_keeps_a_rows_bits_in_wide_modules_and_prefill_blocks(dtype, k):
+    """Modules 64 columns and wider (the expand's widest tiles) and inputs k of 2 and 3 past a
+    multiple of 4 (the shrink's last pairs): 13 rows on one adapter, in a call of their own
+    and in blocks of 4, get each row's bits alone, within float32 rounding of the native
+    reference."""
+    gen = torch.Generator().manual_seed(1)
+    n = 230
+    layers = [
+        _lora_layer(gen, k, [(0, 130, 16), (130, 100, 8)], dtype),
+        _lora_layer(gen, k, [(0, 230, 8)], dtype),
+    ]
+    a, b, segments = (list(t) for t in zip(*layers))
+    x = torch.randn(14, k, generator=gen).to(dtype)
+    y0 = torch.randn(14, n, generator=gen).to(dtype)
+    row_adapter = torch.tensor([0] * 13 + [1])
+    y = y0.clone()
+    fused.lora_delta(y, x, a, b, segments, row_adapter)
+    for m in range(14):
+        alone = y0[m : m + 1].clone()
+        fused.lora_delta(alone, x[m : m + 1], a, b, segments, row_adapter[m : m + 1].clone())
+        assert torch.equal(alone, y[m : m + 1]), m
+    want = y0.clone()
+    native.lora_delta(want, x, a, b, segments, row_adapter)
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else {}
+    torch.testing.assert_close(y, want, **tolerance)

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -1234,6 +1235,8 @@ at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& weight, const s
 // are computed together (up to kLoraRows at a time, the weights read once for them), which
 // changes no sum's order. Rows with g = -1, or whose adapter has no weights for the layer (an
 // empty a_g), are left as they are. Weights may be float32 or bfloat16 (widened exactly).
+// Where the build has AVX-512 BF16, bfloat16 rows on bfloat16 weights take the shrink in pairs
+// of terms instead (vdpbf16ps: see lora_shrink_pairs_tile), in the same order for any rows.
 // the scalar form of fma8 for a column tail, rounding as the vector lanes do
 inline float fma1(float a, float b, float c) {
 #if defined(__FMA__)
@@ -1370,6 +1373,118 @@ void lora_shrink_tile(float* xa, const float* xf, const W* a, int64_t k, int64_t
     for (int v = 0; v < NV; ++v) L::store(xa + r * R + j0 + w * v, L::add(even[r][v], odd[r][v]));
 }
 
+#if defined(PYXLLM_LORA_LANES16) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define PYXLLM_LORA_DPBF16 1
+// The shrink of bfloat16 rows over bfloat16 weights where the CPU has AVX-512 BF16: one
+// vdpbf16ps adds a lane's two terms x[i] a[i, j] + x[i + 1] a[i + 1, j] (products exact in
+// float32, denormals flushed), so an instruction does twice an FMA's work and x comes as one
+// broadcast per pair. Each lane sums its pairs in two chains (pairs 0, 2, 4, .. and 1, 3, 5,
+// .., in that order; an odd k's last pair padded with zeros), then adds the two, whatever the
+// rows, the tile or its width (16 or 8 lanes): so its bits, like the FMA path's, are a row's
+// own, but they are not that path's bits.
+
+// word pairs (a[i, j], a[i + 1, j]) for lanes j = j0 .. j0 + 15 (a[i + 1, j] as zeros without second)
+inline __m512i lora_pairs16(const BFloat16* a, int64_t R, int64_t i, int64_t j0, bool second) {
+  alignas(64) static const uint16_t kInterleave[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i * R + j0));
+  const __m256i hi =
+      second ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + (i + 1) * R + j0)) : _mm256_setzero_si256();
+  return _mm512_permutex2var_epi16(_mm512_castsi256_si512(lo), _mm512_load_si512(kInterleave),
+                                   _mm512_castsi256_si512(hi));
+}
+
+// the same for 8 lanes
+inline __m256i lora_pairs8(const BFloat16* a, int64_t R, int64_t i, int64_t j0, bool second) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i * R + j0));
+  const __m128i hi =
+      second ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + (i + 1) * R + j0)) : _mm_setzero_si128();
+  return _mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi));
+}
+
+// (x[i], x[i + 1]) as one 32-bit word (x[i + 1] as zero without second)
+inline int32_t lora_x_pair(const BFloat16* x, int64_t i, bool second) {
+  uint16_t raw[2] = {0, 0};
+  std::memcpy(raw, x + i, (second ? 2 : 1) * sizeof(uint16_t));
+  int32_t word;
+  std::memcpy(&word, raw, sizeof word);
+  return word;
+}
+
+struct LoraPairs16 {
+  using V = __m512;
+  static constexpr int64_t kWidth = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static __m512i pairs(const BFloat16* a, int64_t R, int64_t i, int64_t j0, bool second) {
+    return lora_pairs16(a, R, i, j0, second);
+  }
+  static V dot(V acc, int32_t x, __m512i w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(x), (__m512bh)w);
+  }
+  static void store(float* p, V a, V b) { _mm512_storeu_ps(p, _mm512_add_ps(a, b)); }
+};
+
+struct LoraPairs8 {
+  using V = __m256;
+  static constexpr int64_t kWidth = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static __m256i pairs(const BFloat16* a, int64_t R, int64_t i, int64_t j0, bool second) {
+    return lora_pairs8(a, R, i, j0, second);
+  }
+  static V dot(V acc, int32_t x, __m256i w) {
+    return _mm256_dpbf16_ps(acc, (__m256bh)_mm256_set1_epi32(x), (__m256bh)w);
+  }
+  static void store(float* p, V a, V b) { _mm256_storeu_ps(p, _mm256_add_ps(a, b)); }
+};
+
+// xa[r, j0 .. j0 + NV lanes) for the NR bfloat16 rows xs[r] [k] over a [k, R] (bfloat16)
+template <class L, int NR, int NV>
+void lora_shrink_pairs_tile(float* xa, const BFloat16* const* xs, const BFloat16* a, int64_t k, int64_t R,
+                            int64_t j0) {
+  using V = typename L::V;
+  constexpr int64_t w = L::kWidth;
+  V acc[2][NR][NV];
+  for (int c = 0; c < 2; ++c)
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < NV; ++v) acc[c][r][v] = L::zero();
+  // one pair of inputs, i and i + 1 (second: whether i + 1 < k) into chain c
+  auto step = [&](int c, int64_t i, bool second) {
+    decltype(L::pairs(a, R, i, j0, second)) wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = L::pairs(a, R, i, j0 + w * v, second);
+    for (int r = 0; r < NR; ++r) {
+      const int32_t xp = lora_x_pair(xs[r], i, second);
+      for (int v = 0; v < NV; ++v) acc[c][r][v] = L::dot(acc[c][r][v], xp, wv[v]);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 4 <= k; i += 4) {
+    step(0, i, true);
+    step(1, i + 2, true);
+  }
+  if (i < k) step(0, i, i + 1 < k);
+  if (i + 2 < k) step(1, i + 2, i + 3 < k);
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) L::store(xa + r * R + j0 + w * v, acc[0][r][v], acc[1][r][v]);
+}
+
+// the whole shrink of NR bfloat16 rows: tiles of as many 16-lane vectors as fit, then 8 lanes
+template <int NR, int NS>
+void lora_shrink_pairs(float* xa, const BFloat16* const* xs, const BFloat16* a, int64_t k, int64_t R) {
+  int64_t j0 = 0;
+  while (j0 + 16 <= R) {
+    const int64_t vectors = std::min<int64_t>(NS, (R - j0) / 16);
+    if constexpr (NS == 4) {
+      if (vectors == 4) lora_shrink_pairs_tile<LoraPairs16, NR, 4>(xa, xs, a, k, R, j0);
+      if (vectors == 3) lora_shrink_pairs_tile<LoraPairs16, NR, 3>(xa, xs, a, k, R, j0);
+    }
+    if (vectors == 2) lora_shrink_pairs_tile<LoraPairs16, NR, 2>(xa, xs, a, k, R, j0);
+    if (vectors == 1) lora_shrink_pairs_tile<LoraPairs16, NR, 1>(xa, xs, a, k, R, j0);
+    j0 += vectors * 16;
+  }
+  for (; j0 < R; j0 += 8) lora_shrink_pairs_tile<LoraPairs8, NR, 1>(xa, xs, a, k, R, j0);  // R: a multiple of 8
+}
+#endif
+
 // y rows ys[r] += columns [c0, c0 + NV lanes) of one module: xa[r, rs .. rs + rl) over b [rl, ol]
 template <class L, int NR, int NV, typename T, typename W>
 void lora_expand_tile(T* const* ys, const float* xa, int64_t R, const W* b, int64_t ol, int64_t rs, int64_t rl,
@@ -1391,6 +1506,45 @@ void lora_expand_tile(T* const* ys, const float* xa, int64_t R, const W* b, int6
     for (int v = 0; v < NV; ++v) L::add_rounded(ys[r] + c0 + w * v, acc[r][v]);
 }
 
+#if defined(PYXLLM_LORA_LANES16)
+// lora_expand_tile over bfloat16 b for columns [c0, c0 + 32 NP), 16 lanes: one 64-byte load of
+// b holds 32 columns, widened in one instruction each for its even and its odd columns (a
+// shift, a mask: no shuffle, half the instructions of lora_expand_tile's widening), so a lane
+// holds every other column until the sums are put back in order for the add into y. Each
+// column's sum runs as in lora_expand_tile: the same bits.
+template <int NR, int NP, typename T>
+void lora_expand_tile_bf16(T* const* ys, const float* xa, int64_t R, const BFloat16* b, int64_t ol, int64_t rs,
+                           int64_t rl, int64_t c0) {
+  __m512 even[NR][NP], odd[NR][NP];
+  for (int r = 0; r < NR; ++r)
+    for (int p = 0; p < NP; ++p) even[r][p] = odd[r][p] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  for (int64_t j = 0; j < rl; ++j) {
+    __m512 we[NP], wo[NP];
+    for (int p = 0; p < NP; ++p) {
+      const __m512i raw = _mm512_loadu_si512(b + j * ol + c0 + 32 * p);
+      we[p] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      wo[p] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512 xb = _mm512_set1_ps(xa[r * R + rs + j]);
+      for (int p = 0; p < NP; ++p) {
+        even[r][p] = _mm512_fmadd_ps(xb, we[p], even[r][p]);
+        odd[r][p] = _mm512_fmadd_ps(xb, wo[p], odd[r][p]);
+      }
+    }
+  }
+  alignas(64) static const int32_t kFirst[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+  alignas(64) static const int32_t kSecond[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+  for (int r = 0; r < NR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      LoraLanes16::add_rounded(ys[r] + c0 + 32 * p, _mm512_permutex2var_ps(even[r][p], first, odd[r][p]));
+      LoraLanes16::add_rounded(ys[r] + c0 + 32 * p + 16, _mm512_permutex2var_ps(even[r][p], second, odd[r][p]));
+    }
+}
+#endif
+
 // One block of NR rows on one adapter: x rows widened, the shrink, then each module's expand.
 // The tiles take the widest lanes (LoraWide), then 8 lanes for the rest of a multiple of 8, then
 // one column at a time. Accumulators: 2 * NR * NS in the shrink (its even and odd chains), at
@@ -1401,26 +1555,39 @@ void lora_rows(T* y, const T* x, const int64_t* rows, int64_t k, int64_t n, cons
   constexpr int NS = NR <= 2 ? 4 : 2;
   constexpr int NE = kLoraRegisters == 32 ? 4 : NS;
   constexpr int64_t wide = LoraWide::kWidth;
-  for (int r = 0; r < NR; ++r) Rows<T>::load(xf + r * k, x + rows[r] * k, k);
-  // as many vectors a tile as fit (a pass over x for them all: few rows have few chains each)
-  int64_t j0 = 0;
-  while (j0 + wide <= R) {
-    const int64_t vectors = std::min<int64_t>(NS, (R - j0) / wide);  // NS is 2 or 4
-    if constexpr (NS == 4) {
-      if (vectors == 4) lora_shrink_tile<LoraWide, NR, 4>(xa, xf, a, k, R, j0);
-      if (vectors == 3) lora_shrink_tile<LoraWide, NR, 3>(xa, xf, a, k, R, j0);
+#if defined(PYXLLM_LORA_DPBF16)
+  if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<W, BFloat16>) {
+    const BFloat16* xs[NR];
+    for (int r = 0; r < NR; ++r) xs[r] = x + rows[r] * k;
+    lora_shrink_pairs<NR, NS>(xa, xs, a, k, R);
+  } else
+#endif
+  {
+    for (int r = 0; r < NR; ++r) Rows<T>::load(xf + r * k, x + rows[r] * k, k);
+    // as many vectors a tile as fit (a pass over x for them all: few rows have few chains each)
+    int64_t j0 = 0;
+    while (j0 + wide <= R) {
+      const int64_t vectors = std::min<int64_t>(NS, (R - j0) / wide);  // NS is 2 or 4
+      if constexpr (NS == 4) {
+        if (vectors == 4) lora_shrink_tile<LoraWide, NR, 4>(xa, xf, a, k, R, j0);
+        if (vectors == 3) lora_shrink_tile<LoraWide, NR, 3>(xa, xf, a, k, R, j0);
+      }
+      if (vectors == 2) lora_shrink_tile<LoraWide, NR, 2>(xa, xf, a, k, R, j0);
+      if (vectors == 1) lora_shrink_tile<LoraWide, NR, 1>(xa, xf, a, k, R, j0);
+      j0 += vectors * wide;
     }
-    if (vectors == 2) lora_shrink_tile<LoraWide, NR, 2>(xa, xf, a, k, R, j0);
-    if (vectors == 1) lora_shrink_tile<LoraWide, NR, 1>(xa, xf, a, k, R, j0);
-    j0 += vectors * wide;
+    for (; j0 < R; j0 += 8) lora_shrink_tile<LoraLanes8, NR, 1>(xa, xf, a, k, R, j0);  // R: a multiple of 8
   }
-  for (; j0 < R; j0 += 8) lora_shrink_tile<LoraLanes8, NR, 1>(xa, xf, a, k, R, j0);  // R: a multiple of 8
   T* ys[NR];
   for (int64_t s = 0; s < num_seg; ++s) {
     const int64_t os = seg[5 * s], ol = seg[5 * s + 1], rs = seg[5 * s + 2], rl = seg[5 * s + 3];
     const W* bs = b + seg[5 * s + 4];
     for (int r = 0; r < NR; ++r) ys[r] = y + rows[r] * n + os;
     int64_t c = 0;
+#if defined(PYXLLM_LORA_LANES16)
+    if constexpr (std::is_same_v<W, BFloat16>)
+      for (; c + 64 <= ol; c += 64) lora_expand_tile_bf16<NR, 2>(ys, xa, R, bs, ol, rs, rl, c);
+#endif
     for (; c + NE * wide <= ol; c += NE * wide) lora_expand_tile<LoraWide, NR, NE>(ys, xa, R, bs, ol, rs, rl, c);
     for (; c + wide <= ol; c += wide) lora_expand_tile<LoraWide, NR, 1>(ys, xa, R, bs, ol, rs, rl, c);
     for (; c + 8 <= ol; c += 8) lora_expand_tile<LoraLanes8, NR, 1>(ys, xa, R, bs, ol, rs, rl, c);
