@@ -858,6 +858,18 @@ def _lora_layer(gen, k: int, modules: list[tuple[int, int, int]], dtype):
     return a.to(dtype), torch.cat(blocks).to(dtype), torch.tensor(segments)
 
 
+def _lora_rows_alone_and_together(y0, x, a, b, segments, row_adapter):
+    """``y0`` plus the fused ``lora_delta`` of all rows in one call, after asserting that each
+    row, called alone, gets the same bits."""
+    y = y0.clone()
+    fused.lora_delta(y, x, a, b, segments, row_adapter)
+    for m in range(len(x)):
+        alone = y0[m : m + 1].clone()
+        fused.lora_delta(alone, x[m : m + 1], a, b, segments, row_adapter[m : m + 1].clone())
+        assert torch.equal(alone, y[m : m + 1]), m
+    return y
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_delta_adds_each_rows_own_adapter_with_bits_of_its_own(dtype):
     """Rows on three adapters (one with three modules and a column tail, one not adapting the
@@ -877,12 +889,7 @@ def test_lora_delta_adds_each_rows_own_adapter_with_bits_of_its_own(dtype):
     x = torch.randn(11, k, generator=gen).to(dtype)
     y0 = torch.randn(11, n, generator=gen).to(dtype)
     row_adapter = torch.tensor([3, -1, 0, 1, 0, 2, 3, 0, 3, 0, 0])
-    y = y0.clone()
-    fused.lora_delta(y, x, a, b, segments, row_adapter)
-    for m in range(11):
-        alone = y0[m : m + 1].clone()
-        fused.lora_delta(alone, x[m : m + 1], a, b, segments, row_adapter[m : m + 1].clone())
-        assert torch.equal(alone, y[m : m + 1]), m
+    y = _lora_rows_alone_and_together(y0, x, a, b, segments, row_adapter)
     order = torch.tensor([10, 4, 2, 0, 1, 5, 3, 6, 9, 7, 8])
     shuffled = y0[order].contiguous()
     fused.lora_delta(shuffled, x[order].contiguous(), a, b, segments, row_adapter[order].clone())
@@ -916,12 +923,7 @@ def test_lora_delta_keeps_a_rows_bits_in_wide_modules_and_prefill_blocks(dtype, 
     x = torch.randn(14, k, generator=gen).to(dtype)
     y0 = torch.randn(14, n, generator=gen).to(dtype)
     row_adapter = torch.tensor([0] * 13 + [1])
-    y = y0.clone()
-    fused.lora_delta(y, x, a, b, segments, row_adapter)
-    for m in range(14):
-        alone = y0[m : m + 1].clone()
-        fused.lora_delta(alone, x[m : m + 1], a, b, segments, row_adapter[m : m + 1].clone())
-        assert torch.equal(alone, y[m : m + 1]), m
+    y = _lora_rows_alone_and_together(y0, x, a, b, segments, row_adapter)
     want = y0.clone()
     native.lora_delta(want, x, a, b, segments, row_adapter)
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else {}
