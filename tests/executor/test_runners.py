@@ -353,6 +353,17 @@ def test_compile_gives_eager_tokens_on_smollm2(eager_tokens):
     assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids == eager_tokens[0]
 
 
+def test_compile_runs_the_gguf_weights_as_stored():
+    """The default model's weights kept as the GGUF file stores them (the tied embedding read
+    out of the LM head's int8 tiles, whose indexing inductor could not compile over the
+    unbacked token count) compile too, with eager's float32 tokens."""
+    kwargs = dict(LLM_KWARGS, quantization="gguf")
+    expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(PROMPTS[:2], GREEDY)]
+    llm = LLM(graph_backend="compile", **kwargs)
+    assert isinstance(llm.llm_engine.executor.driver.runner, CompileRunner)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == expected
+
+
 def test_a_trace_is_taken_on_one_thread_and_replays_on_the_callers():
     """Captures run on one torch thread (OpenMP regions on cores another process keeps busy
     stalled start-up ~10x); the count is restored, and a replay gives the traced results."""

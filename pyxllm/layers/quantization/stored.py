@@ -241,6 +241,10 @@ class StoredEmbedding:
         self.packed, self.scales_and_zeros = packed, scales_and_zeros
         self.read_rows, self.group_size, self.dtype = read_rows, group_size, dtype
 
+    # outside torch.compile's graph: indexing the tiles by ids of the unbacked token count
+    # made inductor guard on that count (GuardOnDataDependentSymNode), so the compile runner
+    # failed on every GGUF model kept as stored; eager, the lookup is a few small ops
+    @torch.compiler.disable
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         values = self.read_rows(
             self.packed, self.scales_and_zeros, ids.reshape(-1), self.group_size
