@@ -36,6 +36,7 @@ from pyxllm.layers.quantization import (
     quantize_model,
     resolve_quantization,
     weight_bytes,
+    weight_tensors,
 )
 from pyxllm.lora.manager import LoRAManager, LoRAStep
 from pyxllm.lora_request import LoRARequest
@@ -198,6 +199,7 @@ class ModelExecutor:
         with one_thread():  # numpy decoding and packing: see one_thread
             load_weights(self.model, weights)
             quantize_model(self.model, self.quantization, batch_invariant=config.batch_invariant)
+            platform.place_weights(weight_tensors(self.model))  # before a runner records them
 
         cache_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self.kv_spec = KVCacheSpec.from_model(self.model, config.block_size, cache_dtype)

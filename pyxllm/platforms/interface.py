@@ -25,6 +25,9 @@ from pyxllm.config import COMPUTE_DTYPES, CPU_KV_CACHE_GIB
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
+# the x86-64 and aarch64 (4 KiB granule) transparent huge page; the smallest tensor worth one
+HUGE_PAGE_BYTES = 2 * 2**20
+HUGE_PAGE_MIN_BYTES = 64 * 2**10
 # ``--dtype`` name -> torch dtype
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in COMPUTE_DTYPES}
 
@@ -327,6 +330,52 @@ class Platform:
             for shape, size, offset in zip(shapes, sizes, offsets, strict=True)
         ]
 
+    def place_weights(self, weights: list[torch.Tensor]) -> None:
+        """On the CPU, move ``weights`` (a model's weight tensors; those of at least
+        :data:`HUGE_PAGE_MIN_BYTES` that alone own their storage) into one anonymous memory
+        mapping advised for transparent huge pages (``MADV_HUGEPAGE``), each tensor keeping its
+        identity (``tensor.data`` is swapped, so a tied embedding holding the LM head's buffer
+        follows it). A no-op on accelerators, and in effect where the kernel's huge pages are
+        off (``/sys/kernel/mm/transparent_hugepage/enabled``: ``never``).
+
+        Why: decode streams every weight once a step, and with 4 KiB pages a core's L2 TLB
+        (Zen 4: 3072 entries, 12 MiB) misses once a page, and its hardware prefetchers stop at
+        every page boundary; with 2 MiB pages neither happens. SmolLM2's 30 layers of int4
+        weights at one row, 2 Zen 4 cores: 2.35 -> 2.15 and 2.72 -> 2.46 ms a step (alternating
+        runs); the default model's batch-1 decode, two engines in one process taking turns
+        (12 requests each, medians): 184.9 -> 204.0 and 191.1 -> 203.9 tok/s. glibc's
+        ``malloc`` gives 4 KiB pages where huge pages are only advised (the kernel's default
+        ``madvise`` mode, the machines' seen here).
+        """
+        if self.is_accelerator or not hasattr(mmap, "MADV_HUGEPAGE"):
+            return
+        owners: dict[int, list[torch.Tensor]] = {}
+        for tensor in weights:
+            owners.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+        tensors = [
+            tensors[0]
+            for tensors in owners.values()
+            if len({id(t) for t in tensors}) == 1 and _movable(tensors[0])
+        ]
+        if not tensors:
+            return
+        offsets, total = [], 0
+        for tensor in tensors:
+            offsets.append(total)
+            total += -(-tensor.nbytes // 64) * 64  # each tensor on a cache line
+        buffer = mmap.mmap(-1, total + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+        arena = torch.frombuffer(buffer, dtype=torch.uint8)
+        start = -arena.data_ptr() % HUGE_PAGE_BYTES  # the first tensor on a huge page boundary
+        with torch.no_grad():
+            for tensor, offset in zip(tensors, offsets, strict=True):
+                placed = arena[start + offset : start + offset + tensor.nbytes]
+                placed = placed.view(tensor.dtype).view(tensor.shape)
+                placed.copy_(tensor)
+                if tensor._base is not None:  # else the base would keep the old bytes alive
+                    tensor._base.data = placed.view(tensor._base.shape)
+                tensor.data = placed
+
     def synchronize(self) -> None:
         """Wait for the device's queued work (for timing); a no-op on CPU."""
         if self.is_accelerator:
@@ -341,6 +390,22 @@ class Platform:
             self.device_module().empty_cache()
         elif _malloc_trim is not None:
             _malloc_trim(0)
+
+
+def _movable(tensor: torch.Tensor) -> bool:
+    """Whether :meth:`Platform.place_weights` can move ``tensor``: a contiguous CPU tensor of at
+    least :data:`HUGE_PAGE_MIN_BYTES` that is its storage's only view, or a view of the whole of
+    a contiguous tensor that is not a view itself (a packed weight reshaped)."""
+    base = tensor._base
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and tensor.untyped_storage().nbytes() == tensor.nbytes >= HUGE_PAGE_MIN_BYTES
+        and (
+            base is None
+            or (base._base is None and base.is_contiguous() and base.nbytes == tensor.nbytes)
+        )
+    )
 
 
 def load_class(path: str):

@@ -390,3 +390,30 @@ def test_cpu_kv_tensors_are_zero_and_resident_only_where_written():
     tensors[-2].fill_(2.0)  # the tensors do not overlap
     assert tensors[-2].eq(2).all() and not tensors[-3].any() and not tensors[-1].any()
     assert all(t.data_ptr() % 4096 == 0 for t in tensors)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_cpu_weights_move_to_one_huge_page_mapping_keeping_identity_and_values():
+    """Weights move into one mapping advised for huge pages: each tensor object is the same (a
+    tied embedding holding the LM head's buffer follows), its values equal, the first on a
+    2 MiB boundary, and the old bytes freed, a packed weight's reshaped base included."""
+    platform = cpu.load()
+    module = torch.nn.Module()
+    module.register_buffer(
+        "packed", torch.randint(0, 255, (64, 32, 64), dtype=torch.uint8).view(64, -1)
+    )
+    module.weight = torch.nn.Parameter(torch.randn(256, 256), requires_grad=False)
+    module.register_buffer("small", torch.randn(8))  # below the size worth a move: left alone
+    aliases = [module.packed, module.weight]  # what other objects hold
+    expected = [t.clone() for t in (module.packed, module.weight, module.small)]
+    small_ptr = module.small.data_ptr()
+    base = module.packed._base
+    platform.place_weights([module.packed, module.weight, module.small])
+    assert aliases[0] is module.packed and aliases[1] is module.weight
+    for tensor, value in zip((module.packed, module.weight, module.small), expected):
+        assert torch.equal(tensor, value)
+    mapping = module.packed.untyped_storage()
+    assert module.weight.untyped_storage().data_ptr() == mapping.data_ptr()
+    assert module.packed.data_ptr() % interface.HUGE_PAGE_BYTES == 0
+    assert base.data_ptr() == module.packed.data_ptr()  # the base no longer holds the old bytes
+    assert module.small.data_ptr() == small_ptr

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
 from torch import nn
 
 from pyxllm.layers.quantization.rotation import rotate_for_int8_activations
@@ -52,13 +53,14 @@ __all__ = [
     "quantize_model",
     "resolve_quantization",
     "weight_bytes",
+    "weight_tensors",
 ]
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights take in memory: its parameters and buffers, and the groups an
-    embedding looks its rows up from, less the float weights of such embeddings (allocated,
-    never written, so never resident)."""
+def weight_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors the model's weights are held in, each once: its parameters and buffers, and
+    the groups an embedding looks its rows up from, less the float weights of such embeddings
+    (allocated, never written, so never resident)."""
     looked_up = {
         id(m.weight) for m in model.modules() if getattr(m, "stored_lookup", None) is not None
     }
@@ -67,7 +69,12 @@ def weight_bytes(model: nn.Module) -> int:
         lookup = getattr(module, "stored_lookup", None)
         if lookup is not None:  # (a tied LM head's buffers, counted once)
             tensors |= {id(t): t for t in (lookup.packed, lookup.scales_and_zeros)}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return list(tensors.values())
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights take in memory (:func:`weight_tensors`)."""
+    return sum(t.numel() * t.element_size() for t in weight_tensors(model))
 
 
 # names what ``--quantization auto`` picks instead of its own choice (the suite pins ``none``)
