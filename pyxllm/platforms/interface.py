@@ -310,8 +310,10 @@ class Platform:
         On the CPU they lie in one anonymous memory mapping, which the kernel hands out zeroed
         page by page when a page is first written: the memory becomes resident as the cache's
         blocks are first used rather than all at start-up (``torch.zeros`` writes every page,
-        so a 2 GiB budget was 2 GiB of resident memory before the first request). Each tensor
-        starts on a page boundary. The mapping is freed with the last tensor over it
+        so a 2 GiB budget was 2 GiB of resident memory before the first request), in huge pages
+        where the kernel gives them (:func:`anonymous_mapping`: 8 sequences' decode attention
+        over 1000 tokens, 30 layers, 2 Zen 4 cores: 19.1 -> 17.5 ms). Each tensor starts on a
+        page boundary. The mapping is freed with the last tensor over it
         (``torch.frombuffer`` keeps it alive). An accelerator gets ``torch.zeros``.
         """
         if self.is_accelerator:
@@ -324,7 +326,7 @@ class Platform:
             total += -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
         if total == 0:
             return [torch.zeros(shape, dtype=dtype) for shape in shapes]
-        buffer = mmap.mmap(-1, total)
+        buffer = anonymous_mapping(total)
         return [
             torch.frombuffer(buffer, dtype=dtype, count=size // elem, offset=offset).view(shape)
             for shape, size, offset in zip(shapes, sizes, offsets, strict=True)
@@ -363,8 +365,7 @@ class Platform:
         for tensor in tensors:
             offsets.append(total)
             total += -(-tensor.nbytes // 64) * 64  # each tensor on a cache line
-        buffer = mmap.mmap(-1, total + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buffer.madvise(mmap.MADV_HUGEPAGE)
+        buffer = anonymous_mapping(total + HUGE_PAGE_BYTES)
         arena = torch.frombuffer(buffer, dtype=torch.uint8)
         start = -arena.data_ptr() % HUGE_PAGE_BYTES  # the first tensor on a huge page boundary
         with torch.no_grad():
@@ -390,6 +391,19 @@ class Platform:
             self.device_module().empty_cache()
         elif _malloc_trim is not None:
             _malloc_trim(0)
+
+
+def anonymous_mapping(size: int) -> mmap.mmap:
+    """``size`` bytes of private anonymous memory, zero until written and resident page by page
+    as it is first written, advised for transparent huge pages (``MADV_HUGEPAGE``) where the
+    system has them: with the kernel's default ``madvise`` mode, only advised memory gets them
+    (a shared mapping, ``mmap.mmap(-1, size)``'s default, never does)."""
+    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows
+        return mmap.mmap(-1, size)
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return buffer
 
 
 def _movable(tensor: torch.Tensor) -> bool:
