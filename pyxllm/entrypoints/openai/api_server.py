@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import ipaddress
 import logging
 import os
@@ -585,6 +586,12 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None) -> No
             ssl_cert_reqs=options.ssl_cert_reqs,
         )
         server = _Server(uv_config, banner, engine)
+        # What start-up made (the model, torch's, transformers' and the app's objects: several
+        # hundred thousand) lives as long as the server: frozen, the garbage collector's full
+        # passes stop walking it between steps (vLLM's engine core does the same). A profile of
+        # batch-1 decode spent ~2 % of its time in those passes.
+        gc.collect()
+        gc.freeze()
         with _signals_handled_by_uvicorn():
             server.run(sockets=[sock])
     finally:
