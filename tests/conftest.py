@@ -20,6 +20,10 @@ os.environ.setdefault("PYXLLM_DEFAULT_QUANTIZATION", "none")
 # and ``--graph-backend auto`` runs the graph runner on the CPU, whose captures add ~5 s to each
 # engine's start: the suite's engines run eager unless a test asks (test_runners.py tests both)
 os.environ.setdefault("PYXLLM_DEFAULT_GRAPH_BACKEND", "eager")
+# and CPU weights are copied into memory advised for huge pages, whose first touch on a virtual
+# machine cost 2-4 s of each engine's start with the suite's float32 weights (a suite of a few
+# hundred engines: minutes); tests/platforms/test_platforms.py runs it, equal tokens included
+os.environ.setdefault("PYXLLM_CPU_HUGE_PAGES", "0")
 
 
 # Seconds each of the slowest modules takes in `make test` (two workers, the `--durations` of

@@ -28,6 +28,17 @@ GIB = 2**30
 # the x86-64 and aarch64 (4 KiB granule) transparent huge page; the smallest tensor worth one
 HUGE_PAGE_BYTES = 2 * 2**20
 HUGE_PAGE_MIN_BYTES = 64 * 2**10
+# ``0``: CPU weights stay where they were loaded and the KV cache's mapping is not advised for
+# huge pages (see Platform.place_weights; the suite sets it, tests/conftest.py)
+HUGE_PAGES_ENV = "PYXLLM_CPU_HUGE_PAGES"
+
+
+def huge_pages_enabled() -> bool:
+    """Whether CPU weights and KV caches go to memory advised for huge pages
+    (``$PYXLLM_CPU_HUGE_PAGES``, default ``1``)."""
+    return os.environ.get(HUGE_PAGES_ENV, "1") != "0"
+
+
 # ``--dtype`` name -> torch dtype
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in COMPUTE_DTYPES}
 
@@ -348,8 +359,13 @@ class Platform:
         (12 requests each, medians): 184.9 -> 204.0 and 191.1 -> 203.9 tok/s. glibc's
         ``malloc`` gives 4 KiB pages where huge pages are only advised (the kernel's default
         ``madvise`` mode, the machines' seen here).
+
+        The cost: the mapping's pages are new memory, faulted in (zeroed) as the weights are
+        copied. On the virtual machines seen here, memory the host has not backed yet zeroes at
+        ~0.2 GB/s: up to ~3 s for 540 MB of float32 weights (the default model's 94 MB: well
+        under a second), once per start-up. ``PYXLLM_CPU_HUGE_PAGES=0`` skips the move.
         """
-        if self.is_accelerator or not hasattr(mmap, "MADV_HUGEPAGE"):
+        if self.is_accelerator or not hasattr(mmap, "MADV_HUGEPAGE") or not huge_pages_enabled():
             return
         owners: dict[int, list[torch.Tensor]] = {}
         for tensor in weights:
@@ -401,7 +417,7 @@ def anonymous_mapping(size: int) -> mmap.mmap:
     if not hasattr(mmap, "MAP_PRIVATE"):  # Windows
         return mmap.mmap(-1, size)
     buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if hasattr(mmap, "MADV_HUGEPAGE") and huge_pages_enabled():
         buffer.madvise(mmap.MADV_HUGEPAGE)
     return buffer
 

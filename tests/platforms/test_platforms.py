@@ -393,10 +393,11 @@ def test_cpu_kv_tensors_are_zero_and_resident_only_where_written():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_cpu_weights_move_to_one_huge_page_mapping_keeping_identity_and_values():
+def test_cpu_weights_move_to_one_huge_page_mapping_keeping_identity_and_values(monkeypatch):
     """Weights move into one mapping advised for huge pages: each tensor object is the same (a
     tied embedding holding the LM head's buffer follows), its values equal, the first on a
     2 MiB boundary, and the old bytes freed, a packed weight's reshaped base included."""
+    monkeypatch.setenv(interface.HUGE_PAGES_ENV, "1")
     platform = cpu.load()
     module = torch.nn.Module()
     module.register_buffer(
@@ -417,3 +418,26 @@ def test_cpu_weights_move_to_one_huge_page_mapping_keeping_identity_and_values()
     assert module.packed.data_ptr() % interface.HUGE_PAGE_BYTES == 0
     assert base.data_ptr() == module.packed.data_ptr()  # the base no longer holds the old bytes
     assert module.small.data_ptr() == small_ptr
+
+
+def test_huge_pages_leave_the_default_models_tokens_and_logprobs_as_they_were(monkeypatch):
+    """The default model (GGUF weights as stored, bfloat16) in huge pages or not: the same
+    greedy tokens and logprobs, and its weights all in one mapping (the suite runs without)."""
+    from pyxllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
+    kwargs = dict(quantization="gguf", dtype="bfloat16", max_model_len=128, kv_cache_memory=0.05)
+    outputs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv(interface.HUGE_PAGES_ENV, setting)
+        llm = LLM(**kwargs)
+        output = llm.generate(["The capital of France is"], params)[0].outputs[0]
+        outputs[setting] = (output.token_ids, [sorted(e.items()) for e in output.logprobs])
+        model = llm.llm_engine.executor.driver.model
+        storages = {layer.qweight.untyped_storage().data_ptr() for layer in _packed_layers(model)}
+        assert (len(storages) == 1) == (setting == "1")
+    assert outputs["1"] == outputs["0"]
+
+
+def _packed_layers(model):
+    return [m for m in model.modules() if hasattr(m, "qweight")]
