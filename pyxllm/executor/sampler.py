@@ -43,6 +43,16 @@ __all__ = [
 ]
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (``int64 [N]`` of ``x [N, V]``, the first maximum's index, a NaN
+    counting as the maximum, as both libraries do). On the CPU through numpy, whose argmax is
+    vectorized where ATen's reduction is not: 49152 float32 logits, 42.7 -> 4.6 us a row on a
+    Zen 4 core (8 rows: 167 -> 27 us), 1 % of the default model's batch-1 decode step."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+        return x.argmax(dim=-1)
+    return torch.from_numpy(x.numpy().argmax(axis=-1)).long()
+
+
 def exponential_draws(
     shape: tuple[int, ...], generator: torch.Generator, device: torch.device | str | None = None
 ) -> torch.Tensor:
@@ -96,7 +106,7 @@ class Sampler:
             self._apply_min_tokens(logits, meta)
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = argmax_rows(logits)
         if meta.all_greedy:
             token_ids, processed = greedy_ids, logits
         else:
@@ -109,7 +119,7 @@ class Sampler:
             q = exponential_draws(probs.shape, self.generator, probs.device)
             if meta.generators:
                 self._seeded_draws(q, meta.generators)
-            token_ids = torch.where(meta.greedy, greedy_ids, probs.div_(q).argmax(dim=-1))
+            token_ids = torch.where(meta.greedy, greedy_ids, argmax_rows(probs.div_(q)))
         if meta.logprob_rows is None:
             return SamplerOutput(token_ids)
         rows = meta.logprob_rows

@@ -8,6 +8,7 @@ from pyxllm.executor.sampler import (
     Sampler,
     SamplingMetadata,
     apply_top_k_top_p,
+    argmax_rows,
     exponential_draws,
 )
 from pyxllm.executor.scheduler_output import ScheduledSequence
@@ -323,3 +324,15 @@ def test_a_greedy_rows_logprobs_do_not_depend_on_a_neighbours_top_p():
         meta = SamplingMetadata.build([_seq(greedy), _seq(neighbour)], vocab, CPU)
         together = Sampler(seed=0).sample(logits.clone(), meta)
         assert together.logprobs.tolists()[0] == alone.logprobs.tolists()[0]
+
+
+def test_argmax_rows_picks_what_torch_picks_on_ties_nan_and_masked_rows():
+    logits = torch.randn(6, 257)
+    logits[1, [3, 200]] = 50.0  # a tie: the first
+    logits[2, 7] = float("nan")  # a NaN counts as the maximum
+    logits[3] = float("-inf")  # a row masked out entirely: index 0
+    logits[4, 10:] = float("-inf")
+    for x in (logits, logits[:, 1:], logits[:0], logits.double()):  # strided, empty, float64
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(logits).dtype == torch.int64
+    assert torch.equal(argmax_rows(logits.bfloat16()), logits.bfloat16().argmax(dim=-1))
