@@ -331,10 +331,7 @@ class Platform:
             return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         elem = torch.empty((), dtype=dtype).element_size()
         sizes = [math.prod(shape) * elem for shape in shapes]
-        offsets, total = [], 0
-        for size in sizes:
-            offsets.append(total)
-            total += -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        offsets, total = _packed_offsets(sizes, mmap.PAGESIZE)
         if total == 0:
             return [torch.zeros(shape, dtype=dtype) for shape in shapes]
         buffer = anonymous_mapping(total)
@@ -371,16 +368,14 @@ class Platform:
         for tensor in weights:
             owners.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
         tensors = [
-            tensors[0]
-            for tensors in owners.values()
-            if len({id(t) for t in tensors}) == 1 and _movable(tensors[0])
+            sharing[0]
+            for sharing in owners.values()
+            if len({id(t) for t in sharing}) == 1 and _movable(sharing[0])
         ]
         if not tensors:
             return
-        offsets, total = [], 0
-        for tensor in tensors:
-            offsets.append(total)
-            total += -(-tensor.nbytes // 64) * 64  # each tensor on a cache line
+        # each tensor on a cache line
+        offsets, total = _packed_offsets([tensor.nbytes for tensor in tensors], 64)
         buffer = anonymous_mapping(total + HUGE_PAGE_BYTES)
         arena = torch.frombuffer(buffer, dtype=torch.uint8)
         start = -arena.data_ptr() % HUGE_PAGE_BYTES  # the first tensor on a huge page boundary
@@ -407,6 +402,16 @@ class Platform:
             self.device_module().empty_cache()
         elif _malloc_trim is not None:
             _malloc_trim(0)
+
+
+def _packed_offsets(sizes: list[int], align: int) -> tuple[list[int], int]:
+    """The byte offsets of blocks of ``sizes`` bytes laid one after another in one buffer, each
+    starting on a multiple of ``align``, and the buffer's size."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // align) * align
+    return offsets, total
 
 
 def anonymous_mapping(size: int) -> mmap.mmap:
