@@ -392,7 +392,7 @@ def test_cpu_kv_tensors_are_zero_and_resident_only_where_written():
     assert all(t.data_ptr() % 4096 == 0 for t in tensors)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE): Linux")
 def test_cpu_weights_move_to_one_huge_page_mapping_keeping_identity_and_values(monkeypatch):
     """Weights move into one mapping advised for huge pages: each tensor object is the same (a
     tied embedding holding the LM head's buffer follows), its values equal, the first on a
@@ -434,10 +434,8 @@ def test_huge_pages_leave_the_default_models_tokens_and_logprobs_as_they_were(mo
         output = llm.generate(["The capital of France is"], params)[0].outputs[0]
         outputs[setting] = (output.token_ids, [sorted(e.items()) for e in output.logprobs])
         model = llm.llm_engine.executor.driver.model
-        storages = {layer.qweight.untyped_storage().data_ptr() for layer in _packed_layers(model)}
+        storages = {
+            m.qweight.untyped_storage().data_ptr() for m in model.modules() if hasattr(m, "qweight")
+        }
         assert (len(storages) == 1) == (setting == "1")
     assert outputs["1"] == outputs["0"]
-
-
-def _packed_layers(model):
-    return [m for m in model.modules() if hasattr(m, "qweight")]
