@@ -353,15 +353,25 @@ def test_compile_gives_eager_tokens_on_smollm2(eager_tokens):
     assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids == eager_tokens[0]
 
 
-def test_compile_runs_the_gguf_weights_as_stored():
-    """The default model's weights kept as the GGUF file stores them (the tied embedding read
-    out of the LM head's int8 tiles, whose indexing inductor could not compile over the
-    unbacked token count) compile too, with eager's float32 tokens."""
-    kwargs = dict(LLM_KWARGS, quantization="gguf")
-    expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(PROMPTS[:2], GREEDY)]
+def test_compile_runs_the_defaults_with_eager_tokens_and_logprobs():
+    """The default model as a user runs it, its weights kept as the GGUF file stores them (the
+    tied embedding read out of the LM head's int8 tiles, whose indexing inductor could not
+    compile over the unbacked token count) in bfloat16, compiles too, with eager's tokens and
+    logprobs to the bit (inductor kept float32 between fused ops and left eager's greedy path
+    after a few tokens, until the runner asked it to round where eager rounds)."""
+    kwargs = dict(LLM_KWARGS, quantization="gguf", dtype="bfloat16")
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+
+    def outputs(llm):
+        return [
+            (o.outputs[0].token_ids, o.outputs[0].logprobs)
+            for o in llm.generate(PROMPTS[:2], params)
+        ]
+
+    expected = outputs(LLM(**kwargs))
     llm = LLM(graph_backend="compile", **kwargs)
     assert isinstance(llm.llm_engine.executor.driver.runner, CompileRunner)
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == expected
+    assert outputs(llm) == expected
 
 
 def test_a_trace_is_taken_on_one_thread_and_replays_on_the_callers():

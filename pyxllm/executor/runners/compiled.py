@@ -6,6 +6,11 @@ the decoder layers compile into one graph with no graph break. The token dimensi
 (a plain dynamic size would be specialized, and recompiled, at 1). On the CPU, inductor emits
 C++ (gcc); SmolLM2-135M compiles in about 45 s on 2 cores with a cold cache (inductor's disk
 cache, ``/tmp/torchinductor_<user>``, makes later starts quicker).
+
+Inductor runs with ``emulate_precision_casts``: where eager rounds each op's bfloat16 (or
+float16) output, a fused kernel would otherwise keep float32 between the ops it fuses, and
+SmolLM2's greedy tokens in bfloat16 left eager's after a few steps; with the option it rounds
+at the same places, so compile gives eager's tokens and logprobs, as every runner must.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ class CompileRunner(Runner):
         from torch._dynamo.decorators import mark_unbacked
 
         super().__init__(model)
-        self.compiled = torch.compile(model, backend=backend, dynamic=True)
+        options = {"emulate_precision_casts": True} if backend == "inductor" else None
+        self.compiled = torch.compile(model, backend=backend, dynamic=True, options=options)
         self.mark_unbacked = mark_unbacked
 
     @torch.inference_mode()
