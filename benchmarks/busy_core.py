@@ -11,11 +11,16 @@ stopped after each busy measurement. Rows:
 - llama-bench ``tg`` on the same GGUF with as many threads, where
   ``benchmarks/build_llama_server.sh`` built it (``--llama-bin-dir``), else skipped.
 
-Each row prints its quiet and busy decode tok/s and busy / quiet; the last lines print pyxllm's
-ratios to llama-bench, quiet and busy. Run from the repository root::
+The engines take turns: in each of ``--rounds`` rounds, every row runs quiet, then every row
+runs with the core busy, so a ratio compares runs a minute apart at most (a shared host's speed
+moved by ~20 % within minutes on the development machines). Each row prints its quiet and busy
+decode tok/s (the median over the rounds) and busy / quiet; the last lines print pyxllm's ratios
+to llama-bench, quiet and busy, as the median of the rounds' ratios (each round's in brackets).
+Run from the repository root::
 
     benchmarks/build_llama_server.sh    # once, for the llama-bench row
     .venv/bin/python benchmarks/busy_core.py
+    .venv/bin/python benchmarks/busy_core.py --rounds 3 --output-len 64
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import contextlib
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,40 +108,51 @@ def main() -> None:
         default=None,
         help="where build_llama_server.sh put llama-bench (default: its cache directory)",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="rounds of every row, quiet then busy (see above)"
+    )
     args = parser.parse_args()
-    rows: dict[str, dict[str, float]] = {}
-    runs = {
+    env_of = {
         "pyxllm (defaults)": {},
         "pyxllm (PYXLLM_ADAPTIVE_THREADS=0)": {"PYXLLM_ADAPTIVE_THREADS": "0"},
     }
-    for name, env in runs.items():
-        rows[name] = {}
-        for busy in (False, True):
-            with busy_core(busy):
-                rows[name]["busy" if busy else "quiet"] = pyxllm_decode(
-                    args.model, args.output_len, args.iters, args.threads, env
-                )
-            print(name, "busy" if busy else "quiet", rows[name], flush=True)
     binary = find_llama_bench(args.llama_bin_dir)
     if binary is None:
         print("llama-bench not built (benchmarks/build_llama_server.sh): skipped")
-    else:
-        rows["llama-bench"] = {}
-        for busy in (False, True):
-            with busy_core(busy):
-                rows["llama-bench"]["busy" if busy else "quiet"] = llama_bench_decode(
-                    binary, args.model, args.output_len, args.iters, args.threads
-                )
-    print(f"\nbatch-1 decode, {args.threads} threads, {args.output_len} new tokens, {args.model}")
-    print(f"{'':38} {'quiet tok/s':>12} {'busy tok/s':>11} {'busy/quiet':>11}")
-    for name, row in rows.items():
-        print(
-            f"{name:38} {row['quiet']:12.1f} {row['busy']:11.1f} {row['busy'] / row['quiet']:10.0%}"
-        )
-    if "llama-bench" in rows:
-        ours, peer = rows["pyxllm (defaults)"], rows["llama-bench"]
+    names = [*env_of, *(["llama-bench"] if binary is not None else [])]
+    # name -> state -> one figure per round
+    runs: dict[str, dict[str, list[float]]] = {n: {"quiet": [], "busy": []} for n in names}
+    for _ in range(args.rounds):
         for state in ("quiet", "busy"):
-            print(f"pyxllm defaults / llama-bench, {state}: {ours[state] / peer[state]:.2f}x")
+            with busy_core(state == "busy"):
+                for name in names:
+                    if name == "llama-bench":
+                        rate = llama_bench_decode(
+                            binary, args.model, args.output_len, args.iters, args.threads
+                        )
+                    else:
+                        rate = pyxllm_decode(
+                            args.model, args.output_len, args.iters, args.threads, env_of[name]
+                        )
+                    runs[name][state].append(rate)
+                    print(name, state, f"{rate:.1f} tok/s", flush=True)
+    print(
+        f"\nbatch-1 decode, {args.threads} threads, {args.output_len} new tokens, "
+        f"{args.rounds} round(s), {args.model}"
+    )
+    print(f"{'':38} {'quiet tok/s':>12} {'busy tok/s':>11} {'busy/quiet':>11}")
+    for name, row in runs.items():
+        quiet, busy = statistics.median(row["quiet"]), statistics.median(row["busy"])
+        print(f"{name:38} {quiet:12.1f} {busy:11.1f} {busy / quiet:10.0%}")
+    if "llama-bench" in runs:
+        ours, peer = runs["pyxllm (defaults)"], runs["llama-bench"]
+        for state in ("quiet", "busy"):
+            ratios = [a / b for a, b in zip(ours[state], peer[state])]
+            each = ", ".join(f"{r:.2f}x" for r in ratios)
+            print(
+                f"pyxllm defaults / llama-bench, {state}: {statistics.median(ratios):.2f}x "
+                f"(rounds: {each})"
+            )
 
 
 def find_llama_bench(bin_dir: str | None) -> Path | None:
