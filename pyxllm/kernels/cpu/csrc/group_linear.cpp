@@ -459,8 +459,8 @@ void group_linear_rows(T* y, const T* x, const uint8_t* w, const P* pairs, Scale
   std::vector<int8_t> xq(2 * rows * k);
   std::vector<float> xs(rows * groups), xsum(rows * scale_groups);
   std::vector<int32_t> xtotal(F::kDotOffset != 0 ? rows * scale_groups : 0);
-  quantize_groups(xq.data(), xs.data(), xsum.data(), xtotal.empty() ? nullptr : xtotal.data(), x, rows, k,
-                  F::kScaleInputs);
+  int32_t* totals = xtotal.empty() ? nullptr : xtotal.data();  // only where F::kDotOffset is set
+  quantize_groups(xq.data(), xs.data(), xsum.data(), totals, x, rows, k, F::kScaleInputs);
   const int64_t tiles = n / kTile;
   at::parallel_for(0, tiles, rows * n * k < kSerialMacs ? tiles : 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
@@ -472,7 +472,7 @@ void group_linear_rows(T* y, const T* x, const uint8_t* w, const P* pairs, Scale
           FloatV acc[kRowBlock] = {};
           tile_rows_any<F>(mc, acc, wt, pairs + (t * scale_groups * kTile + lane0) * layout.per_lane(), layout,
                            xq.data() + 2 * m0 * k, xs.data() + m0 * groups, xsum.data() + m0 * scale_groups,
-                           xtotal.empty() ? nullptr : xtotal.data() + m0 * scale_groups, k);
+                           totals ? totals + m0 * scale_groups : nullptr, k);
           for (int m = 0; m < mc; ++m)
             for (int l = 0; l < kLanes; ++l) {
               const float b = bias ? static_cast<float>(bias[n0 + l]) : 0.f;
