@@ -161,11 +161,7 @@ def int8_groups(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.
         high = np.unpackbits(blocks[..., :32, None], axis=-1, bitorder="little")
         high = high.swapaxes(-1, -2).reshape(*n, 256)
         q = (_two_bits(blocks[..., 32:96]) | (high << 2)).astype(np.int8) - np.int8(4)
-        packed = blocks[..., 96:108]
-        low = np.concatenate([packed[..., :8] & 15, packed[..., :8] >> 4], axis=-1)
-        top = (packed[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
-        sc = (low | (top.reshape(*n, 16) << 4)).astype(np.float32) - np.float32(32)
-        scale = _f16(blocks, 108)[..., None] * sc
+        scale = _f16(blocks, 108)[..., None] * _q3_k_scales(blocks).astype(np.float32)
         zero = np.zeros_like(scale)
     elif ggml_type == _T.IQ4_NL:
         q = IQ4_VALUES[_nibbles(blocks[..., 2:18])]
@@ -174,10 +170,7 @@ def int8_groups(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.
     elif ggml_type == _T.IQ4_XS:
         n = blocks.shape[:2]
         q = IQ4_VALUES[_nibbles(blocks[..., 8:136].reshape(*n, 8, 16))].reshape(*n, 256)
-        low = blocks[..., 4:8, None] >> np.array([0, 4], np.uint8)
-        high = np.unpackbits(blocks[..., 2:4, None], axis=-1, bitorder="little").reshape(*n, 8, 2)
-        ls = (low.reshape(*n, 8) & 15) | (high[..., 0] << 4) | (high[..., 1] << 5)
-        scale = _f16(blocks, 0)[..., None] * (ls.astype(np.float32) - np.float32(32))
+        scale = _f16(blocks, 0)[..., None] * _iq4_xs_scales(blocks).astype(np.float32)
         zero = np.zeros_like(scale)
     else:  # Q6_K
         group_size = 16
@@ -190,6 +183,40 @@ def int8_groups(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.
         scale = _f16(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
         zero = np.zeros_like(scale)
     return q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1), group_size
+
+
+def super_block_scales(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray] | None:
+    """The scales of :func:`int4_groups` / :func:`int8_groups` as the file factors them, for the
+    types whose factors give the decoded weights exactly as ``W = q d sc + dlow m`` (``q`` the
+    decoder's: int4's 0..15, int8's signed), one rounding at most (see
+    ``pyxllm.kernels.native.quantized.SuperBlockScales``).
+
+    Args:
+        raw: as :func:`int4_groups`' (``ggml_type`` any GGML type).
+    Returns:
+        ``(d, sub)``: ``d`` float32 ``[rows, K/256, P]`` (float16 values), ``sub`` int8 ``[rows,
+        K/G, P]`` (G the decoder's group size): Q4_K ``(d, -dmin)`` and ``(sc, m)``, ``P = 2``;
+        Q6_K ``d`` and its int8 scales, Q3_K ``d`` and ``sc - 32``, IQ4_XS ``d`` and ``ls -
+        32``, ``P = 1``. ``None`` for other types (a Q5_K's or Q2_K's weights in 6 bits, ``q +
+        32``, would need a third term; the 32-value types have no super-block).
+    Raises:
+        ValueError: ``raw`` not uint8 whole rows of its type.
+    """
+    ggml_type = GGMLQuantizationType(ggml_type)
+    if ggml_type not in (_T.Q4_K, _T.Q6_K, _T.Q3_K, _T.IQ4_XS):
+        return None
+    ggml_type, blocks = _blocks(raw, ggml_type, (ggml_type,), "super-block")
+    rows = blocks.shape[0]
+    if ggml_type == _T.Q4_K:
+        d = np.stack((_f16(blocks, 0), -_f16(blocks, 2)), axis=-1)
+        sub = np.stack(_k_scales_mins(blocks[..., 4:16]), axis=-1)
+    elif ggml_type == _T.Q6_K:
+        d, sub = _f16(blocks, 208)[..., None], blocks[..., 192:208].view(np.int8)[..., None]
+    elif ggml_type == _T.Q3_K:
+        d, sub = _f16(blocks, 108)[..., None], _q3_k_scales(blocks)[..., None]
+    else:  # IQ4_XS
+        d, sub = _f16(blocks, 0)[..., None], _iq4_xs_scales(blocks)[..., None]
+    return d, sub.astype(np.int8).reshape(rows, -1, sub.shape[-1])
 
 
 def _blocks(raw: np.ndarray, ggml_type, supported: tuple, kind: str):
@@ -240,6 +267,24 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
     """K-quant ``qs[128]`` -> ``[..., 256]``: chunk ``i``'s low then high nibbles."""
     chunks = qs.reshape(*qs.shape[:-1], 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
     return (chunks & 15).reshape(*qs.shape[:-1], 256)
+
+
+def _q3_k_scales(blocks: np.ndarray) -> np.ndarray:
+    """Q3_K's 16 sub-block scales ``sc - 32``, int8 ``[..., 16]`` in -32..31."""
+    packed = blocks[..., 96:108]
+    low = np.concatenate([packed[..., :8] & 15, packed[..., :8] >> 4], axis=-1)
+    top = (packed[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    sc = low | (top.reshape(*blocks.shape[:-1], 16) << 4)
+    return (sc.astype(np.int8) - np.int8(32)).astype(np.int8)
+
+
+def _iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS's 8 sub-block scales ``ls - 32``, int8 ``[..., 8]`` in -32..31."""
+    n = blocks.shape[:-1]
+    low = blocks[..., 4:8, None] >> np.array([0, 4], np.uint8)
+    high = np.unpackbits(blocks[..., 2:4, None], axis=-1, bitorder="little").reshape(*n, 8, 2)
+    ls = (low.reshape(*n, 8) & 15) | (high[..., 0] << 4) | (high[..., 1] << 5)
+    return (ls.astype(np.int8) - np.int8(32)).astype(np.int8)
 
 
 def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -26,7 +26,13 @@ import numpy as np
 import torch
 
 from pyxllm.weights.errors import ModelLoadError
-from pyxllm.weights.gguf_blocks import INT4_TYPES, INT8_TYPES, int4_groups, int8_groups
+from pyxllm.weights.gguf_blocks import (
+    INT4_TYPES,
+    INT8_TYPES,
+    int4_groups,
+    int8_groups,
+    super_block_scales,
+)
 from pyxllm.weights.gguf_reader import GGUFFile, GGUFTensorInfo, open_gguf
 from pyxllm.weights.lazy import LazyWeight, StoredGroups
 
@@ -354,6 +360,8 @@ class GGUFWeight(LazyWeight):
         if start % 32 or stop % 32:
             return None
         fmt = "int4" if ggml_type in INT4_TYPES else "int8"
+        # the factored scales too, where the columns are whole super-blocks
+        factored = start % 256 == 0 and stop % 256 == 0
 
         def decode(file_rows):
             raw = self.gguf.raw_rows(self.info, file_rows)
@@ -362,13 +370,18 @@ class GGUFWeight(LazyWeight):
             else:
                 q, scale, zero, group = int8_groups(raw, ggml_type)
             cols = slice(start // group, stop // group)
-            return [q[:, start:stop], scale[:, cols], zero[:, cols]]
+            arrays = [q[:, start:stop], scale[:, cols], zero[:, cols]]
+            supers = super_block_scales(raw, ggml_type) if factored else None
+            if supers is not None:
+                d, sub = supers
+                arrays += [d[:, start // 256 : stop // 256], sub[:, cols]]
+            return arrays
 
-        q, scale, zero = (
+        q, scale, zero, *supers = (
             torch.from_numpy(np.ascontiguousarray(a)) for a in self._rows(rows, decode)
         )
         group = q.shape[1] // scale.shape[1]
-        return StoredGroups(fmt, q, scale, zero, group)
+        return StoredGroups(fmt, q, scale, zero, group, *supers)
 
 
 def iter_gguf_weight_slices(

@@ -21,6 +21,7 @@ from pyxllm.kernels import native
 from pyxllm.kernels.cpu import fused
 from pyxllm.kernels.cpu.features import cpu_flags
 from pyxllm.kernels.native.paged_attention import quantize_kv
+from pyxllm.kernels.native.quantized import SuperBlockScales
 from tests.paths import REPO_ROOT
 
 # (a failed build stops the suite in tests/conftest.py: only PYXLLM_CPU_KERNELS=native skips)
@@ -521,6 +522,88 @@ def test_symmetric_groups_keep_their_scales_alone_with_the_same_bits(fmt, dtype)
             getattr(fused, name)(packed, scales, ids, fmt.group),
             getattr(fused, name)(packed, pairs, ids, fmt.group),
         )
+
+
+def _super_block_scales(fmt: Grouped, n: int, k: int, lows: bool, g: torch.Generator):
+    """Random :class:`SuperBlockScales` of ``fmt``'s groups: float16 ``d`` per 256 inputs
+    (``dlow`` negative, as a K-quant's ``-dmin``), 6-bit integers per group (signed where the
+    format's q is)."""
+    per_lane = 2 if lows else 1
+    d = (torch.rand(k // 256, n, per_lane, generator=g) * 0.01 + 1e-4).half().float()
+    d[..., 1:] = -d[..., 1:]
+    low = 0 if fmt.name == "int4" else -32
+    sub = torch.randint(low, low + 64, (k // fmt.group, n, per_lane), generator=g)
+    return SuperBlockScales(d, sub.to(torch.int8))
+
+
+# the formats and whether their lows are d * m (a Q4_K's) or derived from the scale (Q6_K's,
+# Q3_K's, IQ4_XS's); int6 with lows of their own (a Q5_K in 6 bits) takes pairs instead
+SUPER_BLOCK_CASES = [
+    (GROUPED[0], True), (GROUPED[1], False), (GROUPED[1], True), (GROUPED[2], False),
+    (GROUPED[3], False), (GROUPED[4], False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fmt", "lows"), SUPER_BLOCK_CASES, ids=repr)
+def test_super_block_scales_give_the_bits_of_float32_pairs(fmt, lows):
+    """Scales factored as a K-quant file stores them (``SuperBlockScales``) are packed as they
+    are, uint8 ``[N/16, K/256, bytes]`` at ~0.08 byte a weight, and give the bits of the same
+    numbers as float32 pairs: one row, 8, a GEMM's 40 and 40 row-invariant rows, and the rows
+    read back; in bfloat16 (whose pairs would round them), the float32 result rounded once."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 48, 768
+    q, _ = fmt.quantize(torch.randn(n, k, generator=g))
+    factored = _super_block_scales(fmt, n, k, lows, g)
+    packed, scales = fmt.pack(q, factored)
+    assert scales.dtype == torch.uint8
+    assert scales.shape == (n // 16, k // 256, (2 if lows else 1) * 16 * (2 + 256 // fmt.group))
+    assert scales.numel() < 0.1 * n * k
+    offset = 8 if fmt.name == "int4" else 0
+    assert torch.equal(fmt.pack(q, factored.pairs(offset))[0], packed)
+    # the pairs the kernel computes, (d sc, dlow m) or (d sc, -pack offset d sc), in float32
+    # (the pack's pairs would compute low = zero - offset scale, another rounding)
+    d = factored.d.repeat_interleave(256 // fmt.group, dim=0)
+    scale = d[..., 0] * factored.sub[..., 0].float()
+    low = d[..., 1] * factored.sub[..., 1].float() if lows else -fmt.pack_offset * scale
+    pairs = torch.stack((scale, low), dim=-1).view(k // fmt.group, n // 16, 16, 2)
+    pairs = pairs.transpose(0, 1).contiguous()
+    x = torch.randn(40, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    for rows, invariant in ((1, False), (8, False), (40, False), (40, True)):
+        got = fmt.kernel(x[:rows], packed, scales, fmt.group, bias, invariant)
+        assert torch.equal(got, fmt.kernel(x[:rows], packed, pairs, fmt.group, bias, invariant))
+        if rows <= 32 or invariant:  # the integer path: the same float32 sums
+            x16 = x[:rows].bfloat16()
+            half = fmt.kernel(x16, packed, scales, fmt.group, None, invariant)
+            want = fmt.kernel(x16.float(), packed, scales, fmt.group, None, invariant)
+            assert torch.equal(half, want.bfloat16())
+    name = "int4_rows" if fmt.name == "int4" else "int8_group_rows"
+    ids = torch.tensor([47, 0, 17, 17, 31])
+    got = getattr(fused, name)(packed, scales, ids, fmt.group)
+    assert torch.equal(got, getattr(fused, name)(packed, pairs, ids, fmt.group))
+    # the reference platform's pack takes them as pairs (its F.linear on float activations:
+    # within the kernel's activation rounding)
+    reference = fmt.reference(x[:3], *fmt.native_pack(q, factored), fmt.group)
+    got = fmt.kernel(x[:3], packed, scales, fmt.group)
+    assert (got - reference).abs().max() <= 1e-3 * reference.abs().max()
+
+
+def test_super_block_scales_fall_back_to_pairs_where_they_cannot_hold_the_lows():
+    """Int8 values held in 6 bits (``q + 32``) with lows of their own (a Q5_K's ``dlow m``, where
+    the kernel's low would need ``- 32 scale`` too), and a ``d`` that is no float16 number, get
+    the pairs of the same numbers."""
+    g = torch.Generator().manual_seed(12)
+    fmt = GROUPED[3]  # int6, groups of 32
+    q, _ = fmt.quantize(torch.randn(32, 256, generator=g))
+    factored = _super_block_scales(fmt, 32, 256, True, g)
+    packed, pairs = fmt.pack(q, factored)
+    assert pairs.dtype == torch.float32 and pairs.dim() == 4
+    assert torch.equal(pairs, fmt.pack(q, factored.pairs(0))[1])
+    symmetric = _super_block_scales(fmt, 32, 256, False, g)
+    inexact = SuperBlockScales(symmetric.d * (1 + 2.0**-13), symmetric.sub)
+    assert fmt.pack(q, inexact)[1].dtype == torch.float32
+    with pytest.raises(RuntimeError, match="super-block scales must be"):
+        fmt.kernel(torch.randn(1, 256), packed, fmt.pack(q, symmetric)[1][:, :, :-1], fmt.group)
 
 
 def test_int4_linear_refuses_what_it_cannot_compute():

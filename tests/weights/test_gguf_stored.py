@@ -154,11 +154,12 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     )
 
 
-def llama_gguf(model, path):
+def llama_gguf(model, path, tied: bool = False):
     """``model`` (a transformers llama, 256-wide so K-quants' 256-value blocks fit) written as
     llama.cpp's converter does, each layer's projections in :data:`_LAYER_TYPES`, the embedding
     Q8_0 and the LM head Q6_K, as llama.cpp's quantizer writes it (no vocabulary: pass a
-    tokenizer with ``tokenizer=``)."""
+    tokenizer with ``tokenizer=``); ``tied``: no LM head, the embedding Q6_K (a tied model's
+    Q4_K_M file)."""
     config = model.config
     metadata = {
         "context_length": config.max_position_embeddings,
@@ -176,8 +177,10 @@ def llama_gguf(model, path):
     }
     tensors = {"token_embd.weight": model.model.embed_tokens.weight}
     tensors["output_norm.weight"] = model.model.norm.weight
-    tensors["output.weight"] = model.lm_head.weight
-    types = {"token_embd.weight": T.Q8_0, "output.weight": T.Q6_K}
+    types = {"token_embd.weight": T.Q6_K if tied else T.Q8_0}
+    if not tied:
+        tensors["output.weight"] = model.lm_head.weight
+        types["output.weight"] = T.Q6_K
     for i, layer in enumerate(model.model.layers):
         for hf, name in _HF_TO_GGUF.items():
             weight = layer.get_submodule(hf).weight
@@ -217,6 +220,76 @@ def test_each_layer_takes_the_format_its_pieces_allow(tiny_llama):
         assert got == expected
     assert _format(model.lm_head) == "int8/16"
     assert model.model.embed_tokens.stored_lookup is not None
+
+
+# the (layer, module, run) whose scales the file factors in super-blocks of 256 (Q4_K, Q6_K,
+# Q3_K, IQ4_XS runs); the other runs hold (scale, low) pairs (Q4_0 mixed in, Q2_K, Q5_K, ...)
+_SUPER_BLOCK_RUNS = {
+    (0, "qkv_proj", 1), (0, "o_proj", None), (0, "gate_up_proj", 0),
+    (1, "o_proj", None), (1, "down_proj", None),
+}  # fmt: skip
+
+
+def test_k_quant_layers_keep_the_files_super_block_scales(tiny_llama):
+    """A run of K-quant pieces (and IQ4_XS) keeps its scales as the file factors them (a float16
+    ``d`` per 256 inputs, an int8 per group: ~0.08 byte a weight, exact), the others pairs;
+    every row read back from the packed tiles is the dequantized file's, bit for bit."""
+    dequantized, stored, _ = tiny_llama
+    model, want = _model(stored), _model(dequantized)
+    for i, layer in enumerate(model.model.layers):
+        for name in _EXPECTED[i]:
+            module = next(m for n, m in layer.named_modules() if n.endswith(name))
+            weight = next(
+                m for n, m in want.model.layers[i].named_modules() if n.endswith(name)
+            ).weight
+            method = module.quant_method
+            if isinstance(method, SplitGroupedLinearMethod):
+                runs = [(r, m, f"_{r}") for r, (m, _) in enumerate(method.parts)]
+            elif isinstance(method, GroupedLinearMethod):
+                runs = [(None, method, "")]
+            else:
+                continue
+            start = 0
+            for run, part, suffix in runs:
+                qweight = getattr(module, "qweight" + suffix)
+                scales = getattr(module, "scales_and_zeros" + suffix)
+                factored = (i, name, run) in _SUPER_BLOCK_RUNS
+                assert (scales.dtype == torch.uint8) == factored, (i, name, run, scales.dtype)
+                rows = qweight.shape[0] * 16
+                if factored:  # ~0.08 byte a weight
+                    assert scales.numel() <= 0.09 * rows * weight.shape[1], (i, name, run)
+                ops = kernels.ops
+                read = ops.int4_rows if part.format == "int4" else ops.int8_group_rows
+                got = read(qweight, scales, torch.arange(rows), part.group_size)
+                assert torch.equal(got, weight[start : start + rows]), (i, name, run)
+                start += rows
+    assert model.lm_head.scales_and_zeros.dtype == torch.uint8  # Q6_K
+
+
+def test_a_tied_q6_k_embedding_reads_its_rows_from_the_heads_super_block_tiles(
+    tmp_path, hf_gguf_tokenizer
+):
+    """A tied model whose embedding is Q6_K (its head too): the lookup reads the head's packed
+    tiles and their super-block scales, through the graph runner's captured steps, and the
+    model generates the dequantized file's greedy tokens."""
+    config = tiny_config("llama", hidden_size=256)
+    config.num_hidden_layers, config.intermediate_size = 1, 512
+    config.tie_word_embeddings = True
+    model = build_hf_model(config, seed=5)
+    hf_gguf_tokenizer.save_pretrained(tmp_path / "tokenizer")
+    path = llama_gguf(model, tmp_path / "tiny-llama-tied.gguf", tied=True)
+    kwargs = dict(model=str(path), tokenizer=str(tmp_path / "tokenizer"), **KWARGS)
+    dequantized = LLM(quantization="none", **kwargs)
+    stored = LLM(quantization="gguf", graph_backend="graph", **kwargs)
+    head = _model(stored).lm_head
+    assert head.scales_and_zeros.dtype == torch.uint8
+    lookup = _model(stored).model.embed_tokens.stored_lookup
+    assert lookup.packed is head.qweight and lookup.scales_and_zeros is head.scales_and_zeros
+    want, got = _prompt_logprobs(dequantized), _prompt_logprobs(stored)
+    assert (got - want).abs().max().item() < 2e-3 * want.abs().max().item()
+    texts = [o.outputs[0].token_ids for o in stored.generate(PROMPTS, GREEDY)]
+    assert texts == [o.outputs[0].token_ids for o in dequantized.generate(PROMPTS, GREEDY)]
+    assert sum(stored.llm_engine.executor.driver.runner.replays.values()) > 0  # captured steps
 
 
 def test_mixed_types_generate_the_dequantized_files_tokens(tiny_llama):

@@ -38,7 +38,7 @@ import torch
 
 import pyxllm.kernels.cpu.build as build  # the module, not the package (which imports this one)
 from pyxllm.kernels import native
-from pyxllm.kernels.native.quantized import dequantize_groups
+from pyxllm.kernels.native.quantized import SuperBlockScales, dequantize_groups
 
 logger = logging.getLogger(__name__)
 
@@ -329,10 +329,97 @@ def _pack_pairs(scales_and_zeros: torch.Tensor, offset: int, tiles: int) -> torc
     return pairs.view(shape).transpose(0, 1).contiguous()
 
 
-def _unpacked_pairs(scales_and_zeros: torch.Tensor, tile, lane, offset: int) -> torch.Tensor:
+# input features per super-block of :class:`SuperBlockScales` (the kernel's kSuperInputs)
+SUPER_BLOCK = 256
+
+
+def _pack_scales(
+    scales_and_zeros: torch.Tensor | SuperBlockScales, offset: int, format_offset: int, tiles: int
+) -> torch.Tensor:
+    """The kernels' scales for weights whose packed ``q`` stands for ``(q - offset) * scale +
+    zero`` (int4 8, int8 0, int6 32) and whose format's for ``(q - format_offset) * scale +
+    zero`` (int4 8, int8 0): :func:`_pack_super_blocks` where ``scales_and_zeros`` is a
+    :class:`SuperBlockScales` that layout holds, else :func:`_pack_pairs`."""
+    if isinstance(scales_and_zeros, SuperBlockScales):
+        packed = _pack_super_blocks(scales_and_zeros, offset, format_offset, tiles)
+        if packed is not None:
+            return packed
+        scales_and_zeros = scales_and_zeros.pairs(format_offset)
+    return _pack_pairs(scales_and_zeros, offset, tiles)
+
+
+def _pack_super_blocks(
+    scales: SuperBlockScales, offset: int, format_offset: int, tiles: int
+) -> torch.Tensor | None:
+    """``scales`` as the kernels' super-block scales (``csrc/group_linear.cpp``,
+    load_group_scales): uint8 ``[N/16, K/256, P * 16 * (2 + S)]``, per tile and super-block the
+    16 lanes' float16 ``d`` (then ``dlow``), then per group the 16 lanes' int8 ``sc`` (then
+    ``m``), ``S = 256 / G`` groups. The kernel computes ``scale = d sc`` and ``low = dlow m``
+    (what the packed ``q = 0`` stands for), or with ``P = 1`` ``low = -offset scale``; ``None``
+    where that is not these weights' low (a Q5_K's pairs in 6 bits, ``low = dlow m - 32
+    scale``) or a ``d`` is not a float16 number."""
+    per_lane = scales.d.shape[-1]
+    if (offset != format_offset) if per_lane == 2 else (format_offset != 0):
+        return None
+    half = scales.d.to(torch.float16)
+    if not torch.equal(half.float(), scales.d.float()):
+        return None
+    supers, groups = scales.d.shape[0], scales.sub.shape[0]
+    per = groups // supers
+    # [super, tile, lane, p] -> [tile, super, p, lane], two bytes a number
+    head = half.view(supers, tiles, INT4_TILE, per_lane).permute(1, 0, 3, 2).contiguous()
+    head = head.view(torch.uint8).reshape(tiles, supers, -1)
+    # [super, group, tile, lane, p] -> [tile, super, group, p, lane]
+    sub = scales.sub.to(torch.int8).view(supers, per, tiles, INT4_TILE, per_lane)
+    sub = sub.permute(2, 0, 1, 4, 3).contiguous().view(torch.uint8).reshape(tiles, supers, -1)
+    return torch.cat((head, sub), dim=-1).contiguous()
+
+
+def _float16_bits(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """The float16 numbers whose little-endian bytes are ``lo``, ``hi`` (uint8), in float32,
+    exactly, by arithmetic (the graph runner's TorchScript trace records no dtype view)."""
+    bits = lo.to(torch.int32) | (hi.to(torch.int32) << 8)
+    exponent, mantissa = (bits >> 10) & 0x1F, bits & 0x3FF
+    normal = exponent > 0  # else a subnormal (or zero): mantissa * 2^-24
+    value = torch.ldexp(
+        (mantissa + normal.to(torch.int32) * 1024).float(),
+        torch.where(normal, exponent - 25, torch.full_like(exponent, -24)).float(),
+    )
+    return torch.where(bits >= 0x8000, -value, value)
+
+
+def _unpacked_super_blocks(
+    scales: torch.Tensor, tile, lane, offset: int, group_size: int
+) -> torch.Tensor:
+    """:func:`_unpacked_pairs` of :func:`_pack_super_blocks`' bytes."""
+    tiles, supers, nbytes = scales.shape
+    per = SUPER_BLOCK // group_size
+    per_lane = nbytes // (INT4_TILE * (2 + per))
+    head = scales[tile, :, : 2 * INT4_TILE * per_lane]  # [n, super, 2 * 16 * P]
+    head = head.reshape(len(tile), supers, per_lane, INT4_TILE, 2)
+    lanes = torch.arange(len(tile))
+    head = head[lanes, :, :, lane]  # [n, super, P, 2]
+    d = _float16_bits(head[..., 0], head[..., 1])  # [n, super, P]
+    sub = scales[tile, :, 2 * INT4_TILE * per_lane :].reshape(
+        len(tile), supers, per, per_lane, INT4_TILE
+    )[lanes, :, :, :, lane]  # [n, super, group, P] as uint8
+    sub = sub.to(torch.int32) - (sub >= 128).to(torch.int32) * 256
+    scale = (d[:, :, None, 0] * sub[..., 0].float()).reshape(len(tile), -1)
+    if per_lane == 2:
+        low = (d[:, :, None, 1] * sub[..., 1].float()).reshape(len(tile), -1)
+    else:
+        low = -offset * scale
+    return torch.stack((scale, low), dim=-1).transpose(0, 1)
+
+
+def _unpacked_pairs(
+    scales_and_zeros: torch.Tensor, tile, lane, offset: int, group_size: int
+) -> torch.Tensor:
     """The ``(scale, low)`` pairs ``[G, n, 2]`` float32 of the output features at ``(tile,
     lane)`` (each ``[n]``), from :func:`_pack_pairs`' pairs or scales (``low = -offset *
-    scale``)."""
+    scale``), or :func:`_pack_super_blocks`' bytes."""
+    if scales_and_zeros.dtype == torch.uint8:
+        return _unpacked_super_blocks(scales_and_zeros, tile, lane, offset, group_size)
     if scales_and_zeros.dim() == 4:
         return scales_and_zeros[tile, :, lane, :].transpose(0, 1).float()
     scale = scales_and_zeros[tile, :, lane].t().float()
@@ -340,14 +427,16 @@ def _unpacked_pairs(scales_and_zeros: torch.Tensor, tile, lane, offset: int) -> 
 
 
 def pack_int4_weight(
-    q: torch.Tensor, scales_and_zeros: torch.Tensor
+    q: torch.Tensor, scales_and_zeros: torch.Tensor | SuperBlockScales
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` (``[N, K]``, values ``0..15``) and ``scales_and_zeros`` (``[K/32, N, 2]``) in
     :func:`int4_linear`'s layout, tiles of 16 output features with each tile's groups of 32
     input features one after the other (``csrc/group_linear.cpp``): ``[N/16, 8 K]`` uint8, two
     weights a byte, and ``[N/16, K/32, 16, 2]`` (scale, low) pairs, ``W = q * scale + low``, in
     float16 where that is exact, else in ``scales_and_zeros.dtype``; ``[N/16, K/32, 16]``
-    scales alone where every zero is 0 (:func:`_pack_pairs`).
+    scales alone where every zero is 0 (:func:`_pack_pairs`). Scales factored as a K-quant file
+    stores them (a :class:`SuperBlockScales`, GGUF's Q4_K) are held so, uint8 ``[N/16, K/256,
+    320]`` (:func:`_pack_super_blocks`).
 
     Raises:
         ValueError: ``N`` not a multiple of 16 or ``K`` not a multiple of 32.
@@ -362,7 +451,7 @@ def pack_int4_weight(
     # [tile, lane, group, chunk, nibble, byte] -> [tile, group, chunk, lane, byte, nibble]
     t = q.to(torch.uint8).view(tiles, INT4_TILE, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
     packed = (t[..., 0] | (t[..., 1] << 4)).contiguous().view(tiles, k * INT4_TILE // 2)
-    return packed, _pack_pairs(scales_and_zeros, 8, tiles)
+    return packed, _pack_scales(scales_and_zeros, 8, 8, tiles)
 
 
 def int4_linear(
@@ -412,7 +501,8 @@ def int4_rows(
     # nibble is input 8 chunk + byte of the group, its high nibble input 8 chunk + 4 + byte
     b = packed.view(tiles, k // 32, 4, INT4_TILE, 4)[tile, :, :, lane, :]
     q = torch.stack((b & 0xF, b >> 4), dim=-2).reshape(len(ids), k)
-    return dequantize_groups(q, _unpacked_pairs(scales_and_zeros, tile, lane, 8), group_size)
+    pairs = _unpacked_pairs(scales_and_zeros, tile, lane, 8, group_size)
+    return dequantize_groups(q, pairs, group_size)
 
 
 def int8_group_rows(
@@ -423,31 +513,37 @@ def int8_group_rows(
     6-bit)."""
     tiles, g = packed.shape[0], group_size
     tile, lane = ids // INT4_TILE, ids % INT4_TILE
-    k = scales_and_zeros.shape[1] * g
+    if scales_and_zeros.dtype == torch.uint8:  # super-block scales
+        k = scales_and_zeros.shape[1] * SUPER_BLOCK
+    else:
+        k = scales_and_zeros.shape[1] * g
     if packed.shape[1] != k * INT4_TILE:  # 6 bits: 12 bytes a tile per input feature
         b = packed.view(tiles, k // g, g // 8 + g // 16, INT4_TILE, 4)[tile, :, :, lane, :]
         nibbles = b[:, :, : g // 8]  # [n, K/G, G/8 chunks, 4 bytes]
         low = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-2).reshape(len(ids), k // g, g)
         top = b[:, :, g // 8 :, None, :] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
         u = low | ((top & 3).reshape(len(ids), k // g, g) << 4)
-        pairs = _unpacked_pairs(scales_and_zeros, tile, lane, 32)
+        pairs = _unpacked_pairs(scales_and_zeros, tile, lane, 32, g)
         return dequantize_groups(u.reshape(len(ids), k), pairs, group_size)
     q = packed.view(tiles, k // 32, 8, INT4_TILE, 4)[tile, :, :, lane, :].reshape(len(ids), k)
-    pairs = _unpacked_pairs(scales_and_zeros, tile, lane, 0)
+    pairs = _unpacked_pairs(scales_and_zeros, tile, lane, 0, g)
     # the int8 bits as uint8 with the sign bit flipped are q + 128 (no dtype view: TorchScript's
     # trace, the graph runner's capture, cannot record one)
     return dequantize_groups(q ^ 0x80, pairs, group_size, offset=128)
 
 
 def pack_int8_group_weight(
-    q: torch.Tensor, scales_and_zeros: torch.Tensor
+    q: torch.Tensor, scales_and_zeros: torch.Tensor | SuperBlockScales
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` (``[N, K]`` int8) and ``scales_and_zeros`` (``[K/G, N, 2]``, groups of G = 32 or 16
     input features) in :func:`int8_group_linear`'s layout, tiles of 16 output features with each
     tile's groups of 32 input features one after the other, four input features of a lane
     together (``csrc/group_linear.cpp``): ``[N/16, 16 K]`` uint8 (the int8 bits) and ``[N/16,
     K/G, 16, 2]`` (scale, low) pairs, in float16 where that is exact, or ``[N/16, K/G, 16]``
-    scales alone where every zero is 0 (:func:`_pack_pairs`).
+    scales alone where every zero is 0 (:func:`_pack_pairs`); scales factored as a K-quant file
+    stores them (a :class:`SuperBlockScales`: GGUF's Q6_K, Q3_K, IQ4_XS) as uint8 ``[N/16,
+    K/256, bytes]`` (:func:`_pack_super_blocks`, which falls back to pairs where it cannot
+    hold them).
 
     Where every ``q`` lies in -32..31 (GGUF's Q6_K, Q5_x, Q3_K, Q2_K) it is packed in 6 bits
     instead, as ``q + 32``, ``[N/16, 12 K]`` (the kernel's Int6Format: per group, G/8 chunks of
@@ -458,7 +554,10 @@ def pack_int8_group_weight(
         ValueError: ``N`` not a multiple of 16, ``K`` not a multiple of 32, or G not 32 or 16.
     """
     n, k = q.shape
-    groups = scales_and_zeros.shape[0]
+    if isinstance(scales_and_zeros, SuperBlockScales):
+        groups = scales_and_zeros.sub.shape[0]
+    else:
+        groups = scales_and_zeros.shape[0]
     if n % INT4_TILE or k % 32 or groups * 32 not in (k, 2 * k):
         raise ValueError(
             f"grouped int8 weights need a multiple of {INT4_TILE} output and 32 input features "
@@ -467,11 +566,11 @@ def pack_int8_group_weight(
     tiles = n // INT4_TILE
     q = q.to(torch.int8)
     if q.numel() and -32 <= int(q.min()) and int(q.max()) <= 31:
-        return _pack_six_bits(q, k // groups, tiles), _pack_pairs(scales_and_zeros, 32, tiles)
+        return _pack_six_bits(q, k // groups, tiles), _pack_scales(scales_and_zeros, 32, 0, tiles)
     # [tile, lane, group of 32, chunk, byte] -> [tile, group of 32, chunk, lane, byte]
     t = q.view(torch.uint8).view(tiles, INT4_TILE, k // 32, 8, 4)
     packed = t.permute(0, 2, 3, 1, 4).contiguous().view(tiles, k * INT4_TILE)
-    return packed, _pack_pairs(scales_and_zeros, 0, tiles)
+    return packed, _pack_scales(scales_and_zeros, 0, 0, tiles)
 
 
 def _pack_six_bits(q: torch.Tensor, group: int, tiles: int) -> torch.Tensor:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from pyxllm.kernels.native.quantized import scale_pairs
+
 
 def int8_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
@@ -29,7 +31,7 @@ def pack_int4_weight(
     q: torch.Tensor, scales_and_zeros: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` (``[N, K]``, values ``0..15``) packed for ``int4_linear`` (``[N, K/2]`` uint8), and
-    ``scales_and_zeros`` as given.
+    ``scales_and_zeros`` as pairs (``scale_pairs``).
 
     Raises:
         ValueError: ``N`` is not a multiple of 16 (the kernel's tile).
@@ -39,7 +41,7 @@ def pack_int4_weight(
             f"int4 weights need a multiple of 16 output features on CPU, got {q.shape[0]}"
         )
     packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-    return packed, scales_and_zeros
+    return packed, scale_pairs(scales_and_zeros, 8)
 
 
 def int4_linear(

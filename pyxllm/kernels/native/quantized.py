@@ -25,8 +25,62 @@ Formats (chosen so the CPU kernels of ATen take them as they are, see ``kernels.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SuperBlockScales:
+    """Grouped weights' scales (and zeros) factored as GGUF's K-quants store them: per
+    super-block of 256 input features and output feature a float16 ``d`` (and ``dlow``), per
+    group of G input features an integer ``sc`` (and ``m``), so that with ``S = 256 / G``
+
+        ``W[n, k] = q[n, k] * d[g // S, n, 0] * sub[g, n, 0] + d[g // S, n, 1] * sub[g, n, 1]``
+
+    (``g = k // G``, ``q`` the format's own value: int4's 0..15, grouped int8's signed one; the
+    second term absent where ``P = 1``). GGUF's Q4_K: ``d``, ``-dmin`` and ``sc``, ``m``; Q6_K,
+    Q3_K and IQ4_XS: ``d`` and their signed sub-block scales. Every product is exact in float32
+    (an 11-bit by an 8-bit integer), which (scale, zero) pairs need float32 for. A pack function
+    may hold these numbers as they are (the CPU's: ~0.08 byte a weight); :meth:`pairs` gives the
+    equivalent pairs for one that takes pairs.
+
+    Attributes:
+        d: float32 ``[K/256, N, P]`` (float16 values), ``P`` 1 or 2.
+        sub: int8 ``[K/G, N, P]``.
+        dtype: the dtype :meth:`pairs` returns (the compute dtype).
+    """
+
+    d: torch.Tensor
+    sub: torch.Tensor
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def group_size(self) -> int:
+        """G: 256 input features per super-block over the groups in one."""
+        return 256 * self.d.shape[0] // self.sub.shape[0]
+
+    def pairs(self, offset: int) -> torch.Tensor:
+        """``[K/G, N, 2]`` (scale, zero) in :attr:`dtype` with ``W = (q - offset) * scale +
+        zero`` (``offset``: 8 for int4's ``q``, 0 for grouped int8's): ``scale = d sc`` and
+        ``zero = offset scale + dlow m`` (one rounding, gguf-py's for a Q4_K block), or 0."""
+        d = self.d.repeat_interleave(self.sub.shape[0] // self.d.shape[0], dim=0)
+        scale = d[..., 0] * self.sub[..., 0].float()
+        if self.d.shape[-1] == 1:
+            zero = torch.zeros_like(scale)
+        else:
+            zero = offset * scale + d[..., 1] * self.sub[..., 1].float()
+        return torch.stack((scale, zero), dim=-1).to(self.dtype)
+
+
+def scale_pairs(scales_and_zeros: torch.Tensor | SuperBlockScales, offset: int) -> torch.Tensor:
+    """``scales_and_zeros`` as ``[K/G, N, 2]`` pairs: a tensor as it is, a
+    :class:`SuperBlockScales` by its :meth:`~SuperBlockScales.pairs` (``offset``: the format's,
+    8 for int4, 0 for grouped int8)."""
+    if isinstance(scales_and_zeros, SuperBlockScales):
+        return scales_and_zeros.pairs(offset)
+    return scales_and_zeros
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -52,8 +106,8 @@ def pack_int4_weight(
     q: torch.Tensor, scales_and_zeros: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's int4 storage: ``q`` (``[N, K]``, values ``0..15``) as ``uint8``, unpacked,
-    and ``scales_and_zeros`` (``[K/G, N, 2]``) as given."""
-    return q.to(torch.uint8), scales_and_zeros
+    and ``scales_and_zeros`` (``[K/G, N, 2]``, or a :class:`SuperBlockScales`) as pairs."""
+    return q.to(torch.uint8), scale_pairs(scales_and_zeros, 8)
 
 
 def dequantize_groups(
@@ -116,8 +170,8 @@ def pack_int8_group_weight(
     q: torch.Tensor, scales_and_zeros: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's grouped int8 storage: ``q`` (``[N, K]`` int8) and ``scales_and_zeros``
-    (``[K/G, N, 2]``) as given."""
-    return q.to(torch.int8), scales_and_zeros
+    (``[K/G, N, 2]``, or a :class:`SuperBlockScales`) as pairs."""
+    return q.to(torch.int8), scale_pairs(scales_and_zeros, 0)
 
 
 def int8_group_rows(

@@ -22,7 +22,10 @@ held as int8: an int4 ``q - 8`` is an int8 value, and a group of 32 is two group
 the same scale and zero, still exact). A layer with any region the file stores otherwise
 (float tensors, the IQ types below 4 bits) is dequantized into its float weight, as without
 this method. The token embedding looks its rows up from the groups (:class:`StoredEmbedding`):
-a tied one from its LM head's packed buffers, so the weight is held once.
+a tied one from its LM head's packed buffers, so the weight is held once. A run of K-quant
+pieces (Q4_K, Q6_K, Q3_K; and IQ4_XS) hands the pack its scales as the file factors them
+(:meth:`StoredRows.super_block_scales`): the CPU's holds them so, exact at about the file's
+bytes, where (scale, low) pairs would take float32 to be exact (bfloat16 pairs round them).
 """
 
 from __future__ import annotations
@@ -100,6 +103,36 @@ class StoredRows:
             zero = torch.cat((zero, zero.new_zeros(pad, zero.shape[1])))
         return q, torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
 
+    def super_block_scales(self, total_rows: int, dtype: torch.dtype):
+        """The scales of :meth:`groups` as the file factors them
+        (``kernels.native.quantized.SuperBlockScales``, pairs in ``dtype``), where every piece
+        came so in :attr:`format` and :attr:`group_size` (a Q4_K_M file's Q4_K and Q6_K runs),
+        else ``None``; rows past :attr:`rows` zero."""
+        fmt, group = self.format, self.group_size
+        ordered = [self.pieces[k] for k in sorted(self.pieces)]
+        if (
+            any(p.super_d is None or p.format != fmt or p.group_size != group for p in ordered)
+            or len({p.super_d.shape[-1] for p in ordered}) != 1
+        ):
+            return None
+        d = torch.cat([p.super_d for p in ordered])
+        sub = torch.cat([p.super_sub for p in ordered])
+        pad = total_rows - d.shape[0]
+        if pad:
+            d = torch.cat((d, d.new_zeros(pad, *d.shape[1:])))
+            sub = torch.cat((sub, sub.new_zeros(pad, *sub.shape[1:])))
+        return native_quantized.SuperBlockScales(
+            d.transpose(0, 1).contiguous(), sub.transpose(0, 1).contiguous(), dtype
+        )
+
+    def packed_scales(self, total_rows: int, dtype: torch.dtype):
+        """``(q, scales)`` for a pack function: :meth:`groups`' ``q``, and its scales factored
+        (:meth:`super_block_scales`) where the file factors them, else its pairs in
+        ``dtype``."""
+        q, scales_and_zeros = self.groups(total_rows)
+        factored = self.super_block_scales(total_rows, dtype)
+        return q, scales_and_zeros.to(dtype) if factored is None else factored
+
     def segments(self) -> list[StoredRows]:
         """The pieces split into runs of one format and group size, in row order, each a
         :class:`StoredRows` of its own rows (a Q4_K_M file's QKV: the int4 query and key, then
@@ -158,8 +191,8 @@ class GroupedLinearMethod(UnquantizedLinearMethod):
 
     def process_stored(self, layer: nn.Module, stored: StoredRows) -> None:
         """Replace ``layer.weight`` by ``stored``'s groups, packed."""
-        q, scales_and_zeros = stored.groups(layer.weight.shape[0])
-        packed, scales_and_zeros = self.pack(q, scales_and_zeros.to(layer.weight.dtype))
+        q, scales = stored.packed_scales(layer.weight.shape[0], layer.weight.dtype)
+        packed, scales_and_zeros = self.pack(q, scales)
         replace_weight(layer, qweight=packed, scales_and_zeros=scales_and_zeros)
         layer.quant_method = self
 
@@ -198,8 +231,7 @@ class SplitGroupedLinearMethod(UnquantizedLinearMethod):
         """Replace ``layer.weight`` by each run's groups, packed."""
         dtype, buffers = layer.weight.dtype, {}
         for i, ((method, _), run) in enumerate(zip(self.parts, runs, strict=True)):
-            q, scales_and_zeros = run.groups(run.rows)
-            packed, scales_and_zeros = method.pack(q, scales_and_zeros.to(dtype))
+            packed, scales_and_zeros = method.pack(*run.packed_scales(run.rows, dtype))
             buffers |= {f"qweight_{i}": packed, f"scales_and_zeros_{i}": scales_and_zeros}
         replace_weight(layer, **buffers)
         layer.quant_method = self

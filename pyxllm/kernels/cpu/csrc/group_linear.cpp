@@ -46,7 +46,8 @@
 // gguf-py's own formula; in float16 where that holds every pair exactly (GGUF Q4_0's, Q4_1's and
 // Q8_0's scales are float16 numbers: an int4 group of 16 outputs then takes 320 bytes instead of
 // 384 with float32 pairs), else in x's dtype; or the scales alone, [N/16][K/32][16], where every
-// low is the same multiple of its scale (see ScaleLayout).
+// low is the same multiple of its scale (see ScaleLayout); or, for GGUF's K-quants, factored as
+// the file stores them, uint8 [N/16][K/256][bytes] (see kSuperInputs).
 // ATen's tensor and the ops called below, not <ATen/ATen.h> (all of ATen's functions: 3-6 s
 // of this file's compile, in each build of the kernels)
 #include <ATen/core/Tensor.h>
@@ -61,6 +62,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 
@@ -233,6 +235,88 @@ struct ScaleLayout {
   }
 };
 
+// kLanes int8 numbers as floats (exact; one vpmovsxbd: GCC's __builtin_convertvector from int8
+// lanes took ~60 scalar instructions).
+inline FloatV int8_lanes(const int8_t* p) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return __builtin_convertvector((IntV)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                                 FloatV);
+#elif defined(__AVX2__)
+  return __builtin_convertvector((IntV)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+                                 FloatV);
+#else
+  FloatV v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+// Super-block scales, a third way to hold them (uint8 scales_and_zeros): GGUF's K-quants factor
+// a group's scale as d * sc, d a float16 per 256 inputs (a super-block) and sc a 6-bit integer
+// per group, and Q4_K its low as dlow * m likewise (dlow = -dmin). Held that way, with sc and m
+// as int8, the kernel's products d * sc and dlow * m are exact in float32 (an 11-bit by an 8-bit
+// integer), where (scale, low) pairs need float32 to be exact (0.25 byte a weight; bfloat16
+// pairs round them) and this takes ~0.08, about the file's own bytes. Per tile and super-block
+// of kSuperGroups<F> scale groups: [per_lane][16] float16 (the tile's d, then its dlow), then per
+// group [per_lane][16] int8 (sc, then m); with the scales alone (GGUF's Q6_K, Q3_K, IQ4_XS) low
+// is F::kLowPerScale * scale as in ScaleLayout, and per_lane is 1.
+constexpr int64_t kSuperInputs = 256;
+template <typename F>
+constexpr int64_t kSuperGroups = kSuperInputs / F::kScaleInputs;
+
+template <typename F>
+int64_t super_block_bytes(ScaleLayout layout) {
+  return layout.per_lane() * kTile * (2 + kSuperGroups<F>);
+}
+
+// How many numbers of type P hold one tile's scales over k input features.
+template <typename F, typename P>
+int64_t tile_scale_numbers(ScaleLayout layout, int64_t k) {
+  if constexpr (std::is_same_v<P, uint8_t>) {
+    return k / kSuperInputs * super_block_bytes<F>(layout);
+  } else {
+    return k / F::kScaleInputs * kTile * layout.per_lane();
+  }
+}
+
+// Reads super-block scales group after group: start() at the first scale group of a
+// super-block loads its d (and dlow) for the kLanes output features from lane0 of the tile whose
+// scales start at `tile` (tile_scale_numbers of them per tile); next() gives the following scale
+// group's (scale, low).
+template <typename F>
+struct SuperBlockCursor {
+  FloatV d{}, dlow{};
+  const int8_t* sub = nullptr;  // the next scale group's sc (then its m), from lane0
+
+  void start(const uint8_t* tile, ScaleLayout layout, int64_t g, int64_t lane0) {
+    const uint8_t* block = tile + g / kSuperGroups<F> * super_block_bytes<F>(layout);
+    load_floats(reinterpret_cast<const Half*>(block) + lane0, d);
+    if (!layout.scales_only) load_floats(reinterpret_cast<const Half*>(block) + kTile + lane0, dlow);
+    sub = reinterpret_cast<const int8_t*>(block + layout.per_lane() * kTile * 2) + lane0;
+  }
+
+  void next(ScaleLayout layout, FloatV& scale, FloatV& low) {
+    scale = d * int8_lanes(sub);
+    low = layout.scales_only ? scale * F::kLowPerScale : dlow * int8_lanes(sub + kTile);
+    sub += layout.per_lane() * kTile;
+  }
+};
+
+// Scale group g's (scale, low) for the kLanes output features from lane0 of the tile whose
+// scales start at `tile` (tile_scale_numbers of them per tile), in any layout.
+template <typename F, typename P>
+inline void load_group_scales(const P* tile, ScaleLayout layout, int64_t g, int64_t lane0, FloatV& scale,
+                              FloatV& low) {
+  if constexpr (std::is_same_v<P, uint8_t>) {
+    SuperBlockCursor<F> cursor;
+    cursor.start(tile, layout, g - g % kSuperGroups<F>, lane0);
+    cursor.sub += g % kSuperGroups<F> * layout.per_lane() * kTile;
+    cursor.next(layout, scale, low);
+  } else {
+    layout.load<F>(tile + (g * kTile + lane0) * layout.per_lane(), scale, low);
+  }
+}
+
 // Each lane rounded to the nearest integer, ties to even (std::rint's rounding in the default
 // mode, so the vector branches give the scalar branch's bits).
 inline FloatV rint_lanes(FloatV v) {
@@ -396,13 +480,16 @@ inline IntV piece_value(IntV piece, int j) {
 }
 
 // acc[m] (m < M) += row m's products with kLanes output features over all scale groups. `w` is
-// the tile's first scale group, offset to this lane block; `pairs` the (scale, low) pairs of that
-// lane block in scale group 0, the next scale group's kTile pairs further (held as `layout` says);
-// xs per 32 inputs, xsum and xtotal per scale group (xtotal read only where F::kDotOffset is set).
+// the tile's first scale group, offset to this lane block (lane0); `scales` the tile's scales,
+// held as `layout` says (load_group_scales); xs per 32 inputs, xsum and xtotal per scale group
+// (xtotal read only where F::kDotOffset is set).
 template <typename F, int M, typename S>
-inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, ScaleLayout layout, const int8_t* xq,
-                      const float* xs, const float* xsum, const int32_t* xtotal, int64_t k) {
+inline void tile_rows(FloatV* acc, const uint8_t* w, const S* scales, ScaleLayout layout, int64_t lane0,
+                      const int8_t* xq, const float* xs, const float* xsum, const int32_t* xtotal, int64_t k) {
   const int64_t scale_groups = k / F::kScaleInputs, groups = k / kGroup;
+  SuperBlockCursor<F> cursor;  // super-block scales only
+  FloatV running[M];  // acc, kept in registers (acc may alias xs: stored at every group)
+  for (int m = 0; m < M; ++m) running[m] = acc[m];
   for (int64_t g = 0; g < scale_groups; ++g) {
     IntV sum1[M] = {}, sum2[M] = {};
     const uint8_t* wg = w + g * F::kScaleBytes;
@@ -423,23 +510,29 @@ inline void tile_rows(FloatV* acc, const uint8_t* w, const S* pairs, ScaleLayout
       }
     }
     FloatV scale, low;
-    layout.load<F>(pairs + g * layout.per_lane() * kTile, scale, low);
+    if constexpr (std::is_same_v<S, uint8_t>) {  // d and dlow loaded once per super-block
+      if (g % kSuperGroups<F> == 0) cursor.start(scales, layout, g, lane0);
+      cursor.next(layout, scale, low);
+    } else {
+      load_group_scales<F>(scales, layout, g, lane0, scale, low);
+    }
     const int64_t a = g * F::kScaleInputs / kGroup;  // the activations' group of 32
     for (int m = 0; m < M; ++m) {
       IntV sum = F::widen(sum1[m]) * 254 + F::widen(sum2[m]);
       if constexpr (F::kDotOffset != 0) sum -= F::kDotOffset * xtotal[m * scale_groups + g];
-      acc[m] = fma(__builtin_convertvector(sum, FloatV), scale * xs[m * groups + a], acc[m]);
-      acc[m] = fma(low, FloatV{} + xsum[m * scale_groups + g], acc[m]);
+      running[m] = fma(__builtin_convertvector(sum, FloatV), scale * xs[m * groups + a], running[m]);
+      running[m] = fma(low, FloatV{} + xsum[m * scale_groups + g], running[m]);
     }
   }
+  for (int m = 0; m < M; ++m) acc[m] = running[m];
 }
 
 template <typename F, typename S>
-void tile_rows_any(int rows, FloatV* acc, const uint8_t* w, const S* pairs, ScaleLayout layout, const int8_t* xq,
-                   const float* xs, const float* xsum, const int32_t* xtotal, int64_t k) {
+void tile_rows_any(int rows, FloatV* acc, const uint8_t* w, const S* scales, ScaleLayout layout, int64_t lane0,
+                   const int8_t* xq, const float* xs, const float* xsum, const int32_t* xtotal, int64_t k) {
   switch (rows) {
 #define PYXLLM_TILE_ROWS(M) \
-  case M: return tile_rows<F, M, S>(acc, w, pairs, layout, xq, xs, xsum, xtotal, k);
+  case M: return tile_rows<F, M, S>(acc, w, scales, layout, lane0, xq, xs, xsum, xtotal, k);
     PYXLLM_TILE_ROWS(1)
     PYXLLM_TILE_ROWS(2)
     PYXLLM_TILE_ROWS(3)
@@ -470,7 +563,7 @@ void group_linear_rows(T* y, const T* x, const uint8_t* w, const P* pairs, Scale
         for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
           const int mc = static_cast<int>(std::min<int64_t>(kRowBlock, rows - m0));
           FloatV acc[kRowBlock] = {};
-          tile_rows_any<F>(mc, acc, wt, pairs + (t * scale_groups * kTile + lane0) * layout.per_lane(), layout,
+          tile_rows_any<F>(mc, acc, wt, pairs + t * tile_scale_numbers<F, P>(layout, k), layout, lane0,
                            xq.data() + 2 * m0 * k, xs.data() + m0 * groups, xsum.data() + m0 * scale_groups,
                            totals ? totals + m0 * scale_groups : nullptr, k);
           for (int m = 0; m < mc; ++m)
@@ -506,7 +599,7 @@ void dequantize_transposed(T* wt, const uint8_t* w, const P* pairs, ScaleLayout 
       for (int64_t lane0 = 0; lane0 < kTile; lane0 += kLanes)
         for (int64_t g = 0; g < scale_groups; ++g) {
           FloatV scale, low;
-          layout.load<F>(pairs + ((t * scale_groups + g) * kTile + lane0) * layout.per_lane(), scale, low);
+          load_group_scales<F>(pairs + t * tile_scale_numbers<F, P>(layout, k), layout, g, lane0, scale, low);
           const uint8_t* wg = w + (t * scale_groups + g) * F::kScaleBytes + lane0 * 4;
           T* out = wt + g * F::kScaleInputs * ld + (t - t0) * kTile + lane0;
           for (int c = 0; c < F::kChunks; ++c) {
@@ -534,11 +627,24 @@ at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& p
               op, ": packed must be contiguous uint8 [N/16, ", row_bytes, "] (its pack function's layout)");
   const int64_t n = packed.size(0) * kTile;
   const bool half_pairs = scales_and_zeros.scalar_type() == at::kHalf;
-  const ScaleLayout layout{scales_and_zeros.numel() == n * k / g};
-  TORCH_CHECK((half_pairs || scales_and_zeros.scalar_type() == x.scalar_type()) &&
-                  scales_and_zeros.is_contiguous() && scales_and_zeros.numel() == n * k / g * layout.per_lane(),
-              op, ": scales_and_zeros must be the pack function's contiguous [", n / kTile, ", ", k / g, ", ",
-              kTile, ", 2] pairs or [", n / kTile, ", ", k / g, ", ", kTile, "] scales, in float16 or x's dtype");
+  const bool super_blocks = scales_and_zeros.scalar_type() == at::kByte;
+  ScaleLayout layout{scales_and_zeros.numel() == n * k / g};
+  if (super_blocks) {
+    const int64_t scales_bytes = super_block_bytes<F>(ScaleLayout{true});
+    layout.scales_only = scales_and_zeros.dim() == 3 && scales_and_zeros.size(2) == scales_bytes;
+    TORCH_CHECK(k % kSuperInputs == 0 && scales_and_zeros.is_contiguous() && scales_and_zeros.dim() == 3 &&
+                    scales_and_zeros.size(0) == n / kTile && scales_and_zeros.size(1) == k / kSuperInputs &&
+                    scales_and_zeros.size(2) == super_block_bytes<F>(layout),
+                op, ": super-block scales must be the pack function's contiguous uint8 [", n / kTile, ", ",
+                k / kSuperInputs, ", ", scales_bytes, " or ", 2 * scales_bytes, "] (input features a multiple of ",
+                kSuperInputs, ")");
+  } else {
+    TORCH_CHECK((half_pairs || scales_and_zeros.scalar_type() == x.scalar_type()) &&
+                    scales_and_zeros.is_contiguous() && scales_and_zeros.numel() == n * k / g * layout.per_lane(),
+                op, ": scales_and_zeros must be the pack function's contiguous [", n / kTile, ", ", k / g, ", ",
+                kTile, ", 2] pairs or [", n / kTile, ", ", k / g, ", ", kTile,
+                "] scales, in float16 or x's dtype, or its uint8 super-block scales");
+  }
   at::Tensor b;
   if (bias.has_value()) {
     b = bias->contiguous();
@@ -581,14 +687,18 @@ at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& p
                                k, n);
   };
   if (x.scalar_type() == at::kFloat) {
-    if (half_pairs) {
+    if (super_blocks) {
+      run(static_cast<float*>(nullptr), static_cast<uint8_t*>(nullptr));
+    } else if (half_pairs) {
       run(static_cast<float*>(nullptr), static_cast<Half*>(nullptr));
     } else {
       run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
     }
   } else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16 only, got ", x.scalar_type());
-    if (half_pairs) {
+    if (super_blocks) {
+      run(static_cast<BFloat16*>(nullptr), static_cast<uint8_t*>(nullptr));
+    } else if (half_pairs) {
       run(static_cast<BFloat16*>(nullptr), static_cast<Half*>(nullptr));
     } else {
       run(static_cast<BFloat16*>(nullptr), static_cast<BFloat16*>(nullptr));
