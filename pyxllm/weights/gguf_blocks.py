@@ -185,38 +185,41 @@ def int8_groups(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.
     return q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1), group_size
 
 
-def super_block_scales(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray] | None:
-    """The scales of :func:`int4_groups` / :func:`int8_groups` as the file factors them, for the
-    types whose factors give the decoded weights exactly as ``W = q d sc + dlow m`` (``q`` the
-    decoder's: int4's 0..15, int8's signed), one rounding at most (see
-    ``pyxllm.kernels.native.quantized.SuperBlockScales``).
+def super_block_scales(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """The scales of :func:`int4_groups` / :func:`int8_groups` as the file factors them:
+    ``W = (q + shift) d sc + dlow m`` (``q`` the decoder's: int4's 0..15, int8's signed), one
+    rounding at most, as the decoders' (see ``pyxllm.kernels.native.quantized.SuperBlockScales``).
 
     Args:
         raw: as :func:`int4_groups`' (``ggml_type`` any GGML type).
     Returns:
-        ``(d, sub)``: ``d`` float32 ``[rows, K/256, P]`` (float16 values), ``sub`` int8 ``[rows,
-        K/G, P]`` (G the decoder's group size): Q4_K ``(d, -dmin)`` and ``(sc, m)``, ``P = 2``;
-        Q6_K ``d`` and its int8 scales, Q3_K ``d`` and ``sc - 32``, IQ4_XS ``d`` and ``ls -
-        32``, ``P = 1``. ``None`` for other types (a Q5_K's or Q2_K's weights in 6 bits, ``q +
-        32``, would need a third term; the 32-value types have no super-block).
+        ``(d, sub, shift)``: ``d`` float32 ``[rows, K/256, P]`` (float16 values), ``sub`` int8
+        ``[rows, K/G, P]`` (G the decoder's group size): Q4_K, Q5_K and Q2_K ``(d, -dmin)`` and
+        ``(sc, m)``, ``P = 2`` (``shift`` 16 for Q5_K, whose ``q`` is the stored value minus
+        16, else 0); Q6_K ``d`` and its int8 scales, Q3_K ``d`` and ``sc - 32``, IQ4_XS ``d``
+        and ``ls - 32``, ``P = 1``. ``None`` for the 32-value types (no super-block).
     Raises:
         ValueError: ``raw`` not uint8 whole rows of its type.
     """
     ggml_type = GGMLQuantizationType(ggml_type)
-    if ggml_type not in (_T.Q4_K, _T.Q6_K, _T.Q3_K, _T.IQ4_XS):
+    if ggml_type not in (_T.Q4_K, _T.Q5_K, _T.Q2_K, _T.Q6_K, _T.Q3_K, _T.IQ4_XS):
         return None
     ggml_type, blocks = _blocks(raw, ggml_type, (ggml_type,), "super-block")
     rows = blocks.shape[0]
-    if ggml_type == _T.Q4_K:
+    if ggml_type in (_T.Q4_K, _T.Q5_K):
         d = np.stack((_f16(blocks, 0), -_f16(blocks, 2)), axis=-1)
         sub = np.stack(_k_scales_mins(blocks[..., 4:16]), axis=-1)
+    elif ggml_type == _T.Q2_K:
+        d = np.stack((_f16(blocks, 80), -_f16(blocks, 82)), axis=-1)
+        sub = np.stack((blocks[..., :16] & 15, blocks[..., :16] >> 4), axis=-1)
     elif ggml_type == _T.Q6_K:
         d, sub = _f16(blocks, 208)[..., None], blocks[..., 192:208].view(np.int8)[..., None]
     elif ggml_type == _T.Q3_K:
         d, sub = _f16(blocks, 108)[..., None], _q3_k_scales(blocks)[..., None]
     else:  # IQ4_XS
         d, sub = _f16(blocks, 0)[..., None], _iq4_xs_scales(blocks)[..., None]
-    return d, sub.astype(np.int8).reshape(rows, -1, sub.shape[-1])
+    shift = 16 if ggml_type == _T.Q5_K else 0
+    return d, sub.astype(np.int8).reshape(rows, -1, sub.shape[-1]), shift
 
 
 def _blocks(raw: np.ndarray, ggml_type, supported: tuple, kind: str):

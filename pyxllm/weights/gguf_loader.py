@@ -373,15 +373,16 @@ class GGUFWeight(LazyWeight):
             arrays = [q[:, start:stop], scale[:, cols], zero[:, cols]]
             supers = super_block_scales(raw, ggml_type) if factored else None
             if supers is not None:
-                d, sub = supers
+                d, sub, shifts[0] = supers
                 arrays += [d[:, start // 256 : stop // 256], sub[:, cols]]
             return arrays
 
+        shifts = [0]
         q, scale, zero, *supers = (
             torch.from_numpy(np.ascontiguousarray(a)) for a in self._rows(rows, decode)
         )
         group = q.shape[1] // scale.shape[1]
-        return StoredGroups(fmt, q, scale, zero, group, *supers)
+        return StoredGroups(fmt, q, scale, zero, group, *supers, super_shift=shifts[0])
 
 
 def iter_gguf_weight_slices(

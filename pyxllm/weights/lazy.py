@@ -38,10 +38,10 @@ class StoredGroups:
             ``W = q * scale + zero``, ``q`` int8.
         q: ``[rows, cols]``; scale, zero: float32 ``[rows, cols / group_size]``.
         group_size: 32, or 16 (GGUF's Q6_K).
-        super_d, super_sub: the same scales as the file factors them, or ``None``: float32
-            ``[rows, cols / 256, P]`` and int8 ``[rows, cols / group_size, P]``, ``W = q d sc +
-            dlow m`` (``pyxllm.kernels.native.quantized.SuperBlockScales``; GGUF's Q4_K, Q6_K,
-            Q3_K and IQ4_XS).
+        super_d, super_sub, super_shift: the same scales as the file factors them, or
+            ``None``: float32 ``[rows, cols / 256, P]`` and int8 ``[rows, cols / group_size,
+            P]``, ``W = (q + super_shift) d sc + dlow m``
+            (``pyxllm.kernels.native.quantized.SuperBlockScales``; GGUF's K-quants and IQ4_XS).
     """
 
     format: str
@@ -51,6 +51,7 @@ class StoredGroups:
     group_size: int = 32
     super_d: torch.Tensor | None = None
     super_sub: torch.Tensor | None = None
+    super_shift: int = 0
 
 
 class LazyWeight:

@@ -524,7 +524,9 @@ def test_symmetric_groups_keep_their_scales_alone_with_the_same_bits(fmt, dtype)
         )
 
 
-def _super_block_scales(fmt: Grouped, n: int, k: int, lows: bool, g: torch.Generator):
+def _super_block_scales(
+    fmt: Grouped, n: int, k: int, lows: bool, g: torch.Generator, shift: int = 0
+) -> SuperBlockScales:
     """Random :class:`SuperBlockScales` of ``fmt``'s groups: float16 ``d`` per 256 inputs
     (``dlow`` negative, as a K-quant's ``-dmin``), 6-bit integers per group (signed where the
     format's q is)."""
@@ -533,33 +535,41 @@ def _super_block_scales(fmt: Grouped, n: int, k: int, lows: bool, g: torch.Gener
     d[..., 1:] = -d[..., 1:]
     low = 0 if fmt.name == "int4" else -32
     sub = torch.randint(low, low + 64, (k // fmt.group, n, per_lane), generator=g)
-    return SuperBlockScales(d, sub.to(torch.int8))
+    return SuperBlockScales(d, sub.to(torch.int8), shift=shift)
 
 
-# the formats and whether their lows are d * m (a Q4_K's) or derived from the scale (Q6_K's,
-# Q3_K's, IQ4_XS's); int6 with lows of their own (a Q5_K in 6 bits) takes pairs instead
+# the formats, whether their lows are d * m (a Q4_K's) or derived from the scale (Q6_K's,
+# Q3_K's, IQ4_XS's), and the shift of q: 6-bit weights with lows of their own (a Q5_K's, q in
+# -16..15 with shift 16; a Q2_K's, q in 0..3) are packed as q + shift
 SUPER_BLOCK_CASES = [
-    (GROUPED[0], True), (GROUPED[1], False), (GROUPED[1], True), (GROUPED[2], False),
-    (GROUPED[3], False), (GROUPED[4], False),
+    (GROUPED[0], True, 0), (GROUPED[1], False, 0), (GROUPED[1], True, 0), (GROUPED[2], False, 0),
+    (GROUPED[3], False, 0), (GROUPED[4], False, 0), (GROUPED[3], True, 16), (GROUPED[4], True, 0),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("fmt", "lows"), SUPER_BLOCK_CASES, ids=repr)
-def test_super_block_scales_give_the_bits_of_float32_pairs(fmt, lows):
+@pytest.mark.parametrize(("fmt", "lows", "shift"), SUPER_BLOCK_CASES, ids=repr)
+def test_super_block_scales_give_the_bits_of_float32_pairs(fmt, lows, shift):
     """Scales factored as a K-quant file stores them (``SuperBlockScales``) are packed as they
-    are, uint8 ``[N/16, K/256, bytes]`` at ~0.08 byte a weight, and give the bits of the same
+    are, uint8 ``[N/16, K/256, bytes]`` (~0.08 byte a weight), and give the bits of the same
     numbers as float32 pairs: one row, 8, a GEMM's 40 and 40 row-invariant rows, and the rows
     read back; in bfloat16 (whose pairs would round them), the float32 result rounded once."""
     g = torch.Generator().manual_seed(11)
     n, k = 48, 768
     q, _ = fmt.quantize(torch.randn(n, k, generator=g))
-    factored = _super_block_scales(fmt, n, k, lows, g)
+    own_lows = fmt.name == "int6" and lows
+    if own_lows:  # a Q5_K's 5 bits less 16, a Q2_K's 2 bits
+        q = torch.randint(-shift, -shift + (32 if shift else 4), (n, k), generator=g)
+        q = q.to(torch.int8)
+    factored = _super_block_scales(fmt, n, k, lows, g, shift)
     packed, scales = fmt.pack(q, factored)
     assert scales.dtype == torch.uint8
     assert scales.shape == (n // 16, k // 256, (2 if lows else 1) * 16 * (2 + 256 // fmt.group))
-    assert scales.numel() < 0.1 * n * k
+    # fewer bytes than bfloat16 pairs or scales (0.08 against 0.125 byte a weight in groups of
+    # 32, 0.14 against 0.25 with lows in groups of 16)
+    assert scales.numel() <= k // fmt.group * n * 2 * (2 if lows else 1) * 0.625
     offset = 8 if fmt.name == "int4" else 0
-    assert torch.equal(fmt.pack(q, factored.pairs(offset))[0], packed)
+    if not own_lows:  # else q + shift, not q + 32
+        assert torch.equal(fmt.pack(q, factored.pairs(offset))[0], packed)
     # the pairs the kernel computes, (d sc, dlow m) or (d sc, -pack offset d sc), in float32
     # (the pack's pairs would compute low = zero - offset scale, another rounding)
     d = factored.d.repeat_interleave(256 // fmt.group, dim=0)
@@ -589,9 +599,9 @@ def test_super_block_scales_give_the_bits_of_float32_pairs(fmt, lows):
 
 
 def test_super_block_scales_fall_back_to_pairs_where_they_cannot_hold_the_lows():
-    """Int8 values held in 6 bits (``q + 32``) with lows of their own (a Q5_K's ``dlow m``, where
-    the kernel's low would need ``- 32 scale`` too), and a ``d`` that is no float16 number, get
-    the pairs of the same numbers."""
+    """Int8 values held in 6 bits with lows of their own whose ``q + shift`` leaves 0..63 (the
+    kernel's low would need a multiple of the scale too), and a ``d`` that is no float16
+    number, get the pairs of the same numbers."""
     g = torch.Generator().manual_seed(12)
     fmt = GROUPED[3]  # int6, groups of 32
     q, _ = fmt.quantize(torch.randn(32, 256, generator=g))

@@ -222,11 +222,11 @@ def test_each_layer_takes_the_format_its_pieces_allow(tiny_llama):
     assert model.model.embed_tokens.stored_lookup is not None
 
 
-# the (layer, module, run) whose scales the file factors in super-blocks of 256 (Q4_K, Q6_K,
-# Q3_K, IQ4_XS runs); the other runs hold (scale, low) pairs (Q4_0 mixed in, Q2_K, Q5_K, ...)
+# the (layer, module, run) whose scales the file factors in super-blocks of 256 (runs of
+# K-quants or IQ4_XS); the other runs hold (scale, low) pairs (a Q4_0 mixed in, Q5_0, Q8_0 ...)
 _SUPER_BLOCK_RUNS = {
-    (0, "qkv_proj", 1), (0, "o_proj", None), (0, "gate_up_proj", 0),
-    (1, "o_proj", None), (1, "down_proj", None),
+    (0, "qkv_proj", 1), (0, "o_proj", None), (0, "gate_up_proj", 0), (0, "gate_up_proj", 1),
+    (1, "o_proj", None), (1, "down_proj", None), (2, "o_proj", None),
 }  # fmt: skip
 
 
@@ -256,8 +256,8 @@ def test_k_quant_layers_keep_the_files_super_block_scales(tiny_llama):
                 factored = (i, name, run) in _SUPER_BLOCK_RUNS
                 assert (scales.dtype == torch.uint8) == factored, (i, name, run, scales.dtype)
                 rows = qweight.shape[0] * 16
-                if factored:  # ~0.08 byte a weight
-                    assert scales.numel() <= 0.09 * rows * weight.shape[1], (i, name, run)
+                if factored:  # 0.08 byte a weight, 0.14 in groups of 16 with lows (Q2_K)
+                    assert scales.numel() <= 0.15 * rows * weight.shape[1], (i, name, run)
                 ops = kernels.ops
                 read = ops.int4_rows if part.format == "int4" else ops.int8_group_rows
                 got = read(qweight, scales, torch.arange(rows), part.group_size)

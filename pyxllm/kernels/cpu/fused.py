@@ -352,14 +352,16 @@ def _pack_super_blocks(
     scales: SuperBlockScales, offset: int, format_offset: int, tiles: int
 ) -> torch.Tensor | None:
     """``scales`` as the kernels' super-block scales (``csrc/group_linear.cpp``,
-    load_group_scales): uint8 ``[N/16, K/256, P * 16 * (2 + S)]``, per tile and super-block the
+    SuperBlockCursor): uint8 ``[N/16, K/256, P * 16 * (2 + S)]``, per tile and super-block the
     16 lanes' float16 ``d`` (then ``dlow``), then per group the 16 lanes' int8 ``sc`` (then
     ``m``), ``S = 256 / G`` groups. The kernel computes ``scale = d sc`` and ``low = dlow m``
     (what the packed ``q = 0`` stands for), or with ``P = 1`` ``low = -offset scale``; ``None``
-    where that is not these weights' low (a Q5_K's pairs in 6 bits, ``low = dlow m - 32
-    scale``) or a ``d`` is not a float16 number."""
+    where that is not these weights' low (the packed ``q``, the format's plus ``offset -
+    format_offset``, must be ``q + shift`` less the kernel's offset) or a ``d`` is not a
+    float16 number."""
     per_lane = scales.d.shape[-1]
-    if (offset != format_offset) if per_lane == 2 else (format_offset != 0):
+    kernel_offset = 0 if per_lane == 2 else offset
+    if offset - format_offset - kernel_offset != scales.shift:
         return None
     half = scales.d.to(torch.float16)
     if not torch.equal(half.float(), scales.d.float()):
@@ -548,7 +550,8 @@ def pack_int8_group_weight(
     Where every ``q`` lies in -32..31 (GGUF's Q6_K, Q5_x, Q3_K, Q2_K) it is packed in 6 bits
     instead, as ``q + 32``, ``[N/16, 12 K]`` (the kernel's Int6Format: per group, G/8 chunks of
     nibbles as :func:`pack_int4_weight`'s, then G/16 chunks of the top bit pairs), with ``low =
-    zero - 32 scale``: three quarters of the bytes to read.
+    zero - 32 scale``: three quarters of the bytes to read (``q + shift`` with factored scales
+    that have lows of their own, a Q5_K's or Q2_K's: :func:`_super_blocks_in_six_bits`).
 
     Raises:
         ValueError: ``N`` not a multiple of 16, ``K`` not a multiple of 32, or G not 32 or 16.
@@ -566,6 +569,9 @@ def pack_int8_group_weight(
     tiles = n // INT4_TILE
     q = q.to(torch.int8)
     if q.numel() and -32 <= int(q.min()) and int(q.max()) <= 31:
+        held = _super_blocks_in_six_bits(q, scales_and_zeros, tiles)
+        if held is not None:
+            return _pack_six_bits(q, k // groups, tiles, scales_and_zeros.shift), held
         return _pack_six_bits(q, k // groups, tiles), _pack_scales(scales_and_zeros, 32, 0, tiles)
     # [tile, lane, group of 32, chunk, byte] -> [tile, group of 32, chunk, lane, byte]
     t = q.view(torch.uint8).view(tiles, INT4_TILE, k // 32, 8, 4)
@@ -573,11 +579,26 @@ def pack_int8_group_weight(
     return packed, _pack_scales(scales_and_zeros, 0, 0, tiles)
 
 
-def _pack_six_bits(q: torch.Tensor, group: int, tiles: int) -> torch.Tensor:
-    """``q + 32`` (``q [N, K]`` int8 in -32..31) in the kernel's Int6Format, groups of ``group``
-    (16 or 32): ``[N/16, 12 K]`` uint8, see :func:`pack_int8_group_weight`."""
+def _super_blocks_in_six_bits(
+    q: torch.Tensor, scales: torch.Tensor | SuperBlockScales, tiles: int
+) -> torch.Tensor | None:
+    """Super-block scales with lows of their own (``P = 2``: a Q5_K's or Q2_K's) for 6-bit
+    weights packed as ``q + shift`` (``W = (q + shift) d sc + dlow m``, so the kernel's low is
+    ``dlow m``), where those lie in 0..63 (:func:`_pack_super_blocks`); else ``None``."""
+    if not isinstance(scales, SuperBlockScales) or scales.d.shape[-1] != 2:
+        return None
+    if not (0 <= int(q.min()) + scales.shift and int(q.max()) + scales.shift <= 63):
+        return None
+    return _pack_super_blocks(scales, scales.shift, 0, tiles)
+
+
+def _pack_six_bits(q: torch.Tensor, group: int, tiles: int, offset: int = 32) -> torch.Tensor:
+    """``q + offset`` (``q [N, K]`` int8, ``q + offset`` in 0..63; ``offset`` 32 unless the
+    scales say otherwise, see :func:`_super_blocks_in_six_bits`) in the kernel's Int6Format,
+    groups of ``group`` (16 or 32): ``[N/16, 12 K]`` uint8, see
+    :func:`pack_int8_group_weight`."""
     n, k = q.shape
-    u = (q.to(torch.int16) + 32).to(torch.uint8).view(tiles, INT4_TILE, k // group, group)
+    u = (q.to(torch.int16) + offset).to(torch.uint8).view(tiles, INT4_TILE, k // group, group)
     u = u.permute(0, 2, 1, 3)  # [tile, group, lane, input]
     # nibble chunks: [.., chunk, half, byte] -> [tile, group, chunk, lane, byte]
     low = (u & 0xF).reshape(tiles, k // group, INT4_TILE, group // 8, 2, 4)

@@ -37,10 +37,12 @@ class SuperBlockScales:
     super-block of 256 input features and output feature a float16 ``d`` (and ``dlow``), per
     group of G input features an integer ``sc`` (and ``m``), so that with ``S = 256 / G``
 
-        ``W[n, k] = q[n, k] * d[g // S, n, 0] * sub[g, n, 0] + d[g // S, n, 1] * sub[g, n, 1]``
+        ``W[n, k] = (q[n, k] + shift) * d[g // S, n, 0] * sub[g, n, 0]``
+        ``          + d[g // S, n, 1] * sub[g, n, 1]``
 
     (``g = k // G``, ``q`` the format's own value: int4's 0..15, grouped int8's signed one; the
-    second term absent where ``P = 1``). GGUF's Q4_K: ``d``, ``-dmin`` and ``sc``, ``m``; Q6_K,
+    second term absent where ``P = 1``). GGUF's Q4_K and Q2_K: ``d``, ``-dmin`` and ``sc``,
+    ``m``; Q5_K likewise with ``shift`` 16 (its int8 ``q`` is the stored value minus 16); Q6_K,
     Q3_K and IQ4_XS: ``d`` and their signed sub-block scales. Every product is exact in float32
     (an 11-bit by an 8-bit integer), which (scale, zero) pairs need float32 for. A pack function
     may hold these numbers as they are (the CPU's: ~0.08 byte a weight); :meth:`pairs` gives the
@@ -50,11 +52,13 @@ class SuperBlockScales:
         d: float32 ``[K/256, N, P]`` (float16 values), ``P`` 1 or 2.
         sub: int8 ``[K/G, N, P]``.
         dtype: the dtype :meth:`pairs` returns (the compute dtype).
+        shift: see the formula (0 but for Q5_K).
     """
 
     d: torch.Tensor
     sub: torch.Tensor
     dtype: torch.dtype = torch.float32
+    shift: int = 0
 
     @property
     def group_size(self) -> int:
@@ -64,13 +68,14 @@ class SuperBlockScales:
     def pairs(self, offset: int) -> torch.Tensor:
         """``[K/G, N, 2]`` (scale, zero) in :attr:`dtype` with ``W = (q - offset) * scale +
         zero`` (``offset``: 8 for int4's ``q``, 0 for grouped int8's): ``scale = d sc`` and
-        ``zero = offset scale + dlow m`` (one rounding, gguf-py's for a Q4_K block), or 0."""
+        ``zero = (offset + shift) scale + dlow m`` (one rounding, gguf-py's for a Q4_K block,
+        pyxllm.weights.gguf_blocks' for a Q5_K one), or ``(offset + shift) scale``."""
         d = self.d.repeat_interleave(self.sub.shape[0] // self.d.shape[0], dim=0)
         scale = d[..., 0] * self.sub[..., 0].float()
         if self.d.shape[-1] == 1:
-            zero = torch.zeros_like(scale)
+            zero = (offset + self.shift) * scale
         else:
-            zero = offset * scale + d[..., 1] * self.sub[..., 1].float()
+            zero = (offset + self.shift) * scale + d[..., 1] * self.sub[..., 1].float()
         return torch.stack((scale, zero), dim=-1).to(self.dtype)
 
 

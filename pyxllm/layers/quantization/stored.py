@@ -23,7 +23,7 @@ the same scale and zero, still exact). A layer with any region the file stores o
 (float tensors, the IQ types below 4 bits) is dequantized into its float weight, as without
 this method. The token embedding looks its rows up from the groups (:class:`StoredEmbedding`):
 a tied one from its LM head's packed buffers, so the weight is held once. A run of K-quant
-pieces (Q4_K, Q6_K, Q3_K; and IQ4_XS) hands the pack its scales as the file factors them
+pieces (and IQ4_XS) hands the pack its scales as the file factors them
 (:meth:`StoredRows.super_block_scales`): the CPU's holds them so, exact at about the file's
 bytes, where (scale, low) pairs would take float32 to be exact (bfloat16 pairs round them).
 """
@@ -112,7 +112,7 @@ class StoredRows:
         ordered = [self.pieces[k] for k in sorted(self.pieces)]
         if (
             any(p.super_d is None or p.format != fmt or p.group_size != group for p in ordered)
-            or len({p.super_d.shape[-1] for p in ordered}) != 1
+            or len({(p.super_d.shape[-1], p.super_shift) for p in ordered}) != 1
         ):
             return None
         d = torch.cat([p.super_d for p in ordered])
@@ -122,7 +122,10 @@ class StoredRows:
             d = torch.cat((d, d.new_zeros(pad, *d.shape[1:])))
             sub = torch.cat((sub, sub.new_zeros(pad, *sub.shape[1:])))
         return native_quantized.SuperBlockScales(
-            d.transpose(0, 1).contiguous(), sub.transpose(0, 1).contiguous(), dtype
+            d.transpose(0, 1).contiguous(),
+            sub.transpose(0, 1).contiguous(),
+            dtype,
+            ordered[0].super_shift,
         )
 
     def packed_scales(self, total_rows: int, dtype: torch.dtype):
