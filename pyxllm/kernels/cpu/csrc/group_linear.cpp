@@ -253,7 +253,8 @@ inline FloatV int8_lanes(const int8_t* p) {
 
 // Super-block scales, a third way to hold them (uint8 scales_and_zeros): GGUF's K-quants factor
 // a group's scale as d * sc, d a float16 per 256 inputs (a super-block) and sc a 6-bit integer
-// per group, and Q4_K its low as dlow * m likewise (dlow = -dmin). Held that way, with sc and m
+// per group, and Q4_K, Q5_K and Q2_K their low as dlow * m likewise (dlow = -dmin; the pack
+// shifts a Q5_K's 6-bit q so that W = q * scale + low holds with that low). Held so, with sc and m
 // as int8, the kernel's products d * sc and dlow * m are exact in float32 (an 11-bit by an 8-bit
 // integer), where (scale, low) pairs need float32 to be exact (0.25 byte a weight; bfloat16
 // pairs round them) and this takes ~0.08, about the file's own bytes. Per tile and super-block
