@@ -45,7 +45,7 @@ from pyxllm.weights import (
     load_model_config,
     resolve_model_source,
 )
-from tests.model_fixtures import build_checkpoint
+from tests.model_fixtures import build_checkpoint, build_hf_model
 from tests.utils import RemoteServer, free_port, kill_mid_stream
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -119,6 +119,42 @@ def test_smollm2_tp3_on_the_stored_gguf_weights_greedy_equals_tp1():
     file's Q4_1 and Q8_0 blocks."""
     ref, _ = greedy_tokens(None, 1, quantization="gguf")
     assert greedy_tokens(None, 3, quantization="gguf")[0] == ref
+    assert not multiprocessing.active_children()
+
+
+def test_a_k_quant_file_at_tp2_keeps_its_factored_scales_and_tp1s_tokens(
+    tmp_path, hf_gguf_tokenizer
+):
+    """A Q4_K_M-like file (Q4_K, the value and down projections Q6_K), 512 wide: at TP=2 a
+    row-parallel layer's columns on each rank are whole super-blocks (256 of 512), so every
+    layer keeps its scales as the file factors them, and greedy decoding gives TP=1's
+    tokens."""
+    from gguf import GGMLQuantizationType as T
+
+    from tests.model_fixtures import tiny_config
+    from tests.weights.test_gguf_stored import llama_gguf
+
+    config = tiny_config("llama", hidden_size=512)
+    config.num_hidden_layers, config.intermediate_size = 2, 1024
+    model = build_hf_model(config, seed=9)
+    types = {name: T.Q4_K for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
+    types |= {"attn_v": T.Q6_K, "ffn_down": T.Q6_K}
+    path = llama_gguf(model, tmp_path / "tiny-q4_k_m.gguf", layer_types=[types, types])
+    hf_gguf_tokenizer.save_pretrained(tmp_path / "tokenizer")
+    kwargs = dict(tokenizer=str(tmp_path / "tokenizer"), quantization="gguf", **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = []
+    for tp in (1, 2):
+        llm = LLM(model=str(path), tensor_parallel_size=tp, **kwargs)
+        try:
+            layer = llm.llm_engine.executor.driver.model.model.layers[0]  # rank 0's
+            for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                assert module.scales_and_zeros.dtype == torch.uint8, (tp, module)
+            outs = llm.generate(PROMPTS, params)
+            tokens.append([list(o.outputs[0].token_ids) for o in outs])
+        finally:
+            llm.llm_engine.shutdown()
+    assert tokens[1] == tokens[0]
     assert not multiprocessing.active_children()
 
 

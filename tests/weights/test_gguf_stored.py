@@ -154,12 +154,13 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     )
 
 
-def llama_gguf(model, path, tied: bool = False):
+def llama_gguf(model, path, tied: bool = False, layer_types: list[dict] | None = None):
     """``model`` (a transformers llama, 256-wide so K-quants' 256-value blocks fit) written as
     llama.cpp's converter does, each layer's projections in :data:`_LAYER_TYPES`, the embedding
     Q8_0 and the LM head Q6_K, as llama.cpp's quantizer writes it (no vocabulary: pass a
     tokenizer with ``tokenizer=``); ``tied``: no LM head, the embedding Q6_K (a tied model's
-    Q4_K_M file)."""
+    Q4_K_M file); ``layer_types``: each layer's types instead of :data:`_LAYER_TYPES`'."""
+    layer_types = layer_types or _LAYER_TYPES
     config = model.config
     metadata = {
         "context_length": config.max_position_embeddings,
@@ -189,8 +190,8 @@ def llama_gguf(model, path, tied: bool = False):
             elif name == "attn_k":
                 weight = _permute(weight, config.num_key_value_heads)
             tensors[f"blk.{i}.{name}.weight"] = weight
-            if name in _LAYER_TYPES[i]:
-                types[f"blk.{i}.{name}.weight"] = _LAYER_TYPES[i][name]
+            if name in layer_types[i]:
+                types[f"blk.{i}.{name}.weight"] = layer_types[i][name]
     return write_gguf(path, "llama", metadata, tensors, types)
 
 
