@@ -437,9 +437,11 @@ struct Int6Format {
     IntV nibbles, top;
     std::memcpy(&nibbles, wg + c * kChunkBytes, sizeof nibbles);
     std::memcpy(&top, wg + (kChunks + c / 2) * kChunkBytes, sizeof top);
-    const int f = 2 * (c % 2);
-    piece[0] = (nibbles & 0x0F0F0F0F) | (((top >> (2 * f)) & 0x03030303) << 4);
-    piece[1] = ((nibbles >> 4) & 0x0F0F0F0F) | (((top >> (2 * f + 2)) & 0x03030303) << 4);
+    // a byte's bit pairs f = 2 (c % 2) and f + 1 moved to bits 4-5 and 6-7 (one shift for
+    // both; the masks keep each byte's own bits), so each piece is a mask and a merge
+    const IntV bits = c % 2 == 0 ? top << 4 : top;
+    piece[0] = (nibbles & 0x0F0F0F0F) | (bits & 0x30303030);
+    piece[1] = ((nibbles >> 4) & 0x0F0F0F0F) | ((bits >> 2) & 0x30303030);
   }
   static IntV dot(IntV acc, IntV w, int32_t x) { return dot4(acc, w, x); }
   static IntV widen(IntV acc) { return acc; }
