@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -57,6 +58,10 @@ def spawn_chat(server: RemoteServer, *args: str) -> pexpect.spawn:
         encoding="utf-8",
         timeout=60,
         dimensions=(24, 250),
+        # Ctrl-C as a terminal gives it: a process started with SIGINT ignored keeps it
+        # ignored (Python then installs no KeyboardInterrupt), and a test worker of the suite
+        # was seen in that state
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
