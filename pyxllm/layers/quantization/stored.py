@@ -90,37 +90,40 @@ class StoredRows:
         """``(q [total_rows, cols], scales_and_zeros [cols / G, total_rows, 2] float32)`` in
         :attr:`format` and groups of G = :attr:`group_size`, rows past :attr:`rows` zero (an
         embedding's padding)."""
-        fmt, group = self.format, self.group_size
-        ordered = [self.pieces[k] for k in sorted(self.pieces)]
-        q = torch.cat([_as_format(p, fmt) for p in ordered])
+        return self._q(total_rows), self._pairs(total_rows)
+
+    def _ordered(self) -> list:
+        """The pieces in row order."""
+        return [self.pieces[k] for k in sorted(self.pieces)]
+
+    def _q(self, total_rows: int) -> torch.Tensor:
+        """:meth:`groups`' ``q``, padding rows standing for 0."""
+        fmt = self.format
+        q = torch.cat([_as_format(p, fmt) for p in self._ordered()])
+        return _pad_rows(q, total_rows, _OFFSET[fmt])
+
+    def _pairs(self, total_rows: int) -> torch.Tensor:
+        """:meth:`groups`' ``scales_and_zeros``."""
+        group, ordered = self.group_size, self._ordered()
         # a group of 32 is two of 16 with its scale and zero
         scale = torch.cat([p.scale.repeat_interleave(p.group_size // group, 1) for p in ordered])
         zero = torch.cat([p.zero.repeat_interleave(p.group_size // group, 1) for p in ordered])
-        pad = total_rows - q.shape[0]
-        if pad:
-            q = torch.cat((q, q.new_full((pad, q.shape[1]), _OFFSET[fmt])))
-            scale = torch.cat((scale, scale.new_zeros(pad, scale.shape[1])))
-            zero = torch.cat((zero, zero.new_zeros(pad, zero.shape[1])))
-        return q, torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+        pairs = torch.stack((_pad_rows(scale, total_rows), _pad_rows(zero, total_rows)), dim=-1)
+        return pairs.transpose(0, 1).contiguous()
 
     def super_block_scales(self, total_rows: int, dtype: torch.dtype):
         """The scales of :meth:`groups` as the file factors them
         (``kernels.native.quantized.SuperBlockScales``, pairs in ``dtype``), where every piece
         came so in :attr:`format` and :attr:`group_size` (a Q4_K_M file's Q4_K and Q6_K runs),
         else ``None``; rows past :attr:`rows` zero."""
-        fmt, group = self.format, self.group_size
-        ordered = [self.pieces[k] for k in sorted(self.pieces)]
+        fmt, group, ordered = self.format, self.group_size, self._ordered()
         if (
             any(p.super_d is None or p.format != fmt or p.group_size != group for p in ordered)
             or len({(p.super_d.shape[-1], p.super_shift) for p in ordered}) != 1
         ):
             return None
-        d = torch.cat([p.super_d for p in ordered])
-        sub = torch.cat([p.super_sub for p in ordered])
-        pad = total_rows - d.shape[0]
-        if pad:
-            d = torch.cat((d, d.new_zeros(pad, *d.shape[1:])))
-            sub = torch.cat((sub, sub.new_zeros(pad, *sub.shape[1:])))
+        d = _pad_rows(torch.cat([p.super_d for p in ordered]), total_rows)
+        sub = _pad_rows(torch.cat([p.super_sub for p in ordered]), total_rows)
         return native_quantized.SuperBlockScales(
             d.transpose(0, 1).contiguous(),
             sub.transpose(0, 1).contiguous(),
@@ -130,11 +133,11 @@ class StoredRows:
 
     def packed_scales(self, total_rows: int, dtype: torch.dtype):
         """``(q, scales)`` for a pack function: :meth:`groups`' ``q``, and its scales factored
-        (:meth:`super_block_scales`) where the file factors them, else its pairs in
-        ``dtype``."""
-        q, scales_and_zeros = self.groups(total_rows)
+        (:meth:`super_block_scales`) where the file factors them, else its pairs in ``dtype``
+        (built only then)."""
         factored = self.super_block_scales(total_rows, dtype)
-        return q, scales_and_zeros.to(dtype) if factored is None else factored
+        scales = self._pairs(total_rows).to(dtype) if factored is None else factored
+        return self._q(total_rows), scales
 
     def segments(self) -> list[StoredRows]:
         """The pieces split into runs of one format and group size, in row order, each a
@@ -158,6 +161,14 @@ class StoredRows:
             pairs = torch.stack((piece.scale, piece.zero), dim=-1).transpose(0, 1)
             values = dequantize_groups(piece.q, pairs, piece.group_size, _OFFSET[piece.format])
             weight.narrow(0, offset, piece.q.shape[0]).copy_(values)
+
+
+def _pad_rows(t: torch.Tensor, total_rows: int, fill: int = 0) -> torch.Tensor:
+    """``t`` (rows first) with rows filled with ``fill`` up to ``total_rows``."""
+    pad = total_rows - t.shape[0]
+    if not pad:
+        return t
+    return torch.cat((t, t.new_full((pad, *t.shape[1:]), fill)))
 
 
 def _as_format(piece, fmt: str) -> torch.Tensor:
