@@ -543,7 +543,7 @@ def pack_int8_group_weight(
     together (``csrc/group_linear.cpp``): ``[N/16, 16 K]`` uint8 (the int8 bits) and ``[N/16,
     K/G, 16, 2]`` (scale, low) pairs, in float16 where that is exact, or ``[N/16, K/G, 16]``
     scales alone where every zero is 0 (:func:`_pack_pairs`); scales factored as a K-quant file
-    stores them (a :class:`SuperBlockScales`: GGUF's Q6_K, Q3_K, IQ4_XS) as uint8 ``[N/16,
+    stores them (a :class:`SuperBlockScales`: GGUF's K-quants, IQ4_XS) as uint8 ``[N/16,
     K/256, bytes]`` (:func:`_pack_super_blocks`, which falls back to pairs where it cannot
     hold them).
 

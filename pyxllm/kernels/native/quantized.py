@@ -60,11 +60,6 @@ class SuperBlockScales:
     dtype: torch.dtype = torch.float32
     shift: int = 0
 
-    @property
-    def group_size(self) -> int:
-        """G: 256 input features per super-block over the groups in one."""
-        return 256 * self.d.shape[0] // self.sub.shape[0]
-
     def pairs(self, offset: int) -> torch.Tensor:
         """``[K/G, N, 2]`` (scale, zero) in :attr:`dtype` with ``W = (q - offset) * scale +
         zero`` (``offset``: 8 for int4's ``q``, 0 for grouped int8's): ``scale = d sc`` and

@@ -280,10 +280,10 @@ int64_t tile_scale_numbers(ScaleLayout layout, int64_t k) {
   }
 }
 
-// Reads super-block scales group after group: start() at the first scale group of a
-// super-block loads its d (and dlow) for the kLanes output features from lane0 of the tile whose
-// scales start at `tile` (tile_scale_numbers of them per tile); next() gives the following scale
-// group's (scale, low).
+// Reads super-block scales group after group: start() at scale group g loads its super-block's
+// d (and dlow) for the kLanes output features from lane0 of the tile whose scales start at
+// `tile` (tile_scale_numbers of them per tile); next() gives that group's (scale, low), then the
+// following group's, up to the super-block's end.
 template <typename F>
 struct SuperBlockCursor {
   FloatV d{}, dlow{};
@@ -293,7 +293,8 @@ struct SuperBlockCursor {
     const uint8_t* block = tile + g / kSuperGroups<F> * super_block_bytes<F>(layout);
     load_floats(reinterpret_cast<const Half*>(block) + lane0, d);
     if (!layout.scales_only) load_floats(reinterpret_cast<const Half*>(block) + kTile + lane0, dlow);
-    sub = reinterpret_cast<const int8_t*>(block + layout.per_lane() * kTile * 2) + lane0;
+    sub = reinterpret_cast<const int8_t*>(block + layout.per_lane() * kTile * 2) +
+          g % kSuperGroups<F> * layout.per_lane() * kTile + lane0;
   }
 
   void next(ScaleLayout layout, FloatV& scale, FloatV& low) {
@@ -310,8 +311,7 @@ inline void load_group_scales(const P* tile, ScaleLayout layout, int64_t g, int6
                               FloatV& low) {
   if constexpr (std::is_same_v<P, uint8_t>) {
     SuperBlockCursor<F> cursor;
-    cursor.start(tile, layout, g - g % kSuperGroups<F>, lane0);
-    cursor.sub += g % kSuperGroups<F> * layout.per_lane() * kTile;
+    cursor.start(tile, layout, g, lane0);
     cursor.next(layout, scale, low);
   } else {
     layout.load<F>(tile + (g * kTile + lane0) * layout.per_lane(), scale, low);
