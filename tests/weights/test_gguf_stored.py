@@ -267,6 +267,32 @@ def test_k_quant_layers_keep_the_files_super_block_scales(tiny_llama):
     assert model.lm_head.scales_and_zeros.dtype == torch.uint8  # Q6_K
 
 
+def _scale_buffers(llm: LLM) -> dict[str, torch.Tensor]:
+    return {n: b for n, b in _model(llm).named_buffers() if "scales_and_zeros" in n}
+
+
+def test_bfloat16_holds_the_files_scales_as_float32_does(tiny_llama):
+    """The compute dtype does not round a file's scales: in bfloat16 every run holds the scales
+    it holds in float32 wherever those are the file's float16 numbers (Q4_0, Q4_1, Q5_x and
+    Q8_0 pairs) or factored (the K-quants), so its rows are the file's values bit for bit as
+    in float32 (the test above); only pairs that float16 cannot hold (a K-quant run that falls
+    back to pairs) take the compute dtype. Pairs rounded to bfloat16 first had changed a Q4_1
+    scale 0.1268 to 0.1270."""
+    _, stored, kwargs = tiny_llama
+    bf16 = LLM(quantization="gguf", **{**kwargs, "dtype": "bfloat16"})
+    want, got = _scale_buffers(stored), _scale_buffers(bf16)
+    assert want.keys() == got.keys()
+    exact = {n for n, b in want.items() if b.dtype in (torch.float16, torch.uint8)}
+    assert any(want[n].dtype == torch.float16 for n in exact)
+    for name, scales in got.items():
+        if name in exact:
+            assert scales.dtype == want[name].dtype and torch.equal(scales, want[name]), name
+        else:
+            assert scales.dtype == torch.bfloat16, (name, scales.dtype)
+    texts = bf16.generate(PROMPTS, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in texts)
+
+
 def test_a_tied_q6_k_embedding_reads_its_rows_from_the_heads_super_block_tiles(
     tmp_path, hf_gguf_tokenizer
 ):

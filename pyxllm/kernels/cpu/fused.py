@@ -30,6 +30,7 @@ The library is built on first use and cached (``pyxllm.kernels.cpu.build``). Whe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -306,14 +307,16 @@ def w8a8_linear(
 INT4_TILE = 16
 
 
-def _pack_pairs(scales_and_zeros: torch.Tensor, offset: int, tiles: int) -> torch.Tensor:
+def _pack_pairs(
+    scales_and_zeros: torch.Tensor, offset: int, tiles: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """The kernels' pairs: ``scales_and_zeros`` (``[G, N, 2]``, ``W = (q - offset) * scale +
     zero``) as ``[N/16, G, 16, 2]`` ``(scale, low)`` with ``low = zero - offset * scale`` (what
     ``q = 0`` stands for, computed in float32); where every zero is 0 (GGUF's Q4_0, Q8_0 and
     K-quant Q6_K, Q3_K blocks: ``W = (q - offset) * scale``) the scales alone, ``[N/16, G, 16]``,
     the kernel computing ``low = -offset * scale`` itself (exact: ``offset`` is 8 or 0). In
-    float16 where that holds every number exactly (a Q4_0, Q4_1 or Q8_0 file's), else in
-    ``scales_and_zeros.dtype``."""
+    float16 where that holds every number exactly (a Q4_0, Q4_1 or Q8_0 file's, handed over in
+    float32), else in ``dtype`` (``None``: ``scales_and_zeros.dtype``)."""
     groups = scales_and_zeros.shape[0]
     scale, zero = scales_and_zeros.float().unbind(-1)
     if zero.any():
@@ -325,7 +328,7 @@ def _pack_pairs(scales_and_zeros: torch.Tensor, offset: int, tiles: int) -> torc
     if torch.equal(half.float(), pairs):
         pairs = half
     else:
-        pairs = pairs.to(scales_and_zeros.dtype)
+        pairs = pairs.to(dtype or scales_and_zeros.dtype)
     return pairs.view(shape).transpose(0, 1).contiguous()
 
 
@@ -334,18 +337,25 @@ SUPER_BLOCK = 256
 
 
 def _pack_scales(
-    scales_and_zeros: torch.Tensor | SuperBlockScales, offset: int, format_offset: int, tiles: int
+    scales_and_zeros: torch.Tensor | SuperBlockScales,
+    offset: int,
+    format_offset: int,
+    tiles: int,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The kernels' scales for weights whose packed ``q`` stands for ``(q - offset) * scale +
     zero`` (int4 8, int8 0, int6 32) and whose format's for ``(q - format_offset) * scale +
     zero`` (int4 8, int8 0): :func:`_pack_super_blocks` where ``scales_and_zeros`` is a
-    :class:`SuperBlockScales` that layout holds, else :func:`_pack_pairs`."""
+    :class:`SuperBlockScales` that layout holds, else :func:`_pack_pairs` (pairs not held in
+    float16 in ``dtype``; ``None``: the pairs' own, a :class:`SuperBlockScales`' ``dtype``)."""
     if isinstance(scales_and_zeros, SuperBlockScales):
         packed = _pack_super_blocks(scales_and_zeros, offset, format_offset, tiles)
         if packed is not None:
             return packed
-        scales_and_zeros = scales_and_zeros.pairs(format_offset)
-    return _pack_pairs(scales_and_zeros, offset, tiles)
+        dtype = dtype or scales_and_zeros.dtype
+        exact = dataclasses.replace(scales_and_zeros, dtype=torch.float32)
+        scales_and_zeros = exact.pairs(format_offset)
+    return _pack_pairs(scales_and_zeros, offset, tiles, dtype)
 
 
 def _pack_super_blocks(
@@ -429,14 +439,18 @@ def _unpacked_pairs(
 
 
 def pack_int4_weight(
-    q: torch.Tensor, scales_and_zeros: torch.Tensor | SuperBlockScales
+    q: torch.Tensor,
+    scales_and_zeros: torch.Tensor | SuperBlockScales,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` (``[N, K]``, values ``0..15``) and ``scales_and_zeros`` (``[K/32, N, 2]``) in
     :func:`int4_linear`'s layout, tiles of 16 output features with each tile's groups of 32
     input features one after the other (``csrc/group_linear.cpp``): ``[N/16, 8 K]`` uint8, two
     weights a byte, and ``[N/16, K/32, 16, 2]`` (scale, low) pairs, ``W = q * scale + low``, in
-    float16 where that is exact, else in ``scales_and_zeros.dtype``; ``[N/16, K/32, 16]``
-    scales alone where every zero is 0 (:func:`_pack_pairs`). Scales factored as a K-quant file
+    float16 where that is exact, else in ``dtype``, the compute dtype (``None``:
+    ``scales_and_zeros.dtype``; hand exact pairs over in float32, since pairs rounded to
+    bfloat16 are no longer a file's float16 numbers); ``[N/16, K/32, 16]`` scales alone where
+    every zero is 0 (:func:`_pack_pairs`). Scales factored as a K-quant file
     stores them (a :class:`SuperBlockScales`, GGUF's Q4_K) are held so, uint8 ``[N/16, K/256,
     320]`` (:func:`_pack_super_blocks`).
 
@@ -453,7 +467,7 @@ def pack_int4_weight(
     # [tile, lane, group, chunk, nibble, byte] -> [tile, group, chunk, lane, byte, nibble]
     t = q.to(torch.uint8).view(tiles, INT4_TILE, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
     packed = (t[..., 0] | (t[..., 1] << 4)).contiguous().view(tiles, k * INT4_TILE // 2)
-    return packed, _pack_scales(scales_and_zeros, 8, 8, tiles)
+    return packed, _pack_scales(scales_and_zeros, 8, 8, tiles, dtype)
 
 
 def int4_linear(
@@ -535,14 +549,17 @@ def int8_group_rows(
 
 
 def pack_int8_group_weight(
-    q: torch.Tensor, scales_and_zeros: torch.Tensor | SuperBlockScales
+    q: torch.Tensor,
+    scales_and_zeros: torch.Tensor | SuperBlockScales,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` (``[N, K]`` int8) and ``scales_and_zeros`` (``[K/G, N, 2]``, groups of G = 32 or 16
     input features) in :func:`int8_group_linear`'s layout, tiles of 16 output features with each
     tile's groups of 32 input features one after the other, four input features of a lane
     together (``csrc/group_linear.cpp``): ``[N/16, 16 K]`` uint8 (the int8 bits) and ``[N/16,
-    K/G, 16, 2]`` (scale, low) pairs, in float16 where that is exact, or ``[N/16, K/G, 16]``
-    scales alone where every zero is 0 (:func:`_pack_pairs`); scales factored as a K-quant file
+    K/G, 16, 2]`` (scale, low) pairs, in float16 where that is exact (else in ``dtype``, as
+    :func:`pack_int4_weight`'s), or ``[N/16, K/G, 16]`` scales alone where every zero is 0
+    (:func:`_pack_pairs`); scales factored as a K-quant file
     stores them (a :class:`SuperBlockScales`: GGUF's K-quants, IQ4_XS) as uint8 ``[N/16,
     K/256, bytes]`` (:func:`_pack_super_blocks`, which falls back to pairs where it cannot
     hold them).
@@ -572,11 +589,12 @@ def pack_int8_group_weight(
         held = _super_blocks_in_six_bits(q, scales_and_zeros, tiles)
         if held is not None:
             return _pack_six_bits(q, k // groups, tiles, scales_and_zeros.shift), held
-        return _pack_six_bits(q, k // groups, tiles), _pack_scales(scales_and_zeros, 32, 0, tiles)
+        pairs = _pack_scales(scales_and_zeros, 32, 0, tiles, dtype)
+        return _pack_six_bits(q, k // groups, tiles), pairs
     # [tile, lane, group of 32, chunk, byte] -> [tile, group of 32, chunk, lane, byte]
     t = q.view(torch.uint8).view(tiles, INT4_TILE, k // 32, 8, 4)
     packed = t.permute(0, 2, 3, 1, 4).contiguous().view(tiles, k * INT4_TILE)
-    return packed, _pack_scales(scales_and_zeros, 0, 0, tiles)
+    return packed, _pack_scales(scales_and_zeros, 0, 0, tiles, dtype)
 
 
 def _super_blocks_in_six_bits(

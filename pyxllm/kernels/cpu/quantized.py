@@ -28,10 +28,11 @@ def int8_linear(
 
 
 def pack_int4_weight(
-    q: torch.Tensor, scales_and_zeros: torch.Tensor
+    q: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` (``[N, K]``, values ``0..15``) packed for ``int4_linear`` (``[N, K/2]`` uint8), and
-    ``scales_and_zeros`` as pairs (``scale_pairs``).
+    ``scales_and_zeros`` as pairs in ``dtype``, the compute dtype (``scale_pairs``; ``None``: as
+    given).
 
     Raises:
         ValueError: ``N`` is not a multiple of 16 (the kernel's tile).
@@ -41,7 +42,7 @@ def pack_int4_weight(
             f"int4 weights need a multiple of 16 output features on CPU, got {q.shape[0]}"
         )
     packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-    return packed, scale_pairs(scales_and_zeros, 8)
+    return packed, scale_pairs(scales_and_zeros, 8, dtype)
 
 
 def int4_linear(

@@ -74,13 +74,18 @@ class SuperBlockScales:
         return torch.stack((scale, zero), dim=-1).to(self.dtype)
 
 
-def scale_pairs(scales_and_zeros: torch.Tensor | SuperBlockScales, offset: int) -> torch.Tensor:
-    """``scales_and_zeros`` as ``[K/G, N, 2]`` pairs: a tensor as it is, a
+def scale_pairs(
+    scales_and_zeros: torch.Tensor | SuperBlockScales,
+    offset: int,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``scales_and_zeros`` as ``[K/G, N, 2]`` pairs in ``dtype`` (``None``: a tensor's own, a
+    :class:`SuperBlockScales`' :attr:`~SuperBlockScales.dtype`): a tensor as it is, a
     :class:`SuperBlockScales` by its :meth:`~SuperBlockScales.pairs` (``offset``: the format's,
     8 for int4, 0 for grouped int8)."""
     if isinstance(scales_and_zeros, SuperBlockScales):
-        return scales_and_zeros.pairs(offset)
-    return scales_and_zeros
+        scales_and_zeros = scales_and_zeros.pairs(offset)
+    return scales_and_zeros if dtype is None else scales_and_zeros.to(dtype)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -103,11 +108,12 @@ def int8_linear(
 
 
 def pack_int4_weight(
-    q: torch.Tensor, scales_and_zeros: torch.Tensor
+    q: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's int4 storage: ``q`` (``[N, K]``, values ``0..15``) as ``uint8``, unpacked,
-    and ``scales_and_zeros`` (``[K/G, N, 2]``, or a :class:`SuperBlockScales`) as pairs."""
-    return q.to(torch.uint8), scale_pairs(scales_and_zeros, 8)
+    and ``scales_and_zeros`` (``[K/G, N, 2]``, or a :class:`SuperBlockScales`) as pairs in
+    ``dtype``, the compute dtype (``None``: as given; see :func:`scale_pairs`)."""
+    return q.to(torch.uint8), scale_pairs(scales_and_zeros, 8, dtype)
 
 
 def dequantize_groups(
@@ -167,11 +173,12 @@ def int4_linear(
 
 
 def pack_int8_group_weight(
-    q: torch.Tensor, scales_and_zeros: torch.Tensor
+    q: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's grouped int8 storage: ``q`` (``[N, K]`` int8) and ``scales_and_zeros``
-    (``[K/G, N, 2]``, or a :class:`SuperBlockScales`) as pairs."""
-    return q.to(torch.int8), scale_pairs(scales_and_zeros, 0)
+    (``[K/G, N, 2]``, or a :class:`SuperBlockScales`) as pairs in ``dtype``, the compute dtype
+    (``None``: as given; see :func:`scale_pairs`)."""
+    return q.to(torch.int8), scale_pairs(scales_and_zeros, 0, dtype)
 
 
 def int8_group_rows(

@@ -132,11 +132,13 @@ class StoredRows:
         )
 
     def packed_scales(self, total_rows: int, dtype: torch.dtype):
-        """``(q, scales)`` for a pack function: :meth:`groups`' ``q``, and its scales factored
-        (:meth:`super_block_scales`) where the file factors them, else its pairs in ``dtype``
-        (built only then)."""
+        """``(q, scales)`` for a pack function (called with ``dtype=dtype``, the compute dtype):
+        :meth:`groups`' ``q``, and its scales factored (:meth:`super_block_scales`) where the
+        file factors them, else its float32 pairs (built only then), so that a pack that holds
+        float16 pairs keeps a Q4_0, Q4_1 or Q8_0 file's numbers rather than their bfloat16
+        roundings."""
         factored = self.super_block_scales(total_rows, dtype)
-        scales = self._pairs(total_rows).to(dtype) if factored is None else factored
+        scales = self._pairs(total_rows) if factored is None else factored
         return self._q(total_rows), scales
 
     def segments(self) -> list[StoredRows]:
@@ -205,8 +207,9 @@ class GroupedLinearMethod(UnquantizedLinearMethod):
 
     def process_stored(self, layer: nn.Module, stored: StoredRows) -> None:
         """Replace ``layer.weight`` by ``stored``'s groups, packed."""
-        q, scales = stored.packed_scales(layer.weight.shape[0], layer.weight.dtype)
-        packed, scales_and_zeros = self.pack(q, scales)
+        dtype = layer.weight.dtype
+        q, scales = stored.packed_scales(layer.weight.shape[0], dtype)
+        packed, scales_and_zeros = self.pack(q, scales, dtype=dtype)
         replace_weight(layer, qweight=packed, scales_and_zeros=scales_and_zeros)
         layer.quant_method = self
 
@@ -245,7 +248,8 @@ class SplitGroupedLinearMethod(UnquantizedLinearMethod):
         """Replace ``layer.weight`` by each run's groups, packed."""
         dtype, buffers = layer.weight.dtype, {}
         for i, ((method, _), run) in enumerate(zip(self.parts, runs, strict=True)):
-            packed, scales_and_zeros = method.pack(*run.packed_scales(run.rows, dtype))
+            q, scales = run.packed_scales(run.rows, dtype)
+            packed, scales_and_zeros = method.pack(q, scales, dtype=dtype)
             buffers |= {f"qweight_{i}": packed, f"scales_and_zeros_{i}": scales_and_zeros}
         replace_weight(layer, **buffers)
         layer.quant_method = self
