@@ -127,6 +127,28 @@ def test_an_input_batch_of_a_prefill_chunk_and_decodes_lays_out_positions_and_sl
     assert batch.logits_indices.tolist() == [2, 3] and not batch.decodes_only
 
 
+def test_an_input_batch_pads_block_tables_and_samples_a_drafting_sequences_last_rows():
+    """Block tables of different lengths are padded with block 0; a sequence verifying two
+    drafts is sampled at its last three tokens, one that does not sample at none; every index
+    tensor is int64."""
+    params = SamplingParams()
+    seqs = [
+        ScheduledSequence("a", [4, 5, 6], 9, [2, 8, 1], True, params, num_draft_tokens=2),
+        ScheduledSequence("b", [1, 2], 0, [7], False, params),  # a prefill chunk, not sampled
+        ScheduledSequence("c", [3], 5, [4, 9], True, params),
+    ]
+    batch = InputBatch.build(SchedulerOutput(seqs), 4, torch.device("cpu"))
+    assert batch.block_tables.tolist() == [[2, 8, 1], [7, 0, 0], [4, 9, 0]]
+    assert batch.positions.tolist() == [9, 10, 11, 0, 1, 5]
+    assert batch.slot_mapping.tolist() == [1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3, 28, 29, 9 * 4 + 1]
+    assert batch.input_ids.tolist() == [4, 5, 6, 1, 2, 3]
+    assert batch.logits_indices.tolist() == [0, 1, 2, 5]
+    assert batch.seq_lens.tolist() == [12, 2, 6] and batch.query_start_list == [0, 3, 5, 6]
+    tensors = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens")
+    for name in (*tensors, "block_tables", "logits_indices"):
+        assert getattr(batch, name).dtype == torch.long, name
+
+
 def test_capture_sizes():
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert capture_sizes(128)[:6] == [1, 2, 4, 8, 16, 32] and capture_sizes(128)[-1] == 128
