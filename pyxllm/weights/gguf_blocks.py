@@ -175,11 +175,21 @@ def int8_groups(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.
     else:  # Q6_K
         group_size = 16
         n = blocks.shape[:2]
-        low = blocks[..., :128].reshape(*n, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
-        low = (low & 15).reshape(*n, 2, 4, 32)
-        shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
-        high = (blocks[..., 128:192].reshape(*n, 2, 1, 32) >> shifts) & 3
-        q = ((low | (high << 4)).astype(np.int8) - np.int8(32)).astype(np.int8)
+        # [rows, n, half, quarter, 32]: quarter c holds the low (c < 2) or high nibbles of
+        # ql[64 h + 32 (c % 2) + l], under bits 2c of qh[32 h + l]; built in place, 6 passes
+        # over the weights where temporaries took ~3x the time
+        q = np.empty((*n, 2, 4, 32), np.uint8)
+        low = blocks[..., :128].reshape(*n, 2, 2, 32)
+        np.bitwise_and(low, 15, out=q[..., 0:2, :])
+        np.right_shift(low, 4, out=q[..., 2:4, :])
+        high = (
+            blocks[..., 128:192].reshape(*n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+        )
+        high &= 3
+        high <<= 4
+        q |= high
+        q -= np.uint8(32)  # stored - 32, wrapping to the int8 bits
+        q = q.view(np.int8)
         scale = _f16(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
         zero = np.zeros_like(scale)
     return q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1), group_size
@@ -268,8 +278,11 @@ def _two_bits(qs: np.ndarray) -> np.ndarray:
 
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:
     """K-quant ``qs[128]`` -> ``[..., 256]``: chunk ``i``'s low then high nibbles."""
-    chunks = qs.reshape(*qs.shape[:-1], 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
-    return (chunks & 15).reshape(*qs.shape[:-1], 256)
+    out = np.empty((*qs.shape[:-1], 4, 2, 32), np.uint8)
+    chunks = qs.reshape(*qs.shape[:-1], 4, 32)
+    np.bitwise_and(chunks, 15, out=out[..., 0, :])
+    np.right_shift(chunks, 4, out=out[..., 1, :])
+    return out.reshape(*qs.shape[:-1], 256)
 
 
 def _q3_k_scales(blocks: np.ndarray) -> np.ndarray:

@@ -616,15 +616,17 @@ def _pack_six_bits(q: torch.Tensor, group: int, tiles: int, offset: int = 32) ->
     groups of ``group`` (16 or 32): ``[N/16, 12 K]`` uint8, see
     :func:`pack_int8_group_weight`."""
     n, k = q.shape
-    u = (q.to(torch.int16) + offset).to(torch.uint8).view(tiles, INT4_TILE, k // group, group)
+    # q + offset lies in 0..63, so the int8 sum is exact
+    u = (q + offset).view(torch.uint8).view(tiles, INT4_TILE, k // group, group)
     u = u.permute(0, 2, 1, 3)  # [tile, group, lane, input]
-    # nibble chunks: [.., chunk, half, byte] -> [tile, group, chunk, lane, byte]
-    low = (u & 0xF).reshape(tiles, k // group, INT4_TILE, group // 8, 2, 4)
-    nibbles = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 1, 3, 2, 4)
+    # nibble chunks: [.., chunk, half, byte] -> [tile, group, chunk, lane, byte] (a uint8 shift
+    # by 4 drops the top bits)
+    low = u.reshape(tiles, k // group, INT4_TILE, group // 8, 2, 4)
+    nibbles = ((low[..., 0, :] & 0xF) | (low[..., 1, :] << 4)).permute(0, 1, 3, 2, 4)
     # top bit pairs: input 16 h + 4 f + j at bits 2 f of byte j
     top = (u >> 4).reshape(tiles, k // group, INT4_TILE, group // 16, 4, 4)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-    top = (top << shifts).sum(-2, dtype=torch.uint8).permute(0, 1, 3, 2, 4)
+    top = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
+    top = top.permute(0, 1, 3, 2, 4)
     return torch.cat((nibbles, top), dim=2).contiguous().view(tiles, k * INT4_TILE * 3 // 4)
 
 
