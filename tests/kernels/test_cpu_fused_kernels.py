@@ -190,6 +190,22 @@ def test_decode_attention_refuses_key_lens_outside_the_context():
             fused.paged_attention_decode(*args, key_lens=key_lens)
 
 
+def test_decode_attention_refuses_seq_lens_past_the_block_table():
+    """A length past the row's block table (or a seq_lens of another size) is an error, not a
+    read past the row's blocks (it crashed the process with a segmentation fault)."""
+    query, k_cache, v_cache, tables = _decode_inputs(torch.float32, 64, seed=5)
+    for seq_lens, match in (
+        (
+            torch.tensor([10, 21, 50, 1000, 1]),
+            r"seq_lens\[3\] = 1000 lies outside the block table's 64",
+        ),
+        (torch.tensor([10, 21, 50, -1, 1]), r"seq_lens\[3\] = -1"),
+        (torch.tensor([10, 21, 50]), r"seq_lens must be \[batch\]"),
+    ):
+        with pytest.raises(RuntimeError, match=match):
+            fused.paged_attention_decode(query, k_cache, v_cache, tables, seq_lens, 64, 0.125)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a8_linear_matches_native_exactly(dtype):
     """Same int8 activations, exact int32 sums and the same float32 rescaling: bit-equal, also

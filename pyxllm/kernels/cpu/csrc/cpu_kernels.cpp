@@ -822,15 +822,21 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& k_c
   const int64_t num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention_decode: heads must be a multiple of KV heads");
   at::Tensor tables = block_tables.to(at::kLong).contiguous(), lens = seq_lens.to(at::kLong).contiguous();
-  // the positions each row attends below: its own length, or its key limit (checked: a limit
-  // before the row's end, or past its block table, would read outside its context)
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) >= batch, "paged_attention_decode: block_tables must be [batch, blocks]");
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == batch, "paged_attention_decode: seq_lens must be [batch]");
+  // the positions each row attends below: its own length, or its key limit (checked: a length
+  // or a limit past its block table, or a limit before the row's end, would read outside its
+  // context; B comparisons a call)
+  const int64_t capacity = tables.size(1) * k_cache.size(1);
+  const int64_t* l = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(0 <= l[b] && l[b] <= capacity, "paged_attention_decode: seq_lens[", b, "] = ", l[b],
+                " lies outside the block table's ", capacity, " tokens");
   at::Tensor ends = lens;
   if (key_lens.has_value()) {
     ends = key_lens->to(at::kLong).contiguous();
     TORCH_CHECK(ends.dim() == 1 && ends.size(0) == batch, "paged_attention_decode: key_lens must be [batch]");
     const int64_t* e = ends.data_ptr<int64_t>();
-    const int64_t* l = lens.data_ptr<int64_t>();
-    const int64_t capacity = tables.size(1) * k_cache.size(1);
     for (int64_t b = 0; b < batch; ++b)
       TORCH_CHECK(l[b] <= e[b] && e[b] <= capacity, "paged_attention_decode: key_lens[", b, "] = ", e[b],
                   " must lie between seq_lens[", b, "] = ", l[b], " and the block table's ", capacity, " tokens");
