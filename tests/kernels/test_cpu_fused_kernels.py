@@ -807,6 +807,14 @@ def test_bad_inputs_raise_clear_errors():
         fused.reshape_and_cache(
             torch.randn(1, 1, 8), torch.randn(1, 1, 8), cache, cache.clone(), torch.tensor([64])
         )
+    with pytest.raises(RuntimeError, match="one slot a token"):
+        fused.reshape_and_cache(
+            torch.randn(2, 1, 8), torch.randn(2, 1, 8), cache, cache.clone(), torch.tensor([3])
+        )
+    with pytest.raises(RuntimeError, match="same heads and head_dim"):  # more heads than rows
+        fused.reshape_and_cache(
+            torch.randn(1, 2, 8), torch.randn(1, 2, 8), cache, cache.clone(), torch.tensor([63])
+        )
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         fused.rms_norm(
             torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6

@@ -417,9 +417,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const int64_t tokens = key.size(0), heads = key.size(1), head_dim = key.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim + (int8 ? kKvScaleBytes : 0),
               "reshape_and_cache: the cache's rows do not fit head_dim ", head_dim);
+  TORCH_CHECK(k_cache.size(2) == heads && value.sizes() == key.sizes() && v_cache.sizes() == k_cache.sizes(),
+              "reshape_and_cache: key, value and the caches must have the same heads and head_dim");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   at::Tensor kc = key.contiguous(), vc = value.contiguous();
   at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == tokens, "reshape_and_cache: slot_mapping must have one slot a token");
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(s[t] < num_slots, "reshape_and_cache: slot ", s[t], " is outside the cache");
