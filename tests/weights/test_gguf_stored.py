@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as T
 
 from pyxllm import LLM, SamplingParams, kernels
 from pyxllm.config import EngineConfig
+from pyxllm.kernels.cpu import fused
 from pyxllm.layers.quantization import DEFAULT_ENV, resolve_quantization
 from pyxllm.layers.quantization.stored import GroupedLinearMethod, SplitGroupedLinearMethod
 from pyxllm.weights.gguf_reader import open_gguf
@@ -30,6 +31,11 @@ from tests.model_fixtures import build_hf_model, tiny_config
 from tests.weights.test_gguf_models import write_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+# the tests of the fused CPU pack's layouts (super-block scales, float16 pairs, row readers)
+FUSED_LAYOUT = pytest.mark.skipif(
+    fused.load() is None, reason="PYXLLM_CPU_KERNELS=native: the fused CPU kernels are off"
+)
 
 PROMPTS = ["The capital of France is", "Write a poem about the sea.", "1, 2, 3, 4,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -231,6 +237,7 @@ _SUPER_BLOCK_RUNS = {
 }  # fmt: skip
 
 
+@FUSED_LAYOUT
 def test_k_quant_layers_keep_the_files_super_block_scales(tiny_llama):
     """A run of K-quant pieces (and IQ4_XS) keeps its scales as the file factors them (a float16
     ``d`` per 256 inputs, an int8 per group: ~0.08 byte a weight, exact), the others pairs;
@@ -271,6 +278,7 @@ def _scale_buffers(llm: LLM) -> dict[str, torch.Tensor]:
     return {n: b for n, b in _model(llm).named_buffers() if "scales_and_zeros" in n}
 
 
+@FUSED_LAYOUT
 def test_bfloat16_holds_the_files_scales_as_float32_does(tiny_llama):
     """The compute dtype does not round a file's scales: in bfloat16 every run holds the scales
     it holds in float32 wherever those are the file's float16 numbers (Q4_0, Q4_1, Q5_x and
@@ -293,6 +301,7 @@ def test_bfloat16_holds_the_files_scales_as_float32_does(tiny_llama):
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in texts)
 
 
+@FUSED_LAYOUT
 def test_a_tied_q6_k_embedding_reads_its_rows_from_the_heads_super_block_tiles(
     tmp_path, hf_gguf_tokenizer
 ):
@@ -329,6 +338,7 @@ def test_mixed_types_generate_the_dequantized_files_tokens(tiny_llama):
     assert len({tuple(t) for t in texts}) == len(PROMPTS)
 
 
+@FUSED_LAYOUT
 def test_int4_keeps_the_files_int4_layers_and_quantizes_the_rest(tiny_llama):
     """``--quantization int4`` on a GGUF file: a layer the file stores in int4 blocks (Q4_0,
     Q4_1, Q4_K) keeps them, so its weights are the file's values, not rounded a second time;
