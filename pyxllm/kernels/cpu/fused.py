@@ -30,7 +30,6 @@ The library is built on first use and cached (``pyxllm.kernels.cpu.build``). Whe
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -347,14 +346,12 @@ def _pack_scales(
     zero`` (int4 8, int8 0, int6 32) and whose format's for ``(q - format_offset) * scale +
     zero`` (int4 8, int8 0): :func:`_pack_super_blocks` where ``scales_and_zeros`` is a
     :class:`SuperBlockScales` that layout holds, else :func:`_pack_pairs` (pairs not held in
-    float16 in ``dtype``; ``None``: the pairs' own, a :class:`SuperBlockScales`' ``dtype``)."""
+    float16 in ``dtype``; ``None``: the pairs' own, a :class:`SuperBlockScales`' float32)."""
     if isinstance(scales_and_zeros, SuperBlockScales):
         packed = _pack_super_blocks(scales_and_zeros, offset, format_offset, tiles)
         if packed is not None:
             return packed
-        dtype = dtype or scales_and_zeros.dtype
-        exact = dataclasses.replace(scales_and_zeros, dtype=torch.float32)
-        scales_and_zeros = exact.pairs(format_offset)
+        scales_and_zeros = scales_and_zeros.pairs(format_offset)
     return _pack_pairs(scales_and_zeros, offset, tiles, dtype)
 
 

@@ -51,17 +51,15 @@ class SuperBlockScales:
     Attributes:
         d: float32 ``[K/256, N, P]`` (float16 values), ``P`` 1 or 2.
         sub: int8 ``[K/G, N, P]``.
-        dtype: the dtype :meth:`pairs` returns (the compute dtype).
         shift: see the formula (0 but for Q5_K).
     """
 
     d: torch.Tensor
     sub: torch.Tensor
-    dtype: torch.dtype = torch.float32
     shift: int = 0
 
     def pairs(self, offset: int) -> torch.Tensor:
-        """``[K/G, N, 2]`` (scale, zero) in :attr:`dtype` with ``W = (q - offset) * scale +
+        """``[K/G, N, 2]`` float32 (scale, zero), exact, with ``W = (q - offset) * scale +
         zero`` (``offset``: 8 for int4's ``q``, 0 for grouped int8's): ``scale = d sc`` and
         ``zero = (offset + shift) scale + dlow m`` (one rounding, gguf-py's for a Q4_K block,
         pyxllm.weights.gguf_blocks' for a Q5_K one), or ``(offset + shift) scale``."""
@@ -71,7 +69,7 @@ class SuperBlockScales:
             zero = (offset + self.shift) * scale
         else:
             zero = (offset + self.shift) * scale + d[..., 1] * self.sub[..., 1].float()
-        return torch.stack((scale, zero), dim=-1).to(self.dtype)
+        return torch.stack((scale, zero), dim=-1)
 
 
 def scale_pairs(
@@ -80,7 +78,7 @@ def scale_pairs(
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``scales_and_zeros`` as ``[K/G, N, 2]`` pairs in ``dtype`` (``None``: a tensor's own, a
-    :class:`SuperBlockScales`' :attr:`~SuperBlockScales.dtype`): a tensor as it is, a
+    :class:`SuperBlockScales`' float32): a tensor as it is, a
     :class:`SuperBlockScales` by its :meth:`~SuperBlockScales.pairs` (``offset``: the format's,
     8 for int4, 0 for grouped int8)."""
     if isinstance(scales_and_zeros, SuperBlockScales):

@@ -111,9 +111,9 @@ class StoredRows:
         pairs = torch.stack((_pad_rows(scale, total_rows), _pad_rows(zero, total_rows)), dim=-1)
         return pairs.transpose(0, 1).contiguous()
 
-    def super_block_scales(self, total_rows: int, dtype: torch.dtype):
+    def super_block_scales(self, total_rows: int):
         """The scales of :meth:`groups` as the file factors them
-        (``kernels.native.quantized.SuperBlockScales``, pairs in ``dtype``), where every piece
+        (``kernels.native.quantized.SuperBlockScales``), where every piece
         came so in :attr:`format` and :attr:`group_size` (a Q4_K_M file's Q4_K and Q6_K runs),
         else ``None``; rows past :attr:`rows` zero."""
         fmt, group, ordered = self.format, self.group_size, self._ordered()
@@ -127,17 +127,16 @@ class StoredRows:
         return native_quantized.SuperBlockScales(
             d.transpose(0, 1).contiguous(),
             sub.transpose(0, 1).contiguous(),
-            dtype,
             ordered[0].super_shift,
         )
 
-    def packed_scales(self, total_rows: int, dtype: torch.dtype):
-        """``(q, scales)`` for a pack function (called with ``dtype=dtype``, the compute dtype):
+    def packed_scales(self, total_rows: int):
+        """``(q, scales)`` for a pack function (called with ``dtype=`` the compute dtype):
         :meth:`groups`' ``q``, and its scales factored (:meth:`super_block_scales`) where the
         file factors them, else its float32 pairs (built only then), so that a pack that holds
         float16 pairs keeps a Q4_0, Q4_1 or Q8_0 file's numbers rather than their bfloat16
         roundings."""
-        factored = self.super_block_scales(total_rows, dtype)
+        factored = self.super_block_scales(total_rows)
         scales = self._pairs(total_rows) if factored is None else factored
         return self._q(total_rows), scales
 
@@ -207,9 +206,8 @@ class GroupedLinearMethod(UnquantizedLinearMethod):
 
     def process_stored(self, layer: nn.Module, stored: StoredRows) -> None:
         """Replace ``layer.weight`` by ``stored``'s groups, packed."""
-        dtype = layer.weight.dtype
-        q, scales = stored.packed_scales(layer.weight.shape[0], dtype)
-        packed, scales_and_zeros = self.pack(q, scales, dtype=dtype)
+        q, scales = stored.packed_scales(layer.weight.shape[0])
+        packed, scales_and_zeros = self.pack(q, scales, dtype=layer.weight.dtype)
         replace_weight(layer, qweight=packed, scales_and_zeros=scales_and_zeros)
         layer.quant_method = self
 
@@ -248,7 +246,7 @@ class SplitGroupedLinearMethod(UnquantizedLinearMethod):
         """Replace ``layer.weight`` by each run's groups, packed."""
         dtype, buffers = layer.weight.dtype, {}
         for i, ((method, _), run) in enumerate(zip(self.parts, runs, strict=True)):
-            q, scales = run.packed_scales(run.rows, dtype)
+            q, scales = run.packed_scales(run.rows)
             packed, scales_and_zeros = method.pack(q, scales, dtype=dtype)
             buffers |= {f"qweight_{i}": packed, f"scales_and_zeros_{i}": scales_and_zeros}
         replace_weight(layer, **buffers)
