@@ -582,8 +582,9 @@ def pack_int8_group_weight(
         )
     tiles = n // INT4_TILE
     q = q.to(torch.int8)
-    if q.numel() and -32 <= int(q.min()) and int(q.max()) <= 31:
-        held = _super_blocks_in_six_bits(q, scales_and_zeros, tiles)
+    lo, hi = (int(v) for v in torch.aminmax(q)) if q.numel() else (0, 0)
+    if q.numel() and -32 <= lo and hi <= 31:
+        held = _super_blocks_in_six_bits(lo, hi, scales_and_zeros, tiles)
         if held is not None:
             return _pack_six_bits(q, k // groups, tiles, scales_and_zeros.shift), held
         pairs = _pack_scales(scales_and_zeros, 32, 0, tiles, dtype)
@@ -595,14 +596,15 @@ def pack_int8_group_weight(
 
 
 def _super_blocks_in_six_bits(
-    q: torch.Tensor, scales: torch.Tensor | SuperBlockScales, tiles: int
+    lo: int, hi: int, scales: torch.Tensor | SuperBlockScales, tiles: int
 ) -> torch.Tensor | None:
     """Super-block scales with lows of their own (``P = 2``: a Q5_K's or Q2_K's) for 6-bit
     weights packed as ``q + shift`` (``W = (q + shift) d sc + dlow m``, so the kernel's low is
-    ``dlow m``), where those lie in 0..63 (:func:`_pack_super_blocks`); else ``None``."""
+    ``dlow m``), where those lie in 0..63 (``lo``, ``hi``: the least and greatest ``q``;
+    :func:`_pack_super_blocks`); else ``None``."""
     if not isinstance(scales, SuperBlockScales) or scales.d.shape[-1] != 2:
         return None
-    if not (0 <= int(q.min()) + scales.shift and int(q.max()) + scales.shift <= 63):
+    if not (0 <= lo + scales.shift and hi + scales.shift <= 63):
         return None
     return _pack_super_blocks(scales, scales.shift, 0, tiles)
 
