@@ -195,19 +195,26 @@ def int8_groups(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.
     return q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1), group_size
 
 
-def super_block_scales(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, int] | None:
+def super_block_shift(ggml_type) -> int:
+    """The ``shift`` of :func:`super_block_scales`' formula: 16 for Q5_K (its decoded ``q`` is
+    the stored value minus 16), else 0."""
+    return 16 if GGMLQuantizationType(ggml_type) == _T.Q5_K else 0
+
+
+def super_block_scales(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray] | None:
     """The scales of :func:`int4_groups` / :func:`int8_groups` as the file factors them:
-    ``W = (q + shift) d sc + dlow m`` (``q`` the decoder's: int4's 0..15, int8's signed), one
-    rounding at most, as the decoders' (see ``pyxllm.kernels.native.quantized.SuperBlockScales``).
+    ``W = (q + shift) d sc + dlow m`` (``q`` the decoder's: int4's 0..15, int8's signed;
+    ``shift`` :func:`super_block_shift`'s), one rounding at most, as the decoders' (see
+    ``pyxllm.kernels.native.quantized.SuperBlockScales``).
 
     Args:
         raw: as :func:`int4_groups`' (``ggml_type`` any GGML type).
     Returns:
-        ``(d, sub, shift)``: ``d`` float32 ``[rows, K/256, P]`` (float16 values), ``sub`` int8
+        ``(d, sub)``: ``d`` float32 ``[rows, K/256, P]`` (float16 values), ``sub`` int8
         ``[rows, K/G, P]`` (G the decoder's group size): Q4_K, Q5_K and Q2_K ``(d, -dmin)`` and
-        ``(sc, m)``, ``P = 2`` (``shift`` 16 for Q5_K, whose ``q`` is the stored value minus
-        16, else 0); Q6_K ``d`` and its int8 scales, Q3_K ``d`` and ``sc - 32``, IQ4_XS ``d``
-        and ``ls - 32``, ``P = 1``. ``None`` for the 32-value types (no super-block).
+        ``(sc, m)``, ``P = 2``; Q6_K ``d`` and its int8 scales, Q3_K ``d`` and ``sc - 32``,
+        IQ4_XS ``d`` and ``ls - 32``, ``P = 1``. ``None`` for the 32-value types (no
+        super-block).
     Raises:
         ValueError: ``raw`` not uint8 whole rows of its type.
     """
@@ -228,8 +235,7 @@ def super_block_scales(raw: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarr
         d, sub = _f16(blocks, 108)[..., None], _q3_k_scales(blocks)[..., None]
     else:  # IQ4_XS
         d, sub = _f16(blocks, 0)[..., None], _iq4_xs_scales(blocks)[..., None]
-    shift = 16 if ggml_type == _T.Q5_K else 0
-    return d, sub.astype(np.int8).reshape(rows, -1, sub.shape[-1]), shift
+    return d, sub.astype(np.int8).reshape(rows, -1, sub.shape[-1])
 
 
 def _blocks(raw: np.ndarray, ggml_type, supported: tuple, kind: str):

@@ -32,6 +32,7 @@ from pyxllm.weights.gguf_blocks import (
     int4_groups,
     int8_groups,
     super_block_scales,
+    super_block_shift,
 )
 from pyxllm.weights.gguf_reader import GGUFFile, GGUFTensorInfo, open_gguf
 from pyxllm.weights.lazy import LazyWeight, StoredGroups
@@ -373,16 +374,16 @@ class GGUFWeight(LazyWeight):
             arrays = [q[:, start:stop], scale[:, cols], zero[:, cols]]
             supers = super_block_scales(raw, ggml_type) if factored else None
             if supers is not None:
-                d, sub, shifts[0] = supers
+                d, sub = supers
                 arrays += [d[:, start // 256 : stop // 256], sub[:, cols]]
             return arrays
 
-        shifts = [0]
         q, scale, zero, *supers = (
             torch.from_numpy(np.ascontiguousarray(a)) for a in self._rows(rows, decode)
         )
         group = q.shape[1] // scale.shape[1]
-        return StoredGroups(fmt, q, scale, zero, group, *supers, super_shift=shifts[0])
+        shift = super_block_shift(ggml_type) if supers else 0
+        return StoredGroups(fmt, q, scale, zero, group, *supers, super_shift=shift)
 
 
 def iter_gguf_weight_slices(
