@@ -45,7 +45,7 @@ from pyxllm.weights import (
     load_model_config,
     resolve_model_source,
 )
-from tests.model_fixtures import build_checkpoint, build_hf_model
+from tests.model_fixtures import build_checkpoint, build_hf_model, tiny_config
 from tests.utils import RemoteServer, free_port, kill_mid_stream
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -131,7 +131,6 @@ def test_a_k_quant_file_at_tp2_keeps_its_factored_scales_and_tp1s_tokens(
     tokens."""
     from gguf import GGMLQuantizationType as T
 
-    from tests.model_fixtures import tiny_config
     from tests.weights.test_gguf_stored import llama_gguf
 
     config = tiny_config("llama", hidden_size=512)
