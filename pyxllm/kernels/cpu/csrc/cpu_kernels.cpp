@@ -161,6 +161,26 @@ inline float sum(const float* a, int64_t n) {
   return total;
 }
 
+// The largest of a[0..n) (0 for n = 0): std::max_element's value, 16 lanes at a time (a NaN
+// wins only as a[0], as there).
+inline float peak(const float* a, int64_t n) {
+  if (n == 0) return 0.f;
+  Vec8 lo = Vec8{} + a[0], hi = lo;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const Vec8 x = load8(a + i), y = load8(a + i + 8);
+    lo = lo < x ? x : lo;
+    hi = hi < y ? y : hi;
+  }
+  float m = a[0];
+  for (int l = 0; l < 8; ++l) {
+    m = m < lo[l] ? lo[l] : m;
+    m = m < hi[l] ? hi[l] : m;
+  }
+  for (; i < n; ++i) m = m < a[i] ? a[i] : m;
+  return m;
+}
+
 // e^x for x in float32 range, within a few ulp: x = n ln2 + r with Cody-Waite's two-part ln2
 // (the Cephes constants), |r| <= ln2 / 2, e^r by its Taylor series to degree 7 (truncation
 // error below 1e-8 relative), times 2^n built in the exponent bits. Inputs are clamped to
@@ -520,8 +540,7 @@ void attend_one_kv_head(float* out, const float* q, const float* k, const float*
   }
   for (int64_t g = 0; g < group; ++g) {
     float* sc = scores + g * stride;
-    const float peak = len ? *std::max_element(sc, sc + len) : 0.f;
-    exp_shifted(sc, len, peak);
+    exp_shifted(sc, len, peak(sc, len));
     const float inv = len ? 1.f / sum(sc, len) : 0.f;
     for (int c0 = 0; c0 < C; c0 += 8) {
       constexpr int kAcc = C < 8 ? C : 8;
@@ -589,8 +608,7 @@ void attend_one_kv_head_int8(float* out, const float* q, const int8_t* k, const 
   }
   for (int64_t g = 0; g < group; ++g) {
     float* sc = scores + g * stride;
-    const float peak = len ? *std::max_element(sc, sc + len) : 0.f;
-    exp_shifted(sc, len, peak);
+    exp_shifted(sc, len, peak(sc, len));
     const float inv = len ? 1.f / sum(sc, len) : 0.f;
     for (int c0 = 0; c0 < C; c0 += 8) {
       constexpr int kAcc = C < 8 ? C : 8;
@@ -613,8 +631,7 @@ void attend_one_kv_head_any(float* out, const float* q, const float* kf, const f
                             int64_t head_dim, float* scores) {
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t l = 0; l < len; ++l) scores[l] = dot(q + g * head_dim, kf + l * head_dim, head_dim);
-    const float peak = len ? *std::max_element(scores, scores + len) : 0.f;
-    exp_shifted(scores, len, peak);
+    exp_shifted(scores, len, peak(scores, len));
     const float inv = len ? 1.f / sum(scores, len) : 0.f;
     float* o = out + g * head_dim;
     std::fill(o, o + head_dim, 0.f);
@@ -625,6 +642,76 @@ void attend_one_kv_head_any(float* out, const float* q, const float* kf, const f
 }
 
 #if defined(__AVX512BF16__)
+// probabilities[i] = the bfloat16 bits of p[i] (bf16_bits' rule, 16 at a time), i < n; a zero
+// after them where n is odd, so that they read as n / 2 + 1 pairs.
+inline void bf16_probabilities(uint16_t* probabilities, const float* p, int64_t n) {
+  typedef uint32_t U32x16 __attribute__((vector_size(64)));
+  typedef uint16_t U16x16 __attribute__((vector_size(32)));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const Vec16 v = load16(p + i);
+    U32x16 u;
+    std::memcpy(&u, &v, sizeof u);
+    U32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    rounded = v != v ? U32x16{} + 0x7fc0u : rounded;
+    const U16x16 h = __builtin_convertvector(rounded, U16x16);
+    std::memcpy(probabilities + i, &h, sizeof h);
+  }
+  for (; i < n; ++i) probabilities[i] = bf16_bits(p[i]);
+  if (n % 2) probabilities[n] = 0;
+}
+
+// The PV product of H query heads of one KV head (acc[h] += p_h[l] v[l] over the tokens, two
+// at a time as in attend_one_kv_head_bf16), each head's sums in the same order whatever H,
+// scaled by inv and stored as bfloat16: the value rows are read once for the H heads.
+template <int D, int H>
+void attend_values_bf16(BFloat16* out, const BFloat16* v_cache, const int64_t* rows, int64_t len,
+                        const uint32_t* probs, int64_t pairs, const float* inv) {
+  constexpr int P = D / 32;
+  __m512 acc[H][2 * P];
+  for (auto& a : acc)
+    for (auto& v : a) v = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    const BFloat16* v0 = v_cache + rows[2 * j];
+    const BFloat16* v1 = 2 * j + 1 < len ? v_cache + rows[2 * j + 1] : nullptr;
+    __m512bh p[H];
+    for (int h = 0; h < H; ++h) p[h] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(probs[h * pairs + j]));
+    for (int i = 0; i < P; ++i) {
+      const __m512i a = _mm512_loadu_si512(v0 + 32 * i);
+      const __m512i b = v1 ? _mm512_loadu_si512(v1 + 32 * i) : _mm512_setzero_si512();
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int h = 0; h < H; ++h) {
+        acc[h][2 * i] = _mm512_dpbf16_ps(acc[h][2 * i], lo, p[h]);
+        acc[h][2 * i + 1] = _mm512_dpbf16_ps(acc[h][2 * i + 1], hi, p[h]);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    float o[D];
+    for (int i = 0; i < P; ++i) {
+      alignas(64) float lo[16], hi[16];
+      _mm512_store_ps(lo, acc[h][2 * i]);
+      _mm512_store_ps(hi, acc[h][2 * i + 1]);
+      for (int j = 0; j < 4; ++j)
+        for (int t = 0; t < 4; ++t) {
+          o[32 * i + 8 * j + t] = lo[4 * j + t] * inv[h];
+          o[32 * i + 8 * j + 4 + t] = hi[4 * j + t] * inv[h];
+        }
+    }
+    Rows<BFloat16>::store(out + h * D, o, D);
+  }
+}
+
+// attend_values_bf16 for n (1 .. H) heads: the accumulators of n heads stay in registers.
+template <int D, int H>
+void attend_values_bf16_n(int n, BFloat16* out, const BFloat16* v_cache, const int64_t* rows, int64_t len,
+                          const uint32_t* probs, int64_t pairs, const float* inv) {
+  if constexpr (H > 1) {
+    if (n < H) return attend_values_bf16_n<D, H - 1>(n, out, v_cache, rows, len, probs, pairs, inv);
+  }
+  attend_values_bf16<D, H>(out, v_cache, rows, len, probs, pairs, inv);
+}
+
 // bfloat16 decode attention of one KV head with AVX512-BF16 dot products (vdpbf16ps: 32 bf16
 // products a cycle summed in pairs into 16 float32 lanes), reading the cache rows as they are,
 // without converting them. q is [group, D] bf16 (scaled and rounded, as the reference); rows[l]
@@ -635,7 +722,8 @@ void attend_one_kv_head_any(float* out, const float* q, const float* kf, const f
 //   PV: 2 tokens at a time: their value rows interleaved (unpacklo/hi_epi16) so that one
 //   vdpbf16ps adds p[l] v[l] + p[l+1] v[l+1]; the interleave permutes the output dimensions
 //   within each 32-wide chunk (lane 4j + t of the low half is dimension 8j + t, of the high
-//   half 8j + 4 + t), which the store undoes.
+//   half 8j + 4 + t), which the store undoes. Up to 24 / (D / 16) query heads (6 at D = 64,
+//   3 at D = 128) a pass over the value rows, their accumulators in registers.
 template <int D>
 void attend_one_kv_head_bf16(BFloat16* out, const BFloat16* q, const BFloat16* k_cache, const BFloat16* v_cache,
                              const int64_t* rows, int64_t len, int64_t group, float* scores, uint32_t* probs,
@@ -664,48 +752,14 @@ void attend_one_kv_head_bf16(BFloat16* out, const BFloat16* q, const BFloat16* k
   const int64_t pairs = (len + 1) / 2;
   for (int64_t g = 0; g < group; ++g) {
     float* sc = scores + g * len;
-    const float peak = *std::max_element(sc, sc + len);
-    exp_shifted(sc, len, peak);
+    exp_shifted(sc, len, peak(sc, len));
     inv[g] = 1.f / sum(sc, len);
-    uint32_t* pg = probs + g * pairs;
-    for (int64_t j = 0; j < pairs; ++j) {
-      const uint32_t hi = 2 * j + 1 < len ? bf16_bits(sc[2 * j + 1]) : 0;
-      pg[j] = static_cast<uint32_t>(bf16_bits(sc[2 * j])) | (hi << 16);
-    }
+    bf16_probabilities(reinterpret_cast<uint16_t*>(probs + g * pairs), sc, len);
   }
-  for (int64_t g0 = 0; g0 < group; g0 += 2) {  // two query heads at a time: 4P accumulators
-    const int64_t heads = std::min<int64_t>(2, group - g0);
-    __m512 acc[2][2 * P];
-    for (auto& a : acc)
-      for (auto& v : a) v = _mm512_setzero_ps();
-    for (int64_t j = 0; j < pairs; ++j) {
-      const BFloat16* v0 = row(v_cache, 2 * j);
-      const BFloat16* v1 = 2 * j + 1 < len ? row(v_cache, 2 * j + 1) : nullptr;
-      for (int i = 0; i < P; ++i) {
-        const __m512i a = _mm512_loadu_si512(v0 + 32 * i);
-        const __m512i b = v1 ? _mm512_loadu_si512(v1 + 32 * i) : _mm512_setzero_si512();
-        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-        for (int64_t h = 0; h < heads; ++h) {
-          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(probs[(g0 + h) * pairs + j]));
-          acc[h][2 * i] = _mm512_dpbf16_ps(acc[h][2 * i], lo, p);
-          acc[h][2 * i + 1] = _mm512_dpbf16_ps(acc[h][2 * i + 1], hi, p);
-        }
-      }
-    }
-    for (int64_t h = 0; h < heads; ++h) {
-      float o[D];
-      for (int i = 0; i < P; ++i) {
-        alignas(64) float lo[16], hi[16];
-        _mm512_store_ps(lo, acc[h][2 * i]);
-        _mm512_store_ps(hi, acc[h][2 * i + 1]);
-        for (int j = 0; j < 4; ++j)
-          for (int t = 0; t < 4; ++t) {
-            o[32 * i + 8 * j + t] = lo[4 * j + t] * inv[g0 + h];
-            o[32 * i + 8 * j + 4 + t] = hi[4 * j + t] * inv[g0 + h];
-          }
-      }
-      Rows<BFloat16>::store(out + (g0 + h) * D, o, D);
-    }
+  constexpr int H = 24 / (2 * P);  // heads a pass: 2P accumulators each
+  for (int64_t g0 = 0; g0 < group; g0 += H) {
+    const int heads = static_cast<int>(std::min<int64_t>(H, group - g0));
+    attend_values_bf16_n<D, H>(heads, out + g0 * D, v_cache, rows, len, probs + g0 * pairs, pairs, inv + g0);
   }
 }
 #endif
