@@ -202,6 +202,47 @@ def test_decode_attention_gives_a_query_head_its_bits_in_any_group(dtype, head_d
         assert torch.equal(grouped[:, h], alone[:, 0]), h
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_attention_over_long_contexts_matches_native_with_the_same_bits_anywhere(
+    dtype, head_dim
+):
+    """Rows of more than 256 keys (attended in chunks of 256 and combined, in bfloat16 on
+    AVX512-BF16) match the native kernel, windowed or not, and a row's bits are the same alone
+    or beside others, on one thread or two."""
+    g = torch.Generator().manual_seed(7)
+    k_cache, v_cache = (torch.randn(80, 16, 3, head_dim, generator=g).to(dtype) for _ in range(2))
+    tables = torch.stack([torch.randperm(80, generator=g)[:70] for _ in range(4)])
+    seq_lens = torch.tensor([1000, 257, 256, 600])  # chunks of 256: 4, 2 (one of 1 key), 1, 3
+    key_lens = torch.tensor([1000, 300, 256, 600])  # row 1 sees 43 keys past itself
+    query = torch.randn(4, 9, head_dim, generator=g).to(dtype)
+    args = (k_cache, v_cache, tables, seq_lens, 1120, head_dim**-0.5)
+    threads = torch.get_num_threads()
+    try:
+        for window in (None, 300):
+            results = []
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                batch = fused.paged_attention_decode(
+                    query, *args, sliding_window=window, key_lens=key_lens
+                )
+                want = native.paged_attention_decode(
+                    query, *args, sliding_window=window, key_lens=key_lens
+                )
+                close(batch, want, dtype, fp32_tol=2e-5, bf16_tol=2e-2)
+                for row in range(4):
+                    alone = fused.paged_attention_decode(
+                        query[row : row + 1], k_cache, v_cache, tables[row : row + 1],
+                        seq_lens[row : row + 1], *args[4:], sliding_window=window,
+                        key_lens=key_lens[row : row + 1],
+                    )  # fmt: skip
+                    assert torch.equal(batch[row], alone[0]), (n, window, row)
+                results.append(batch)
+            assert torch.equal(results[0], results[1]), window
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_decode_attention_refuses_key_lens_outside_the_context():
     query, k_cache, v_cache, tables = _decode_inputs(torch.float32, 64, seed=5)
     seq_lens = torch.tensor([10, 21, 50, 63, 1])

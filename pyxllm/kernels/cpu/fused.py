@@ -196,8 +196,10 @@ def paged_attention_decode(
     [batch]``, each at least its ``seq_lens``: the tokens of an image attended bidirectionally,
     Gemma 3's, under ``--batch-invariant``) to positions up to ``key_lens[b]``, the window still
     counted back from ``seq_lens[b]``; so ``max_seq_len`` and ``attn_mask`` are not needed (a
-    row of length 0, graph padding, gets zeros). Each row's sums run over its own keys in one
-    order, so its bits do not depend on the other rows. Soft-capped layers (Gemma 2) take the
+    row of length 0, graph padding, gets zeros). Each row's sums run over its own keys in an
+    order set by its own length alone (in bfloat16 on AVX512-BF16, a row of more than 256 keys
+    in chunks of 256, combined in order as flash-decoding does), so its bits do not depend on
+    the other rows. Soft-capped layers (Gemma 2) take the
     native kernel.
 
     Raises:

@@ -665,7 +665,7 @@ inline void bf16_probabilities(uint16_t* probabilities, const float* p, int64_t 
 // at a time as in attend_one_kv_head_bf16), each head's sums in the same order whatever H,
 // scaled by inv and stored as bfloat16: the value rows are read once for the H heads.
 template <int D, int H>
-void attend_values_bf16(BFloat16* out, const BFloat16* v_cache, const int64_t* rows, int64_t len,
+void attend_values_bf16(BFloat16* out, float* partial, const BFloat16* v_cache, const int64_t* rows, int64_t len,
                         const uint32_t* probs, int64_t pairs, const float* inv) {
   constexpr int P = D / 32;
   __m512 acc[H][2 * P];
@@ -698,18 +698,21 @@ void attend_values_bf16(BFloat16* out, const BFloat16* v_cache, const int64_t* r
           o[32 * i + 8 * j + 4 + t] = hi[4 * j + t] * inv[h];
         }
     }
-    Rows<BFloat16>::store(out + h * D, o, D);
+    if (partial)
+      std::memcpy(partial + h * (D + 2) + 2, o, sizeof o);
+    else
+      Rows<BFloat16>::store(out + h * D, o, D);
   }
 }
 
 // attend_values_bf16 for n (1 .. H) heads: the accumulators of n heads stay in registers.
 template <int D, int H>
-void attend_values_bf16_n(int n, BFloat16* out, const BFloat16* v_cache, const int64_t* rows, int64_t len,
-                          const uint32_t* probs, int64_t pairs, const float* inv) {
+void attend_values_bf16_n(int n, BFloat16* out, float* partial, const BFloat16* v_cache, const int64_t* rows,
+                          int64_t len, const uint32_t* probs, int64_t pairs, const float* inv) {
   if constexpr (H > 1) {
-    if (n < H) return attend_values_bf16_n<D, H - 1>(n, out, v_cache, rows, len, probs, pairs, inv);
+    if (n < H) return attend_values_bf16_n<D, H - 1>(n, out, partial, v_cache, rows, len, probs, pairs, inv);
   }
-  attend_values_bf16<D, H>(out, v_cache, rows, len, probs, pairs, inv);
+  attend_values_bf16<D, H>(out, partial, v_cache, rows, len, probs, pairs, inv);
 }
 
 // bfloat16 decode attention of one KV head with AVX512-BF16 dot products (vdpbf16ps: 32 bf16
@@ -724,14 +727,17 @@ void attend_values_bf16_n(int n, BFloat16* out, const BFloat16* v_cache, const i
 //   within each 32-wide chunk (lane 4j + t of the low half is dimension 8j + t, of the high
 //   half 8j + 4 + t), which the store undoes. Up to 24 / (D / 16) query heads (6 at D = 64,
 //   3 at D = 128) a pass over the value rows, their accumulators in registers.
+// With partial set (one chunk of a long context, see decode_attention_bf16), nothing is written
+// to out: partial[g * (D + 2) ...] gets head g's largest score, its sum of exp(score - largest)
+// and its D unnormalized outputs (sum of bf16(p) v), in float32.
 template <int D>
-void attend_one_kv_head_bf16(BFloat16* out, const BFloat16* q, const BFloat16* k_cache, const BFloat16* v_cache,
-                             const int64_t* rows, int64_t len, int64_t group, float* scores, uint32_t* probs,
-                             float* inv) {
+void attend_one_kv_head_bf16(BFloat16* out, float* partial, const BFloat16* q, const BFloat16* k_cache,
+                             const BFloat16* v_cache, const int64_t* rows, int64_t len, int64_t group, float* scores,
+                             uint32_t* probs, float* inv) {
   constexpr int P = D / 32;  // 512-bit vectors of bf16 per row
   auto row = [&](const BFloat16* cache, int64_t l) { return cache + rows[l]; };
   auto load_bh = [](const BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
-  auto partial = [&](const __m512bh* k, int64_t g) {
+  auto key_dot = [&](const __m512bh* k, int64_t g) {
     __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), load_bh(q + g * D), k[0]);
     for (int i = 1; i < P; ++i) acc = _mm512_dpbf16_ps(acc, load_bh(q + g * D + 32 * i), k[i]);
     return (Vec16)acc;
@@ -742,25 +748,159 @@ void attend_one_kv_head_bf16(BFloat16* out, const BFloat16* q, const BFloat16* k
     for (int j = 0; j < 4; ++j)
       for (int i = 0; i < P; ++i) k[j][i] = load_bh(row(k_cache, l + j) + 32 * i);
     for (int64_t g = 0; g < group; ++g)
-      hsum4(partial(k[0], g), partial(k[1], g), partial(k[2], g), partial(k[3], g), scores + g * len + l);
+      hsum4(key_dot(k[0], g), key_dot(k[1], g), key_dot(k[2], g), key_dot(k[3], g), scores + g * len + l);
   }
   for (; l < len; ++l) {
     __m512bh k[P];
     for (int i = 0; i < P; ++i) k[i] = load_bh(row(k_cache, l) + 32 * i);
-    for (int64_t g = 0; g < group; ++g) scores[g * len + l] = hsum(partial(k, g));
+    for (int64_t g = 0; g < group; ++g) scores[g * len + l] = hsum(key_dot(k, g));
   }
   const int64_t pairs = (len + 1) / 2;
   for (int64_t g = 0; g < group; ++g) {
     float* sc = scores + g * len;
-    exp_shifted(sc, len, peak(sc, len));
-    inv[g] = 1.f / sum(sc, len);
+    const float largest = peak(sc, len);
+    exp_shifted(sc, len, largest);
+    if (partial) {
+      partial[g * (D + 2)] = largest;
+      partial[g * (D + 2) + 1] = sum(sc, len);
+      inv[g] = 1.f;  // (x * 1 is x: the outputs stay unnormalized)
+    } else {
+      inv[g] = 1.f / sum(sc, len);
+    }
     bf16_probabilities(reinterpret_cast<uint16_t*>(probs + g * pairs), sc, len);
   }
   constexpr int H = 24 / (2 * P);  // heads a pass: 2P accumulators each
   for (int64_t g0 = 0; g0 < group; g0 += H) {
     const int heads = static_cast<int>(std::min<int64_t>(H, group - g0));
-    attend_values_bf16_n<D, H>(heads, out + g0 * D, v_cache, rows, len, probs + g0 * pairs, pairs, inv + g0);
+    attend_values_bf16_n<D, H>(heads, partial ? nullptr : out + g0 * D, partial ? partial + g0 * (D + 2) : nullptr,
+                               v_cache, rows, len, probs + g0 * pairs, pairs, inv + g0);
   }
+}
+#endif
+
+// The group of query heads sharing KV head kvh of row b, into q ([group, head_dim] float32):
+// scaled, then rounded to T (where the reference scales the query in T).
+template <typename T>
+void scaled_query(float* q, const T* query, int64_t b, int64_t kvh, int64_t group, int64_t head_dim,
+                  int64_t q_stride_b, int64_t q_stride_h, float scale) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* qg = q + g * head_dim;
+    Rows<T>::load(qg, query + b * q_stride_b + (kvh * group + g) * q_stride_h, head_dim);
+    for (int64_t d = 0; d < head_dim; ++d) qg[d] *= scale;
+    Rows<T>::round(qg, head_dim);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// Keys a chunk of decode_attention_bf16 attends at most.
+constexpr int64_t kKeyChunk = 256;
+
+// Head kvh's outputs for its `group` query heads from a row's chunks: part points at chunk 0's
+// partials of that KV head (attend_one_kv_head_bf16's), chunk c's chunk_stride floats further.
+// With M = max m_c and w_c = exp(m_c - M): out = T(sum w_c o_c * (1 / sum w_c s_c)), in chunk
+// order.
+template <int D>
+void combine_chunks(BFloat16* out, const float* part, int64_t chunk_stride, int64_t chunks, int64_t group) {
+  for (int64_t g = 0; g < group; ++g) {
+    float largest = part[g * (D + 2)];
+    for (int64_t c = 1; c < chunks; ++c) {
+      const float m = part[c * chunk_stride + g * (D + 2)];
+      largest = largest < m ? m : largest;
+    }
+    float total = 0.f, o[D] = {};
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* pc = part + c * chunk_stride + g * (D + 2);
+      const float w = exp_approx(pc[0] - largest);
+      total += w * pc[1];
+      for (int d = 0; d < D; ++d) o[d] += w * pc[2 + d];
+    }
+    const float inverse = 1.f / total;
+    for (int d = 0; d < D; ++d) o[d] *= inverse;
+    Rows<BFloat16>::store(out + g * D, o, D);
+  }
+}
+
+// decode_attention for a bfloat16 query and cache, head_dim D (64 or 128), on AVX512-BF16
+// (attend_one_kv_head_bf16). A row attending more than kKeyChunk keys is cut into chunks of
+// kKeyChunk keys from its first one (the last chunk shorter); each chunk is attended into float32
+// partials (each head's largest score, sum of exps and unnormalized outputs) and the chunks are
+// combined in order (combine_chunks: flash-decoding's combination, Dao et al., "Flash-Decoding
+// for long-context inference", 2023). The chunks depend only on the row's own length, so its
+// bits do not depend on the other rows or on the thread count; rows of up to kKeyChunk keys are
+// attended in one piece. With fewer rows than threads (a decode of one or two sequences) the
+// tasks are a long row's chunks, each over every KV head (a token's cached heads read together),
+// or a short row's KV heads, so one long row keeps every thread busy (SmolLM2's 3 KV heads gave
+// 2 threads 2 and 1); otherwise a task is a row, its chunks' partials in the task's own scratch.
+template <int D>
+void decode_attention_bf16(BFloat16* out, const BFloat16* query, const BFloat16* k_cache, const BFloat16* v_cache,
+                           const int64_t* block_tables, const int64_t* seq_lens, const int64_t* key_lens,
+                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                           int64_t max_blocks, int64_t q_stride_b, int64_t q_stride_h, float scale,
+                           int64_t sliding_window) {
+  const int64_t group = num_heads / num_kv_heads, kv_row = num_kv_heads * D, partial_size = group * (D + 2);
+  const int64_t chunk_stride = num_kv_heads * partial_size;  // a chunk's partials: [kv head][group][D + 2]
+  const bool spread = batch < at::get_num_threads();
+  // row b: keys from position start[b], len[b] of them, in chunks[b] chunks; its tasks are
+  // first_task[b] .. first_task[b + 1]; spread, its partials (chunked rows) from first_partial[b]
+  std::vector<int64_t> start(batch), len(batch), chunks(batch), first_task(batch + 1, 0), first_partial(batch + 1, 0);
+  int64_t longest = 0, most_chunks = 1;
+  for (int64_t b = 0; b < batch; ++b) {
+    start[b] = sliding_window > 0 ? std::max<int64_t>(0, seq_lens[b] - sliding_window) : 0;
+    len[b] = key_lens[b] - start[b];
+    chunks[b] = len[b] > kKeyChunk ? (len[b] + kKeyChunk - 1) / kKeyChunk : 1;
+    first_task[b + 1] = first_task[b] + (!spread ? 1 : chunks[b] > 1 ? chunks[b] : num_kv_heads);
+    first_partial[b + 1] = first_partial[b] + (spread && chunks[b] > 1 ? chunks[b] : 0);
+    longest = std::max(longest, std::min(len[b], kKeyChunk));
+    most_chunks = std::max(most_chunks, chunks[b]);
+  }
+  const int64_t tasks = first_task[batch];
+  std::unique_ptr<float[]> partials(new float[first_partial[batch] * chunk_stride]);
+  const int64_t work = 2 * group * longest * D * (spread ? 1 : num_kv_heads * most_chunks);
+  at::parallel_for(0, tasks, grain_for(tasks, work, kSerialAttention), [&](int64_t begin, int64_t end) {
+    // scratch left uninitialized (a std::vector would zero it, every call)
+    std::unique_ptr<float[]> scores(new float[group * (longest + 8)]), q(new float[group * D]), inv(new float[group]);
+    std::unique_ptr<uint32_t[]> probs(new uint32_t[group * (longest / 2 + 1)]);
+    std::unique_ptr<BFloat16[]> qh(new BFloat16[group * D]);
+    std::unique_ptr<int64_t[]> rows(new int64_t[longest + 8]);
+    std::unique_ptr<float[]> own(new float[spread || most_chunks == 1 ? 0 : most_chunks * chunk_stride]);
+    // head kvh of row b over chunk c (the whole row where it has one chunk): into out, or into
+    // the chunk's partials at `partial`
+    auto attend = [&](int64_t b, int64_t kvh, int64_t c, float* partial) {
+      BFloat16* head_out = out + (b * num_heads + kvh * group) * D;
+      const int64_t from = c * kKeyChunk, n = std::min(len[b] - from, chunks[b] > 1 ? kKeyChunk : len[b]);
+      if (n == 0) {  // an empty row (graph padding): zeros
+        std::memset(static_cast<void*>(head_out), 0, group * D * sizeof(BFloat16));
+        return;
+      }
+      scaled_query(q.get(), query, b, kvh, group, D, q_stride_b, q_stride_h, scale);
+      Rows<BFloat16>::store(qh.get(), q.get(), group * D);
+      cache_rows(rows.get(), block_tables + b * max_blocks, start[b] + from, n, block_size, kv_row, kvh * D);
+      attend_one_kv_head_bf16<D>(head_out, partial, qh.get(), k_cache, v_cache, rows.get(), n, group, scores.get(),
+                                 probs.get(), inv.get());
+    };
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      const int64_t local = task - first_task[b];
+      if (chunks[b] == 1) {
+        for (int64_t kvh = spread ? local : 0; kvh < (spread ? local + 1 : num_kv_heads); ++kvh) attend(b, kvh, 0, nullptr);
+      } else if (spread) {  // chunk `local`, every KV head; combined below
+        float* part = partials.get() + (first_partial[b] + local) * chunk_stride;
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) attend(b, kvh, local, part + kvh * partial_size);
+      } else {
+        for (int64_t c = 0; c < chunks[b]; ++c)
+          for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) attend(b, kvh, c, own.get() + c * chunk_stride + kvh * partial_size);
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
+          combine_chunks<D>(out + (b * num_heads + kvh * group) * D, own.get() + kvh * partial_size, chunk_stride,
+                            chunks[b], group);
+      }
+    }
+  });
+  for (int64_t b = 0; b < batch; ++b)  // spread: at most a row a thread
+    if (first_partial[b + 1] > first_partial[b])
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
+        combine_chunks<D>(out + (b * num_heads + kvh * group) * D,
+                          partials.get() + first_partial[b] * chunk_stride + kvh * partial_size, chunk_stride,
+                          chunks[b], group);
 }
 #endif
 
@@ -770,9 +910,9 @@ void attend_one_kv_head_bf16(BFloat16* out, const BFloat16* q, const BFloat16* k
 // over positions start .. key_lens[b] - 1, the window's start still counted from seq_lens[b]
 // (pyxllm.kernels.native.decode_attention_mask). A row's sums run over its own keys in the same
 // order whatever the other rows, so its bits do not depend on them. A task is
-// one sequence (or, when there are fewer sequences than threads, one KV head of one). For each
-// KV head, bfloat16 with head_dim 64 or 128 on a CPU with AVX512-BF16 takes
-// attend_one_kv_head_bf16 (1.5x faster at batch 64); otherwise the context's keys and values are
+// one sequence (or, when there are fewer sequences than threads, one KV head of one). Bfloat16
+// with head_dim 64 or 128 on a CPU with AVX512-BF16 takes decode_attention_bf16 (1.5x faster at
+// batch 64, and long rows cut into chunks); otherwise, for each KV head, the context's keys and values are
 // gathered (in block order, so the prefetcher streams them) into float32 buffers, and the group
 // of query heads sharing that KV head runs over them. Scores and softmax stay float32. Matches
 // pyxllm.kernels.native.paged_attention_decode, which also scales the query in T first (but
@@ -787,6 +927,16 @@ void decode_attention(T* out, const T* query, const C* k_cache, const C* v_cache
   const int64_t kv_row = num_kv_heads * head_row;  // values per cached token
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, key_lens[b]);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16>) {
+    if (head_dim == 64 || head_dim == 128) {
+      (head_dim == 64 ? decode_attention_bf16<64> : decode_attention_bf16<128>)(
+          out, query, k_cache, v_cache, block_tables, seq_lens, key_lens, batch, num_heads, num_kv_heads, block_size,
+          max_blocks, q_stride_b, q_stride_h, scale, sliding_window);
+      return;
+    }
+  }
+#endif
   const int64_t splits = batch < at::get_num_threads() ? num_kv_heads : 1;  // KV-head ranges per sequence
   const int64_t kv_per_task = num_kv_heads / splits;
   const int64_t tasks = batch * splits;
@@ -800,38 +950,15 @@ void decode_attention(T* out, const T* query, const C* k_cache, const C* v_cache
     std::unique_ptr<float[]> kf(new float[copies ? max_len * head_dim : 0]), vf(new float[copies ? max_len * head_dim : 0]),
         scores(new float[group * (max_len + 8)]), q(new float[group * head_dim]), o(new float[group * head_dim]);
     std::unique_ptr<int64_t[]> rows(new int64_t[max_len + 8]);
-#if defined(__AVX512BF16__)
-    constexpr bool bf16_dots = std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16>;
-    std::vector<uint32_t> probs(group * (max_len / 2 + 1));
-    std::vector<float> inv(group);
-    std::vector<BFloat16> qh(group * head_dim);
-#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / splits;
       const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, seq_lens[b] - sliding_window) : 0;
       const int64_t len = key_lens[b] - start;  // tokens attended, from position start
       const int64_t* table = block_tables + b * max_blocks;
       for (int64_t kvh = (task % splits) * kv_per_task; kvh < (task % splits + 1) * kv_per_task; ++kvh) {
-        for (int64_t g = 0; g < group; ++g) {
-          float* qg = q.get() + g * head_dim;
-          Rows<T>::load(qg, query + b * q_stride_b + (kvh * group + g) * q_stride_h, head_dim);
-          for (int64_t d = 0; d < head_dim; ++d) qg[d] *= scale;
-          Rows<T>::round(qg, head_dim);
-        }
+        scaled_query(q.get(), query, b, kvh, group, head_dim, q_stride_b, q_stride_h, scale);
         T* head_out = out + (b * num_heads + kvh * group) * head_dim;
         cache_rows(rows.get(), table, start, len, block_size, kv_row, kvh * head_row);
-#if defined(__AVX512BF16__)
-        if constexpr (bf16_dots) {
-          if (len > 0 && (head_dim == 64 || head_dim == 128)) {
-            Rows<BFloat16>::store(qh.data(), q.get(), group * head_dim);
-            (head_dim == 64 ? attend_one_kv_head_bf16<64> : attend_one_kv_head_bf16<128>)(
-                head_out, qh.data(), reinterpret_cast<const BFloat16*>(k_cache),
-                reinterpret_cast<const BFloat16*>(v_cache), rows.get(), len, group, scores.get(), probs.data(),
-                inv.data());
-            continue;
-          }
-        }
-#endif
         if constexpr (std::is_same_v<C, int8_t>) {
           if (len > 0 && vectorized) {
             for (int64_t l = len; l < len + 8; ++l) rows[l] = rows[len - 1];  // tile padding
