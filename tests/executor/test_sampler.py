@@ -277,6 +277,8 @@ def test_plain_greedy_batch_builds_no_optional_tensors():
     )
     assert meta.all_greedy
     assert (
+        meta.greedy,
+        meta.temperature,
         meta.top_p,
         meta.top_k,
         meta.min_p,
@@ -284,7 +286,7 @@ def test_plain_greedy_batch_builds_no_optional_tensors():
         meta.min_tokens_mask,
         meta.penalties,
         meta.logprob_rows,
-    ) == (None,) * 7
+    ) == (None,) * 9
     assert Sampler().sample(torch.randn(2, 100), meta).logprobs is None
 
 
