@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
+import pytest
 import torch
 
+from pyxllm.executor.logits_processors import _top_k_top_p_sorted
 from pyxllm.executor.sampler import (
     Sampler,
     SamplingMetadata,
@@ -52,6 +56,35 @@ def test_top_k_top_p_keep_the_reference_sets():
         kept = set(torch.nonzero(masked[row] > float("-inf")).flatten().tolist())
         assert kept == _kept_reference(logits[row], int(top_k[row]), float(top_p[row]))
         assert torch.equal(masked[row][list(kept)], logits[row][list(kept)])
+
+
+@pytest.mark.parametrize("band", [0.5, 8.0])
+def test_top_k_top_p_within_a_band_keep_the_reference_sets(band):
+    """Peaked rows whose sets lie within the first band, flat rows whose nucleus reaches past
+    it (wider bands, then a full sort), top-k alone, and rows that keep everything beside rows
+    that do not; and the same sets from the whole-row sort that accelerators run."""
+    torch.manual_seed(1)
+    vocab = 3000
+    logits = torch.randn(7, vocab)
+    logits[:4] *= 8  # peaked: a few tokens hold most of the mass
+    top_k = torch.tensor([vocab, 40, vocab, vocab, vocab, 300, vocab])
+    top_p = torch.tensor([0.9, 0.95, 0.5, 1.0, 0.9, 0.8, 1.0])
+    for (k, p), masked in itertools.chain.from_iterable(
+        [
+            (case, apply_top_k_top_p(logits.clone(), *case, band=band)),
+            (case, _top_k_top_p_sorted(logits.clone(), *case)),  # an accelerator's path
+        ]
+        for case in ((top_k, top_p), (None, top_p), (top_k, None))
+    ):
+        for row in range(7):
+            kept = set(torch.nonzero(masked[row] > float("-inf")).flatten().tolist())
+            row_k = vocab if k is None else int(k[row])
+            row_p = 1.0 if p is None else float(p[row])
+            if row_k == vocab and row_p == 1.0:  # nothing to cut
+                assert torch.equal(masked[row], logits[row])
+                continue
+            assert kept == _kept_reference(logits[row], row_k, row_p), (row, k is None)
+            assert torch.equal(masked[row][list(kept)], logits[row][list(kept)])
 
 
 def test_exponential_draws_follow_exp_1_and_replay_from_a_seed():
