@@ -663,7 +663,8 @@ inline void bf16_probabilities(uint16_t* probabilities, const float* p, int64_t 
 
 // The PV product of H query heads of one KV head (acc[h] += p_h[l] v[l] over the tokens, two
 // at a time as in attend_one_kv_head_bf16), each head's sums in the same order whatever H,
-// scaled by inv and stored as bfloat16: the value rows are read once for the H heads.
+// scaled by inv[h] and stored as bfloat16 at out + h D, or, with partial set, as float32 at
+// partial + h (D + 2) + 2: the value rows are read once for the H heads.
 template <int D, int H>
 void attend_values_bf16(BFloat16* out, float* partial, const BFloat16* v_cache, const int64_t* rows, int64_t len,
                         const uint32_t* probs, int64_t pairs, const float* inv) {
