@@ -322,9 +322,9 @@ class GraphRunner(Runner):
         source = (lambda t: t.numpy()) if self._host else (lambda t: t)  # noqa: E731
         input_ids, positions, slot_mapping, seq_lens, block_tables = self._buffers
         input_ids[:n] = source(batch.input_ids)
-        positions[:n] = source(batch.positions)
+        positions[:n] = step_positions = source(batch.positions)
         slot_mapping[:n] = source(batch.slot_mapping)
-        seq_lens[:n] = source(batch.positions) + 1
+        seq_lens[:n] = step_positions + 1
         block_tables[:n, :width] = source(tables)
         block_tables[:n, width:] = 0
         if n < size:

@@ -484,6 +484,13 @@ inline void load_kv_row<int8_t>(float* dst, const int8_t* src, int64_t head_dim)
   for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
 }
 
+// The first position a row of seq_len tokens attends: seq_len - sliding_window with a window
+// (sliding_window > 0), else 0 (pyxllm.kernels.native.decode_attention_mask's rule; a key limit
+// past seq_len does not move it).
+inline int64_t window_start(int64_t seq_len, int64_t sliding_window) {
+  return sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+}
+
 // rows[l] = the offset in a [num_blocks, block_size, kv_row] cache of head_offset within the K/V
 // row of position start + l, for l < len (a sequence with block table `table`; one division
 // per block, not per token).
@@ -846,7 +853,7 @@ void decode_attention_bf16(BFloat16* out, const BFloat16* query, const BFloat16*
   std::vector<int64_t> start(batch), len(batch), chunks(batch), first_task(batch + 1, 0), first_partial(batch + 1, 0);
   int64_t longest = 0, most_chunks = 1;
   for (int64_t b = 0; b < batch; ++b) {
-    start[b] = sliding_window > 0 ? std::max<int64_t>(0, seq_lens[b] - sliding_window) : 0;
+    start[b] = window_start(seq_lens[b], sliding_window);
     len[b] = key_lens[b] - start[b];
     chunks[b] = len[b] > kKeyChunk ? (len[b] + kKeyChunk - 1) / kKeyChunk : 1;
     first_task[b + 1] = first_task[b] + (!spread ? 1 : chunks[b] > 1 ? chunks[b] : num_kv_heads);
@@ -868,7 +875,7 @@ void decode_attention_bf16(BFloat16* out, const BFloat16* query, const BFloat16*
     // the chunk's partials at `partial`
     auto attend = [&](int64_t b, int64_t kvh, int64_t c, float* partial) {
       BFloat16* head_out = out + (b * num_heads + kvh * group) * D;
-      const int64_t from = c * kKeyChunk, n = std::min(len[b] - from, chunks[b] > 1 ? kKeyChunk : len[b]);
+      const int64_t from = c * kKeyChunk, n = std::min(len[b] - from, kKeyChunk);  // (one chunk: len[b])
       if (n == 0) {  // an empty row (graph padding): zeros
         std::memset(static_cast<void*>(head_out), 0, group * D * sizeof(BFloat16));
         return;
@@ -923,11 +930,6 @@ void decode_attention(T* out, const T* query, const C* k_cache, const C* v_cache
                       const int64_t* seq_lens, const int64_t* key_lens, int64_t batch, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
                       int64_t q_stride_b, int64_t q_stride_h, float scale, int64_t sliding_window) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t head_row = head_dim + (std::is_same_v<C, int8_t> ? kKvScaleBytes : 0);
-  const int64_t kv_row = num_kv_heads * head_row;  // values per cached token
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, key_lens[b]);
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16>) {
     if (head_dim == 64 || head_dim == 128) {
@@ -938,6 +940,11 @@ void decode_attention(T* out, const T* query, const C* k_cache, const C* v_cache
     }
   }
 #endif
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t head_row = head_dim + (std::is_same_v<C, int8_t> ? kKvScaleBytes : 0);
+  const int64_t kv_row = num_kv_heads * head_row;  // values per cached token
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, key_lens[b]);
   const int64_t splits = batch < at::get_num_threads() ? num_kv_heads : 1;  // KV-head ranges per sequence
   const int64_t kv_per_task = num_kv_heads / splits;
   const int64_t tasks = batch * splits;
@@ -953,7 +960,7 @@ void decode_attention(T* out, const T* query, const C* k_cache, const C* v_cache
     std::unique_ptr<int64_t[]> rows(new int64_t[max_len + 8]);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / splits;
-      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, seq_lens[b] - sliding_window) : 0;
+      const int64_t start = window_start(seq_lens[b], sliding_window);
       const int64_t len = key_lens[b] - start;  // tokens attended, from position start
       const int64_t* table = block_tables + b * max_blocks;
       for (int64_t kvh = (task % splits) * kv_per_task; kvh < (task % splits + 1) * kv_per_task; ++kvh) {
