@@ -182,6 +182,43 @@ def test_a_busy_port_fails_before_the_model_loads():
     assert time.monotonic() - start < 60
 
 
+def test_a_loading_server_holds_its_port_and_answers_what_came_meanwhile(tmp_path):
+    """The port is listened on before the model loads: a second server started during the
+    load fails at once (it used to bind the same port beside the first, print its banner and
+    serve nothing), and a request sent during the load is answered once the model is up."""
+    port = free_port()
+    log = open(tmp_path / "first.log", "w+")  # noqa: SIM115 - read while the server runs
+    cmd = [sys.executable, "-m", "pyxllm", "serve", "--port", str(port), "--graph-backend", "eager"]
+    first = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # connect as soon as the port listens
+            try:
+                early = socket.create_connection(("127.0.0.1", port), timeout=1)
+                break
+            except OSError:
+                assert first.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+        log.seek(0)
+        assert "KV blocks" not in log.read()  # still loading: the engine's first line is absent
+        second = subprocess.run(
+            [*cmd[:-2], "--served-model-name", "second"], capture_output=True, text=True, timeout=60
+        )
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"error: --port {port}: 127.0.0.1:{port} is already in use" in second.stderr
+        early.settimeout(120)
+        early.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := early.recv(65536):
+            answer += chunk
+        early.close()
+        assert answer.startswith(b"HTTP/1.1 200") and b"SmolLM2-135M-Instruct" in answer, answer
+    finally:
+        first.terminate()
+        first.wait(timeout=60)
+        log.close()
+
+
 # --- start-up messages (no server) ---------------------------------------------------------
 
 

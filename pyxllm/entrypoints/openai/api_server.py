@@ -406,6 +406,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     return app
 
 
+LISTEN_BACKLOG = 2048  # connections waiting to be accepted, uvicorn's default
 _FATAL_GRACE_S = 1.0  # /health answers 503 this long before the server stops
 _FATAL_HARD_EXIT_S = 20.0
 
@@ -471,8 +472,11 @@ def _signals_handled_by_uvicorn():
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (not yet listening: connections are refused until
-    the server starts), so a port in use fails before the model loads.
+    """A TCP socket bound to ``host:port`` and listening, so that a port in use fails before
+    the model loads and the port is this server's while it loads: a second server started
+    meanwhile gets the error too (a socket only bound, with ``SO_REUSEADDR``, would let it bind
+    the same port and then serve nothing). Connections made during the load wait in the
+    backlog and are answered once the server starts.
 
     Raises:
         ValueError: the address is in use or cannot be bound (naming ``--port`` or ``--host``).
@@ -482,6 +486,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
     try:
         sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
