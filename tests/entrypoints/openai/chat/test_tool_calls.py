@@ -34,7 +34,7 @@ from pyxllm.entrypoints.openai.chat.tool_parsers.qwen3_coder import (
     Qwen3CoderToolParser,
     typed_value,
 )
-from pyxllm.entrypoints.openai.chat.tools import plan_tools
+from pyxllm.entrypoints.openai.chat.tools import closed_objects, plan_tools
 from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionToolParam
 from tests.utils import RemoteServer, run_together, tool_calling_server_args
@@ -466,6 +466,57 @@ def test_tool_choice_rules_without_a_server():
             plan(**body)
 
 
+def test_a_forced_calls_objects_take_only_the_properties_they_list():
+    """JSON Schema lets an object hold unlisted properties; a forced call's grammar does not
+    (SmolLM2 wrote invented ones until max_tokens), unless the schema asks for them."""
+    city = {"type": "string"}
+    listed = {"type": "object", "properties": {"city": city}, "required": ["city"]}
+    closed = {**listed, "additionalProperties": False}
+    assert closed_objects(listed) == closed
+    assert "additionalProperties" not in listed  # a copy: the request's schema is untouched
+    open_ = [
+        {"type": "object"},  # a free-form dict
+        {**listed, "additionalProperties": True},
+        {**listed, "additionalProperties": {"type": "integer"}},
+        {**listed, "patternProperties": {"^x": city}},
+        {**listed, "unevaluatedProperties": False},
+    ]
+    for schema in open_:
+        assert closed_objects(schema) == schema
+    nested = {
+        "type": "object",
+        "properties": {
+            "where": listed,
+            "stops": {"type": "array", "items": listed},
+            "either": {"anyOf": [listed, {"type": "null"}]},
+            "both": {"allOf": [listed, {"properties": {"zip": city}}]},
+            "ref": {"$ref": "#/$defs/place"},
+            "fixed": {"const": listed},
+        },
+        "$defs": {"place": listed},
+    }
+    out = closed_objects(nested)
+    props = out["properties"]
+    assert out["additionalProperties"] is False
+    assert props["where"] == props["stops"]["items"] == props["either"]["anyOf"][0] == closed
+    assert out["$defs"]["place"] == closed
+    # allOf's branches combine: their own level stays open, objects inside them close
+    assert props["both"]["allOf"] == [listed, {"properties": {"zip": city}}]
+    assert closed_objects({"allOf": [{"properties": {"a": listed}}]}) == {
+        "allOf": [{"properties": {"a": closed}}]
+    }
+    assert props["fixed"] == {"const": listed}  # a value, not a schema
+    request = ChatCompletionRequest(
+        messages=ASK,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": listed}}],
+        tool_choice={"type": "function", "function": {"name": "f"}},
+    )
+    assert plan_tools(request, auto_parser=None).constraint.json == closed
+    request.tool_choice = "required"
+    call = plan_tools(request, auto_parser=None).constraint.json["items"]["anyOf"][0]
+    assert call["properties"]["arguments"] == closed
+
+
 # --- over HTTP, on the default model ---------------------------------------------------------
 
 MODEL = "smollm2-tools"
@@ -561,6 +612,28 @@ def test_two_parallel_calls_and_only_one_when_not_parallel(client):
     assert [json.loads(c.function.arguments)["city"] for c in calls] == ["Paris", "London"]
     assert assemble(chunks)[1] == [(c.function.name, c.function.arguments) for c in calls]
     assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_a_named_call_ends_its_arguments_when_the_schema_lists_its_properties(client):
+    """A schema as users write it, without ``additionalProperties``: SmolLM2 followed
+    ``"city": "Paris"`` with invented properties until ``max_tokens`` (8041 tokens with the
+    chat default), leaving invalid JSON."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choice = ask(client, tools=[tool], tool_choice=named, max_tokens=200).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    arguments = json.loads(choice.message.tool_calls[0].function.arguments)
+    assert list(arguments) == ["city"] and isinstance(arguments["city"], str)
 
 
 def test_a_parameterless_tool_gets_empty_arguments(client):
