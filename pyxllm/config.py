@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import difflib
 import os
 import re
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pyxllm.distributed.address import parse_master_addr
 from pyxllm.distributed.ray_utils import PLACEMENT_STRATEGIES, import_ray
-from pyxllm.flag_fields import Flag, flag, keyword_aliases
-from pyxllm.flag_types import human_readable_int
+from pyxllm.flag_fields import Flag, flag, flag_of, keyword_aliases
+from pyxllm.flag_types import float_value, human_readable_int, int_value
 from pyxllm.speculative_config import SpeculativeConfig
 
 # the dtypes pyxllm computes in, by torch's names (``platforms.interface.TORCH_DTYPES``)
@@ -106,6 +112,29 @@ KV_CACHE_MEMORY_BYTES = Flag(
     help="the KV cache's size in bytes, vLLM's form of --kv-cache-memory: a number, or one "
     "with a suffix k, m, g (powers of 1000) or K, M, G (powers of 1024), as vLLM reads it",
 )
+
+
+def _read_text(name: str, text: str, convert: Callable[[str], Any]) -> Any:
+    """``convert(text)``; raises ValueError naming the flag ``--name`` when it cannot."""
+    try:
+        return convert(text)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        detail = f": {exc}" if isinstance(exc, argparse.ArgumentTypeError) else ""
+        raise ValueError(
+            f"--{name.replace('_', '-')}: cannot read {text!r} as its value{detail}"
+        ) from None
+
+
+def _read_number(name: str, value: str, hint: Any, field: dataclasses.Field) -> Any:
+    """A keyword's text ``value`` read as the flag of a number field reads it (its
+    :attr:`Flag.type`, else ``int``/``float``); ``value`` unchanged for other fields."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    if hint not in (int, float):
+        return value
+    spec = flag_of(field)
+    convert = spec.type if isinstance(spec, Flag) and spec.type else None
+    return _read_text(name, value, convert or {int: int_value, float: float_value}[hint])
 
 
 @dataclass(slots=True)
@@ -580,16 +609,34 @@ class EngineConfig:
         flag aliases, and ``kv_cache_memory_bytes``, vLLM's KV cache size in bytes), as
         ``LLM(...)`` takes them.
 
+        A number field's value may be given as its flag's text (``max_model_len="4k"``,
+        ``kv_cache_memory_bytes="1G"``): it is read as the flag reads it.
+
         Raises:
-            TypeError: an unknown keyword, or one field given under two names.
-            ValueError: a value out of range (naming the flag).
+            TypeError: an unknown keyword (naming the closest one), or one field given under
+                two names.
+            ValueError: a value out of range or text its flag does not read (naming the flag).
         """
-        for alias, name in keyword_aliases(cls).items():
+        aliases = keyword_aliases(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key in kwargs:
+            if key not in fields and key not in aliases and key != KV_CACHE_MEMORY_BYTES.name:
+                known = [*fields, *aliases, KV_CACHE_MEMORY_BYTES.name]
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(f"unexpected keyword argument {key!r}{hint}")
+        for alias, name in aliases.items():
             if alias in kwargs:
                 if name in kwargs:
                     raise TypeError(f"got both {alias!r} and {name!r}; give one of them")
                 kwargs[name] = kwargs.pop(alias)
-        nbytes = kwargs.pop("kv_cache_memory_bytes", None)
+        hints = typing.get_type_hints(cls)
+        for name, value in kwargs.items():
+            if isinstance(value, str) and name in fields:
+                kwargs[name] = _read_number(name, value, hints[name], fields[name])
+        nbytes = kwargs.pop(KV_CACHE_MEMORY_BYTES.name, None)
+        if isinstance(nbytes, str):
+            nbytes = _read_text(KV_CACHE_MEMORY_BYTES.name, nbytes, human_readable_int)
         if nbytes is not None:
             if kwargs.get("kv_cache_memory") is not None:
                 raise ValueError(

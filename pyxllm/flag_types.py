@@ -74,14 +74,11 @@ human_readable_int.__name__ = "int"
 
 
 def port(text: str) -> int:
-    """A TCP port, 0..65535."""
-    value = int(text)
+    """A TCP port, an integer in 0..65535."""
+    value = int(text) if text.strip().isdigit() else -1
     if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"invalid port {text!r}: must be in 0..65535")
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: must be an integer in 0..65535")
     return value
-
-
-port.__name__ = "_port"  # argparse's message: "invalid _port value", as before
 
 
 def string_list(text: str) -> list[str]:

@@ -14,6 +14,7 @@ or a server stopped by a dead worker, prints ``error: <message naming the rank>`
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -55,7 +56,71 @@ def make_arg_parser() -> argparse.ArgumentParser:
     parser.command_parsers = {
         name: module.add_parser(commands, HelpFormatter) for name, module in COMMANDS.items()
     }
+    for command_parser in _every_parser(parser):
+        usage = compact_usage(command_parser)
+        if usage is not None:
+            command_parser.usage = usage
     return parser
+
+
+# an automatic usage longer than this many lines is replaced by compact_usage's one line
+MAX_USAGE_LINES = 8
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+
+def _every_parser(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser``'s subcommands' parsers, theirs included (``bench serve``), not ``parser``."""
+    sub = _subcommands(parser)
+    if sub is None:
+        return []
+    nested = list(dict.fromkeys(sub.choices.values()))  # aliases share a parser
+    return nested + [p for child in nested for p in _every_parser(child)]
+
+
+def compact_usage(parser: argparse.ArgumentParser) -> str | None:
+    """One usage line for a parser whose automatic one lists every flag over more than
+    :data:`MAX_USAGE_LINES` lines (``serve``'s took 70, and a usage error printed it all):
+    its positionals and required flags, then ``[flags]`` (``--help`` lists them); ``None``
+    when the automatic usage is short enough (vLLM's ``vllm serve [model_tag] [options]``)."""
+    if parser.format_usage().count("\n") <= MAX_USAGE_LINES:
+        return None
+    words = []
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue
+        metavar = action.metavar or action.dest.upper()
+        if not action.option_strings:
+            words.append(f"[{metavar}]" if action.nargs in ("?", "*") else metavar)
+        elif action.required:
+            words.append(f"{action.option_strings[0]} {metavar}")
+    return " ".join([parser.prog, *words, "[flags]"])
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The innermost parser ``args`` went through (``bench``'s ``latency`` for ``pyxllm bench
+    latency ...``)."""
+    sub = _subcommands(parser)
+    while sub is not None:
+        parser = sub.choices[getattr(args, sub.dest)]
+        sub = _subcommands(parser)
+    return parser
+
+
+def unrecognized_message(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """argparse's "unrecognized arguments" message for ``extra``, with the closest flag of
+    ``parser`` for each misspelt one (``--prot``: did you mean ``--port``?)."""
+    flags = [s for action in parser._actions for s in action.option_strings]
+    hints = []
+    for word in extra:
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1, cutoff=0.7)
+            hints += [f"{word.split('=', 1)[0]}: did you mean {close[0]}?"] if close else []
+    return f"unrecognized arguments: {' '.join(extra)}" + (
+        f" ({'; '.join(hints)})" if hints else ""
+    )
 
 
 def _check_response_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -74,7 +139,10 @@ def _check_response_args(args: argparse.Namespace, parser: argparse.ArgumentPars
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, EngineConfig]:
     """Parse ``argv`` and build the config; a bad value exits with the subcommand's usage error."""
     parser = make_arg_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand's parser, not the top one (argparse's default)
+        chosen = _chosen_parser(parser, args)
+        chosen.error(unrecognized_message(chosen, extra))
     command_parser = parser.command_parsers[args.command]
     _check_response_args(args, command_parser)
     check = getattr(COMMANDS[args.command], "check", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import types
@@ -154,6 +155,30 @@ def test_vllm_field_names_are_flags_and_keywords_from_the_metadata():
         EngineConfig.from_kwargs(max_num_seqs=8, max_seqs_per_batch=4)
 
 
+def test_keywords_take_their_flags_text_and_a_misspelt_one_names_the_closest():
+    """``LLM(...)`` takes every flag as a keyword: a number's text is read as its flag reads
+    it (``kv_cache_memory_bytes="1G"`` raised a TypeError comparing a str with 0), a text the
+    flag refuses names the flag, and an unknown keyword names the closest known one."""
+    config = EngineConfig.from_kwargs(
+        kv_cache_memory_bytes="1G", max_num_seqs="8", max_model_len="2048", seed="-3"
+    )
+    assert (config.kv_cache_memory, config.max_seqs_per_batch) == (1.0, 8)
+    assert (config.max_model_len, config.seed) == (2048, -3)
+    assert EngineConfig.from_kwargs(kv_cache_memory="0.5").kv_cache_memory == 0.5
+    assert EngineConfig.from_kwargs(dtype="float32").dtype == "float32"  # text fields as given
+    for kwargs, message in [
+        ({"kv_cache_memory_bytes": "1.5G"}, "--kv-cache-memory-bytes: cannot read '1.5G'"),
+        ({"max_model_len": "long"}, "--max-model-len: cannot read 'long'"),
+        ({"kv_cache_memory": "nan"}, "--kv-cache-memory: cannot read 'nan'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            EngineConfig.from_kwargs(**kwargs)
+    with pytest.raises(TypeError, match=r"'max_model_lenn' \(did you mean 'max_model_len'\?\)"):
+        EngineConfig.from_kwargs(max_model_lenn=10)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'flux_capacitor'$"):
+        EngineConfig.from_kwargs(flux_capacitor=1)
+
+
 # --- booleans ------------------------------------------------------------------------------
 
 BOOL_CASES = [
@@ -245,6 +270,63 @@ def test_bad_value_is_a_usage_error_naming_the_flag(capsys, argv, needle):
 def test_no_prefix_abbreviations(capsys):
     err = expect_usage_error(capsys, ["serve", "--max-seqs", "4"])
     assert "unrecognized arguments" in err
+
+
+@pytest.mark.parametrize(
+    "argv, command, hint",
+    [
+        (["serve", "--prot", "8001"], "pyxllm serve", "--prot: did you mean --port?"),
+        (["generate", "hi", "--temprature", "0"], "pyxllm generate", "did you mean --temperature?"),
+        (["bench", "latency", "--input-lenn", "8"], "pyxllm bench latency", "--input-len?"),
+        (["chat", "--bogus"], "pyxllm chat", None),
+    ],
+)
+def test_an_unknown_flag_is_named_by_its_subcommand_with_the_closest_flag(
+    capsys, argv, command, hint
+):
+    """argparse names an unknown flag from the top parser (``pyxllm: error:``, with ``pyxllm``'s
+    usage); the subcommand's parser reports it instead, with the closest of its own flags."""
+    err = expect_usage_error(capsys, argv)
+    assert f"{command}: error: unrecognized arguments: {argv[-2 if hint else -1]}" in err
+    assert f"usage: {command}" in err
+    if hint is None:
+        assert "did you mean" not in err
+    else:
+        assert hint in err
+
+
+@pytest.mark.parametrize(
+    "argv, prog, words, error",
+    [
+        (
+            ["serve", "--port", "abc"],
+            "pyxllm serve",
+            "[MODEL] [flags]",
+            "argument --port: invalid port 'abc': must be an integer in 0..65535",
+        ),
+        (
+            ["run-batch"],
+            "pyxllm run-batch",
+            "-i PATH -o PATH [flags]",
+            "the following arguments are required: -i/--input-file",
+        ),
+        (
+            ["bench", "throughput", "--bogus"],
+            "pyxllm bench throughput",
+            "[flags]",
+            "unrecognized arguments: --bogus",
+        ),
+    ],
+)
+def test_a_usage_error_shows_one_usage_line_where_the_flags_are_many(
+    capsys, argv, prog, words, error
+):
+    """``serve``'s automatic usage listed every flag over 70 lines before the error; a command
+    with that many flags shows one line (``--help`` still lists them all), as vLLM's."""
+    err = expect_usage_error(capsys, argv)
+    first, second = err.splitlines()
+    assert first == f"usage: {prog} {words}"
+    assert second.startswith(f"{prog}: error: {error}")
 
 
 def test_config_from_args_raises_value_error_naming_the_flag():
