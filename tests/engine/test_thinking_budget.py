@@ -169,6 +169,7 @@ def chat_handler(hf_tokenizer, **options) -> OpenAIServingChat:
         served_model_names=("m",),
         max_model_len=64,
         max_num_seqs=4,
+        task="generate",
         tokenizer=tokenizer,
         input_processor=processor,
     )

@@ -105,11 +105,12 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser: ToolParser | None = None
         if name is not None:
             self.tool_parser = get_tool_parser(name)(engine.tokenizer)
-        logger.info(
-            'tool_choice "auto": %s (%s)',
-            f"the {name} tool-call parser" if name else "refused",
-            self.tool_parser_choice.reason,
-        )
+        if engine.task == "generate":  # a pooling server answers no chat
+            logger.info(
+                'tool_choice "auto": %s (%s)',
+                f"the {name} tool-call parser" if name else "refused",
+                self.tool_parser_choice.reason,
+            )
 
     def request_reasoning(
         self, request: ChatCompletionRequest, prompt_token_ids: list[int]

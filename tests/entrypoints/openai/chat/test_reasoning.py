@@ -213,6 +213,7 @@ def fake_engine(tokenizer: Tokenizer) -> SimpleNamespace:
         served_model_names=("m",),
         max_model_len=64,
         max_num_seqs=4,
+        task="generate",
         tokenizer=tokenizer,
         input_processor=processor,
     )

@@ -96,6 +96,12 @@ def test_single_and_batched_inputs_equal_sentence_transformers(client, reference
     assert batched.usage.prompt_tokens == batched.usage.total_tokens == num_tokens
 
 
+def test_an_embedding_server_logs_no_chat_parsers(server):
+    """The start-up log of a ``--task embed`` server says nothing of tool calls."""
+    log = server.output()
+    assert "serving" in log and "tool_choice" not in log and "tool-call parser" not in log
+
+
 def test_base64_is_the_float32_vector(client, server):
     """The SDK's default asks for base64 and decodes it: the same floats as ``float``."""
     floats = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
