@@ -103,19 +103,54 @@ def param_from_message(message: str) -> str | None:
     return name if sep and name.isidentifier() else None
 
 
+# pydantic's names of the members of a union, as they appear in an error's location
+_SCALAR_MEMBERS = ("str", "int", "float", "bool", "bytes", "none", "list", "dict")
+
+
+def _is_member(part) -> bool:
+    """Whether ``part`` of an error's location names a union member (``"str"``,
+    ``"list[ChatContentPart]"``, a model's class name), not a field (our fields, as OpenAI's,
+    are lower case)."""
+    return isinstance(part, str) and (
+        part in _SCALAR_MEMBERS or "[" in part or (part[:1].isupper() and part.isidentifier())
+    )
+
+
 def _field_path(loc: list) -> str:
-    """``["messages", 0, "content"]`` -> ``"messages[0].content"``."""
+    """``["messages", 0, "content", "list[ChatContentPart]", 0, "text"]`` ->
+    ``"messages[0].content[0].text"`` (union members left out)."""
     path = ""
     for part in loc:
+        if _is_member(part):
+            continue
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path
+
+
+def _field_problem(errs: list[dict]) -> str:
+    """``"path: problem"`` for the errors of one top-level field: the first error, or, where
+    it failed every member of a union, the member that matched deepest (a list of content parts
+    whose part is wrong), else that the value is none of the members."""
+    first = errs[0]
+    at = next((i for i, part in enumerate(first["loc"]) if _is_member(part)), None)
+    if at is None:
+        return f"{_field_path(first['loc'])}: {first.get('msg', 'invalid value')}"
+    prefix = first["loc"][:at]
+    members = [e for e in errs if e["loc"][:at] == prefix and len(e["loc"]) > at]
+    deepest = max(members, key=lambda e: len(e["loc"]))
+    if len(deepest["loc"]) > at + 1:
+        return f"{_field_path(deepest['loc'])}: {deepest.get('msg', 'invalid value')}"
+    got = repr(first.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    accepted = ", ".join(dict.fromkeys(e["loc"][at] for e in members))
+    return f"{_field_path(prefix)}: {got} is none of the accepted types ({accepted})"
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """A readable message and the first offending field of a request validation error.
 
     Errors of one field that failed every member of a union (``prompt``: str, list[str]...)
-    are reported once, naming the accepted types.
+    are reported once (see :func:`_field_problem`).
     """
     parts: list[str] = []
     param = None
@@ -131,14 +166,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             by_field.setdefault(str(loc[0]), []).append({**err, "loc": loc})
     for field, errs in by_field.items():
         param = param or field
-        tags = [e["loc"][1] for e in errs if len(e["loc"]) > 1 and isinstance(e["loc"][1], str)]
-        if len(errs) > 1 and len(tags) == len(errs):
-            got = repr(errs[0].get("input"))
-            got = got if len(got) <= 60 else got[:57] + "..."
-            accepted = ", ".join(dict.fromkeys(tags))
-            parts.append(f"{field}: {got} is none of the accepted types ({accepted})")
-        else:
-            parts.append(f"{_field_path(errs[0]['loc'])}: {errs[0].get('msg', 'invalid value')}")
+        parts.append(_field_problem(errs))
     return "; ".join(parts) or "invalid request", param
 
 

@@ -462,3 +462,46 @@ def test_tokenizer_info_is_off_without_its_flag():
 def test_version(server):
     body = httpx.get(server.url_for("version")).json()
     assert set(body) == {"version"} and body["version"]
+
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        (  # every member of the union failed at its top: the value and the members
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": 5}]},
+            "messages[0].content: 5 is none of the accepted types (str, list[ChatContentPart])",
+        ),
+        (  # a list of parts whose part is wrong: that part's field, no union member in it
+            "/v1/chat/completions",
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+            },
+            "messages[0].content[0].text: Input should be a valid string",
+        ),
+        (
+            "/v1/completions",
+            {"model": "m", "prompt": 5},
+            "prompt: 5 is none of the accepted types (str, list[str], list[int], list[list[int]])",
+        ),
+        (
+            "/v1/completions",
+            {"model": "m", "prompt": [[1, "a"]]},
+            "prompt[0][1]: Input should be a valid integer",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"content": "hi"}]},
+            "messages[0].role: Field required",
+        ),
+    ],
+)
+def test_a_malformed_field_is_named_by_its_path(path, body, message):
+    """A validation error names the field as the request wrote it: pydantic's names of union
+    members (``content.str``) are not part of it."""
+    response = stub_app_client().post(path, json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"].startswith(message), error["message"]
+    assert error["param"] == next(iter(body.keys() - {"model"}))
