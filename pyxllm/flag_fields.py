@@ -43,7 +43,9 @@ class Flag:
             registry's names).
         metavar: the value's placeholder in ``--help`` (default: from the type, or the choices).
         type: the converter of the text (default: from the field's annotation).
-        action: argparse's action, when not ``store`` (``"append"``).
+        action: argparse's action, when not ``store`` (``"append"``, ``"extend"``).
+        nargs: argparse's ``nargs``, for a flag with a ``type`` that takes several values
+            (``"+"``); a ``tuple[str, ...]`` field without a ``type`` takes ``"+"`` anyway.
         flag_default: the flag's default, when not the field's (:data:`FIELD_DEFAULT`).
         to_field: the field's value from the parsed namespace, when it is not the flag's value
             as parsed (an inverted ``--disable-x``, a sentinel meaning ``None``).
@@ -59,6 +61,7 @@ class Flag:
     metavar: str | None = None
     type: Callable[[str], Any] | None = None
     action: str | None = None
+    nargs: str | None = None
     flag_default: Any = FIELD_DEFAULT
     to_field: Callable[[argparse.Namespace], Any] | None = None
     also: tuple[Flag, ...] = ()

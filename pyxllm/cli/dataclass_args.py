@@ -77,7 +77,7 @@ def _add_flag(group, name: str, base: type, nullable: bool, default, spec: Flag)
         *aliases,
         dest=name,
         type=convert,
-        nargs="+" if base is tuple and spec.type is None else None,
+        nargs=spec.nargs or ("+" if base is tuple and spec.type is None else None),
         default=default,
         choices=choices,
         help=spec.help,

@@ -374,15 +374,16 @@ class ServerOptions:
     lora_modules: tuple[dict, ...] = flag(
         (),
         type=lora_modules,
-        action="append",
+        action="extend",
+        nargs="+",
         flag_default=None,
         metavar="NAME=PATH",
         to_field=lambda args: tuple(m for group in args.lora_modules or () for m in group),
         group="LoRA flags",
         help="LoRA adapters to serve from start-up (with --enable-lora), each a PEFT directory "
-        "that requests name as their `model`: NAME=PATH pairs, comma-separated, or vLLM's JSON "
-        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (or a list of them); the flag '
-        "may repeat",
+        "that requests name as their `model`: NAME=PATH pairs, separated by spaces (as vLLM's) "
+        'or commas, or vLLM\'s JSON \'{"name": ..., "path": ..., "base_model_name": ...}\' (or '
+        "a list of them); the flag may repeat",
     )
     allow_runtime_lora_updating: bool = flag(
         False,
