@@ -304,14 +304,28 @@ def test_the_server_serves_adapters_by_name_and_loads_them_at_runtime(models, ll
             assert answer.status_code == 200, answer.text
         assert _complete(client, name) == want, name
     assert _complete(client, base) == [o.outputs[0].text for o in llm.generate(prompts, GREEDY)]
-    # a bad adapter is refused by name and the server keeps serving
-    for body, status in (
-        ({"lora_name": "gone", "lora_path": "/nowhere"}, 404),
-        ({"lora_name": "attn", "lora_path": str(models[2]["all"][0])}, 400),
-        ({"lora_name": "x", "lora_path": "/nowhere", "extra": 1}, 400),
+    # a bad adapter is refused naming the field at fault, and the server keeps serving
+    for body, status, param, message in (
+        ({"lora_name": "gone", "lora_path": "/nowhere"}, 404, "lora_path", "/nowhere"),
+        (
+            {"lora_name": "attn", "lora_path": str(models[2]["all"][0])},
+            400,
+            "lora_name",
+            "already been loaded",
+        ),
+        ({"lora_name": "x", "lora_path": "/nowhere", "extra": 1}, 400, "extra", "extra"),
+        ({"lora_name": "", "lora_path": "/nowhere"}, 400, "lora_name", "must not be empty"),
+        (
+            {"lora_name": base, "lora_path": str(models[2]["all"][0])},
+            400,
+            "lora_name",
+            "is the served model's name",
+        ),
     ):
         answer = httpx.post(remote.url_for("v1", "load_lora_adapter"), json=body)
         assert answer.status_code == status, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == param and message in error["message"], error
     unload = remote.url_for("v1", "unload_lora_adapter")
     assert httpx.post(unload, json={"lora_name": "mlp"}).status_code == 200
     assert httpx.post(unload, json={"lora_name": "mlp"}).status_code == 404

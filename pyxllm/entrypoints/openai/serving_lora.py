@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from pyxllm.engine.protocol import EngineClient
-from pyxllm.entrypoints.openai.errors import OpenAIError
+from pyxllm.entrypoints.openai.errors import OpenAIError, param_from_message
 from pyxllm.entrypoints.openai.protocol import RequestModel
 from pyxllm.lora_request import LoRARequest
 
@@ -37,14 +37,23 @@ async def load_lora(engine: EngineClient, name: str, path: str, base_model_name=
         OpenAIError: 400 for a name served already or an adapter that cannot be served, 404
             when its directory or files are not there (naming ``lora_name`` / ``lora_path``).
     """
-    if name in engine.lora_requests or name in engine.served_model_names:
+    if name in engine.served_model_names:
+        raise OpenAIError(
+            f"lora_name: {name!r} is the served model's name; give the adapter another",
+            400,
+            "lora_name",
+        )
+    if name in engine.lora_requests:
         raise OpenAIError(f"The lora adapter '{name}' has already been loaded.", 400, "lora_name")
     try:
         request = LoRARequest(name, next_lora_id(engine), path, base_model_name)
         await engine.add_lora(request)
-    except ValueError as exc:  # LoRAAdapterError among them
-        status = 404 if getattr(exc, "not_found", False) else 400
-        raise OpenAIError(str(exc), status, "lora_path") from exc
+    except ValueError as exc:
+        # an adapter that cannot be served (LoRAAdapterError, with not_found) is its path's
+        # fault; other refusals name their field ("lora_name: ...") or a flag
+        not_found = getattr(exc, "not_found", None)
+        param = "lora_path" if not_found is not None else param_from_message(str(exc))
+        raise OpenAIError(str(exc), 404 if not_found else 400, param) from exc
 
 
 class LoadLoRAAdapterRequest(RequestModel):
