@@ -36,6 +36,8 @@ GRAPH_BACKENDS = ("eager", "compile", "graph")
 CPU_KV_CACHE_GIB = 2.0
 # grammar libraries for structured outputs (pyxllm.engine.structured_output), the default first
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
+# --kv-offload-max-gib's default
+DEFAULT_KV_OFFLOAD_MAX_GIB = 10.0
 # the per-step token budget when --max-tokens-per-batch is not given (see EngineConfig.token_budget)
 DEFAULT_MAX_TOKENS_PER_BATCH = 2048
 # --generation-config's words (vLLM's); anything else is a directory
@@ -543,7 +545,7 @@ class EngineConfig:
         metavar="DIR",
     )
     kv_offload_max_gib: float = flag(
-        10.0,
+        DEFAULT_KV_OFFLOAD_MAX_GIB,
         help="most GiB --kv-offload-dir's files take for this model; the least recently used "
         "are deleted first",
         group=CACHE_FLAGS,
@@ -809,6 +811,7 @@ class EngineConfig:
                 ("--kv-role " + self.kv_role, self.kv_role != "both"),
                 ("--kv-transfer-push", bool(self.kv_transfer_push)),
                 ("--kv-transfer-listen", self.kv_transfer_listen is not None),
+                ("--kv-offload-max-gib", self.kv_offload_max_gib != DEFAULT_KV_OFFLOAD_MAX_GIB),
             ):
                 if given:
                     raise ValueError(
@@ -816,6 +819,8 @@ class EngineConfig:
                         "or each instance's own)"
                     )
             return
+        if os.path.exists(self.kv_offload_dir) and not os.path.isdir(self.kv_offload_dir):
+            raise ValueError(f"--kv-offload-dir {self.kv_offload_dir}: not a directory")
         if self.ray_kv_transfer:
             import_ray("--kv-transfer-push/--kv-transfer-listen ray://")
         for name, given in (

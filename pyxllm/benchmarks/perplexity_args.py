@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from pyxllm.config import COMPUTE_DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 
@@ -57,6 +58,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--ctx: must be an even number >= 2, got {args.ctx}")
     if args.chunks is not None and args.chunks < 1:
         raise ValueError(f"--chunks: must be >= 1, got {args.chunks}")
+    if args.file is not None and not os.path.isfile(args.file):
+        raise ValueError(f"--file {args.file}: no such file")
 
 
 def check_ctx(ctx: int, max_model_len: int) -> None:

@@ -4,6 +4,7 @@ routes (:mod:`pyxllm.entrypoints.openai.run_batch`)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from pyxllm.cli.dataclass_args import add_dataclass_flags
 from pyxllm.cli.engine_args import add_engine_args
@@ -28,6 +29,16 @@ def add_parser(commands, formatter) -> argparse.ArgumentParser:
     add_dataclass_flags(run_batch, [ServerOptions], include=[RESPONSE_FLAGS])
     add_engine_args(run_batch)
     return run_batch
+
+
+def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Exit with a usage error naming the flag when the input file or the output's directory
+    is not there (before the model loads; ``-`` is standard input or output)."""
+    if args.input_file != "-" and not os.path.isfile(args.input_file):
+        parser.error(f"--input-file {args.input_file}: no such file")
+    directory = os.path.dirname(os.path.abspath(args.output_file))
+    if args.output_file != "-" and not os.path.isdir(directory):
+        parser.error(f"--output-file {args.output_file}: no directory {directory}")
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:

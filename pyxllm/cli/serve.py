@@ -67,6 +67,8 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     lora_modules = [m for group in args.lora_modules or () for m in group]
     if lora_modules and not args.enable_lora:
         parser.error("--lora-modules: needs --enable-lora")
+    if args.allow_runtime_lora_updating and not args.enable_lora:
+        parser.error("--allow-runtime-lora-updating: needs --enable-lora")
     if args.enable_lora and args.data_parallel_size > 1:
         parser.error(
             "--enable-lora: not with --data-parallel-size > 1 (one engine serves adapters)"

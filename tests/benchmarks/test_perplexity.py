@@ -142,3 +142,10 @@ def test_a_bad_ctx_names_the_flag(tiny_llama, capsys, ctx, needle):
     argv = ["bench", "perplexity", "--model", str(directory), "--file", str(text)]
     assert main([*argv, "--ctx", ctx, "--kv-cache-memory", "0.02"]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_a_missing_file_names_the_flag(tmp_path, capsys):
+    """It printed ``error: [Errno 2] No such file or directory: ...``."""
+    missing = tmp_path / "nope.txt"
+    assert main(["bench", "perplexity", "--file", str(missing)]) == 2
+    assert f"error: --file {missing}: no such file" in capsys.readouterr().err

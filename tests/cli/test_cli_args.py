@@ -267,6 +267,39 @@ def test_bad_value_is_a_usage_error_naming_the_flag(capsys, argv, needle):
     assert "pyxllm serve: error:" in err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kv-offload-max-gib", "1"], "--kv-offload-max-gib: needs --kv-offload-dir"),
+        (["--allow-runtime-lora-updating"], "--allow-runtime-lora-updating: needs --enable-lora"),
+        (["--lora-modules", "a=/x"], "--lora-modules: needs --enable-lora"),
+    ],
+)
+def test_a_flag_without_the_one_it_needs_is_refused(capsys, argv, message):
+    """It used to start a server on which the flag did nothing."""
+    assert message in expect_usage_error(capsys, ["serve", *argv])
+
+
+def test_a_kv_offload_dir_that_is_a_file_is_refused_before_loading(capsys, tmp_path):
+    """It loaded the model, then died in a traceback (NotADirectoryError)."""
+    path = tmp_path / "file"
+    path.write_text("")
+    err = expect_usage_error(capsys, ["serve", "--kv-offload-dir", str(path)])
+    assert f"--kv-offload-dir {path}: not a directory" in err
+
+
+def test_run_batch_names_a_missing_input_or_output_directory(capsys, tmp_path):
+    """Before the model loads, naming the flag (it printed ``error: [Errno 2] ...``)."""
+    given = tmp_path / "in.jsonl"
+    given.write_text("")
+    missing = tmp_path / "none.jsonl"
+    err = expect_usage_error(capsys, ["run-batch", "-i", str(missing), "-o", "out.jsonl"])
+    assert f"--input-file {missing}: no such file" in err
+    out = tmp_path / "nodir" / "out.jsonl"
+    err = expect_usage_error(capsys, ["run-batch", "-i", str(given), "-o", str(out)])
+    assert f"--output-file {out}: no directory {out.parent}" in err
+
+
 def test_no_prefix_abbreviations(capsys):
     err = expect_usage_error(capsys, ["serve", "--max-seqs", "4"])
     assert "unrecognized arguments" in err
@@ -717,3 +750,23 @@ def test_every_cli_doc_flag_row_is_a_flag_and_every_flag_has_a_row():
     seed = next(row for row in rows if row.startswith("| `--seed`"))
     assert options["--seed"].help in seed
     assert any(row.startswith("| `--dist-init-timeout`") for row in rows)
+
+
+def test_lora_modules_take_pairs_by_spaces_commas_repeats_or_json():
+    """vLLM's ``--lora-modules a=DIR1 b=DIR2`` (docs/lora.md's first line) was refused as an
+    unrecognized argument; commas, repeats and JSON objects still work, in any mix."""
+
+    def modules(*values):
+        args, _ = parse_args(["serve", "--enable-lora", *values])
+        return [(m["name"], m["path"]) for m in from_namespace(ServerOptions, args).lora_modules]
+
+    assert modules("--lora-modules", "a=/x", "b=/y") == [("a", "/x"), ("b", "/y")]
+    assert modules("--lora-modules", "a=/x,b=/y", "--lora-modules", "c=/z") == [
+        ("a", "/x"),
+        ("b", "/y"),
+        ("c", "/z"),
+    ]
+    assert modules("--lora-modules", '{"name": "j", "path": "/p"}', "k=/q") == [
+        ("j", "/p"),
+        ("k", "/q"),
+    ]
