@@ -34,7 +34,13 @@ def pyxllm_throughput(prompts: list[list[int]], output_len: int, model_impl: str
     from pyxllm import LLM, SamplingParams
     from pyxllm.benchmarks.latency import _timed_request
 
-    llm = LLM(model_impl=model_impl, max_model_len=1024, kv_cache_memory=1.0)
+    llm = LLM(
+        model_impl=model_impl,
+        quantization="none",  # float weights and the eager runner for both, as said above
+        graph_backend="eager",
+        max_model_len=1024,
+        kv_cache_memory=1.0,
+    )
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], warm)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
