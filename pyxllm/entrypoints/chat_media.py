@@ -71,6 +71,10 @@ def decode_image(data: bytes, where: str):
         image.load()
     except InvalidRequestError:
         raise
+    except Image.UnidentifiedImageError as exc:  # PIL's message names its BytesIO object
+        raise InvalidRequestError(
+            f"{where}: not a readable image (no image format PIL knows)", where
+        ) from exc
     except Exception as exc:  # noqa: BLE001 - any failure to read is the request's: a 400
         raise InvalidRequestError(
             f"{where}: not a readable image ({type(exc).__name__}: {exc})", where
@@ -170,10 +174,10 @@ def _read_local(url: str, where: str, allowed: str | None) -> bytes:
         )
     root = Path(allowed).resolve()
     path = Path(unquote(urlparse(url).path)).resolve()
-    if not path.is_relative_to(root) or not path.is_file():
-        raise InvalidRequestError(
-            f"{where}: {path} is not a file under --allowed-local-media-path", where
-        )
+    if not path.is_relative_to(root):
+        raise InvalidRequestError(f"{where}: {path} is not under --allowed-local-media-path", where)
+    if not path.is_file():
+        raise InvalidRequestError(f"{where}: {path}: no such file", where)
     return path.read_bytes()
 
 
@@ -234,7 +238,7 @@ def extract_chat_images(
                 )
             if limit is not None and len(images) >= limit:
                 raise InvalidRequestError(
-                    f"{where}: more than {limit} images in one prompt "
+                    f"{where}: more than {limit} image{'s' if limit != 1 else ''} in one prompt "
                     "(--limit-mm-per-prompt image=N)",
                     where,
                 )

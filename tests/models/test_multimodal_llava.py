@@ -223,7 +223,10 @@ def test_preemption_recomputes_the_image(llava, images, expected):
 @pytest.mark.parametrize(
     ("part", "words"),
     [
-        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}, "image"),
+        (  # PIL's message named its BytesIO object's address
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}},
+            r"not a readable image \(no image format PIL knows\)$",
+        ),
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}, "base64"),
         ({"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}, "scheme"),
         ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "file://"),
@@ -351,7 +354,7 @@ def test_too_many_images_a_count_mismatch_and_no_fetching(llava, images):
             ],
         }
     ]
-    with pytest.raises(InvalidRequestError, match="limit-mm-per-prompt") as info:
+    with pytest.raises(InvalidRequestError, match="more than 1 image in one prompt") as info:
         llm.chat(two, GREEDY)
     assert info.value.param == "messages[0].content[1]"
     with pytest.raises(InvalidRequestError, match="image placeholders"):
@@ -510,3 +513,18 @@ def test_anthropic_messages_take_image_blocks(server, llava, images, expected):
     bad = message({"type": "file", "file_id": "file_1"})
     assert bad.status_code == 400
     assert "messages[0].content[0].source.type" in bad.json()["error"]["message"]
+
+
+def test_a_file_url_names_what_is_wrong_with_it(tmp_path):
+    """A missing file under --allowed-local-media-path is missing, not outside it."""
+    from pyxllm.entrypoints.chat_media import _read_local
+
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "a.png").write_bytes(b"png")
+    (tmp_path / "outside.png").write_bytes(b"png")
+    allowed = str(tmp_path / "media")
+    assert _read_local(f"file://{tmp_path}/media/a.png", "w", allowed) == b"png"
+    with pytest.raises(InvalidRequestError, match=r"media/nope.png: no such file$"):
+        _read_local(f"file://{tmp_path}/media/nope.png", "w", allowed)
+    with pytest.raises(InvalidRequestError, match="outside.png is not under --allowed-local"):
+        _read_local(f"file://{tmp_path}/outside.png", "w", allowed)
