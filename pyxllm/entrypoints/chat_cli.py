@@ -82,9 +82,14 @@ class ChatSession:
         return reply
 
 
-def describe_error(exc: openai.OpenAIError, base_url: str, model: str | None) -> str:
+# the key sent when neither --api-key nor PYXLLM_API_KEY gives one (the SDK needs a value)
+NO_KEY = "EMPTY"
+
+
+def describe_error(exc: openai.OpenAIError, base_url: str, model: str | None, api_key: str) -> str:
     """A one-line message for an error of the server or the connection, naming the flag to
-    change (``model``: the model asked for, ``None`` before one is known)."""
+    change (``model``: the model asked for, ``None`` before one is known; ``api_key``: the key
+    sent, :data:`NO_KEY` when none was given)."""
     if isinstance(exc, openai.APIConnectionError):
         cause = exc.__cause__ or exc  # the connection's own error (Connection refused, ...)
         return f"--base-url {base_url}: cannot reach the server ({cause})"
@@ -92,6 +97,11 @@ def describe_error(exc: openai.OpenAIError, base_url: str, model: str | None) ->
         body = exc.body
         message = body.get("message", exc.message) if isinstance(body, dict) else exc.message
         status = exc.status_code
+        if status in (401, 403) and api_key == NO_KEY:
+            return (
+                f"--api-key: the server needs one (HTTP {status}: {message}); give --api-key or "
+                f"set {API_KEY_ENV}"
+            )
         if status in (401, 403):
             return f"--api-key: the server refused it (HTTP {status}: {message})"
         if status == 404:
@@ -143,9 +153,9 @@ def chat_loop(session: ChatSession, out: TextIO, read=input) -> int:
         except KeyboardInterrupt:
             out.write("\n(stopped; that question is dropped)\n")
         except openai.OpenAIError as exc:
-            out.write(
-                f"\nerror: {describe_error(exc, str(session.client.base_url), session.model)}\n"
-            )
+            client = session.client
+            problem = describe_error(exc, str(client.base_url), session.model, client.api_key)
+            out.write(f"\nerror: {problem}\n")
         else:
             out.write("\n")
         out.flush()
@@ -155,7 +165,7 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``pyxllm chat``: the interactive chat, or with ``args.quick`` one reply; returns the exit
     status (1 when the server cannot be reached or refuses, see the module docstring)."""
     out = out if out is not None else sys.stdout
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or "EMPTY"
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or NO_KEY
     client = openai.OpenAI(base_url=args.base_url, api_key=api_key)
     options = {
         name: getattr(args, name)
@@ -178,5 +188,5 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
         out.flush()
         return 0
     except openai.OpenAIError as exc:
-        print(f"error: {describe_error(exc, args.base_url, model)}", file=sys.stderr)
+        print(f"error: {describe_error(exc, args.base_url, model, api_key)}", file=sys.stderr)
         return 1

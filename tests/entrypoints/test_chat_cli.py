@@ -174,6 +174,10 @@ def test_errors_name_the_flag_to_change(server, capsys, monkeypatch):
     status, _, err = run_chat(capsys, *base, "--api-key", "sk-wrong")
     assert status == 1
     assert "error: --api-key: the server refused it (HTTP 401" in err and "sk-wrong" not in err
+    status, _, err = run_chat(capsys, *base)  # no key at all: not "refused", but needed
+    assert status == 1
+    assert "error: --api-key: the server needs one (HTTP 401" in err
+    assert err.rstrip().endswith("give --api-key or set OPENAI_API_KEY")
 
     status, _, err = run_chat(capsys, *base, "--api-key", KEY, "--model", "no-such-model")
     assert status == 1

@@ -184,9 +184,19 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
     return error_response(message, 400, param, path=route_path(request.scope))
 
 
+# routes a flag adds, named in the 404 of a server started without it
+_ROUTES_OF_FLAGS = {
+    "/v1/load_lora_adapter": "--enable-lora --allow-runtime-lora-updating",
+    "/v1/unload_lora_adapter": "--enable-lora --allow-runtime-lora-updating",
+}
+
+
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 404 and exc.detail == "Not Found":
         message = f"no route for {request.method} {request.url.path}"
+        flags = _ROUTES_OF_FLAGS.get(route_path(request.scope))
+        if flags is not None:
+            message += f" (a server started with {flags} answers it)"
     else:
         message = str(exc.detail)
     response = error_response(message, exc.status_code, path=route_path(request.scope))

@@ -505,3 +505,17 @@ def test_a_malformed_field_is_named_by_its_path(path, body, message):
     error = response.json()["error"]
     assert error["message"].startswith(message), error["message"]
     assert error["param"] == next(iter(body.keys() - {"model"}))
+
+
+def test_a_route_a_flag_adds_names_the_flag_in_its_404():
+    """vLLM's adapter routes exist with --allow-runtime-lora-updating only; without it the 404
+    says so (it was a bare "no route")."""
+    client = stub_app_client()
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        response = client.post(path, json={"lora_name": "a", "lora_path": "/x"})
+        assert response.status_code == 404
+        assert response.json()["error"]["message"] == (
+            f"no route for POST {path} (a server started with --enable-lora "
+            "--allow-runtime-lora-updating answers it)"
+        )
+    assert client.get("/v1/nothing").json()["error"]["message"] == "no route for GET /v1/nothing"
