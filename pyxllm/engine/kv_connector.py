@@ -285,8 +285,11 @@ class KVTierConnector:
     def _read(self, block_hash: bytes, ref, missed: list[bool]) -> bytes | None:
         """The reader thread's job: one block of a load from the tier, else (with ``ref``, the
         Ray directory's ref for it) from the object store, then written to the tier too. The
-        load's blocks are read in order, and a run ends at its first miss: after one
-        (``missed[0]``, set here), nothing more is fetched from the object store."""
+        load's blocks are read in order (one reader thread), and a run ends at its first miss:
+        after one (``missed[0]``, set here), nothing more is read, since a prefix's blocks are
+        used up to the first one missing (a damaged file's followers were read for nothing)."""
+        if missed[0]:
+            return None
         payload = self.tier.load(block_hash)
         if payload is None and ref is not None and self.remote is not None and not missed[0]:
             payload = self.remote.fetch(ref)

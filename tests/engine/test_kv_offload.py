@@ -73,6 +73,8 @@ def test_a_new_engine_reads_the_prefix_a_former_one_wrote(tmp_path, reference):
     metrics = _metrics(third)
     assert metrics[("pyxllm:kv_offload_rejected_blocks_total", None)] == 1
     assert metrics[("vllm:external_prefix_cache_hits_total", None)] == cached
+    # the blocks after the torn one are not read: a prefix stops at its first missing block
+    assert metrics[("pyxllm:kv_offload_blocks_total", "DISK_to_CPU")] == cached // 16
     # computed again, the torn block alone is written again (the others are on disk)
     assert metrics[("pyxllm:kv_offload_blocks_total", "CPU_to_DISK")] == 1
 
