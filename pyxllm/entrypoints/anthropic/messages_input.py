@@ -142,18 +142,36 @@ def chat_messages(request: MessagesInput) -> list[dict[str, Any]]:
     Raises:
         OpenAIError: see :func:`chat_request`.
     """
-    messages: list[dict[str, Any]] = []
+    return [message for message, _ in _chat_messages_and_paths(request)]
+
+
+def message_paths(request: MessagesInput) -> list[tuple[str, list[str]]]:
+    """Where each of :func:`chat_messages`' messages comes from in ``request``: its turn
+    (``"system"``, ``"messages[2]"``) and, for a message of content parts, each part's block
+    (``"messages[2].content[3]"``: a turn's ``tool_result`` blocks become messages of their
+    own, so a part's index and a turn's can differ from the chat message's). Errors the chat
+    handler raises about a chat message are renamed with it."""
+    return [paths for _, paths in _chat_messages_and_paths(request)]
+
+
+def _chat_messages_and_paths(request: MessagesInput) -> list[tuple[dict, tuple[str, list[str]]]]:
+    converted: list[tuple[dict, tuple[str, list[str]]]] = []
     if request.system:
-        messages.append({"role": "system", "content": _system_text(request.system)})
+        converted.append(
+            ({"role": "system", "content": _system_text(request.system)}, ("system", []))
+        )
     for i, turn in enumerate(request.messages):
         where = f"messages[{i}]"
         blocks = turn.content
         if isinstance(blocks, str):
-            messages.append({"role": turn.role, "content": blocks})
+            converted.append(({"role": turn.role, "content": blocks}, (where, [])))
         elif turn.role == "assistant":
-            messages.append(_assistant_message(blocks, where))
+            converted.append((_assistant_message(blocks, where), (where, [])))
         else:
-            messages += _user_messages(blocks, turn.role, where)
+            converted += [
+                (message, (where, parts))
+                for message, parts in _user_messages(blocks, turn.role, where)
+            ]
     if request.messages and request.messages[-1].role == "assistant":
         raise OpenAIError(
             f"messages[{len(request.messages) - 1}]: a last turn of the assistant (to be "
@@ -161,7 +179,7 @@ def chat_messages(request: MessagesInput) -> list[dict[str, Any]]:
             400,
             "messages",
         )
-    return messages
+    return converted
 
 
 def _system_text(system: str | list[TextBlockParam]) -> str:
@@ -214,29 +232,36 @@ def _assistant_message(blocks: list[ContentBlockParam], where: str) -> dict[str,
     return message
 
 
-def _user_messages(blocks: list[ContentBlockParam], role: str, where: str) -> list[dict[str, Any]]:
+def _user_messages(
+    blocks: list[ContentBlockParam], role: str, where: str
+) -> list[tuple[dict[str, Any], list[str]]]:
     """A user (or system) turn: a message of its consecutive text and image blocks (text joined
     by newlines; with an image, OpenAI content parts in their order), and a ``tool`` message per
-    ``tool_result`` block (a user's only), in their order."""
+    ``tool_result`` block (a user's only), in their order; each with its parts' block paths
+    (see :func:`message_paths`)."""
     allowed = ("text", "image", "tool_result") if role == "user" else ("text",)
-    messages: list[dict[str, Any]] = []
+    messages: list[tuple[dict[str, Any], list[str]]] = []
     parts: list[dict[str, Any]] = []
+    paths: list[str] = []
 
     def flush() -> None:
         if any(part["type"] == "image_url" for part in parts):
-            messages.append({"role": role, "content": list(parts)})
+            messages.append(({"role": role, "content": list(parts)}, list(paths)))
         else:
-            messages.append({"role": role, "content": "\n".join(p["text"] for p in parts)})
+            text = "\n".join(p["text"] for p in parts)
+            messages.append(({"role": role, "content": text}, []))
         parts.clear()
+        paths.clear()
 
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         _check_block(block, at, allowed)
-        if block.type == "text":
-            parts.append({"type": "text", "text": _required(block.text, "text", at, "text")})
-            continue
-        if block.type == "image":
-            parts.append(_image_part(block, at))
+        if block.type in ("text", "image"):
+            if block.type == "text":
+                parts.append({"type": "text", "text": _required(block.text, "text", at, "text")})
+            else:
+                parts.append(_image_part(block, at))
+            paths.append(at)
             continue
         if parts:
             flush()
@@ -244,7 +269,7 @@ def _user_messages(blocks: list[ContentBlockParam], role: str, where: str) -> li
         text = _result_text(block.content, f"{at}.content")
         if block.is_error:
             text = f"Error: {text}"
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        messages.append(({"role": "tool", "tool_call_id": call_id, "content": text}, []))
     if parts or not blocks:
         flush()
     return messages

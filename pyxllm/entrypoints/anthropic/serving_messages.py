@@ -12,13 +12,18 @@ of the reply becomes content blocks (:mod:`.messages_output`) or Anthropic's str
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pyxllm.entrypoints.anthropic.messages_input import chat_request, check_supported
+from pyxllm.entrypoints.anthropic.messages_input import (
+    chat_request,
+    check_supported,
+    message_paths,
+)
 from pyxllm.entrypoints.anthropic.messages_output import content_blocks, message_usage, stop_reason
 from pyxllm.entrypoints.anthropic.messages_stream import STOPPED, MessagesEvents
 from pyxllm.entrypoints.anthropic.protocol import (
@@ -36,7 +41,6 @@ _RENAMES = (
     (re.compile(r"\btools\[(\d+)\]\.function\.parameters\b"), r"tools[\1].input_schema"),
     (re.compile(r"^stop\b"), "stop_sequences"),
     (re.compile(r"^thinking_token_budget\b"), "thinking.budget_tokens"),
-    (re.compile(r"^messages\[\d+\]"), "messages"),  # chat's turns are not the request's
     (
         re.compile(r'send "required", a named function or "none"'),
         'send tool_choice {"type": "any"}, {"type": "tool", "name": ...} or {"type": "none"}',
@@ -44,12 +48,28 @@ _RENAMES = (
 )
 
 
-def messages_field(text: str | None) -> str | None:
-    """A chat error's message or field with the Messages API's field names."""
+# a chat error's chat message (and content part), which message_paths maps to the request's
+_CHAT_MESSAGE = re.compile(r"^messages\[(\d+)\](?:\.content\[(\d+)\])?")
+
+
+def messages_field(text: str | None, paths: list[tuple[str, list[str]]] = ()) -> str | None:
+    """A chat error's message or field with the Messages API's field names: a chat message's
+    index as the request's turn (and block) by ``paths``
+    (:func:`~pyxllm.entrypoints.anthropic.messages_input.message_paths`), ``messages`` alone
+    where they do not say."""
     if text is None:
         return None
     for pattern, name in _RENAMES:
         text = pattern.sub(name, text)
+    match = _CHAT_MESSAGE.match(text)
+    if match is not None:
+        index, part = int(match[1]), match[2]
+        turn, parts = paths[index] if index < len(paths) else ("messages", [])
+        if part is not None and int(part) < len(parts):
+            where = parts[int(part)]
+        else:
+            where = turn + ("" if part is None or not parts else f".content[{part}]")
+        text = where + text[match.end() :]
     return text
 
 
@@ -79,7 +99,8 @@ class AnthropicServingMessages:
         check_supported(request)
         message_id = f"msg_{uuid.uuid4().hex}"
         served_as = chat_request(request)
-        with renamed_fields(messages_field):
+        rename = functools.partial(messages_field, paths=message_paths(request))
+        with renamed_fields(rename):
             prepared = await chat.prepare_chat(served_as, message_id)
         engine_request = prepared.engine_request
         if request.stream:
@@ -89,7 +110,7 @@ class AnthropicServingMessages:
             )
             return chat.stream(engine_request, events, include_usage=False)
         try:
-            with renamed_fields(messages_field):
+            with renamed_fields(rename):
                 final = await chat.generate_full(engine_request, raw_request)
         except ClientDisconnected:
             return Response(status_code=499)
@@ -127,7 +148,7 @@ class AnthropicServingMessages:
         chat.check_model(request.model)
         check_supported(request)
         served_as = chat_request(request)
-        with renamed_fields(messages_field):
+        with renamed_fields(functools.partial(messages_field, paths=message_paths(request))):
             tools = plan_tools(served_as, chat.tool_parser)
             tokens = await chat.tokenize(chat.chat_prompt(served_as, tools.mode != "none"))
         return JSONResponse(TokensCount(input_tokens=len(tokens.token_ids)).model_dump())

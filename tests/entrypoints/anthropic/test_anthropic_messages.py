@@ -409,6 +409,7 @@ def test_the_api_key_goes_in_x_api_key_or_authorization(server):
 
 
 HI = [{"role": "user", "content": "Hi"}]
+TOOL_USE = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Rome"}}
 
 
 @pytest.mark.parametrize(
@@ -437,7 +438,28 @@ HI = [{"role": "user", "content": "Hi"}]
             },
             400,
             "invalid_request_error",
-            "content[1]: this model reads text only",
+            "messages[0].content[1]: this model reads text only",
+        ),
+        (  # the chat request's message 4, part 1 is the request's turn 2, block 2
+            {
+                "max_tokens": 2,
+                "system": "Be brief.",
+                "messages": [
+                    *HI,
+                    {"role": "assistant", "content": [TOOL_USE]},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "1"},
+                            {"type": "text", "text": "And this?"},
+                            {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}},
+                        ],
+                    },
+                ],
+            },
+            400,
+            "invalid_request_error",
+            "messages[2].content[2]: this model reads text only",
         ),
         (
             {
