@@ -14,6 +14,7 @@ import json
 import torch
 
 from pyxllm.engine.structured_output.backend import GrammarError
+from pyxllm.engine.structured_output.json_schema import closed_objects
 from pyxllm.sampling_params import JSON_WHITESPACE_LIMIT, StructuredOutputsParams
 
 # At most JSON_WHITESPACE_LIMIT spaces, newlines or tabs between two JSON tokens (or none).
@@ -93,7 +94,8 @@ class LLGuidanceBackend:
         try:
             if spec.kind == "json":
                 schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-                return matcher.grammar_from_json_schema(schema, defaults=options)
+                # objects closed as xgrammar's strict mode closes them (see closed_objects)
+                return matcher.grammar_from_json_schema(closed_objects(schema), defaults=options)
             if spec.kind == "json_object":
                 return matcher.grammar_from_json_schema({"type": "object"}, defaults=options)
             if spec.kind == "regex":

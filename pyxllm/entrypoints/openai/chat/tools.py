@@ -57,60 +57,9 @@ class ToolPlan:
 
 
 def parameters_schema(tool: ChatCompletionToolParam) -> dict[str, Any]:
-    """The JSON Schema a forced call's arguments are written in: the tool's ``parameters``
-    with its objects closed (:func:`closed_objects`)."""
-    return closed_objects(tool.function.parameters or NO_PARAMETERS)
-
-
-# keywords whose value is a schema, a list of schemas or a {name: schema} mapping
-_SCHEMA_KEYWORDS = ("items", "additionalItems", "contains", "not", "if", "then", "else")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SCHEMA_MAPPINGS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def closed_objects(schema: Any, closable: bool = True) -> Any:
-    """A copy of the JSON Schema ``schema`` in which every object that lists ``properties``
-    and says nothing of others (no ``additionalProperties``, ``patternProperties`` or
-    ``unevaluatedProperties``) takes no others, nested ones included.
-
-    Why: JSON Schema lets an object hold properties it does not list, so a grammar built from
-    a tool's parameters let SmolLM2, forced to call ``get_weather(city)``, follow ``"city":
-    "Paris"`` with invented properties until ``max_tokens`` (8041 tokens of invalid JSON).
-    A schema's listed properties are what the tool takes: vLLM's default grammar backend
-    (xgrammar's strict mode) and OpenAI's strict function calling read a schema so too. An
-    object without ``properties`` (``{"type": "object"}``, a free-form dict) stays open, as
-    does one that says ``"additionalProperties": true``. ``allOf``'s branches are combined
-    with one another, so their own top level is left as written (``closable=False``).
-    """
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SCHEMA_KEYWORDS:
-        if isinstance(out.get(key), (dict, list)):
-            value = out[key]
-            out[key] = (
-                [closed_objects(s) for s in value]
-                if isinstance(value, list)
-                else (closed_objects(value))
-            )
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(s) for s in out[key]]
-    if isinstance(out.get("allOf"), list):
-        out["allOf"] = [closed_objects(s, closable=False) for s in out["allOf"]]
-    for key in _SCHEMA_MAPPINGS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
-    if isinstance(out.get("additionalProperties"), dict):
-        out["additionalProperties"] = closed_objects(out["additionalProperties"])
-    says_others = {
-        "additionalProperties",
-        "patternProperties",
-        "unevaluatedProperties",
-    } & out.keys()
-    if closable and isinstance(out.get("properties"), dict) and not says_others:
-        out["additionalProperties"] = False
-    return out
+    """The JSON Schema of a tool's arguments (its objects closed when compiled, see
+    :func:`~pyxllm.engine.structured_output.json_schema.closed_objects`)."""
+    return tool.function.parameters or NO_PARAMETERS
 
 
 def plan_tools(

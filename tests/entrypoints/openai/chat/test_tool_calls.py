@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
+from pyxllm.engine.structured_output.json_schema import closed_objects
 from pyxllm.entrypoints.openai.chat.tool_parsers import (
     ToolCallStream,
     get_tool_parser,
@@ -34,7 +35,7 @@ from pyxllm.entrypoints.openai.chat.tool_parsers.qwen3_coder import (
     Qwen3CoderToolParser,
     typed_value,
 )
-from pyxllm.entrypoints.openai.chat.tools import closed_objects, plan_tools
+from pyxllm.entrypoints.openai.chat.tools import plan_tools
 from pyxllm.entrypoints.openai.errors import OpenAIError
 from pyxllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionToolParam
 from tests.utils import RemoteServer, run_together, tool_calling_server_args
@@ -466,9 +467,10 @@ def test_tool_choice_rules_without_a_server():
             plan(**body)
 
 
-def test_a_forced_calls_objects_take_only_the_properties_they_list():
-    """JSON Schema lets an object hold unlisted properties; a forced call's grammar does not
-    (SmolLM2 wrote invented ones until max_tokens), unless the schema asks for them."""
+def test_a_schemas_objects_take_only_the_properties_they_list():
+    """JSON Schema lets an object hold unlisted properties; the grammar of a forced call or a
+    response_format does not (SmolLM2 wrote invented ones until max_tokens), unless the
+    schema asks for them."""
     city = {"type": "string"}
     listed = {"type": "object", "properties": {"city": city}, "required": ["city"]}
     closed = {**listed, "additionalProperties": False}
@@ -506,15 +508,6 @@ def test_a_forced_calls_objects_take_only_the_properties_they_list():
         "allOf": [{"properties": {"a": closed}}]
     }
     assert props["fixed"] == {"const": listed}  # a value, not a schema
-    request = ChatCompletionRequest(
-        messages=ASK,
-        tools=[{"type": "function", "function": {"name": "f", "parameters": listed}}],
-        tool_choice={"type": "function", "function": {"name": "f"}},
-    )
-    assert plan_tools(request, auto_parser=None).constraint.json == closed
-    request.tool_choice = "required"
-    call = plan_tools(request, auto_parser=None).constraint.json["items"]["anyOf"][0]
-    assert call["properties"]["arguments"] == closed
 
 
 # --- over HTTP, on the default model ---------------------------------------------------------
@@ -634,6 +627,26 @@ def test_a_named_call_ends_its_arguments_when_the_schema_lists_its_properties(cl
     assert choice.finish_reason == "tool_calls"
     arguments = json.loads(choice.message.tool_calls[0].function.arguments)
     assert list(arguments) == ["city"] and isinstance(arguments["city"], str)
+
+
+def test_a_response_format_schema_ends_its_objects(client):
+    """``strict`` or not, a json_schema whose object lists ``name`` and ``age`` went on with
+    invented properties (``"gender"``, ``"occupation"``, ...) until max_tokens."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        temperature=0,
+        max_tokens=64,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop"
+    assert list(json.loads(choice.message.content)) == ["name", "age"]
 
 
 def test_a_parameterless_tool_gets_empty_arguments(client):
