@@ -79,7 +79,8 @@ def check_tp_fits(model_config, platform, tp_size: int, model_impl: str = "auto"
     so a model that does not split fails before any rank starts.
 
     Raises:
-        ValueError: e.g. "tensor-parallel size 2 does not fit 9 attention heads and 3 KV heads ...".
+        ValueError: e.g. "--tensor-parallel-size 2: does not fit 9 attention heads and 3 KV
+            heads ...".
     """
     model_cls = resolve_model_class(model_config, platform.name, model_impl)
     with tp_state(0, tp_size), torch.device("meta"):

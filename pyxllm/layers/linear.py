@@ -165,11 +165,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv_fits = total_num_kv_heads % tp_size == 0 or tp_size % total_num_kv_heads == 0
         if total_num_heads % tp_size or not kv_fits:
             raise ValueError(
-                f"tensor-parallel size {tp_size} does not fit {total_num_heads} attention heads "
-                "and "
-                f"{total_num_kv_heads} KV heads: it must divide the attention heads, and divide "
-                "or be a "
-                "multiple of the KV heads"
+                f"--tensor-parallel-size {tp_size}: does not fit {total_num_heads} attention "
+                f"heads and {total_num_kv_heads} KV heads: it must divide the attention heads, "
+                "and divide or be a multiple of the KV heads"
             )
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
         self.num_heads = total_num_heads // tp_size

@@ -222,7 +222,7 @@ def test_smollm2_tp2_is_refused_naming_the_head_counts():
     with pytest.raises(ValueError) as e:
         LLM(tensor_parallel_size=2, **ENGINE)
     message = str(e.value)
-    assert "tensor-parallel size 2" in message
+    assert "--tensor-parallel-size 2: does not fit" in message
     assert "9 attention heads" in message and "3 KV heads" in message
     assert not multiprocessing.active_children()  # refused before any worker started
 
@@ -257,7 +257,10 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
         )
     with (
         tp_state(0, 3),
-        pytest.raises(ValueError, match="size 3 does not fit 4 attention heads and 2 KV heads"),
+        pytest.raises(
+            ValueError,
+            match="--tensor-parallel-size 3: does not fit 4 attention heads and 2 KV heads",
+        ),
     ):
         QKVParallelLinear(hidden, head_dim, 4, 2)
 

@@ -159,6 +159,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         loc = [x for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", err.get("msg", "invalid JSON"))
+            if loc and isinstance(loc[0], int):  # FastAPI's location: the error's offset
+                detail = f"{detail} (character {loc[0]})"
             parts.append(f"the request body is not valid JSON: {detail}")
         elif not loc:
             parts.append(f"the request body must be a JSON object: {err.get('msg', 'invalid')}")

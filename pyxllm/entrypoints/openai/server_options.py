@@ -228,7 +228,8 @@ class ServerOptions:
         to_field=lambda args: args.api_keys,  # resolved with $PYXLLM_API_KEY by the command
         group=SECURITY_FLAGS,
         help="require `Authorization: Bearer KEY` on every route but /health, /version, the "
-        "API docs and /metrics; repeat it or separate keys by commas for several; the "
+        "API docs, the chat page's files (/ and /static/*) and /metrics; repeat it or "
+        "separate keys by commas for several; the "
         f"variable ${API_KEY_ENV} keeps keys out of ps (see docs/serving.md, Exposing the server) "
         f"(default: ${API_KEY_ENV}, comma-separated, else no key)",
     )

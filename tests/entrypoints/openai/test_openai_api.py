@@ -519,3 +519,18 @@ def test_a_route_a_flag_adds_names_the_flag_in_its_404():
             "--allow-runtime-lora-updating answers it)"
         )
     assert client.get("/v1/nothing").json()["error"]["message"] == "no route for GET /v1/nothing"
+
+
+def test_a_body_that_is_not_json_says_where_it_breaks():
+    client = stub_app_client()
+    for body, message in [
+        (b'{"model": "m", "prompt": "abc', "Unterminated string starting at (character 25)"),
+        (b'{"model": }', "Expecting value (character 10)"),
+    ]:
+        response = client.post(
+            "/v1/completions", content=body, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == (
+            f"the request body is not valid JSON: {message}"
+        )
