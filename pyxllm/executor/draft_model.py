@@ -45,7 +45,13 @@ class DraftModel:
 
     def __init__(self, path: str, target_config, executor) -> None:
         config = executor.config
-        source = resolve_model_source(path, download_dir=config.download_dir)
+        try:
+            source = resolve_model_source(path, download_dir=config.download_dir)
+        except (ValueError, FileNotFoundError) as exc:  # its text speaks of the served model
+            raise ValueError(
+                f"--speculative-config: the draft model {path!r} cannot be found: neither a path "
+                "that exists nor a Hugging Face model id in the cache or on the Hub"
+            ) from exc
         self.model_config = load_model_config(source)
         if self.model_config.vocab_size != target_config.vocab_size:
             raise ValueError(

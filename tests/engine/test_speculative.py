@@ -326,3 +326,7 @@ def test_draft_model_gives_the_targets_greedy_tokens(tmp_path, hf_gguf_tokenizer
     spec = {"method": "draft_model", "model": str(tmp_path / "small"), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="vocabulary of 1024 tokens, the target 49152"):
         LLM(model=str(target), speculative_config=spec, **engine)
+    # a draft that is not there is named as the draft (the message spoke of the served model)
+    spec = {**spec, "model": str(tmp_path / "none")}
+    with pytest.raises(ValueError, match=r"--speculative-config: the draft model '.*none' cannot"):
+        LLM(model=str(target), speculative_config=spec, **engine)
