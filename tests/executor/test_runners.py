@@ -391,9 +391,19 @@ def test_compile_runs_the_defaults_with_eager_tokens_and_logprobs():
         ]
 
     expected = outputs(LLM(**kwargs))
+    import torch._dynamo
+
+    torch._dynamo.reset()  # the graph count below is this model's alone, whatever ran before
     llm = LLM(graph_backend="compile", **kwargs)
     assert isinstance(llm.llm_engine.executor.driver.runner, CompileRunner)
     assert outputs(llm) == expected
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    # single-token steps (one prompt) share the graphs: the embedding's rows, looked up outside
+    # them, were specialized at 2 or more tokens, and the first such step compiled again (~30 s)
+    assert len(llm.generate(PROMPTS[2:3], params)[0].outputs[0].token_ids) == 24
+    assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs
 
 
 def test_a_trace_is_taken_on_one_thread_and_replays_on_the_callers():

@@ -3,9 +3,10 @@
 Attention is the opaque custom op ``pyxllm::attention`` (see ``pyxllm.layers.attention``), so
 the decoder layers compile into one graph with no graph break. The token dimension is marked
 *unbacked* dynamic on every call, so one graph serves every step, single-token ones included
-(a plain dynamic size would be specialized, and recompiled, at 1). On the CPU, inductor emits
-C++ (gcc); SmolLM2-135M compiles in about 45 s on 2 cores with a cold cache (inductor's disk
-cache, ``/tmp/torchinductor_<user>``, makes later starts quicker).
+(a plain dynamic size would be specialized, and recompiled, at 1); so are the rows of a GGUF
+embedding kept as stored, which are looked up outside the graph (``StoredEmbedding``). On the
+CPU, inductor emits C++ (gcc); SmolLM2-135M compiles in about 45 s on 2 cores with a cold
+cache (inductor's disk cache, ``/tmp/torchinductor_<user>``, makes later starts quicker).
 
 Inductor runs with ``emulate_precision_casts``: where eager rounds each op's bfloat16 (or
 float16) output, a fused kernel would otherwise keep float32 between the ops it fuses, and
@@ -36,6 +37,10 @@ class CompileRunner(Runner):
         from torch._dynamo.decorators import mark_unbacked
 
         super().__init__(model)
+        for module in model.modules():  # a GGUF embedding looked up outside the graph
+            lookup = getattr(module, "stored_lookup", None)
+            if lookup is not None:
+                lookup.mark_unbacked = mark_unbacked
         options = {"emulate_precision_casts": True} if backend == "inductor" else None
         self.compiled = torch.compile(model, backend=backend, dynamic=True, options=options)
         self.mark_unbacked = mark_unbacked

@@ -288,16 +288,24 @@ class StoredEmbedding:
     def __init__(self, packed, scales_and_zeros, read_rows, group_size: int, dtype) -> None:
         self.packed, self.scales_and_zeros = packed, scales_and_zeros
         self.read_rows, self.group_size, self.dtype = read_rows, group_size, dtype
+        # the compile runner's torch._dynamo.mark_unbacked (None on other runners), see below
+        self.mark_unbacked = None
 
     # outside torch.compile's graph: indexing the tiles by ids of the unbacked token count
     # made inductor guard on that count (GuardOnDataDependentSymNode), so the compile runner
-    # failed on every GGUF model kept as stored; eager, the lookup is a few small ops
+    # failed on every GGUF model kept as stored; eager, the lookup is a few small ops. The
+    # graph resumes after it with these rows as an input, whose token dimension the compile
+    # runner has marked unbacked too: else dynamo specialized it at 1, and the first
+    # single-token step compiled the model again (~30 s).
     @torch.compiler.disable
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         values = self.read_rows(
             self.packed, self.scales_and_zeros, ids.reshape(-1), self.group_size
         )
-        return values.to(self.dtype).view(*ids.shape, -1)
+        rows = values.to(self.dtype).view(*ids.shape, -1)
+        if self.mark_unbacked is not None:
+            self.mark_unbacked(rows, 0)
+        return rows
 
 
 # the reference's row readers, over the unpacked groups an embedding of its own keeps
