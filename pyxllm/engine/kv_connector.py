@@ -291,11 +291,11 @@ class KVTierConnector:
         if missed[0]:
             return None
         payload = self.tier.load(block_hash)
-        if payload is None and ref is not None and self.remote is not None and not missed[0]:
+        if payload is None and ref is not None and self.remote is not None:
             payload = self.remote.fetch(ref)
             if payload is not None:
                 self.tier.save(block_hash, payload)
-        missed[0] = missed[0] or payload is None
+        missed[0] = payload is None
         return payload
 
     def wait_for_loads(self, timeout: float) -> None:

@@ -82,7 +82,7 @@ class ChatSession:
         return reply
 
 
-# the key sent when neither --api-key nor PYXLLM_API_KEY gives one (the SDK needs a value)
+# the key sent when neither --api-key nor $OPENAI_API_KEY gives one (the SDK needs a value)
 NO_KEY = "EMPTY"
 
 

@@ -33,13 +33,11 @@ def closed_objects(schema: Any, closable: bool = True) -> Any:
         return schema
     out = dict(schema)
     for key in _SCHEMA_KEYWORDS:
-        if isinstance(out.get(key), (dict, list)):
-            value = out[key]
-            out[key] = (
-                [closed_objects(s) for s in value]
-                if isinstance(value, list)
-                else (closed_objects(value))
-            )
+        value = out.get(key)
+        if isinstance(value, list):  # items as a list: draft 4's tuple form
+            out[key] = [closed_objects(s) for s in value]
+        elif isinstance(value, dict):
+            out[key] = closed_objects(value)
     for key in _SCHEMA_LISTS:
         if isinstance(out.get(key), list):
             out[key] = [closed_objects(s) for s in out[key]]

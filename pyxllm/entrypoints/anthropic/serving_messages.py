@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import re
 import uuid
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -52,11 +53,14 @@ _RENAMES = (
 _CHAT_MESSAGE = re.compile(r"^messages\[(\d+)\](?:\.content\[(\d+)\])?")
 
 
-def messages_field(text: str | None, paths: list[tuple[str, list[str]]] = ()) -> str | None:
+def messages_field(
+    text: str | None, paths: Callable[[], list[tuple[str, list[str]]]] = list
+) -> str | None:
     """A chat error's message or field with the Messages API's field names: a chat message's
-    index as the request's turn (and block) by ``paths``
-    (:func:`~pyxllm.entrypoints.anthropic.messages_input.message_paths`), ``messages`` alone
-    where they do not say."""
+    index as the request's turn (and block) by ``paths()``
+    (:func:`~pyxllm.entrypoints.anthropic.messages_input.message_paths` of the request, called
+    only for such an error: it converts the request again), ``messages`` alone where they do
+    not say."""
     if text is None:
         return None
     for pattern, name in _RENAMES:
@@ -64,7 +68,8 @@ def messages_field(text: str | None, paths: list[tuple[str, list[str]]] = ()) ->
     match = _CHAT_MESSAGE.match(text)
     if match is not None:
         index, part = int(match[1]), match[2]
-        turn, parts = paths[index] if index < len(paths) else ("messages", [])
+        where_from = paths()
+        turn, parts = where_from[index] if index < len(where_from) else ("messages", [])
         if part is not None and int(part) < len(parts):
             where = parts[int(part)]
         else:
@@ -99,7 +104,7 @@ class AnthropicServingMessages:
         check_supported(request)
         message_id = f"msg_{uuid.uuid4().hex}"
         served_as = chat_request(request)
-        rename = functools.partial(messages_field, paths=message_paths(request))
+        rename = functools.partial(messages_field, paths=lambda: message_paths(request))
         with renamed_fields(rename):
             prepared = await chat.prepare_chat(served_as, message_id)
         engine_request = prepared.engine_request
@@ -148,7 +153,8 @@ class AnthropicServingMessages:
         chat.check_model(request.model)
         check_supported(request)
         served_as = chat_request(request)
-        with renamed_fields(functools.partial(messages_field, paths=message_paths(request))):
+        rename = functools.partial(messages_field, paths=lambda: message_paths(request))
+        with renamed_fields(rename):
             tools = plan_tools(served_as, chat.tool_parser)
             tokens = await chat.tokenize(chat.chat_prompt(served_as, tools.mode != "none"))
         return JSONResponse(TokensCount(input_tokens=len(tokens.token_ids)).model_dump())
